@@ -1,0 +1,119 @@
+"""``sglang-memx`` command line.
+
+    sglang-memx models prepare [--force]     convert the embedded SmolLM2 once, print its path
+    sglang-memx models path                  print where the embedded model lives
+    sglang-memx models tiny --out DIR ...    write a deterministic tiny random model
+    sglang-memx status [--url URL]           print a running server's /memx/status
+    sglang-memx version                      plugin and upstream versions
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+
+
+def _cmd_models_prepare(args) -> int:
+    from sglang_memx.models.embedded import EmbeddedModelError, prepare_embedded_model
+
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k))
+    try:
+        path = prepare_embedded_model(args.cache_root, force=args.force, log=log)
+    except EmbeddedModelError as exc:
+        print(f"sglang-memx models prepare: error: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+def _cmd_models_path(args) -> int:
+    from sglang_memx.models.embedded import embedded_model_dir
+
+    print(embedded_model_dir(args.cache_root))
+    return 0
+
+
+def _cmd_models_tiny(args) -> int:
+    from sglang_memx.models.tiny import TinyModelSpec, generate_tiny_model
+
+    spec = TinyModelSpec(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
+                         num_heads=args.heads, num_kv_heads=args.kv_heads,
+                         head_dim=args.head_dim, intermediate_size=args.intermediate,
+                         vocab_size=args.vocab, seed=args.seed)
+    try:
+        spec.validate()
+    except ValueError as exc:
+        print(f"sglang-memx models tiny: error: {exc}", file=sys.stderr)
+        return 2
+    print(generate_tiny_model(spec, args.out))
+    return 0
+
+
+def _cmd_status(args) -> int:
+    url = args.url.rstrip("/") + args.path
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as resp:
+            doc = json.load(resp)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"sglang-memx status: error: cannot read {url}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
+def _cmd_version(args) -> int:
+    from sglang_memx import __version__
+    from sglang_memx.runtime import upstream_version
+
+    print(f"sglang-memx {__version__} (upstream sglang {upstream_version()})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sglang-memx", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="embedded and tiny models")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    prep = msub.add_parser("prepare", help="convert the embedded SmolLM2 to bf16 safetensors (idempotent)")
+    prep.add_argument("--force", action="store_true", help="rebuild even if a valid copy exists")
+    prep.add_argument("--cache-root", default=None, help="models folder (default: $SGLANG_MEMX_HOME/models)")
+    prep.set_defaults(func=_cmd_models_prepare)
+    path = msub.add_parser("path", help="print the embedded model directory")
+    path.add_argument("--cache-root", default=None)
+    path.set_defaults(func=_cmd_models_path)
+    tiny = msub.add_parser("tiny", help="write a deterministic tiny random model")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--hidden", type=int, default=64)
+    tiny.add_argument("--heads", type=int, default=4)
+    tiny.add_argument("--kv-heads", type=int, default=2)
+    tiny.add_argument("--head-dim", type=int, default=16)
+    tiny.add_argument("--intermediate", type=int, default=128)
+    tiny.add_argument("--vocab", type=int, default=512)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_models_tiny)
+
+    status = sub.add_parser("status", help="print a running server's memx status")
+    status.add_argument("--url", default="http://127.0.0.1:30000")
+    status.add_argument("--path", default="/memx/status")
+    status.add_argument("--timeout", type=float, default=10.0)
+    status.set_defaults(func=_cmd_status)
+
+    ver = sub.add_parser("version", help="print versions")
+    ver.set_defaults(func=_cmd_version)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Models: the embedded SmolLM2 and deterministic tiny random models."""

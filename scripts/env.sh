@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Build (once) the Python environment that serve.sh and test.sh use, and print
+# its python on stdout (progress goes to stderr):  MEMX_PY=$(scripts/env.sh)
+#
+# The environment holds upstream SGLang (exact pins from requirements/lock.txt),
+# the portable sgl_kernel (sgl-kernel/) and this checkout (editable).
+#
+# The environment lives outside the repo, in
+#   ${SGLANG_MEMX_HOME:-~/.cache/sglang-memx}/envs/<hash of lock + python>/
+# so a second checkout or a CI clone on the same machine reuses it. A
+# half-built environment (no .complete marker) is rebuilt from scratch.
+set -euo pipefail
+
+MEMX_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MEMX_HOME="${SGLANG_MEMX_HOME:-$HOME/.cache/sglang-memx}"
+MEMX_UV_VERSION="0.13.8"
+MEMX_BASE_PY="${MEMX_BASE_PYTHON:-python3}"
+
+_memx_log() { printf '[memx-env] %s\n' "$*" >&2; }
+
+_memx_uv() {
+  if ! "$MEMX_BASE_PY" -m uv --version 2>/dev/null | grep -q "$MEMX_UV_VERSION"; then
+    _memx_log "installing uv $MEMX_UV_VERSION for $MEMX_BASE_PY"
+    "$MEMX_BASE_PY" -m pip install -q --disable-pip-version-check "uv==$MEMX_UV_VERSION" >&2
+  fi
+  "$MEMX_BASE_PY" -m uv "$@"
+}
+
+_memx_env_key() {
+  local pyver
+  pyver=$("$MEMX_BASE_PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  { cat "$MEMX_REPO/requirements/lock.txt" "$MEMX_REPO/requirements/nodeps.txt"; echo "py$pyver"; } \
+    | sha256sum | cut -c1-16
+}
+
+MEMX_ENV="$MEMX_HOME/envs/$(_memx_env_key)"
+MEMX_PY="$MEMX_ENV/bin/python"
+
+if [ ! -f "$MEMX_ENV/.complete" ]; then
+  start=$(date +%s)
+  _memx_log "building environment $MEMX_ENV (first run on this machine: several minutes)"
+  rm -rf "$MEMX_ENV"
+  mkdir -p "$MEMX_HOME/envs"
+  _memx_uv venv -q -p "$MEMX_BASE_PY" "$MEMX_ENV"
+  # Exact pins, no resolution: what the lock says is what gets installed.
+  _memx_uv pip install -q -p "$MEMX_PY" --no-deps -r "$MEMX_REPO/requirements/lock.txt"
+  # Packages whose own dependencies we do not want (see requirements/nodeps.txt).
+  _memx_uv pip install -q -p "$MEMX_PY" --no-deps -r "$MEMX_REPO/requirements/nodeps.txt"
+  echo "built $(date -u +%FT%TZ) in $(( $(date +%s) - start ))s" > "$MEMX_ENV/.complete"
+  _memx_log "environment ready in $(( $(date +%s) - start ))s"
+fi
+
+# This checkout's packages: cheap, so redone every time (the path may differ
+# between checkouts that share the environment).
+_memx_uv pip install -q -p "$MEMX_PY" --no-deps --no-build-isolation \
+  -e "$MEMX_REPO/sgl-kernel" -e "$MEMX_REPO" >&2
+
+echo "$MEMX_PY"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Run the whole test suite (unit, upstream_compat, integration on CPU; gpu
+# tests are skipped with a reason on hosts without CUDA).
+#
+#   scripts/test.sh [pytest args]     e.g. scripts/test.sh test/unit -x
+#
+# First run: builds the environment (scripts/env.sh) and converts the embedded
+# model once. Server logs of integration tests land in test-logs/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=$(scripts/env.sh)
+"$PY" -m sglang_memx.cli models prepare >/dev/null
+export SGLANG_USE_CPU_ENGINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+if [ "$#" -eq 0 ]; then
+  set -- test/unit test/upstream_compat test/gpu test/integration
+fi
+exec "$PY" -m pytest -p no:cacheprovider --durations=15 "$@"

@@ -1,0 +1,136 @@
+"""Start and stop real SGLang servers on CPU for integration tests.
+
+``SGLangServer`` runs ``python -m sglang.launch_server`` in its own process
+group with the CPU flags, logs to a file under test-logs/, waits for
+/health, and on stop kills the whole group (scheduler and detokenizer too).
+``stock=True`` filters the memx plugin out with SGLANG_PLUGINS, leaving every
+other installed plugin loaded, which is exactly stock SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from importlib.metadata import entry_points
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LOG_DIR = REPO / "test-logs"
+
+CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native",
+            "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plugins_without_memx() -> str:
+    names = sorted(ep.name for ep in entry_points(group="sglang.srt.plugins") if ep.name != "memx")
+    # An empty SGLANG_PLUGINS means "no filter", so name a plugin that does not exist.
+    return ",".join(names) or "no-such-plugin"
+
+
+class SGLangServer:
+    def __init__(self, model_path, *, name: str, stock: bool = False,
+                 max_total_tokens: int = 4096, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None):
+        self.model_path = str(model_path)
+        self.name = name
+        self.stock = stock
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+                     "--host", "127.0.0.1", "--port", str(self.port), *CPU_ARGS,
+                     "--max-total-tokens", str(max_total_tokens), "--random-seed", "0",
+                     *(extra_args or [])]
+        self.env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", PYTHONUNBUFFERED="1")
+        if stock:
+            self.env["SGLANG_PLUGINS"] = plugins_without_memx()
+        self.env.update(env or {})
+        LOG_DIR.mkdir(exist_ok=True)
+        self.log_path = LOG_DIR / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    # ----------------------------------------------------------------- process
+    def start(self) -> "SGLangServer":
+        self._log = open(self.log_path, "w")
+        self._t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = 420.0) -> "SGLangServer":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.name} exited with {self.proc.returncode}; "
+                                   f"log tail:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.startup_s = time.monotonic() - self._t0
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"server {self.name} not healthy after {timeout}s; log tail:\n"
+                           f"{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # scheduler / detokenizer leftovers
+        except ProcessLookupError:
+            pass
+        self._log.close()
+        self.proc = None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "<no log>"
+
+    # ---------------------------------------------------------------- requests
+    def request(self, path: str, payload: dict | None = None, timeout: float = 300.0):
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(self.url + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.load(r)
+
+    def generate(self, text, **sampling) -> dict:
+        return self.request("/generate", {"text": text, "sampling_params": sampling})
+
+
+def start_all(servers: list[SGLangServer], timeout: float = 420.0) -> list[SGLangServer]:
+    """Start servers concurrently and wait for all; stop all if one fails."""
+    for s in servers:
+        s.start()
+    try:
+        for s in servers:
+            s.wait_ready(timeout)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
