@@ -1,8 +1,12 @@
 """`python -m sglang.launch_server` with --memx-* flags, as a user types them.
 
-These start the real upstream launcher (argument parsing happens before any
-model is loaded, so no server comes up)."""
+Argument parsing happens before any model is loaded, so no server comes up.
+Importing upstream costs ~25 s of CPU, so the launcher runs are started
+concurrently once per module, and the per-case checks run in one process
+through the same calls launch_server makes (load_plugins, prepare_server_args).
+"""
 
+import json
 import os
 import subprocess
 import sys
@@ -11,58 +15,99 @@ import pytest
 
 from support.server import plugins_without_memx
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
-
-def _launch(*args, env=None):
-    full_env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "sglang.launch_server", *args],
-                          capture_output=True, text=True, timeout=240, env=full_env)
-
-
-def test_help_shows_the_memx_group():
-    out = _launch("--help")
-    assert out.returncode == 0
-    assert "sglang-memx (integrated memory subsystem)" in out.stdout
-    assert "--memx-status-path" in out.stdout and "--memx-disable" in out.stdout
-
-
-@pytest.mark.parametrize("argv, flag, fragment", [
+BAD_CASES = [
     (["--memx-status-path", "relative"], "--memx-status-path", "absolute URL path"),
     (["--memx-status-path", "/generate"], "--memx-status-path", "upstream SGLang route"),
-    (["--memx-disable", "--memx-status-path", "/x"], "--memx-disable", "contradicts --memx-status-path"),
-])
-def test_bad_memx_value_exits_2_naming_the_flag(argv, flag, fragment):
-    out = _launch("--model-path", "unused", *argv)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert f"error: argument {flag}: " in out.stderr and fragment in out.stderr
+    (["--memx-disable", "--memx-status-path", "/x"], "--memx-disable",
+     "contradicts --memx-status-path"),
+    (["--memx-no-such-flag", "1"], None, "unrecognized arguments: --memx-no-such-flag"),
+]
+
+PARSE_SCRIPT = r"""
+import contextlib, io, json, pickle, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+from sglang_memx.runtime import config_of
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            sa = prepare_server_args(["--model-path", "unused", *argv])
+        clone = pickle.loads(pickle.dumps(sa))
+        results.append({"code": 0, "config": config_of(clone).to_dict(), "stderr": err.getvalue()})
+    except SystemExit as exc:
+        results.append({"code": exc.code, "stderr": err.getvalue()})
+print("RESULTS" + json.dumps(results))
+"""
 
 
-def test_unknown_memx_flag_is_rejected():
-    out = _launch("--model-path", "unused", "--memx-no-such-flag", "1")
-    assert out.returncode == 2
-    assert "unrecognized arguments: --memx-no-such-flag" in out.stderr
+def _env(**extra):
+    return dict(os.environ, SGLANG_USE_CPU_ENGINE="1", **extra)
 
 
-def test_filtering_the_plugin_out_removes_the_flags():
-    out = _launch("--help", env={"SGLANG_PLUGINS": plugins_without_memx()})
-    assert out.returncode == 0
-    assert "--memx-" not in out.stdout and "--model-path" in out.stdout
+@pytest.fixture(scope="module")
+def runs():
+    cases = [argv for argv, _, _ in BAD_CASES] + [["--memx-status-path", "/ops/memx"], []]
+    procs = {
+        "help": subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--help"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=_env()),
+        "help_stock": subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--help"],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       env=_env(SGLANG_PLUGINS=plugins_without_memx())),
+        "bad": subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path",
+                                 "unused", "--memx-status-path", "relative"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_env()),
+        "parse": subprocess.Popen([sys.executable, "-c", PARSE_SCRIPT, json.dumps(cases)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=_env()),
+    }
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=360)
+        out[name] = (p.returncode, stdout, stderr)
+    rc, stdout, stderr = out["parse"]
+    assert rc == 0, stderr[-3000:]
+    out["cases"] = json.loads(stdout.split("RESULTS", 1)[1])
+    return out
 
 
-def test_config_reaches_server_args_and_survives_pickling():
-    script = (
-        "import pickle\n"
-        "from sglang.srt.plugins import load_plugins\n"
-        "load_plugins()\n"
-        "from sglang.srt.server_args import prepare_server_args\n"
-        "from sglang_memx.runtime import config_of\n"
-        "sa = prepare_server_args(['--model-path', 'unused', '--memx-status-path', '/ops/memx'])\n"
-        "clone = pickle.loads(pickle.dumps(sa))\n"
-        "print(config_of(clone).status_path, config_of(clone).disabled)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=240, env=dict(os.environ, SGLANG_USE_CPU_ENGINE="1"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "/ops/memx False"
-    assert "sglang-memx 0.1.0 active on sglang 0.5.23" in out.stderr
+def test_help_shows_the_memx_group(runs):
+    rc, stdout, _ = runs["help"]
+    assert rc == 0
+    assert "sglang-memx (integrated memory subsystem)" in stdout
+    assert "--memx-status-path" in stdout and "--memx-disable" in stdout
+
+
+def test_launcher_exits_2_naming_the_flag(runs):
+    rc, _, stderr = runs["bad"]
+    assert rc == 2, stderr[-2000:]
+    assert "error: argument --memx-status-path: must be an absolute URL path" in stderr
+
+
+@pytest.mark.parametrize("index", range(len(BAD_CASES)))
+def test_bad_memx_values_exit_2_naming_the_flag(runs, index):
+    _, flag, fragment = BAD_CASES[index]
+    result = runs["cases"][index]
+    assert result["code"] == 2, result["stderr"][-2000:]
+    assert fragment in result["stderr"]
+    if flag:
+        assert f"error: argument {flag}: " in result["stderr"]
+
+
+def test_config_reaches_server_args_and_survives_pickling(runs):
+    good, default = runs["cases"][len(BAD_CASES):]
+    assert good["code"] == 0 and good["config"] == {"disabled": False, "status_path": "/ops/memx"}
+    assert default["config"] == {"disabled": False, "status_path": "/memx/status"}
+    assert "sglang-memx 0.1.0 active on sglang 0.5.23" in good["stderr"]
+
+
+def test_filtering_the_plugin_out_removes_the_flags(runs):
+    rc, stdout, _ = runs["help_stock"]
+    assert rc == 0
+    assert "--memx-" not in stdout and "--model-path" in stdout
