@@ -72,8 +72,6 @@ def scheduler_status(scheduler, config: MemxConfig) -> dict[str, Any]:
     return {
         "pid": os.getpid(),
         "time": time.time(),
-        "dp_rank": getattr(scheduler, "dp_rank", None),
-        "tp_rank": getattr(scheduler, "tp_rank", None),
         "features": config.features,
         "kv_pool": kv_pool_status(scheduler),
         "requests": request_status(scheduler),
@@ -82,13 +80,13 @@ def scheduler_status(scheduler, config: MemxConfig) -> dict[str, Any]:
 
 def status_document(config: MemxConfig, rank_states: list[dict[str, Any]]) -> dict[str, Any]:
     """Combine per-rank scheduler answers; ranks without a memx section are reported as such."""
-    ranks = [state.get("memx") for state in rank_states]
+    ranks = [state.get("memx") for state in rank_states]  # upstream answers in DP-rank order
     missing = [i for i, r in enumerate(ranks) if r is None]
     return {
         "memx_version": __version__,
         "sglang_version": upstream_version(),
         "enabled": not config.disabled,
         "features": config.features,
-        "schedulers": [r for r in ranks if r is not None],
+        "schedulers": [dict(r, dp_rank=i) for i, r in enumerate(ranks) if r is not None],
         "ranks_without_memx": missing,
     }

@@ -166,6 +166,7 @@ def test_memx_status_reports_live_pool(servers):
     assert doc["memx_version"] == "0.1.0" and doc["sglang_version"] == "0.5.23"
     assert doc["enabled"] is True and doc["features"]["status_endpoint"] is True
     [rank] = doc["schedulers"]
+    assert rank["dp_rank"] == 0
     pool = rank["kv_pool"]
     assert pool["capacity_tokens"] == MAX_TOTAL_TOKENS
     assert pool["page_size"] == 1 and pool["dtype"] == "bfloat16" and pool["device"] == "cpu"

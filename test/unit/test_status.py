@@ -53,7 +53,7 @@ def test_scheduler_status_counts_requests_and_features():
 def test_status_document_merges_ranks_and_flags_missing_ones():
     rank = scheduler_status(fake_scheduler(), MemxConfig())
     doc = status_document(MemxConfig(), [{"memx": rank}, {"other": 1}])
-    assert doc["schedulers"] == [rank] and doc["ranks_without_memx"] == [1]
+    assert doc["schedulers"] == [dict(rank, dp_rank=0)] and doc["ranks_without_memx"] == [1]
     assert doc["enabled"] is True
 
 
