@@ -58,7 +58,8 @@ class ScalarType:
     # -------------------------------------------------------------- properties
     @property
     def size_bits(self) -> int:
-        return self.exponent + self.mantissa + int(self.signed)
+        bits = self.exponent + self.mantissa
+        return bits + 1 if self.signed else bits
 
     @property
     def id(self) -> int:
@@ -138,6 +139,11 @@ class ScalarType:
         return f"ScalarType.{self}"
 
 
+def _fp(exponent: int, mantissa: int, *, finite: bool = False,
+        nan: NanRepr = NanRepr.IEEE_754) -> ScalarType:
+    return ScalarType(exponent, mantissa, True, 0, finite, nan)
+
+
 class scalar_types:
     """The named formats upstream refers to."""
 
@@ -145,13 +151,13 @@ class scalar_types:
     uint4 = ScalarType.uint(4)
     int8 = ScalarType.int_(8)
     uint8 = ScalarType.uint(8)
-    float8_e4m3fn = ScalarType.float_(4, 3, True, NanRepr.EXTD_RANGE_MAX_MIN)
-    float8_e5m2 = ScalarType.float_IEEE754(5, 2)
-    float16_e8m7 = ScalarType.float_IEEE754(8, 7)
-    float16_e5m10 = ScalarType.float_IEEE754(5, 10)
-    float6_e3m2f = ScalarType.float_(3, 2, True, NanRepr.NONE)
-    float6_e2m3f = ScalarType.float_(2, 3, True, NanRepr.NONE)
-    float4_e2m1f = ScalarType.float_(2, 1, True, NanRepr.NONE)
+    float8_e4m3fn = _fp(4, 3, finite=True, nan=NanRepr.EXTD_RANGE_MAX_MIN)
+    float8_e5m2 = _fp(5, 2)
+    float16_e8m7 = _fp(8, 7)
+    float16_e5m10 = _fp(5, 10)
+    float6_e3m2f = _fp(3, 2, finite=True, nan=NanRepr.NONE)
+    float6_e2m3f = _fp(2, 3, finite=True, nan=NanRepr.NONE)
+    float4_e2m1f = _fp(2, 1, finite=True, nan=NanRepr.NONE)
     # GPTQ-style formats: unsigned storage with a symmetric bias.
     uint2b2 = ScalarType.uint(2, 2)
     uint3b4 = ScalarType.uint(3, 4)
