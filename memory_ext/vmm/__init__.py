@@ -1,0 +1,29 @@
+"""Virtual-memory layer: reserve address ranges, back their slots with physical
+chunks, alias chunks, view mapped bytes as tensors, pass chunks between processes.
+
+    from memory_ext.vmm import host_backend
+    vmm = host_backend(granularity=1 << 21)
+    r = vmm.reserve(1 << 30)
+    c = vmm.create_chunk()
+    vmm.map(r, 0, c)
+    t = vmm.tensor_view(r, 0, (1024,), torch.float16)
+
+See ``base`` for the model and invariants, ``host`` for the host backend,
+``ipc`` for sending chunks over Unix sockets, and docs/memory-pool.md.
+"""
+
+from .base import COUNTER_NAMES, PhysicalChunk, VirtualRange, VmmBackend
+from .host import DEFAULT_GRANULARITY, HostVmmBackend
+from .ipc import ReceivedChunk, connect_unix, listen_unix, recv_chunks, send_chunks
+
+
+def host_backend(granularity: int = DEFAULT_GRANULARITY, **kwargs) -> HostVmmBackend:
+    """A new host-memory backend (memfd chunks mapped over a PROT_NONE reservation)."""
+    return HostVmmBackend(granularity, **kwargs)
+
+
+__all__ = [
+    "COUNTER_NAMES", "DEFAULT_GRANULARITY", "HostVmmBackend", "PhysicalChunk", "ReceivedChunk",
+    "VirtualRange", "VmmBackend", "connect_unix", "host_backend", "listen_unix", "recv_chunks",
+    "send_chunks",
+]
