@@ -1,0 +1,20 @@
+"""Unified physical-memory pool: one ledger of chunks with one owner each, and
+elastic tensors whose backing grows and shrinks chunk by chunk.
+
+    from memory_ext.vmm import host_backend
+    from memory_ext.pool import ChunkPool, KVETensor, Owner
+    pool = ChunkPool(host_backend(1 << 21), capacity_chunks=64)
+    kv = KVETensor(pool, page_bytes=1 << 16, num_pages=4096)
+    kv.ensure_mapped([0, 1, 2])
+
+Mechanisms only: which pages, which owner, how many chunks are a policy's
+choice. See ``ownership``, ``kv_etensor``, ``activation_etensor`` and docs/memory-pool.md.
+"""
+
+from .activation_etensor import ActivationBlock, ActivationETensor
+from .kv_etensor import KVETensor
+from .ownership import (CeilingExceeded, ChunkPool, FloorViolation, Owner, OwnershipError, PoolError,
+                        PoolExhausted)
+
+__all__ = ["ActivationBlock", "ActivationETensor", "CeilingExceeded", "ChunkPool", "FloorViolation", "KVETensor", "Owner", "OwnershipError",
+           "PoolError", "PoolExhausted"]
