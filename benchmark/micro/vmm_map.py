@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,22 +26,25 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmark" / "results" / "micro"
 
 
-def _pct(samples, q):
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def _summary(samples_s):
-    us = [x * 1e6 for x in samples_s]
-    return {"p50_us": _pct(us, 0.50), "p99_us": _pct(us, 0.99), "mean_us": statistics.fmean(us)}
+sys.path.insert(0, str(REPO / "benchmark"))
+from _stats import summary_us as _summary  # noqa: E402
 
 
 def run(backend_name: str, iters: int, granularity: int) -> dict:
-    from memory_ext.vmm import host_backend
+    from memory_ext.vmm import cuda_available, cuda_backend, host_backend
 
-    if backend_name != "host":
-        raise SystemExit(f"--backend: {backend_name!r} is not available yet (only 'host')")
-    vmm = host_backend(granularity)
+    if backend_name == "host":
+        vmm, device = host_backend(granularity), "cpu"
+    elif backend_name == "cuda":
+        if not cuda_available():
+            raise SystemExit("--backend: 'cuda' needs a CUDA GPU and driver (none here)")
+        vmm, device = cuda_backend(0, granularity), "cuda"
+    else:
+        raise SystemExit(f"--backend: {backend_name!r} is not one of 'host', 'cuda'")
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
     slots = 64
     r = vmm.reserve(slots * granularity)
     chunks = [vmm.create_chunk() for _ in range(slots)]
@@ -72,11 +74,12 @@ def run(backend_name: str, iters: int, granularity: int) -> dict:
     empty, empty_touch = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
-        t = torch.empty(granularity, dtype=torch.uint8)
+        t = torch.empty(granularity, dtype=torch.uint8, device=device)
         empty.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        t = torch.empty(granularity, dtype=torch.uint8)
+        t = torch.empty(granularity, dtype=torch.uint8, device=device)
         t.fill_(1)
+        sync()
         empty_touch.append(time.perf_counter() - t0)
         del t
     for c in chunks:
@@ -85,7 +88,7 @@ def run(backend_name: str, iters: int, granularity: int) -> dict:
     vmm.close()
     mu = _summary(map_unmap)
     return {
-        "backend": backend_name, "granularity_bytes": granularity, "iters": iters,
+        "backend": backend_name, "device": device, "granularity_bytes": granularity, "iters": iters,
         "map_unmap": mu, "chunks_mapped_per_s": 1e6 / mu["mean_us"],
         "tensor_view": _summary(view), "torch_empty": _summary(empty),
         "torch_empty_and_touch": _summary(empty_touch), "driver_calls_in_loop": calls,
@@ -102,7 +105,10 @@ def main() -> int:
     print(f"command: {command}")
     res = run(args.backend, args.iters, args.granularity_mib << 20)
     res["command"] = command
-    res["where"] = f"CPU ({platform.machine()}, {os.cpu_count()} cores), host backend, no GPU"
+    if args.backend == "cuda":
+        res["where"] = f"GPU: {torch.cuda.get_device_name(0)}, cuda backend"
+    else:
+        res["where"] = f"CPU ({platform.machine()}, {os.cpu_count()} cores), host backend"
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"vmm_map_{args.backend}"
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2))

@@ -8,13 +8,19 @@ elastic tensors whose backing grows and shrinks chunk by chunk.
     kv.ensure_mapped([0, 1, 2])
 
 Mechanisms only: which pages, which owner, how many chunks are a policy's
-choice. See ``ownership``, ``kv_etensor``, ``activation_etensor`` and docs/memory-pool.md.
+choice. See ``ownership``, ``slots``, ``kv_etensor`` (with pre-mapping and
+``unmapper`` for asynchronous unmapping), ``activation_etensor``, ``arbiter``
+(one pool shared by several processes) and docs/memory-pool.md.
 """
 
 from .activation_etensor import ActivationBlock, ActivationETensor
+from .arbiter import Arbiter
+from .arbiter_client import ArbiterClient, ArbiterDenied, ArbiterError
 from .kv_etensor import KVETensor
 from .ownership import (CeilingExceeded, ChunkPool, FloorViolation, Owner, OwnershipError, PoolError,
                         PoolExhausted)
+from .unmapper import AsyncUnmapper
 
-__all__ = ["ActivationBlock", "ActivationETensor", "CeilingExceeded", "ChunkPool", "FloorViolation", "KVETensor", "Owner", "OwnershipError",
-           "PoolError", "PoolExhausted"]
+__all__ = ["ActivationBlock", "ActivationETensor", "Arbiter", "ArbiterClient", "ArbiterDenied",
+           "ArbiterError", "AsyncUnmapper", "CeilingExceeded", "ChunkPool", "FloorViolation",
+           "KVETensor", "Owner", "OwnershipError", "PoolError", "PoolExhausted"]

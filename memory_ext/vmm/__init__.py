@@ -13,6 +13,7 @@ See ``base`` for the model and invariants, ``host`` for the host backend,
 """
 
 from .base import COUNTER_NAMES, PhysicalChunk, VirtualRange, VmmBackend
+from .cuda import CudaVmmBackend, cuda_available, cuda_backend
 from .host import DEFAULT_GRANULARITY, HostVmmBackend
 from .ipc import ReceivedChunk, connect_unix, listen_unix, recv_chunks, send_chunks
 
@@ -23,7 +24,7 @@ def host_backend(granularity: int = DEFAULT_GRANULARITY, **kwargs) -> HostVmmBac
 
 
 __all__ = [
-    "COUNTER_NAMES", "DEFAULT_GRANULARITY", "HostVmmBackend", "PhysicalChunk", "ReceivedChunk",
-    "VirtualRange", "VmmBackend", "connect_unix", "host_backend", "listen_unix", "recv_chunks",
-    "send_chunks",
+    "COUNTER_NAMES", "CudaVmmBackend", "DEFAULT_GRANULARITY", "HostVmmBackend", "PhysicalChunk",
+    "ReceivedChunk", "VirtualRange", "VmmBackend", "connect_unix", "cuda_available", "cuda_backend",
+    "host_backend", "listen_unix", "recv_chunks", "send_chunks",
 ]

@@ -1,0 +1,504 @@
+"""Per-device chunk arbiter: several engine processes share one device's memory.
+
+One ``Arbiter`` per device owns the physical chunks (created lazily, at most
+``budget_chunks``) and lends them to client processes over a Unix socket
+(SOCK_SEQPACKET, mode 0600). Chunks travel as fds (SCM_RIGHTS, ``vmm.ipc``);
+the client imports them into its own backend and maps them where it likes.
+Wire format: ``arbiter_protocol``. Client: ``arbiter_client.ArbiterClient``.
+
+Ledger and invariants (``check_invariants``)
+--------------------------------------------
+Every created chunk is either FREE or held by exactly one connected client;
+``sum(held) + free == created <= budget``. A chunk is only granted from FREE
+(or freshly created), so it is never granted twice.
+
+BORROW and reclaim
+------------------
+``BORROW(n)`` is granted at once from FREE + uncreated chunks when no earlier
+borrow is waiting. Otherwise, if ``n`` exceeds what could ever be had (FREE +
+uncreated + what other clients hold above ``floor_per_client``) it is DENIED
+at once; else it waits (FIFO) and the arbiter sends ``RECLAIM(k)`` to other
+clients for the shortfall, **largest holder first** (ties: lower client id),
+asking each for at most what it holds above its floor and has not already been
+asked for. Clients answer with ordinary RETURNs. The head of the queue is
+granted as soon as enough chunks are FREE (all-or-nothing); a waiting borrow
+that is not satisfied within ``reclaim_timeout`` seconds (default 2) is DENIED.
+The requester is never asked to give chunks back for its own borrow.
+
+Client death
+------------
+When a client's socket reaches EOF or errors (including the process being
+SIGKILLed: the kernel closes its end), every chunk it held returns to FREE
+immediately and its waiting borrows are dropped. The arbiter does not scrub
+the bytes of returned chunks (the next borrower may see old contents).
+
+Robustness
+----------
+A malformed message gets an ERROR naming the field and changes nothing;
+fds sent to the arbiter are closed on arrival; one event-loop thread does all
+the work under one lock, so ``status()``/``check_invariants()`` are safe from
+other threads.
+
+Run as a process::
+
+    python -m memory_ext.pool.arbiter --socket /run/memx/gpu0.sock \\
+        --budget-chunks 4096 --granularity-mib 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import selectors
+import signal
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from ..vmm.base import PhysicalChunk, VmmBackend
+from ..vmm.ipc import MAX_FDS, listen_unix, send_chunks
+from . import arbiter_protocol as proto
+
+log = logging.getLogger(__name__)
+
+
+class ArbiterInvariantError(AssertionError):
+    pass
+
+
+@dataclass
+class _Client:
+    cid: int
+    sock: socket.socket
+    peer_pid: int
+    name: Optional[str] = None
+    pid: Optional[int] = None
+    held: Dict[int, str] = field(default_factory=dict)  # arbiter chunk id -> owner label
+    asked: int = 0  # outstanding RECLAIM chunks not yet returned
+
+
+@dataclass
+class _Pending:
+    client: _Client
+    req_id: int
+    n: int
+    owner: str
+    deadline: float
+
+
+def _close_fds(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class Arbiter:
+    """Lends a device's chunks to client processes. See the module docstring."""
+
+    def __init__(self, socket_path, backend: VmmBackend, budget_chunks: int, *,
+                 floor_per_client: int = 0, reclaim_timeout: float = 2.0, send_timeout: float = 5.0):
+        if not isinstance(backend, VmmBackend):
+            raise TypeError(f"backend must be a VmmBackend, got {type(backend).__name__}")
+        for name, v in (("budget_chunks", budget_chunks), ("floor_per_client", floor_per_client)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if reclaim_timeout <= 0 or send_timeout <= 0:
+            raise ValueError("reclaim_timeout and send_timeout must be positive")
+        self.socket_path = os.fspath(socket_path)
+        self.backend = backend
+        self.budget = budget_chunks
+        self.floor = floor_per_client
+        self.reclaim_timeout = float(reclaim_timeout)
+        self.send_timeout = float(send_timeout)
+        self._lock = threading.RLock()
+        self._chunks: Dict[int, PhysicalChunk] = {}  # every chunk created, by handle id
+        self._free: List[int] = []  # LIFO: most recently returned first
+        self._holder: Dict[int, int] = {}  # chunk id -> client id
+        self._clients: Dict[int, _Client] = {}
+        self._pending: List[_Pending] = []
+        self._next_cid = 1
+        self._listen: Optional[socket.socket] = None
+        self._sel: Optional[selectors.BaseSelector] = None
+        self._wake_r = self._wake_w = None
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self._started = False
+        self.stats = dict.fromkeys(("granted", "denied", "returned", "reclaim_sent", "errors",
+                                    "clients_dropped", "chunks_freed_on_drop"), 0)
+
+    # ------------------------------------------------------------ lifecycle
+    def _open(self) -> None:
+        if self._started:
+            raise RuntimeError("arbiter already started")
+        self._listen = listen_unix(self.socket_path)
+        self._listen.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listen, selectors.EVENT_READ, "listen")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._started = True
+
+    def start(self) -> "Arbiter":
+        """Listen and serve in a daemon thread."""
+        self._open()
+        self._thread = threading.Thread(target=self._run, name="memx-arbiter", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Listen and serve in the calling thread until ``stop()`` (from a signal handler or thread)."""
+        self._open()
+        try:
+            self._run()
+        finally:
+            self._cleanup()
+
+    def stop(self) -> None:
+        """Stop serving, disconnect clients, destroy the chunks, remove the socket file. Idempotent."""
+        self._stopping = True
+        if self._wake_w is not None:
+            try:
+                self._wake_w.send(b"x")
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+            self._cleanup()
+
+    def _cleanup(self) -> None:
+        with self._lock:
+            if not self._started:
+                return
+            for c in list(self._clients.values()):
+                self._drop(c, "arbiter stopping", serve=False)
+            for s in (self._listen, self._wake_r, self._wake_w):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+            self._sel.close()
+            try:
+                os.unlink(self.socket_path)
+            except OSError:
+                pass
+            for chunk in self._chunks.values():
+                self.backend.destroy_chunk(chunk)
+            self._chunks.clear()
+            self._free.clear()
+            self._holder.clear()
+            self._started = False
+
+    def __enter__(self) -> "Arbiter":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ----------------------------------------------------------- inspection
+    def status(self) -> dict:
+        """A snapshot: budget, created, free, pending and per-client holdings."""
+        with self._lock:
+            return self._status_locked()
+
+    def _status_locked(self) -> dict:
+        clients = []
+        for c in sorted(self._clients.values(), key=lambda c: c.cid):
+            by_owner: Dict[str, int] = {}
+            for o in c.held.values():
+                by_owner[o] = by_owner.get(o, 0) + 1
+            clients.append({"client_id": c.cid, "name": c.name, "pid": c.pid, "peer_pid": c.peer_pid,
+                            "held": len(c.held), "by_owner": by_owner, "asked": c.asked})
+        return {"budget": self.budget, "created": len(self._chunks), "free": len(self._free),
+                "floor": self.floor, "pending": len(self._pending), "clients": clients}
+
+    def check_invariants(self) -> None:
+        with self._lock:
+            free = set(self._free)
+            if len(free) != len(self._free):
+                raise ArbiterInvariantError("a chunk is listed FREE twice")
+            seen = set(free)
+            for c in self._clients.values():
+                for cid in c.held:
+                    if cid in seen:
+                        raise ArbiterInvariantError(f"chunk {cid} is held twice (or held and free)")
+                    if self._holder.get(cid) != c.cid:
+                        raise ArbiterInvariantError(f"chunk {cid}: holder map disagrees")
+                    seen.add(cid)
+            held = sum(len(c.held) for c in self._clients.values())
+            if len(self._holder) != held:
+                raise ArbiterInvariantError(f"holder map has {len(self._holder)} entries, clients hold {held}")
+            if seen != set(self._chunks):
+                raise ArbiterInvariantError(f"chunks neither free nor held: {sorted(set(self._chunks) - seen)}")
+            if held + len(self._free) != len(self._chunks) or len(self._chunks) > self.budget:
+                raise ArbiterInvariantError(
+                    f"held {held} + free {len(self._free)} != created {len(self._chunks)} (budget {self.budget})")
+            live = {c.handle_id for c in self.backend.live_chunks()}
+            if not set(self._chunks) <= live:
+                raise ArbiterInvariantError("a pooled chunk was destroyed in the backend")
+
+    # ----------------------------------------------------------- event loop
+    def _run(self) -> None:
+        while not self._stopping:
+            with self._lock:
+                timeout = None
+                if self._pending:
+                    timeout = max(0.0, min(p.deadline for p in self._pending) - time.monotonic())
+            try:
+                events = self._sel.select(timeout)
+            except OSError:  # selector closed under us during stop
+                break
+            if self._stopping:
+                break
+            with self._lock:
+                for key, _ in events:
+                    try:
+                        if key.data == "listen":
+                            self._accept()
+                        elif key.data == "wake":
+                            self._wake_r.recv(4096)
+                        elif key.data.cid in self._clients:
+                            self._on_readable(key.data)
+                    except Exception:  # never let one client take the arbiter down
+                        log.exception("arbiter: unexpected error while handling an event")
+                        self.stats["errors"] += 1
+                        if isinstance(key.data, _Client) and key.data.cid in self._clients:
+                            self._drop(key.data, "internal error")
+                self._expire_pending()
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listen.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        try:
+            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      struct.calcsize("3i")))[0]
+        except OSError:
+            pid = 0
+        sock.settimeout(self.send_timeout)
+        client = _Client(self._next_cid, sock, pid)
+        self._next_cid += 1
+        self._clients[client.cid] = client
+        self._sel.register(sock, selectors.EVENT_READ, client)
+
+    def _on_readable(self, client: _Client) -> None:
+        try:
+            data, fds, flags, _ = socket.recv_fds(client.sock, proto.MAX_MESSAGE_BYTES + 1, MAX_FDS)
+        except (BlockingIOError, InterruptedError, socket.timeout):
+            return
+        except OSError as exc:  # ECONNRESET and friends
+            self._drop(client, f"recv failed: {exc}")
+            return
+        _close_fds(fds)  # clients never send fds; close whatever arrived so nothing leaks
+        if not data and not fds:
+            self._drop(client, "EOF")
+            return
+        if fds or flags & socket.MSG_CTRUNC:
+            self._error(client, None, "fds", "the arbiter accepts no file descriptors")
+            return
+        if flags & socket.MSG_TRUNC or len(data) > proto.MAX_MESSAGE_BYTES:
+            self._error(client, None, "message", f"longer than {proto.MAX_MESSAGE_BYTES} bytes")
+            return
+        try:
+            msg = proto.decode_client(data)
+        except proto.ProtocolError as exc:
+            self._error(client, exc.req_id, exc.field, exc.detail)
+            return
+        kind = msg["type"]
+        if kind == "HELLO":
+            if client.name is not None:
+                self._error(client, msg["req_id"], "type", "HELLO already received on this connection")
+                return
+            client.name, client.pid = msg["name"], msg["pid"]
+            self._send(client, {"type": "WELCOME", "req_id": msg["req_id"], "client_id": client.cid,
+                                "granularity": self.backend.granularity, "budget": self.budget,
+                                "floor": self.floor})
+            return
+        if client.name is None:
+            self._error(client, msg["req_id"], "type", f"expected HELLO first, got {kind}")
+            return
+        if kind == "BORROW":
+            self._on_borrow(client, msg)
+        elif kind == "RETURN":
+            self._on_return(client, msg)
+        elif kind == "STATUS":
+            self._send(client, dict(self._status_locked(), type="STATUS", req_id=msg["req_id"]))
+
+    # ------------------------------------------------------------- handlers
+    def _available_now(self) -> int:
+        return len(self._free) + self.budget - len(self._chunks)
+
+    def _on_borrow(self, client: _Client, msg: dict) -> None:
+        n, req_id = msg["n"], msg["req_id"]
+        if not self._pending and n <= self._available_now():
+            self._grant(client, req_id, n, msg["owner"])
+            return
+        others = [c for c in self._clients.values() if c is not client and c.name is not None]
+        possible = self._available_now() + sum(max(0, len(c.held) - self.floor) for c in others)
+        if n > possible:
+            self._deny(client, req_id, f"{n} chunk(s) requested, at most {possible} could be reclaimed",
+                       possible)
+            return
+        self._pending.append(_Pending(client, req_id, n, msg["owner"],
+                                      time.monotonic() + self.reclaim_timeout))
+        demand = sum(p.n for p in self._pending)
+        shortfall = demand - self._available_now() - sum(c.asked for c in self._clients.values())
+        # Largest holder first; each gives at most what it holds above its floor, minus what it owes.
+        for victim in sorted(others, key=lambda c: (-len(c.held), c.cid)):
+            if shortfall <= 0:
+                break
+            k = min(shortfall, len(victim.held) - self.floor - victim.asked)
+            if k <= 0:
+                continue
+            victim.asked += k
+            shortfall -= k
+            self.stats["reclaim_sent"] += 1
+            self._send(victim, {"type": "RECLAIM", "n": k})
+        self._serve_pending()
+
+    def _on_return(self, client: _Client, msg: dict) -> None:
+        ids = msg["chunks"]
+        for i, cid in enumerate(ids):
+            if client.held.get(cid) is None:
+                self._error(client, msg["req_id"], f"chunks[{i}]",
+                            f"chunk {cid} is not held by client {client.cid}")
+                return
+        for cid in ids:
+            del client.held[cid], self._holder[cid]
+            self._free.append(cid)
+        client.asked = max(0, client.asked - len(ids))
+        self.stats["returned"] += len(ids)
+        self._send(client, {"type": "ACK", "req_id": msg["req_id"], "returned": len(ids)})
+        self._serve_pending()
+
+    def _grant(self, client: _Client, req_id: int, n: int, owner: str) -> None:
+        taken = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        created: List[PhysicalChunk] = []
+        try:
+            while len(taken) + len(created) < n:
+                created.append(self.backend.create_chunk())
+        except Exception as exc:
+            self._free.extend(reversed(taken))
+            for c in created:
+                self.backend.destroy_chunk(c)
+            self._deny(client, req_id, f"creating a chunk failed: {exc}", self._available_now())
+            return
+        for c in created:
+            self._chunks[c.handle_id] = c
+        ids = taken + [c.handle_id for c in created]
+        for cid in ids:
+            client.held[cid] = owner
+            self._holder[cid] = client.cid
+        self.stats["granted"] += n
+        meta = {"type": "GRANT", "req_id": req_id, "owner": owner, "chunks": ids}
+        try:
+            send_chunks(client.sock, [self._chunks[i] for i in ids], meta=meta)
+        except OSError as exc:
+            self._drop(client, f"sending a GRANT failed: {exc}")  # frees the chunks just recorded
+
+    def _deny(self, client: _Client, req_id: int, reason: str, available: int) -> None:
+        self.stats["denied"] += 1
+        self._send(client, {"type": "DENY", "req_id": req_id, "reason": reason, "available": available})
+
+    def _error(self, client: _Client, req_id: Optional[int], field_: str, message: str) -> None:
+        self.stats["errors"] += 1
+        self._send(client, {"type": "ERROR", "req_id": req_id, "field": field_, "message": message[:4096]})
+
+    def _send(self, client: _Client, msg: dict) -> bool:
+        try:
+            client.sock.send(proto.encode(msg))
+            return True
+        except OSError as exc:  # includes a send timeout: a client that never reads is dropped
+            self._drop(client, f"send failed: {exc}")
+            return False
+
+    def _serve_pending(self) -> None:
+        while self._pending and self._pending[0].n <= self._available_now():
+            p = self._pending.pop(0)
+            if p.client.cid in self._clients:
+                self._grant(p.client, p.req_id, p.n, p.owner)
+        if not self._pending:
+            for c in self._clients.values():
+                c.asked = 0
+
+    def _expire_pending(self) -> None:
+        now = time.monotonic()
+        expired = [p for p in self._pending if p.deadline <= now]
+        if not expired:
+            return
+        self._pending = [p for p in self._pending if p.deadline > now]
+        for p in expired:
+            if p.client.cid in self._clients:
+                self._deny(p.client, p.req_id, f"reclaim did not free enough chunks within "
+                           f"{self.reclaim_timeout:g} s", self._available_now())
+        self._serve_pending()
+
+    def _drop(self, client: _Client, why: str, *, serve: bool = True) -> None:
+        if self._clients.pop(client.cid, None) is None:
+            return
+        log.info("arbiter: client %d (%s, pid %s) gone: %s; %d chunk(s) back to FREE",
+                 client.cid, client.name, client.pid, why, len(client.held))
+        try:
+            self._sel.unregister(client.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        try:
+            client.sock.close()
+        except OSError:
+            pass
+        for cid in client.held:
+            del self._holder[cid]
+            self._free.append(cid)
+        self.stats["clients_dropped"] += 1
+        self.stats["chunks_freed_on_drop"] += len(client.held)
+        client.held.clear()
+        self._pending = [p for p in self._pending if p.client is not client]
+        if serve:
+            self._serve_pending()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m memory_ext.pool.arbiter",
+                                 description="Per-device chunk arbiter shared by several engine processes.")
+    ap.add_argument("--socket", required=True, help="Unix socket path to create (mode 0600)")
+    ap.add_argument("--budget-chunks", type=int, required=True)
+    ap.add_argument("--granularity-mib", type=int, default=2)
+    ap.add_argument("--floor-per-client", type=int, default=0)
+    ap.add_argument("--reclaim-timeout", type=float, default=2.0)
+    ap.add_argument("--backend", choices=("host",), default="host")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from ..vmm import host_backend
+    backend = host_backend(args.granularity_mib << 20, name="memx-arbiter")
+    arb = Arbiter(args.socket, backend, args.budget_chunks, floor_per_client=args.floor_per_client,
+                  reclaim_timeout=args.reclaim_timeout)
+
+    def _stop(signum, frame):
+        arb._stopping = True
+        if arb._wake_w is not None:
+            try:
+                arb._wake_w.send(b"x")
+            except OSError:
+                pass
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    log.info("arbiter: serving %s, budget %d chunk(s) of %d MiB", args.socket, args.budget_chunks,
+             args.granularity_mib)
+    try:
+        arb.serve_forever()
+    finally:
+        backend.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

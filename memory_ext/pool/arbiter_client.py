@@ -1,0 +1,315 @@
+"""Client side of the per-device arbiter (see ``arbiter`` and ``arbiter_protocol``).
+
+    client = ArbiterClient("/run/memx/gpu0.sock", "server-a", backend, on_reclaim=give_some)
+    chunks = client.borrow(8)          # PhysicalChunks imported into ``backend``
+    backend.map(vrange, 0, chunks[0])
+    ...
+    backend.unmap(vrange, 0)
+    client.give_back(chunks)
+    client.close()
+
+A reader thread receives every message; requests are matched to replies by
+``req_id``. ``RECLAIM(n)`` messages are handed to a second thread that calls
+``on_reclaim(n) -> list[PhysicalChunk]``: the callback (the engine's policy)
+must unmap the chunks it picks (it may return fewer than ``n``, or none); the
+client then gives them back with an ordinary RETURN. The callback may call
+``borrow``/``give_back``/``status`` itself.
+
+One lock protects the client's state (request ids, waiters, held chunks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+from typing import Callable, Dict, List, Optional, Sequence
+
+from ..vmm.base import PhysicalChunk, VmmBackend
+from ..vmm.ipc import MAX_FDS, connect_unix, recv_chunks
+from . import arbiter_protocol as proto
+
+log = logging.getLogger(__name__)
+
+
+class ArbiterError(RuntimeError):
+    """The arbiter answered with ERROR (``field`` names the culprit) or went away."""
+
+    def __init__(self, message: str, field: Optional[str] = None):
+        self.field = field
+        super().__init__(message)
+
+
+class ArbiterDenied(ArbiterError):
+    """A BORROW was refused; ``available`` is what the arbiter could have given."""
+
+    def __init__(self, reason: str, available: int):
+        self.reason, self.available = reason, available
+        super().__init__(f"borrow denied: {reason} (available {available})")
+
+
+class _Waiter:
+    __slots__ = ("event", "reply", "chunks")
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.reply: Optional[dict] = None
+        self.chunks: List[PhysicalChunk] = []
+
+
+class ArbiterClient:
+    """A connection to an ``Arbiter``. See the module docstring."""
+
+    def __init__(self, socket_path, name: str, backend: VmmBackend,
+                 on_reclaim: Optional[Callable[[int], Sequence[PhysicalChunk]]] = None, *,
+                 timeout: float = 30.0):
+        if not isinstance(backend, VmmBackend):
+            raise TypeError(f"backend must be a VmmBackend, got {type(backend).__name__}")
+        self.backend = backend
+        self.on_reclaim = on_reclaim
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._next_req = 1
+        self._waiters: Dict[int, _Waiter] = {}
+        self._held: Dict[int, PhysicalChunk] = {}  # arbiter chunk id -> local import
+        self._closed = False
+        self._dead: Optional[str] = None
+        self.reclaim_requests: List[int] = []
+        self._reclaims: "queue.Queue[Optional[int]]" = queue.Queue()
+        self._sock = connect_unix(socket_path)
+        self._reader = threading.Thread(target=self._read_loop, name=f"memx-arbiter-client-{name}", daemon=True)
+        self._worker = threading.Thread(target=self._reclaim_loop, name=f"memx-arbiter-reclaim-{name}",
+                                        daemon=True)
+        self._reader.start()
+        self._worker.start()
+        try:
+            welcome = self._request({"type": "HELLO", "version": proto.PROTOCOL_VERSION, "name": name,
+                                     "pid": os.getpid()}).reply
+            if welcome["type"] != "WELCOME":
+                raise ArbiterError(f"expected WELCOME, got {welcome['type']}")
+            if welcome["granularity"] != backend.granularity:
+                raise ArbiterError(f"arbiter granularity {welcome['granularity']} differs from the backend's "
+                                   f"{backend.granularity}", "granularity")
+        except BaseException:
+            self._shutdown()
+            raise
+        self.client_id: int = welcome["client_id"]
+        self.granularity: int = welcome["granularity"]
+        self.budget: int = welcome["budget"]
+        self.floor: int = welcome["floor"]
+
+    # ------------------------------------------------------------------- API
+    def borrow(self, n: int, owner: str = "kv") -> List[PhysicalChunk]:
+        """Borrow ``n`` chunks (all or nothing); raises ArbiterDenied if refused."""
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        got: List[PhysicalChunk] = []
+        try:
+            while len(got) < n:
+                k = min(n - len(got), proto.MAX_CHUNKS_PER_MESSAGE)
+                w = self._request({"type": "BORROW", "n": k, "owner": owner},
+                                  timeout=self.timeout)
+                if w.reply["type"] == "DENY":
+                    raise ArbiterDenied(w.reply["reason"], w.reply["available"])
+                if w.reply["type"] != "GRANT":
+                    raise ArbiterError(f"expected GRANT or DENY, got {w.reply['type']}")
+                got.extend(w.chunks)
+        except BaseException:
+            if got:
+                try:
+                    self.give_back(got)
+                except Exception:
+                    log.exception("arbiter client: giving back a partial borrow failed")
+            raise
+        return got
+
+    def give_back(self, chunks: Sequence[PhysicalChunk]) -> int:
+        """Return borrowed chunks (they must be mapped nowhere); returns how many."""
+        chunks = list(chunks)
+        if not chunks:
+            return 0
+        with self._lock:
+            ids = []
+            for c in chunks:
+                sid = c.source_id
+                if sid is None or self._held.get(sid) is not c:
+                    raise ValueError(f"chunks: {c} was not borrowed through this client (or was given back)")
+                if self.backend.mappings_of(c):
+                    raise ValueError(f"chunks: {c} is still mapped; unmap it before giving it back")
+                ids.append(sid)
+            if len(set(ids)) != len(ids):
+                raise ValueError("chunks: the same chunk is listed twice")
+            for sid in ids:
+                del self._held[sid]
+        try:
+            for start in range(0, len(ids), proto.MAX_RETURN_IDS):
+                self._request({"type": "RETURN", "chunks": ids[start:start + proto.MAX_RETURN_IDS]})
+        except ArbiterError as exc:
+            if exc.field is not None:  # the arbiter refused: we still hold them
+                with self._lock:
+                    for c in chunks:
+                        self._held[c.source_id] = c
+                raise
+        for c in chunks:  # gone from the arbiter's view (ACKed, or the connection died)
+            self.backend.destroy_chunk(c)
+        return len(chunks)
+
+    def status(self) -> dict:
+        reply = self._request({"type": "STATUS"}).reply
+        return {k: v for k, v in reply.items() if k not in ("type", "req_id")}
+
+    def held(self) -> List[PhysicalChunk]:
+        with self._lock:
+            return list(self._held.values())
+
+    @property
+    def connected(self) -> bool:
+        return self._dead is None and not self._closed
+
+    def close(self, *, force: bool = False) -> None:
+        """Disconnect (the arbiter frees everything this client held). Unmapped borrowed
+        chunks are destroyed locally; mapped ones make this raise unless ``force``."""
+        if self._closed:
+            return
+        with self._lock:
+            held = list(self._held.values())
+        mapped = [c for c in held if self.backend.mappings_of(c)]
+        if mapped and not force:
+            raise ValueError(f"chunks {', '.join(map(str, mapped))} are still mapped; unmap them "
+                             f"(the arbiter will lend them to others) or close(force=True)")
+        self._shutdown()
+        with self._lock:
+            self._held.clear()
+        for c in held:
+            if c not in mapped:
+                self.backend.destroy_chunk(c)
+
+    def __enter__(self) -> "ArbiterClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- plumbing
+    def _shutdown(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if threading.current_thread() is not self._reader:
+            self._reader.join(10)
+        self._reclaims.put(None)
+        if threading.current_thread() is not self._worker:
+            self._worker.join(10)
+        self._sock.close()
+
+    def _request(self, msg: dict, timeout: Optional[float] = None) -> _Waiter:
+        w = _Waiter()
+        with self._lock:
+            if self._dead is not None or self._closed:
+                raise ArbiterError(f"not connected to the arbiter ({self._dead or 'closed'})")
+            req_id = self._next_req
+            self._next_req += 1
+            self._waiters[req_id] = w
+            try:
+                self._sock.send(proto.encode(dict(msg, req_id=req_id)))
+            except OSError as exc:
+                del self._waiters[req_id]
+                raise ArbiterError(f"sending {msg['type']} failed: {exc}") from None
+        if not w.event.wait(self.timeout if timeout is None else timeout):
+            with self._lock:
+                self._waiters.pop(req_id, None)
+            raise ArbiterError(f"no reply to {msg['type']} within {timeout or self.timeout:g} s")
+        if w.reply is None:
+            raise ArbiterError(f"connection lost while waiting for {msg['type']} ({self._dead})")
+        if w.reply["type"] == "ERROR":
+            raise ArbiterError(f"arbiter rejected {msg['type']}: {w.reply['field']}: {w.reply['message']}",
+                               w.reply["field"])
+        return w
+
+    def _read_loop(self) -> None:
+        why = "closed"
+        try:
+            while True:
+                try:
+                    head = self._sock.recv(1, socket.MSG_PEEK)  # no ancillary buffer: no fds installed
+                except OSError as exc:
+                    why = f"recv failed: {exc}"
+                    return
+                if not head:
+                    why = "arbiter closed the connection"
+                    return
+                if head == b"{":
+                    data, fds, _, _ = socket.recv_fds(self._sock, proto.MAX_MESSAGE_BYTES + 1, MAX_FDS)
+                    for fd in fds:
+                        os.close(fd)
+                    try:
+                        msg = proto.decode_server(data)
+                    except proto.ProtocolError as exc:
+                        log.error("arbiter client: malformed message from the arbiter: %s", exc)
+                        continue
+                    if msg["type"] == "RECLAIM":
+                        self.reclaim_requests.append(msg["n"])
+                        self._reclaims.put(msg["n"])
+                        continue
+                    self._deliver(msg, [])
+                else:
+                    try:
+                        chunks, meta = recv_chunks(self._sock, self.backend, with_meta=True)
+                    except ValueError as exc:  # fds already closed by recv_chunks
+                        log.error("arbiter client: bad chunk message from the arbiter: %s", exc)
+                        continue
+                    try:
+                        msg = proto.validate(meta, {"GRANT": proto.SERVER_SCHEMAS["GRANT"]})
+                        if msg["chunks"] != [c.source_id for c in chunks]:
+                            raise proto.ProtocolError("chunks", "ids differ from the fds' header")
+                    except proto.ProtocolError as exc:
+                        log.error("arbiter client: bad GRANT: %s", exc)
+                        for c in chunks:
+                            self.backend.destroy_chunk(c)
+                        continue
+                    self._deliver(msg, chunks)
+        except ConnectionError as exc:
+            why = str(exc)
+        finally:
+            with self._lock:
+                self._dead = why
+                waiters, self._waiters = self._waiters, {}
+            for w in waiters.values():
+                w.event.set()  # reply None: connection lost
+
+    def _deliver(self, msg: dict, chunks: List[PhysicalChunk]) -> None:
+        with self._lock:
+            w = self._waiters.pop(msg["req_id"], None)
+            for c in chunks:
+                self._held[c.source_id] = c
+        if w is None:
+            if chunks:  # the borrower gave up waiting: hand the grant straight back
+                log.warning("arbiter client: late GRANT for request %d; returning it", msg["req_id"])
+                threading.Thread(target=self._give_back_quietly, args=(chunks,), daemon=True).start()
+            return
+        w.reply, w.chunks = msg, chunks
+        w.event.set()
+
+    def _give_back_quietly(self, chunks) -> None:
+        try:
+            self.give_back(chunks)
+        except Exception:
+            log.exception("arbiter client: returning chunks failed")
+
+    def _reclaim_loop(self) -> None:
+        while True:
+            n = self._reclaims.get()
+            if n is None:
+                return
+            if self.on_reclaim is None or self._closed:
+                continue
+            try:
+                picked = list(self.on_reclaim(n) or [])
+                if picked:
+                    self.give_back(picked)
+            except Exception:
+                log.exception("arbiter client: on_reclaim(%d) failed", n)
