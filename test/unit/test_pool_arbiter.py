@@ -351,3 +351,64 @@ def test_protocol_decoder_accepts_or_names_a_field(msg):
         assert exc.field and isinstance(exc.field, str)
         return
     assert set(out) == {"type"} | set(proto.CLIENT_SCHEMAS[out["type"]])
+
+
+RECLAIMING_CHILD = textwrap.dedent("""
+    import sys, time
+    from memory_ext.vmm import host_backend
+    from memory_ext.pool.arbiter_client import ArbiterClient
+    path, g, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    vmm = host_backend(g)
+    r = vmm.reserve(g)
+
+    def give_back_unmapped(k):  # this server's policy: spare what it has not mapped
+        spare = [c for c in client.held() if not vmm.mappings_of(c)][:k]
+        print("RECLAIM", k, len(spare), flush=True)
+        return spare
+
+    client = ArbiterClient(path, "busy-then-idle", vmm, on_reclaim=give_back_unmapped)
+    chunks = client.borrow(n)
+    vmm.map(r, 0, chunks[0])
+    vmm.tensor_view(r, 0, g).fill_(0x5A)
+    print("READY", chunks[0].source_id, flush=True)
+    time.sleep(300)
+""")
+
+
+def test_reclaim_across_processes_then_peer_killed(sock_path):
+    """Two processes share one pool: the child borrows the whole budget, the parent's
+    borrow makes the arbiter reclaim from the child, then the child dies and leaks nothing."""
+    budget = 4
+    with Arbiter(sock_path, host_backend(G), budget) as arb:
+        parent_vmm = host_backend(G)
+        parent = ArbiterClient(sock_path, "parent", parent_vmm)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        child = subprocess.Popen([sys.executable, "-c", RECLAIMING_CHILD, sock_path, str(G),
+                                  str(budget)], stdout=subprocess.PIPE, env=env, text=True)
+        try:
+            line = child.stdout.readline()
+            assert line.startswith("READY"), line
+            mapped_id = int(line.split()[1])
+            assert arb.status()["free"] == 0
+
+            got = parent.borrow(2)  # nothing free: the arbiter asks the child for 2
+            assert child.stdout.readline().split() == ["RECLAIM", "2", "2"]
+            assert mapped_id not in {c.source_id for c in got}  # the child kept what it maps
+            [entry] = _by_name(arb.status(), "busy-then-idle")
+            assert entry["held"] == budget - 2
+            arb.check_invariants()
+
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+            _wait(lambda: arb.status()["free"] == budget - 2, what="the dead child's chunks")
+            arb.check_invariants()
+            more = parent.borrow(2)
+            assert len({c.source_id for c in got + more}) == budget  # never granted twice
+            parent.give_back(got + more)
+            assert arb.status()["free"] == budget
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
+            parent.close()
+            parent_vmm.close()
