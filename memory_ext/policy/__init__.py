@@ -1,0 +1,12 @@
+"""Decision logic of the five papers as plain objects: numbers in, decisions out.
+
+Invariant: no module here allocates, maps or moves memory, imports torch for
+tensors, or imports sglang. Each policy is driven identically by the
+simulator (benchmark/sim) and, later, by the real system through hooks.
+
+Modules: ``oneiros`` (remap controller, O2-O5), ``select_n`` (performance
+record and bandwidth coordinator, S2-S3), ``ellm`` (ballooning admission and
+SLO buffer scaling, E4), ``fineserve`` (KV slab sizing, placement, EDF
+batching, F1-F4), ``swiftcache`` (LSC sizing, minimum elastic unit, scale
+up/down, W2-W4).
+"""

@@ -1,0 +1,511 @@
+"""FineServe decision logic (F1-F4) as plain objects: numbers in, decisions out.
+
+Source: the FineServe paper (KV slab, two-level scheduler), sections 3.2, 5,
+6.2 (Algorithm 1, Eq. 3) and 6.3 (Algorithm 2). Nothing here allocates or
+maps memory, touches tensors or imports an engine; only stdlib is used.
+
+F2  token / block sizes:   ``KVPrecision``, ``KVLayout``, ``token_kv_bytes``,
+                           ``token_qparam_bytes``, ``kv_block_bytes``
+F1  slab arithmetic:       ``slab_bytes``, ``blocks_per_slab``,
+                           ``engine_block_id``, ``split_engine_block_id``
+F3  global placement:      ``ModelDemand``, ``GpuCandidate``,
+                           ``placement_score``, ``place_models``
+F4  local batching:        ``Request``, ``ChunkedPrefillModel``,
+                           ``adaptive_batch``
+
+Readings of the paper where it is not explicit are marked "READING:".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from ._checks import check_int as _int
+
+__all__ = [
+    "KVPrecision", "FP16", "BF16", "FP8", "INT4", "precision_by_name",
+    "KVLayout", "token_kv_bytes", "token_qparam_bytes", "kv_block_bytes",
+    "slab_bytes", "blocks_per_slab", "engine_block_id", "split_engine_block_id",
+    "ModelDemand", "GpuCandidate", "CandidateScore", "PlacementResult",
+    "PlacementInfeasible", "placement_score", "place_models",
+    "Request", "ChunkedPrefillModel", "BatchDecision", "adaptive_batch",
+]
+
+
+# ---------------------------------------------------------------- validation
+
+def _num(name: str, value, minimum: Optional[float] = None, strict: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if minimum is not None:
+        if strict and not value > minimum:
+            raise ValueError(f"{name} must be > {minimum}, got {value}")
+        if not strict and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _name(name: str, value) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty str, got {value!r}")
+    return value
+
+
+# ------------------------------------------------------- F2: precision sizes
+
+@dataclass(frozen=True)
+class KVPrecision:
+    """Storage precision of the KV cache.
+
+    ``bytes_per_elem`` is the paper's bytes(precision) (FP16 = 2, INT4 = 0.5).
+    ``scale_bytes`` / ``zero_point_bytes`` are the per-token quantisation
+    parameters, counted per token, per KV head on this rank, for K and for V
+    separately (so a token carries ``heads_per_rank * 2 * (scale + zero)``
+    parameter bytes per layer).
+    """
+
+    name: str
+    bytes_per_elem: float
+    scale_bytes: int = 0
+    zero_point_bytes: int = 0
+
+    def __post_init__(self):
+        _name("name", self.name)
+        _num("bytes_per_elem", self.bytes_per_elem, 0.0, strict=True)
+        _int("scale_bytes", self.scale_bytes, 0)
+        _int("zero_point_bytes", self.zero_point_bytes, 0)
+
+    @property
+    def qparam_bytes_per_head(self) -> int:
+        return self.scale_bytes + self.zero_point_bytes
+
+
+# READING: the paper gives no sizes for the quantisation parameters. It says
+# only that KV-quantised models "e.g. QoQ" store per-token parameters such as
+# scaling factors in each block, and (Fig. 5) that the FP8 model's token is
+# half the FP16 token. We therefore take:
+#   FP8 (W8A8KV8): 1 byte/elem, per-tensor static scale held outside the KV
+#       blocks -> 0 per-token bytes (matches "half token size" of Fig. 5).
+#       A per-token FP8 scheme is expressible as
+#       KVPrecision("fp8", 1, scale_bytes=4) (one fp32 scale per head, K and V).
+#   INT4 (QoQ KV4): 0.5 byte/elem, asymmetric per-token per-head quantisation
+#       with one FP16 scale + one FP16 zero point for K and for V -> 4 bytes
+#       per head per K/V per token.
+FP16 = KVPrecision("fp16", 2)
+BF16 = KVPrecision("bf16", 2)
+FP8 = KVPrecision("fp8", 1)
+INT4 = KVPrecision("int4", 0.5, scale_bytes=2, zero_point_bytes=2)
+
+_PRESETS = {p.name: p for p in (FP16, BF16, FP8, INT4)}
+
+
+def precision_by_name(name: str) -> KVPrecision:
+    try:
+        return _PRESETS[str(name).lower()]
+    except KeyError:
+        raise ValueError(f"precision must be one of {sorted(_PRESETS)}, got {name!r}") from None
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """KV geometry of one model instance on one rank.
+
+    READING: the paper's "#Heads" is the number of *KV* heads (what the cache
+    stores; for GQA models such as Llama-3-8B that is 8, not 32). If TP
+    exceeds the KV heads and is a multiple of them, engines replicate KV heads
+    so each rank holds one; any other non-divisible pairing is rejected.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp: int = 1
+    precision: KVPrecision = FP16
+
+    def __post_init__(self):
+        _int("num_layers", self.num_layers, 1)
+        _int("num_kv_heads", self.num_kv_heads, 1)
+        _int("head_dim", self.head_dim, 1)
+        _int("tp", self.tp, 1)
+        if not isinstance(self.precision, KVPrecision):
+            raise ValueError(f"precision must be a KVPrecision, got {self.precision!r}")
+        if self.num_kv_heads % self.tp and self.tp % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) and tp ({self.tp}) must divide one another")
+        raw = self.heads_per_rank * self.head_dim * 2 * self.precision.bytes_per_elem
+        if raw != int(raw):
+            raise ValueError(
+                f"precision bytes_per_elem {self.precision.bytes_per_elem} gives a "
+                f"fractional token size {raw} for head_dim {self.head_dim}")
+
+    @property
+    def heads_per_rank(self) -> int:
+        return max(1, self.num_kv_heads // self.tp)
+
+
+def _layers(layout: KVLayout, per_layer: bool) -> int:
+    if not isinstance(per_layer, bool):
+        raise ValueError(f"per_layer must be a bool, got {per_layer!r}")
+    return 1 if per_layer else layout.num_layers
+
+
+def token_kv_bytes(layout: KVLayout, per_layer: bool = True) -> int:
+    """Paper's TokenSize = heads/TP x head_dim x 2 (K,V) x bytes(precision).
+
+    The paper's formula has no layer factor, so ``per_layer=True`` (default)
+    returns exactly it; ``per_layer=False`` multiplies by ``num_layers``.
+    Excludes quantisation parameters (see ``token_qparam_bytes``).
+    """
+    per = layout.heads_per_rank * layout.head_dim * 2 * layout.precision.bytes_per_elem
+    return int(per) * _layers(layout, per_layer)
+
+
+def token_qparam_bytes(layout: KVLayout, per_layer: bool = True) -> int:
+    """Per-token quantisation-parameter bytes (K and V, every head on the rank)."""
+    per = layout.heads_per_rank * 2 * layout.precision.qparam_bytes_per_head
+    return per * _layers(layout, per_layer)
+
+
+def kv_block_bytes(layout: KVLayout, tokens_per_block: int, per_layer: bool = True) -> int:
+    """KVblocksize = TokensPerBlock x TokenSize + Quant.Params.
+
+    READING: Quant.Params are per token, so Quant.Params = TokensPerBlock x
+    ``token_qparam_bytes``; no per-block constant is assumed.
+    """
+    _int("tokens_per_block", tokens_per_block, 1)
+    return tokens_per_block * (token_kv_bytes(layout, per_layer)
+                               + token_qparam_bytes(layout, per_layer))
+
+
+# --------------------------------------------------------- F1: slab numbers
+
+def slab_bytes(block_sizes: Iterable[int], min_slab_bytes: int = 0) -> int:
+    """Uniform slab size for one GPU.
+
+    The paper: a multiple of the LCM of the co-located models' KV block sizes.
+    READING: we take the *smallest* such multiple that is >= ``min_slab_bytes``
+    (and at least one LCM).
+    """
+    sizes = list(block_sizes) if block_sizes is not None else []
+    if not sizes:
+        raise ValueError("block_sizes must name at least one block size")
+    for i, s in enumerate(sizes):
+        _int(f"block_sizes[{i}]", s, 1)
+    _int("min_slab_bytes", min_slab_bytes, 0)
+    lcm = 1
+    for s in sizes:
+        lcm = lcm * s // math.gcd(lcm, s)
+    k = max(1, -(-min_slab_bytes // lcm))
+    return k * lcm
+
+
+def blocks_per_slab(slab_size: int, block_size: int) -> int:
+    _int("slab_size", slab_size, 1)
+    _int("block_size", block_size, 1)
+    if slab_size % block_size:
+        raise ValueError(f"slab_size {slab_size} is not a multiple of block_size {block_size}")
+    return slab_size // block_size
+
+
+def engine_block_id(slab_id: int, local_id: int, blocks_per_slab: int) -> int:
+    """Blk ID = slab ID x blocks per slab + local blk ID (paper §5.2)."""
+    _int("blocks_per_slab", blocks_per_slab, 1)
+    _int("slab_id", slab_id, 0)
+    _int("local_id", local_id, 0)
+    if local_id >= blocks_per_slab:
+        raise ValueError(f"local_id {local_id} must be < blocks_per_slab {blocks_per_slab}")
+    return slab_id * blocks_per_slab + local_id
+
+
+def split_engine_block_id(block_id: int, blocks_per_slab: int) -> Tuple[int, int]:
+    """Inverse of ``engine_block_id``: returns (slab_id, local_id)."""
+    _int("blocks_per_slab", blocks_per_slab, 1)
+    _int("block_id", block_id, 0)
+    return divmod(block_id, blocks_per_slab)
+
+
+# ----------------------------------------------------- F3: global placement
+
+@dataclass(frozen=True)
+class ModelDemand:
+    """A model instance to place. ``base_footprint`` is F_M (bytes: weights +
+    profiled average activations + KV); ``mu`` its profiled marginal memory
+    efficiency (generated tokens per byte of extra KV, any consistent unit).
+    DP replicas are passed as separate ModelDemand entries (paper §6.2)."""
+
+    name: str
+    base_footprint: float
+    mu: float
+
+    def __post_init__(self):
+        _name("name", self.name)
+        _num("base_footprint", self.base_footprint, 0.0)
+        _num("mu", self.mu, 0.0)
+
+
+@dataclass(frozen=True)
+class GpuCandidate:
+    """A placement candidate (one GPU, or one TP group); ``total_memory`` = T_G."""
+
+    name: str
+    total_memory: float
+
+    def __post_init__(self):
+        _name("name", self.name)
+        _num("total_memory", self.total_memory, 0.0, strict=True)
+
+
+@dataclass(frozen=True)
+class CandidateScore:
+    gpu: str
+    feasible: bool
+    k_rem: float    # K_rem(G') after charging M
+    mean_mu: float  # mean mu over G'
+    score: float    # mean_mu * k_rem, or -inf when infeasible
+
+
+@dataclass(frozen=True)
+class PlacementResult:
+    order: Tuple[str, ...]                   # models in placement order (F_M desc)
+    assignment: Dict[str, str]               # model -> gpu, placed models only
+    residents: Dict[str, Tuple[str, ...]]    # gpu -> models, in placement order
+    k_rem: Dict[str, float]                  # gpu -> contested memory left
+    unplaced: Tuple[str, ...]                # models no candidate could hold
+    scores: Dict[str, Tuple[CandidateScore, ...]] = field(default_factory=dict)
+
+    @property
+    def feasible(self) -> bool:
+        return not self.unplaced
+
+    def raise_if_infeasible(self) -> "PlacementResult":
+        if self.unplaced:
+            raise PlacementInfeasible(self.unplaced)
+        return self
+
+
+class PlacementInfeasible(RuntimeError):
+    def __init__(self, unplaced: Sequence[str]):
+        self.unplaced = tuple(unplaced)
+        super().__init__(f"no candidate GPU can hold base footprint of: {', '.join(self.unplaced)}")
+
+
+MuFn = Callable[[str, Tuple[str, ...]], float]
+
+
+def placement_score(total_memory: float, resident_footprints: Sequence[float],
+                    resident_mus: Sequence[float], new_footprint: float,
+                    new_mu: float) -> Tuple[bool, float, float, float]:
+    """Eq. 3 for one candidate: returns (feasible, k_rem, mean_mu, score).
+
+    score(G|M) = (1/|G'|) * sum_{m in G'} mu_m * K_rem(G'), where G' = G + M
+    and K_rem(G') = T_G - sum_{m in G'} F_m.
+
+    READING: Alg. 1 line 5 writes K_rem(G) over the current residents, but
+    Eq. 3 and its text use K_rem(G') "after charging base footprints"; we
+    follow Eq. 3 (M's own F_M is charged). A candidate whose K_rem(G') < 0
+    is infeasible (the paper requires placements within memory budgets);
+    K_rem(G') == 0 is feasible with score 0.
+    """
+    _num("total_memory", total_memory, 0.0, strict=True)
+    _num("new_footprint", new_footprint, 0.0)
+    _num("new_mu", new_mu, 0.0)
+    if len(resident_footprints) != len(resident_mus):
+        raise ValueError("resident_footprints and resident_mus must have equal length")
+    fs = [_num("resident_footprints", f, 0.0) for f in resident_footprints] + [new_footprint]
+    mus = [_num("resident_mus", m, 0.0) for m in resident_mus] + [new_mu]
+    k_rem = total_memory - sum(fs)
+    mean_mu = sum(mus) / len(mus)
+    if k_rem < 0:
+        return False, k_rem, mean_mu, -math.inf
+    return True, k_rem, mean_mu, mean_mu * k_rem
+
+
+def place_models(models: Sequence[ModelDemand], gpus: Sequence[GpuCandidate],
+                 mu_fn: Optional[MuFn] = None) -> PlacementResult:
+    """Algorithm 1. Models sorted by F_M descending (ties keep input order);
+    each goes to the feasible candidate with the highest Eq. 3 score (ties go
+    to the earlier candidate in ``gpus``). A model no candidate can hold is
+    listed in ``unplaced`` and placement continues with the next model.
+
+    ``mu_fn(model_name, group_names)`` may supply mu_m(G') when the profile
+    depends on the co-located set; otherwise each model's ``mu`` is used.
+    """
+    models = list(models)
+    gpus = list(gpus)
+    if not gpus:
+        raise ValueError("gpus must name at least one candidate")
+    for m in models:
+        if not isinstance(m, ModelDemand):
+            raise ValueError(f"models must hold ModelDemand, got {m!r}")
+    for g in gpus:
+        if not isinstance(g, GpuCandidate):
+            raise ValueError(f"gpus must hold GpuCandidate, got {g!r}")
+    if len({m.name for m in models}) != len(models):
+        raise ValueError("models names must be unique")
+    if len({g.name for g in gpus}) != len(gpus):
+        raise ValueError("gpus names must be unique")
+
+    by_name = {m.name: m for m in models}
+
+    def mu_of(name: str, group: Tuple[str, ...]) -> float:
+        if mu_fn is None:
+            return by_name[name].mu
+        return _num(f"mu_fn({name!r})", mu_fn(name, group), 0.0)
+
+    ordered = sorted(models, key=lambda m: -m.base_footprint)  # stable
+    residents: Dict[str, List[str]] = {g.name: [] for g in gpus}
+    assignment: Dict[str, str] = {}
+    unplaced: List[str] = []
+    all_scores: Dict[str, Tuple[CandidateScore, ...]] = {}
+
+    for m in ordered:
+        best: Optional[CandidateScore] = None
+        row = []
+        for g in gpus:
+            group = tuple(residents[g.name]) + (m.name,)
+            ok, k_rem, mean_mu, score = placement_score(
+                g.total_memory,
+                [by_name[r].base_footprint for r in residents[g.name]],
+                [mu_of(r, group) for r in residents[g.name]],
+                m.base_footprint, mu_of(m.name, group))
+            cs = CandidateScore(g.name, ok, k_rem, mean_mu, score)
+            row.append(cs)
+            if ok and (best is None or cs.score > best.score):
+                best = cs
+        all_scores[m.name] = tuple(row)
+        if best is None:
+            unplaced.append(m.name)
+            continue
+        residents[best.gpu].append(m.name)
+        assignment[m.name] = best.gpu
+
+    k_left = {g.name: g.total_memory - sum(by_name[r].base_footprint for r in residents[g.name])
+              for g in gpus}
+    return PlacementResult(
+        order=tuple(m.name for m in ordered), assignment=assignment,
+        residents={k: tuple(v) for k, v in residents.items()}, k_rem=k_left,
+        unplaced=tuple(unplaced), scores=all_scores)
+
+
+# ------------------------------------------------- F4: local adaptive batch
+
+@dataclass(frozen=True)
+class Request:
+    """A waiting request: ``arrival`` in seconds, ``prompt_tokens`` its
+    prefill length (tokens still to prefill)."""
+
+    rid: str
+    arrival: float
+    prompt_tokens: int
+
+    def __post_init__(self):
+        _name("rid", self.rid)
+        _num("arrival", self.arrival)
+        _int("prompt_tokens", self.prompt_tokens, 1)
+
+
+@dataclass(frozen=True)
+class ChunkedPrefillModel:
+    """Linear chunked-prefill latency model (coefficients are profiled inputs).
+
+    A batch's prompts (T tokens in all) are prefilled in chunks of at most
+    ``chunk_tokens`` tokens; one chunk holding c tokens costs
+    ``per_chunk_s + per_token_s * c``. Hence for a set R:
+
+        TTFT(R) = ceil(T / chunk_tokens) * per_chunk_s + per_token_s * T
+                  + per_request_s * |R|
+
+    (``per_request_s`` is an optional per-request overhead, default 0.)
+    TTFT of the empty set is 0.
+    """
+
+    chunk_tokens: int
+    per_chunk_s: float
+    per_token_s: float
+    per_request_s: float = 0.0
+
+    def __post_init__(self):
+        _int("chunk_tokens", self.chunk_tokens, 1)
+        _num("per_chunk_s", self.per_chunk_s, 0.0)
+        _num("per_token_s", self.per_token_s, 0.0)
+        _num("per_request_s", self.per_request_s, 0.0)
+
+    def ttft(self, requests: Sequence[Request]) -> float:
+        total = sum(r.prompt_tokens for r in requests)
+        if total == 0:
+            return 0.0
+        chunks = -(-total // self.chunk_tokens)
+        return chunks * self.per_chunk_s + self.per_token_s * total + self.per_request_s * len(requests)
+
+
+@dataclass(frozen=True)
+class BatchDecision:
+    batch: Tuple[Request, ...]            # S, in EDF order
+    dropped: Tuple[Request, ...]          # D: cannot meet deadline even alone
+    removed_longest: Tuple[Request, ...]  # taken out by lines 12-15 (stay waiting)
+    trimmed: Tuple[Request, ...]          # cut by N_max / T_max (stay waiting)
+    remaining: Tuple[Request, ...]        # W after the call, original order
+    predicted_finish: float               # t + TTFT(batch); t when batch empty
+    deadlines: Dict[str, float]           # rid -> d_r
+
+
+def adaptive_batch(waiting: Sequence[Request], now: float, slo: float,
+                   n_max: int, t_max: int, predictor: ChunkedPrefillModel) -> BatchDecision:
+    """Algorithm 2 (SLO-aware adaptive batching) for one model's queue.
+
+    1. d_r = arrival + slo; drop r unless now + TTFT({r}) < d_r (strict, as
+       in the paper).
+    2. Sort survivors by d_r (EDF; ties by arrival, then queue order).
+    3. While now + TTFT(S) >= d of S's front, remove the longest request.
+       READING: "longest" = most prompt tokens (largest prefill cost); ties
+       go to the later one in EDF order. The anchor itself may be removed.
+    4. trim(S, N_max, T_max). READING: keep the longest EDF prefix with at
+       most N_max requests and at most T_max prompt tokens; the first request
+       that does not fit ends the batch (no later request jumps ahead of it).
+    Trimming only shrinks S, so TTFT(S) keeps meeting every member's deadline.
+    """
+    _num("now", now)
+    _num("slo", slo, 0.0, strict=True)
+    _int("n_max", n_max, 1)
+    _int("t_max", t_max, 1)
+    if not isinstance(predictor, ChunkedPrefillModel):
+        raise ValueError(f"predictor must be a ChunkedPrefillModel, got {predictor!r}")
+    waiting = list(waiting)
+    for r in waiting:
+        if not isinstance(r, Request):
+            raise ValueError(f"waiting must hold Request, got {r!r}")
+    if len({r.rid for r in waiting}) != len(waiting):
+        raise ValueError("waiting rid values must be unique")
+
+    deadline = {r.rid: r.arrival + slo for r in waiting}
+    pos = {r.rid: i for i, r in enumerate(waiting)}
+
+    kept, dropped = [], []
+    for r in waiting:
+        (kept if now + predictor.ttft([r]) < deadline[r.rid] else dropped).append(r)
+
+    s = sorted(kept, key=lambda r: (deadline[r.rid], r.arrival, pos[r.rid]))
+
+    removed = []
+    while s and not now + predictor.ttft(s) < deadline[s[0].rid]:
+        longest = max(range(len(s)), key=lambda i: (s[i].prompt_tokens, i))
+        removed.append(s.pop(longest))
+
+    batch, trimmed, tokens = [], [], 0
+    for i, r in enumerate(s):
+        if len(batch) < n_max and tokens + r.prompt_tokens <= t_max:
+            batch.append(r)
+            tokens += r.prompt_tokens
+        else:
+            trimmed = s[i:]
+            break
+
+    gone = {r.rid for r in dropped} | {r.rid for r in batch}
+    return BatchDecision(
+        batch=tuple(batch), dropped=tuple(dropped), removed_longest=tuple(removed),
+        trimmed=tuple(trimmed), remaining=tuple(r for r in waiting if r.rid not in gone),
+        predicted_finish=now + predictor.ttft(batch), deadlines=deadline)
