@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .ownership import ChunkPool, Owner
-from .slots import PooledSlots
+from .slots import PooledSlots, SlotBackedTensor
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class ActivationBlock:
     block_id: int = field(default=0, compare=False)
 
 
-class ActivationETensor:
+class ActivationETensor(SlotBackedTensor):
     """Best-fit, coalescing, lazily deflated arena. See the module docstring."""
 
     def __init__(self, pool: ChunkPool, max_bytes: int, owner: Owner = Owner.ACTIVATION):
@@ -73,18 +73,6 @@ class ActivationETensor:
         self._closed = False
 
     # ----------------------------------------------------------------- info
-    @property
-    def num_slots(self) -> int:
-        return self._num_slots
-
-    @property
-    def vrange(self):
-        return self._range
-
-    @property
-    def mapped_chunks(self) -> int:
-        with self._lock:
-            return len(self._mapped)
 
     @property
     def allocated_slots(self) -> int:
@@ -103,10 +91,6 @@ class ActivationETensor:
         """``(start_slot, num_slots)`` of every free extent, by address."""
         with self._lock:
             return sorted(self._free.items())
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("ActivationETensor is closed")
 
     # ------------------------------------------------------------ extents
     def _take_extent(self, start: int, length: int, n: int) -> None:

@@ -90,7 +90,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set
 import torch
 
 from .ownership import CeilingExceeded, ChunkPool, Owner, PoolExhausted
-from .slots import PooledSlots
+from .slots import PooledSlots, SlotBackedTensor
 from .unmapper import AsyncUnmapper
 
 
@@ -106,7 +106,7 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class KVETensor:
+class KVETensor(SlotBackedTensor):
     """A paged buffer over one virtual range, backed chunk by chunk. See the module docstring."""
 
     def __init__(self, pool: ChunkPool, page_bytes: int, num_pages: int,
@@ -167,20 +167,6 @@ class KVETensor:
         return self._pages_per_slot
 
     @property
-    def num_slots(self) -> int:
-        return self._num_slots
-
-    @property
-    def vrange(self):
-        return self._range
-
-    @property
-    def mapped_chunks(self) -> int:
-        """How many slots are mapped (= KV chunks this tensor holds)."""
-        with self._lock:
-            return len(self._slot_chunk)
-
-    @property
     def live_pages(self) -> int:
         with self._lock:
             return sum(self._slot_live)
@@ -203,10 +189,6 @@ class KVETensor:
         if not 0 <= page_id < self._num_pages:
             raise ValueError(f"page id {page_id} is outside [0, {self._num_pages})")
         return page_id
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("KVETensor is closed")
 
     # ------------------------------------------------------- headroom info
     @property

@@ -73,3 +73,28 @@ class PooledSlots:
         """Unmap and release every slot, then release the range."""
         self.unmap_slots(sorted(self.mapped))
         self.backend.release(self.vrange)
+
+
+class SlotBackedTensor:
+    """Accessors shared by the elastic tensors built on one ``PooledSlots`` (``self._slots``)
+    and guarded by ``self._lock``; ``self._closed`` marks a closed tensor."""
+
+    _slots: PooledSlots
+
+    @property
+    def num_slots(self) -> int:
+        return self._slots.num_slots
+
+    @property
+    def vrange(self):
+        return self._slots.vrange
+
+    @property
+    def mapped_chunks(self) -> int:
+        """How many slots are mapped (= chunks this tensor holds from the pool)."""
+        with self._lock:
+            return len(self._slots.mapped)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
