@@ -1,0 +1,72 @@
+"""Command line: ``python -m benchmark.sim {run,speed,hardware,models}``.
+
+Every run prints the command that produced it and writes JSON + PNG under
+``benchmark/results/sim/``. A malformed scenario file prints the
+``ScenarioError`` (file and field) and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from .hardware import calibration_rows, GPUS
+from .models import MODELS
+from .runner import RESULTS, command_line, run_scenario
+from .scenario import ScenarioError, YAML_AVAILABLE, load_scenario
+
+
+def _table(rows) -> str:
+    w = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w[i]) for i, c in enumerate(r)) for r in rows)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmark.sim", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a scenario file (.json" + (", .yaml" if YAML_AVAILABLE else "") + ")")
+    r.add_argument("scenario")
+    r.add_argument("--out", help="output path without extension (default benchmark/results/sim/<name>)")
+    r.add_argument("--seed", type=int)
+    r.add_argument("--duration", type=float, help="override duration_s (quick looks)")
+    s = sub.add_parser("speed", help="one simulated hour, 3 models, 10 req/s; wall time vs 60 s")
+    s.add_argument("--duration", type=float, help="simulate this many seconds instead of 3600")
+    s.add_argument("--out", help="output path without extension")
+    sub.add_parser("hardware", help="print the GPU calibration table with sources")
+    sub.add_parser("models", help="print the model table with derived sizes")
+    args = ap.parse_args(argv)
+    cmd = command_line() if argv is None else "python -m benchmark.sim " + " ".join(argv)
+    if args.cmd == "hardware":
+        print(_table(calibration_rows()))
+        print("\nsources:")
+        for g in GPUS.values():
+            print(f"  {g.name}: {g.source}")
+        return 0
+    if args.cmd == "models":
+        rows = [["model", "layers", "hidden", "heads", "kv heads", "inter", "vocab", "params (B)",
+                 "KV KiB/token (bf16)"]]
+        for m in MODELS.values():
+            rows.append([m.name, m.layers, m.hidden, m.heads, m.kv_heads, m.intermediate, m.vocab,
+                         f"{m.params / 1e9:.2f}", f"{m.kv_bytes_per_token() / 1024:g}"])
+        print(_table(rows))
+        return 0
+    print(f"command: {cmd}")
+    if args.cmd == "speed":
+        from .speed import run_speed
+        out = Path(args.out) if args.out else RESULTS / "speed"
+        o = run_speed(args.duration, out, cmd)
+        print(f"simulated {o['simulated_s']:.0f} s, {o['requests']} requests, {o['iterations']} iterations: "
+              f"wall {o['wall_s']:.1f} s = {o['ratio_to_target']:.2f} x the {o['target_s']:.0f} s target")
+        print(f"wrote {out.with_suffix('.json')} and .png")
+        return 0
+    try:
+        sc = load_scenario(args.scenario)
+        out = Path(args.out) if args.out else RESULTS / sc.base.name
+        run_scenario(sc, out, cmd, args.seed, args.duration)
+    except ScenarioError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out.with_suffix('.json')} and .png")
+    return 0
