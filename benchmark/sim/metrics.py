@@ -117,6 +117,7 @@ def summarize(sim) -> dict:
             "kv_capacity_blocks": inst.kv.capacity,
             "kv_util_mean": float(util.mean()), "kv_util_max": float(util.max()),
             "kv_evicted_blocks": inst.kv.evicted,
+            "hooks": [h.report() for h in inst.hooks if hasattr(h, "report")],
         })
         per[inst.cfg.name] = b
     # overall SLO attainment uses each request's own model SLO

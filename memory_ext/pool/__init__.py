@@ -17,10 +17,12 @@ from .activation_etensor import ActivationBlock, ActivationETensor
 from .arbiter import Arbiter
 from .arbiter_client import ArbiterClient, ArbiterDenied, ArbiterError
 from .kv_etensor import KVETensor
+from .layered_kv import LayeredKVBuffers
+from .lent_pool import LentPool
 from .ownership import (CeilingExceeded, ChunkPool, FloorViolation, Owner, OwnershipError, PoolError,
                         PoolExhausted)
 from .unmapper import AsyncUnmapper
 
 __all__ = ["ActivationBlock", "ActivationETensor", "Arbiter", "ArbiterClient", "ArbiterDenied",
            "ArbiterError", "AsyncUnmapper", "CeilingExceeded", "ChunkPool", "FloorViolation",
-           "KVETensor", "Owner", "OwnershipError", "PoolError", "PoolExhausted"]
+           "KVETensor", "LayeredKVBuffers", "LentPool", "Owner", "OwnershipError", "PoolError", "PoolExhausted"]

@@ -470,14 +470,18 @@ def main(argv=None) -> int:
                                  description="Per-device chunk arbiter shared by several engine processes.")
     ap.add_argument("--socket", required=True, help="Unix socket path to create (mode 0600)")
     ap.add_argument("--budget-chunks", type=int, required=True)
-    ap.add_argument("--granularity-mib", type=int, default=2)
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--granularity-mib", type=int, default=None, help="chunk size in MiB (default 2)")
+    size.add_argument("--granularity-kib", type=int, default=None, help="chunk size in KiB")
+    ap.add_argument("--pid-file", default=None, help="write this process's pid here (removed on exit)")
     ap.add_argument("--floor-per-client", type=int, default=0)
     ap.add_argument("--reclaim-timeout", type=float, default=2.0)
     ap.add_argument("--backend", choices=("host",), default="host")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from ..vmm import host_backend
-    backend = host_backend(args.granularity_mib << 20, name="memx-arbiter")
+    granularity = (args.granularity_kib << 10) if args.granularity_kib else ((args.granularity_mib or 2) << 20)
+    backend = host_backend(granularity, name="memx-arbiter")
     arb = Arbiter(args.socket, backend, args.budget_chunks, floor_per_client=args.floor_per_client,
                   reclaim_timeout=args.reclaim_timeout)
 
@@ -491,12 +495,20 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    log.info("arbiter: serving %s, budget %d chunk(s) of %d MiB", args.socket, args.budget_chunks,
-             args.granularity_mib)
+    log.info("arbiter: serving %s, budget %d chunk(s) of %d KiB", args.socket, args.budget_chunks,
+             granularity >> 10)
+    if args.pid_file:
+        with open(args.pid_file, "w") as f:
+            f.write(f"{os.getpid()}\n")
     try:
         arb.serve_forever()
     finally:
         backend.close()
+        if args.pid_file:
+            try:
+                os.unlink(args.pid_file)
+            except OSError:
+                pass
     return 0
 
 

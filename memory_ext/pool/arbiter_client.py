@@ -313,3 +313,30 @@ class ArbiterClient:
                     self.give_back(picked)
             except Exception:
                 log.exception("arbiter client: on_reclaim(%d) failed", n)
+
+
+def query_arbiter_status(socket_path, timeout: float = 2.0, name: str = "status-probe") -> dict:
+    """One STATUS round trip without borrowing anything (no backend needed): for monitors.
+
+    Returns the STATUS fields plus ``granularity`` from the WELCOME. Raises
+    ``ArbiterError`` if the arbiter does not answer or answers out of protocol.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(os.fspath(socket_path))
+            sock.send(proto.encode({"type": "HELLO", "version": proto.PROTOCOL_VERSION, "name": name,
+                                    "pid": os.getpid(), "req_id": 1}))
+            welcome = proto.decode_server(sock.recv(proto.MAX_MESSAGE_BYTES + 1))
+            sock.send(proto.encode({"type": "STATUS", "req_id": 2}))
+            reply = proto.decode_server(sock.recv(proto.MAX_MESSAGE_BYTES + 1))
+        except (OSError, proto.ProtocolError) as exc:
+            raise ArbiterError(f"arbiter at {socket_path} did not answer STATUS: {exc}") from None
+        if welcome["type"] != "WELCOME" or reply["type"] != "STATUS":
+            raise ArbiterError(f"arbiter at {socket_path} answered {welcome['type']}/{reply['type']}")
+        out = {k: v for k, v in reply.items() if k not in ("type", "req_id")}
+        out["granularity"] = welcome["granularity"]
+        return out
+    finally:
+        sock.close()

@@ -118,7 +118,8 @@ class ChunkPool:
 
     def __init__(self, backend: VmmBackend, capacity_chunks: int,
                  floors: Optional[Mapping[Owner, int]] = None,
-                 ceilings: Optional[Mapping[Owner, int]] = None):
+                 ceilings: Optional[Mapping[Owner, int]] = None, *,
+                 create_chunks: bool = True):
         if not isinstance(backend, VmmBackend):
             raise TypeError(f"backend must be a VmmBackend, got {type(backend).__name__}")
         self._backend = backend
@@ -140,6 +141,7 @@ class ChunkPool:
         self._owner_of: Dict[int, Owner] = {}
         self._created = 0
         self._destroyed = 0
+        self._creates = bool(create_chunks)
 
     # ----------------------------------------------------------------- info
     @property
@@ -171,10 +173,16 @@ class ChunkPool:
         with self._lock:
             return len(self._owner_of)
 
+    @property
+    def creates_chunks(self) -> bool:
+        """False for a pool that only holds adopted (lent) chunks."""
+        return self._creates
+
     def available(self) -> int:
-        """FREE chunks plus chunks that may still be created."""
+        """FREE chunks plus chunks that may still be created (none if the pool does not create)."""
         with self._lock:
-            return len(self._held[Owner.FREE]) + self._capacity - len(self._owner_of)
+            creatable = self._capacity - len(self._owner_of) if self._creates else 0
+            return len(self._held[Owner.FREE]) + creatable
 
     def owner_of(self, chunk: PhysicalChunk) -> Owner:
         with self._lock:
@@ -275,6 +283,44 @@ class ChunkPool:
                 del self._held[src_owner][chunk.handle_id]
                 self._held[dst_owner][chunk.handle_id] = chunk
                 self._owner_of[chunk.handle_id] = dst_owner
+
+    def adopt(self, chunks: Iterable[PhysicalChunk]) -> None:
+        """Put chunks created elsewhere (alive in this pool's backend) into FREE. All or nothing."""
+        chunks = list(chunks)
+        with self._lock:
+            live = {c.handle_id for c in self._backend.live_chunks()}
+            seen = set()
+            for chunk in chunks:
+                if not isinstance(chunk, PhysicalChunk):
+                    raise TypeError(f"chunks must be PhysicalChunks, got {type(chunk).__name__}")
+                if chunk.handle_id in self._owner_of or chunk.handle_id in seen:
+                    raise OwnershipError(f"{chunk} is already in this pool")
+                if chunk.handle_id not in live:
+                    raise OwnershipError(f"{chunk} is not alive in this pool's backend")
+                seen.add(chunk.handle_id)
+            if len(self._owner_of) + len(chunks) > self._capacity:
+                raise PoolError(f"adopting {len(chunks)} chunk(s) would exceed capacity_chunks "
+                                f"{self._capacity} ({len(self._owner_of)} in the pool)")
+            for chunk in chunks:
+                self._held[Owner.FREE][chunk.handle_id] = chunk
+                self._owner_of[chunk.handle_id] = Owner.FREE
+                self._created += 1
+
+    def disown(self, max_chunks: Optional[int] = None) -> List[PhysicalChunk]:
+        """Take up to ``max_chunks`` (default: all) FREE chunks out of the ledger, undestroyed.
+
+        The caller now owns them (to hand back to their lender). Coldest first.
+        """
+        with self._lock:
+            free = self._held[Owner.FREE]
+            n = len(free) if max_chunks is None else min(_check_count("max_chunks", max_chunks), len(free))
+            out = []
+            for _ in range(n):
+                hid, chunk = next(iter(free.items()))
+                del free[hid], self._owner_of[hid]
+                self._destroyed += 1
+                out.append(chunk)
+            return out
 
     def trim(self, max_chunks: Optional[int] = None) -> int:
         """Destroy up to ``max_chunks`` (default: all) FREE chunks; return how many."""

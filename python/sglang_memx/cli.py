@@ -4,6 +4,8 @@
     sglang-memx models path                  print where the embedded model lives
     sglang-memx models tiny --out DIR ...    write a deterministic tiny random model
     sglang-memx status [--url URL]           print a running server's /memx/status
+    sglang-memx top [--once] [--url URL ...] live view of every pool and server on this machine
+    sglang-memx pool list | stop NAME        shared pools (arbiters) on this machine
     sglang-memx version                      plugin and upstream versions
 """
 
@@ -64,6 +66,57 @@ def _cmd_status(args) -> int:
     return 0
 
 
+def _pool_dir(args):
+    from sglang_memx.config import MemxConfig
+    from sglang_memx.elastic.setup import pool_dir
+
+    return pool_dir(MemxConfig(elastic_kv=True, pool_dir=args.pool_dir))
+
+
+def _cmd_top(args) -> int:
+    from sglang_memx.top import run
+
+    if args.interval <= 0:
+        print("sglang-memx top: error: argument --interval: must be positive", file=sys.stderr)
+        return 2
+    return run(_pool_dir(args), args.url or [], args.interval, args.once)
+
+
+def _cmd_pool_list(args) -> int:
+    from sglang_memx.top import collect
+
+    snap = collect(_pool_dir(args), [])
+    for p in snap["pools"]:
+        if "error" in p:
+            print(f"{p['name']}\tunreachable\t{p['socket']}")
+        else:
+            held = sum(c["held"] for c in p["clients"])
+            print(f"{p['name']}\t{held}/{p['budget']} chunks of {p['granularity']} B lent\t"
+                  f"{len(p['clients']) - 1} client(s)\t{p['socket']}")
+    return 0
+
+
+def _cmd_pool_stop(args) -> int:
+    import os
+    import signal
+
+    directory = _pool_dir(args)
+    pid_file = directory / f"{args.name}.pid"
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        print(f"sglang-memx pool stop: error: no running pool {args.name!r} in {directory}", file=sys.stderr)
+        return 1
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pid_file.unlink(missing_ok=True)
+        print(f"sglang-memx pool stop: pool {args.name!r} was not running (stale pid file removed)")
+        return 0
+    print(f"stopped pool {args.name!r} (arbiter pid {pid})")
+    return 0
+
+
 def _cmd_version(args) -> int:
     from sglang_memx import __version__
     from sglang_memx.runtime import upstream_version
@@ -104,6 +157,23 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--path", default="/memx/status")
     status.add_argument("--timeout", type=float, default=10.0)
     status.set_defaults(func=_cmd_status)
+
+    top = sub.add_parser("top", help="live view of every memx pool and server on this machine")
+    top.add_argument("--url", action="append", help="also show this server (repeatable)")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--pool-dir", default=None, help="pool sockets directory (as --memx-pool-dir)")
+    top.set_defaults(func=_cmd_top)
+
+    pool = sub.add_parser("pool", help="shared pools (per-device arbiters)")
+    psub = pool.add_subparsers(dest="pool_command", required=True)
+    plist = psub.add_parser("list", help="list the pools and their use")
+    plist.add_argument("--pool-dir", default=None)
+    plist.set_defaults(func=_cmd_pool_list)
+    pstop = psub.add_parser("stop", help="stop a pool's arbiter (its servers lose the pool)")
+    pstop.add_argument("name")
+    pstop.add_argument("--pool-dir", default=None)
+    pstop.set_defaults(func=_cmd_pool_stop)
 
     ver = sub.add_parser("version", help="print versions")
     ver.set_defaults(func=_cmd_version)

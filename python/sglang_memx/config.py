@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import re
 from typing import Any, Callable
 
 GROUP_TITLE = "sglang-memx (integrated memory subsystem)"
@@ -68,13 +70,48 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         metavar="PATH",
         help="HTTP path of the JSON status endpoint (default: /memx/status).",
     ),
+    MemxFlag(
+        "--memx-elastic-kv", "elastic_kv", action="store_true", default=False,
+        help="Back the MHA/GQA KV cache with a memory pool: the logical capacity "
+             "(--max-total-tokens) is only reserved address space; physical chunks are "
+             "mapped for pages in use and returned when pages are freed or evicted.",
+    ),
+    MemxFlag(
+        "--memx-pool", "pool", type=str, default=None, metavar="NAME",
+        help="Share one device budget with every server started with the same NAME "
+             "(a per-device arbiter process is started by the first one). Needs "
+             "--memx-elastic-kv.",
+    ),
+    MemxFlag(
+        "--memx-pool-budget-gb", "pool_budget_gb", type=float, default=None, metavar="GB",
+        help="Physical memory budget of the KV pool in GB: of this server alone, or of "
+             "the shared pool when --memx-pool starts its arbiter (default: the KV "
+             "logical capacity; required to start a shared pool).",
+    ),
+    MemxFlag(
+        "--memx-pool-dir", "pool_dir", type=str, default=None, metavar="DIR",
+        help="Directory of the shared pools' sockets (default: $XDG_RUNTIME_DIR/sglang-memx "
+             "or /tmp/sglang-memx-$UID).",
+    ),
+    MemxFlag(
+        "--memx-chunk-kb", "chunk_kb", type=int, default=64, metavar="KB",
+        help="Physical chunk size of the host (CPU) backend in KiB, a power of two "
+             ">= 4 (default 64). CUDA uses the device's granularity (2 MiB).",
+    ),
 )
+
+_POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 @dataclasses.dataclass(frozen=True)
 class MemxConfig:
     disabled: bool = False
     status_path: str = "/memx/status"
+    elastic_kv: bool = False
+    pool: str | None = None
+    pool_budget_gb: float | None = None
+    pool_dir: str | None = None
+    chunk_kb: int = 64
 
     def validate(self) -> "MemxConfig":
         path = self.status_path
@@ -84,9 +121,13 @@ class MemxConfig:
         if any(c.isspace() or c in "?#{}" for c in path):
             raise MemxConfigError("--memx-status-path",
                                   f"must not contain spaces, '?', '#' or braces, got {path!r}")
+        if path.rstrip("/") == "/memx/metrics":
+            raise MemxConfigError("--memx-status-path", "/memx/metrics is the memx Prometheus endpoint; "
+                                  "choose another path")
         if path.rstrip("/") in RESERVED_HTTP_PATHS or path in RESERVED_HTTP_PATHS:
             raise MemxConfigError("--memx-status-path",
                                   f"{path!r} is an upstream SGLang route; choose another path")
+        self._validate_pool()
         if self.disabled:
             for flag in MEMX_FLAGS:
                 if flag.dest != "disabled" and getattr(self, flag.dest) != flag.default:
@@ -94,11 +135,36 @@ class MemxConfig:
                         "--memx-disable", f"contradicts {flag.option}; drop one of the two")
         return self
 
+    def _validate_pool(self) -> None:
+        if self.pool is not None:
+            if not isinstance(self.pool, str) or not _POOL_NAME.fullmatch(self.pool):
+                raise MemxConfigError("--memx-pool", "must be 1-64 letters, digits, '_', '.' or '-' "
+                                      f"(starting with a letter or digit), got {self.pool!r}")
+        if self.pool_budget_gb is not None:
+            b = self.pool_budget_gb
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
+                raise MemxConfigError("--memx-pool-budget-gb", f"must be a positive number of GB, got {b!r}")
+        if self.pool_dir is not None and (not isinstance(self.pool_dir, str) or not self.pool_dir.strip()):
+            raise MemxConfigError("--memx-pool-dir", f"must be a directory path, got {self.pool_dir!r}")
+        c = self.chunk_kb
+        if isinstance(c, bool) or not isinstance(c, int) or c < 4 or c & (c - 1):
+            raise MemxConfigError("--memx-chunk-kb", f"must be a power of two >= 4, got {c!r}")
+        if c > 1 << 20:
+            raise MemxConfigError("--memx-chunk-kb", f"must be at most 1048576 (1 GiB), got {c}")
+        if not self.elastic_kv:
+            for option, value in (("--memx-pool", self.pool), ("--memx-pool-budget-gb", self.pool_budget_gb),
+                                  ("--memx-pool-dir", self.pool_dir)):
+                if value is not None:
+                    raise MemxConfigError(option, "needs --memx-elastic-kv (the pool backs the KV cache)")
+            if c != 64:
+                raise MemxConfigError("--memx-chunk-kb", "needs --memx-elastic-kv")
+
     @property
     def features(self) -> dict[str, bool]:
         """Which memx features are on in this process (names are stable API)."""
         on = not self.disabled
-        return {"status_endpoint": on}
+        return {"status_endpoint": on, "elastic_kv": on and self.elastic_kv,
+                "shared_pool": on and self.pool is not None}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

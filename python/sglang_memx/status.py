@@ -43,6 +43,7 @@ def kv_pool_status(scheduler) -> dict[str, Any]:
     evictable = int(tree_cache.evictable_size()) if tree_cache is not None else 0
     used = capacity - available - evictable
     kvcache = allocator.get_kvcache()
+    elastic = getattr(allocator, "_memx_elastic", None)
     return {
         "kind": type(kvcache).__name__,
         "capacity_tokens": capacity,
@@ -55,7 +56,7 @@ def kv_pool_status(scheduler) -> dict[str, Any]:
         "store_dtype": _dtype_name(getattr(kvcache, "store_dtype", None)),
         "device": str(getattr(kvcache, "device", "unknown")),
         "layers": getattr(kvcache, "layer_num", None),
-        "bytes": kv_buffer_bytes(kvcache),
+        "bytes": elastic.buffers.mapped_bytes if elastic is not None else kv_buffer_bytes(kvcache),
     }
 
 
@@ -68,14 +69,37 @@ def request_status(scheduler) -> dict[str, int]:
     }
 
 
+def elastic_status(allocator) -> dict[str, Any] | None:
+    """Physical side of elastic KV: groups, bytes per owner, map/unmap counts, shared-pool traffic."""
+    kv = getattr(allocator, "_memx_elastic", None)
+    if kv is None:
+        return None
+    pool = kv.buffers.pool
+    chunk = pool.chunk_bytes
+    doc = kv.status()
+    doc["owners_bytes"] = {str(o).lower(): n * chunk for o, n in pool.usage().items()}
+    doc["pool_capacity_bytes"] = pool.capacity_chunks * chunk
+    doc["backend"] = {k: v for k, v in kv.backend.counters().items()} if hasattr(kv, "backend") else {}
+    doc["shared_pool"] = kv.lent.status() if kv.lent is not None else None
+    if kv.lent is not None:
+        doc["shared_pool"]["chunk_bytes"] = chunk
+    return doc
+
+
 def scheduler_status(scheduler, config: MemxConfig) -> dict[str, Any]:
-    return {
+    doc = {
         "pid": os.getpid(),
         "time": time.time(),
         "features": config.features,
         "kv_pool": kv_pool_status(scheduler),
         "requests": request_status(scheduler),
     }
+    elastic = elastic_status(scheduler.token_to_kv_pool_allocator)
+    if elastic is not None:
+        doc["elastic_kv"] = elastic
+    if config.pool:
+        doc["pool_name"] = config.pool
+    return doc
 
 
 def status_document(config: MemxConfig, rank_states: list[dict[str, Any]]) -> dict[str, Any]:

@@ -118,6 +118,10 @@ class SGLangServer:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.load(r)
 
+    def request_text(self, path: str, timeout: float = 60.0) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return r.read().decode()
+
     def generate(self, text, **sampling) -> dict:
         return self.request("/generate", {"text": text, "sampling_params": sampling})
 

@@ -18,7 +18,7 @@ def _parse(argv):
 def test_defaults():
     cfg = _parse([])
     assert cfg == MemxConfig()
-    assert cfg.features == {"status_endpoint": True}
+    assert cfg.features == {"status_endpoint": True, "elastic_kv": False, "shared_pool": False}
     assert cfg.status_path == "/memx/status"
 
 
@@ -41,6 +41,7 @@ def test_every_flag_is_in_one_group_once():
     ("/generate", "upstream SGLang route"),
     ("/v1/chat/completions", "upstream SGLang route"),
     ("/health/", "upstream SGLang route"),
+    ("/memx/metrics", "Prometheus endpoint"),
 ])
 def test_bad_status_path_names_the_flag(path, fragment):
     with pytest.raises(MemxConfigError) as err:
@@ -72,3 +73,32 @@ def test_from_dict_rejects_unknown_and_invalid_settings():
         MemxConfig.from_dict({"bogus": 1})
     with pytest.raises(MemxConfigError, match="--memx-status-path"):
         MemxConfig.from_dict({"status_path": "nope"})
+
+
+def test_elastic_kv_flags_parse_and_turn_features_on():
+    cfg = _parse(["--memx-elastic-kv", "--memx-pool", "gpu0", "--memx-pool-budget-gb", "1.5",
+                  "--memx-pool-dir", "/tmp/p", "--memx-chunk-kb", "2048"])
+    assert (cfg.elastic_kv, cfg.pool, cfg.pool_budget_gb, cfg.pool_dir, cfg.chunk_kb) == (
+        True, "gpu0", 1.5, "/tmp/p", 2048)
+    assert cfg.features == {"status_endpoint": True, "elastic_kv": True, "shared_pool": True}
+    assert MemxConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("argv, flag, fragment", [
+    (["--memx-pool", "gpu0"], "--memx-pool", "needs --memx-elastic-kv"),
+    (["--memx-pool-budget-gb", "2"], "--memx-pool-budget-gb", "needs --memx-elastic-kv"),
+    (["--memx-pool-dir", "/tmp/x"], "--memx-pool-dir", "needs --memx-elastic-kv"),
+    (["--memx-chunk-kb", "8"], "--memx-chunk-kb", "needs --memx-elastic-kv"),
+    (["--memx-elastic-kv", "--memx-pool", "bad name"], "--memx-pool", "letters, digits"),
+    (["--memx-elastic-kv", "--memx-pool", "../up"], "--memx-pool", "letters, digits"),
+    (["--memx-elastic-kv", "--memx-pool-budget-gb", "0"], "--memx-pool-budget-gb", "positive"),
+    (["--memx-elastic-kv", "--memx-pool-budget-gb", "nan"], "--memx-pool-budget-gb", "positive"),
+    (["--memx-elastic-kv", "--memx-chunk-kb", "6"], "--memx-chunk-kb", "power of two"),
+    (["--memx-elastic-kv", "--memx-chunk-kb", "2"], "--memx-chunk-kb", "power of two"),
+    (["--memx-disable", "--memx-elastic-kv"], "--memx-disable", "--memx-elastic-kv"),
+])
+def test_bad_elastic_flags_name_the_flag(argv, flag, fragment):
+    with pytest.raises(MemxConfigError) as err:
+        _parse(argv)
+    assert err.value.flag == flag
+    assert fragment in str(err.value)

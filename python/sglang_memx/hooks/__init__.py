@@ -19,6 +19,7 @@ from typing import Callable
 HOOK_MODULES = (
     "sglang_memx.hooks.server_args",
     "sglang_memx.hooks.scheduler",
+    "sglang_memx.hooks.kv_cache",
     "sglang_memx.hooks.http",
 )
 

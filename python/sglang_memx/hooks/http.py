@@ -4,7 +4,8 @@
   ``/memx/status``) to upstream's FastAPI app. The handler asks every
   scheduler for its internal state (upstream's own request/response pair, now
   carrying a ``memx`` section, see hooks/scheduler.py) and returns the
-  combined status document.
+  combined status document; and ``GET /memx/metrics``, the same numbers in
+  Prometheus text format (``sglang_memx.metrics``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 from sglang_memx.config import MemxConfig
 from sglang_memx.hooks import HookSpec
 from sglang_memx.runtime import config_of
+from sglang_memx.metrics import CONTENT_TYPE, METRICS_PATH, render_prometheus
 from sglang_memx.status import status_document
 
 logger = logging.getLogger("sglang_memx")
@@ -31,6 +33,17 @@ def make_status_handler(config: MemxConfig):
     return memx_status
 
 
+def make_metrics_handler(config: MemxConfig):
+    status = make_status_handler(config)
+
+    async def memx_metrics():
+        from fastapi.responses import Response
+
+        return Response(render_prometheus(await status()), media_type=CONTENT_TYPE)
+
+    return memx_metrics
+
+
 def add_status_route(app, config: MemxConfig) -> bool:
     """Add the status route to ``app`` once; returns whether it was added."""
     if config.disabled:
@@ -39,7 +52,11 @@ def add_status_route(app, config: MemxConfig) -> bool:
         return False
     app.add_api_route(config.status_path, make_status_handler(config), methods=["GET"],
                       name="memx_status", include_in_schema=True)
-    logger.info("memx: serving GET %s", config.status_path)
+    if METRICS_PATH != config.status_path and not any(
+            getattr(r, "path", None) == METRICS_PATH for r in app.router.routes):
+        app.add_api_route(METRICS_PATH, make_metrics_handler(config), methods=["GET"],
+                          name="memx_metrics", include_in_schema=True)
+    logger.info("memx: serving GET %s and GET %s", config.status_path, METRICS_PATH)
     return True
 
 

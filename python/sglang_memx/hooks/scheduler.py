@@ -4,6 +4,13 @@
   ``memx`` section with live pool numbers to the internal state the scheduler
   already sends to the HTTP process on request, so /memx/status needs no new
   IPC channel.
+* ``Scheduler.get_next_batch_to_run`` (before): one elastic-KV ``tick`` per
+  loop iteration (reclaims, deflation, borrowing; ``elastic.driver``).
+* ``SchedulerPoolStatsObserver._get_token_info`` (after): with elastic KV the pool
+  statistics (log lines, metrics, load reports and the idle leak check) count
+  the pages of unmapped groups as free: they are free logical pages, merely
+  unbacked. Admission does not read these statistics; it asks the allocator,
+  whose ``available_size`` is physical (see ``hooks.kv_cache``).
 """
 
 from __future__ import annotations
@@ -30,10 +37,37 @@ def after_get_internal_state(result, controller, *args, **kwargs):
     return result
 
 
+def before_get_next_batch_to_run(scheduler, *args, **kwargs):
+    from sglang_memx.elastic.driver import tick
+
+    tick(scheduler)
+    return None
+
+
+def after_get_token_info(result, observer, *args, **kwargs):
+    allocator = getattr(observer, "token_to_kv_pool_allocator", None)
+    kv = getattr(allocator, "_memx_elastic", None)
+    if kv is None:
+        return result
+    import dataclasses
+
+    capacity = result.full_num_used + result.full_available_size + result.full_evictable_size
+    available = kv.logical_free_pages(allocator) * allocator.page_size
+    used = capacity - available - result.full_evictable_size
+    return dataclasses.replace(result, full_available_size=available, full_num_used=used,
+                               full_token_usage=used / capacity if capacity else 0.0)
+
+
 HOOKS = (
     HookSpec(
         "sglang.srt.managers.scheduler_components.internal_state."
         "SchedulerInternalStateController.get_internal_state",
         "after", after_get_internal_state, expects=("self", "recv_req"),
         why="report live KV pool numbers from the scheduler process"),
+    HookSpec("sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", "before",
+             before_get_next_batch_to_run, expects=("self",),
+             why="elastic KV: answer reclaims, deflate, borrow once per iteration"),
+    HookSpec("sglang.srt.managers.scheduler_components.pool_stats_observer."
+             "SchedulerPoolStatsObserver._get_token_info", "after", after_get_token_info,
+             expects=("self",), why="count unmapped KV groups as free logical pages in pool stats"),
 )

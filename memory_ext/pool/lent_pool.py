@@ -1,0 +1,107 @@
+"""LentPool: a process's ``ChunkPool`` filled with chunks borrowed from the device arbiter.
+
+The engine's tensors acquire and release chunks from ``pool`` exactly as from
+a local pool; this class moves chunks between that pool's FREE set and the
+arbiter:
+
+* ``borrow(n)`` asks the arbiter for ``n`` chunks (all or nothing) and adopts
+  them into FREE; a refusal returns 0 (the engine then waits or retracts).
+* ``give_back(n)`` disowns up to ``n`` FREE chunks and returns them.
+* The arbiter's ``RECLAIM(n)`` is answered at once with FREE chunks (on the
+  client's reclaim thread; the pool is thread-safe); whatever FREE could not
+  cover is added to ``pending_reclaim`` for the engine, which frees memory on
+  its own thread (e.g. evicts cached prefixes) and calls ``give_back``.
+
+Invariant: every chunk of ``pool`` was lent by the arbiter and is either in
+the pool's ledger or being handed back; the pool never creates chunks, so
+``pool.available()`` counts only chunks actually held (never a promise the
+arbiter might break). If the process dies the arbiter takes every chunk back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import List, Optional
+
+from ..vmm.base import PhysicalChunk, VmmBackend
+from .arbiter_client import ArbiterClient, ArbiterDenied
+from .ownership import ChunkPool
+
+log = logging.getLogger(__name__)
+
+
+class LentPool:
+    def __init__(self, socket_path, name: str, backend: VmmBackend, *, timeout: float = 30.0):
+        self._lock = threading.Lock()
+        self._pending_reclaim = 0
+        self.borrowed_total = 0
+        self.returned_total = 0
+        self.denied_total = 0
+        self.reclaim_requests = 0
+        self.last_denied_available = 0  # what the arbiter said it could lend at its last refusal
+        self.client = ArbiterClient(socket_path, name, backend, on_reclaim=self._on_reclaim, timeout=timeout)
+        self.pool = ChunkPool(backend, self.client.budget, create_chunks=False)
+
+    @property
+    def budget_chunks(self) -> int:
+        return self.client.budget
+
+    def borrow(self, n: int) -> int:
+        """Borrow ``n`` chunks into FREE; return ``n``, or 0 if the arbiter refused."""
+        if n <= 0:
+            return 0
+        try:
+            chunks = self.client.borrow(n)
+        except ArbiterDenied as exc:
+            with self._lock:
+                self.denied_total += 1
+                self.last_denied_available = int(exc.available)
+            log.debug("arbiter denied %d chunk(s): %s", n, exc)
+            return 0
+        try:
+            self.pool.adopt(chunks)
+        except BaseException:
+            self.client.give_back(chunks)
+            raise
+        with self._lock:
+            self.borrowed_total += n
+        return n
+
+    def give_back(self, max_chunks: Optional[int] = None) -> int:
+        """Return up to ``max_chunks`` (default: all) FREE chunks to the arbiter; return how many."""
+        chunks = self.pool.disown(max_chunks)
+        if chunks:
+            self.client.give_back(chunks)
+            with self._lock:
+                self.returned_total += len(chunks)
+        return len(chunks)
+
+    def _on_reclaim(self, n: int) -> List[PhysicalChunk]:
+        chunks = self.pool.disown(n)
+        with self._lock:
+            self.reclaim_requests += 1
+            self._pending_reclaim += n - len(chunks)
+            self.returned_total += len(chunks)
+        return chunks
+
+    def take_pending_reclaim(self) -> int:
+        """Chunks the arbiter asked for that FREE could not cover; resets the count."""
+        with self._lock:
+            n, self._pending_reclaim = self._pending_reclaim, 0
+            return n
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"budget_chunks": self.client.budget, "borrowed_total": self.borrowed_total,
+                    "returned_total": self.returned_total, "denied_total": self.denied_total,
+                    "reclaim_requests": self.reclaim_requests, "pending_reclaim": self._pending_reclaim,
+                    "held_chunks": len(self.client.held()), "client_id": self.client.client_id}
+
+    def close(self) -> None:
+        """Give every FREE chunk back and disconnect (mapped chunks return when the socket closes)."""
+        try:
+            if self.client.connected:
+                self.give_back()
+        finally:
+            self.client.close(force=True)

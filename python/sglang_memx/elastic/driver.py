@@ -1,0 +1,132 @@
+"""Once per scheduler iteration: answer reclaims, give idle memory back, borrow for the queue.
+
+``tick`` runs on the scheduler thread before upstream picks the next batch.
+
+* Reclaim (shared pool): chunks the arbiter asked for that were not FREE are
+  freed by evicting cached prefixes (radix cache, LRU) until enough groups
+  empty, then unmapped and returned.
+* Deflation: mapped groups whose pages are all free are unmapped (keeping
+  ``spare_groups``); with a shared pool their chunks go back to the arbiter
+  as soon as nothing waits, so an idle server holds only what its cached
+  prefixes use.
+* Borrowing (shared pool): if the waiting queue plus the running requests'
+  remaining decode need more tokens than are free, evictable or growable, the
+  shortfall (in whole groups, up to the logical capacity) is borrowed. A
+  refusal backs off for ``BORROW_BACKOFF_S``; requests then wait in the queue
+  (upstream's admission sees the real free memory), never fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger("sglang_memx")
+
+BORROW_BACKOFF_S = 0.5
+
+
+def _evictable(tree_cache) -> int:
+    try:
+        return int(tree_cache.evictable_size())
+    except Exception:
+        return 0
+
+
+def _evict(tree_cache, tokens: int) -> int:
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    if tokens <= 0 or tree_cache is None or not tree_cache.supports_prefix_sharing():
+        return 0
+    result = tree_cache.evict(EvictParams(num_tokens=tokens))
+    return int(getattr(result, "num_tokens_evicted", 0) or 0)
+
+
+def queue_demand_tokens(scheduler) -> int:
+    """Tokens the head of the waiting queue and the running requests' remaining decode would need.
+
+    Only the head request counts from the queue: admission is first come, first served, so
+    memory for it is what unblocks progress; the next ones are borrowed for on later ticks.
+    """
+    demand = 0
+    for req in list(getattr(scheduler, "waiting_queue", []))[:1]:
+        max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
+        demand += len(getattr(req, "origin_input_ids", ()) or ()) + int(max_new)
+    running = getattr(scheduler, "running_batch", None)
+    for req in list(getattr(running, "reqs", None) or []):
+        max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
+        demand += max(0, int(max_new) - len(getattr(req, "output_ids", ()) or ()))
+    return demand
+
+
+def borrow_tokens(kv, tokens: int) -> int:
+    """Borrow enough whole groups for ``tokens`` more tokens (shared pool only); return groups borrowed."""
+    lent = kv.lent
+    if lent is None or tokens <= 0:
+        return 0
+    now = time.monotonic()
+    if now < getattr(kv, "_borrow_backoff_until", 0.0):
+        return 0
+    unmapped = kv.num_groups - kv.buffers.num_mapped - kv.affordable_groups()
+    groups = min(-(-tokens // kv.buffers.group_rows), max(0, unmapped))
+    if groups <= 0:
+        return 0
+    cpg = kv.buffers.chunks_per_group
+    if lent.borrow(groups * cpg):
+        return groups
+    fewer = min(groups - 1, lent.last_denied_available // cpg)  # take what can be had now
+    if fewer > 0 and lent.borrow(fewer * cpg):
+        return fewer
+    kv._borrow_backoff_until = now + BORROW_BACKOFF_S
+    return 0
+
+
+def answer_reclaim(kv, allocator, tree_cache) -> int:
+    """Free and return the chunks the arbiter asked for; return how many chunks went back."""
+    lent = kv.lent
+    pending = lent.take_pending_reclaim() if lent is not None else 0
+    if pending <= 0:
+        return 0
+    groups = -(-pending // kv.buffers.chunks_per_group)
+    _evict(tree_cache, groups * kv.buffers.group_rows)
+    kv.shrink(allocator, spare_groups=0)
+    return lent.give_back()
+
+
+def physical_max_tokens(kv) -> int:
+    """The most tokens this server can ever back: its whole budget (own pool or shared pool)."""
+    budget = kv.lent.budget_chunks if kv.lent is not None else kv.buffers.pool.capacity_chunks
+    groups = min(kv.num_groups, budget // kv.buffers.chunks_per_group)
+    return groups * kv.buffers.group_rows - kv.page_size  # page 0 is never allocatable
+
+
+def cap_request_lengths(scheduler, kv) -> None:
+    """Refuse (with upstream's own length error) requests that could never fit the physical budget."""
+    if getattr(kv, "_lengths_capped", False):
+        return
+    cap = physical_max_tokens(kv)
+    if hasattr(scheduler, "max_req_len") and scheduler.max_req_len > cap - 1:
+        scheduler.max_req_len = cap - 1
+    if hasattr(scheduler, "max_req_input_len") and scheduler.max_req_input_len > cap - 6:
+        scheduler.max_req_input_len = cap - 6
+        logger.info("memx: requests are limited to %d input tokens by the physical KV budget", cap - 6)
+    kv._lengths_capped = True
+
+
+def tick(scheduler) -> None:
+    allocator = scheduler.token_to_kv_pool_allocator
+    kv = getattr(allocator, "_memx_elastic", None)
+    if kv is None:
+        return
+    cap_request_lengths(scheduler, kv)
+    tree_cache = getattr(scheduler, "tree_cache", None)
+    answer_reclaim(kv, allocator, tree_cache)
+    kv.shrink(allocator)
+    if kv.lent is None:
+        return
+    demand = queue_demand_tokens(scheduler)
+    if not getattr(scheduler, "waiting_queue", None):
+        kv.lent.give_back()  # nothing waits: unused borrowed chunks go back at once
+    shortfall = demand - allocator.available_size() - _evictable(tree_cache)
+    if shortfall > 0:
+        borrow_tokens(kv, shortfall)

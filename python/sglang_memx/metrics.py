@@ -1,0 +1,111 @@
+"""Prometheus text exposition of the /memx/status document (served at ``/memx/metrics``).
+
+Pure function of the status document: every sample is labelled with the
+scheduler's ``dp_rank`` (and ``pool`` when the server joined a shared pool),
+so several servers scraped by one Prometheus stay apart by their ``instance``.
+Names follow Prometheus conventions: ``_bytes`` / ``_tokens`` gauges,
+``_total`` counters, ``_seconds_total`` for summed latencies.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Tuple
+
+METRICS_PATH = "/memx/metrics"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# (name, type, help)
+_HELP = {
+    "memx_kv_capacity_tokens": ("gauge", "Logical KV capacity in tokens."),
+    "memx_kv_used_tokens": ("gauge", "KV tokens held by requests (not evictable)."),
+    "memx_kv_available_tokens": ("gauge", "KV tokens allocatable now (free mapped + mappable)."),
+    "memx_kv_evictable_tokens": ("gauge", "KV tokens held only by the prefix cache."),
+    "memx_kv_mapped_bytes": ("gauge", "Physical bytes backing the KV buffers."),
+    "memx_kv_logical_bytes": ("gauge", "Bytes the KV buffers would take fully backed."),
+    "memx_kv_groups_mapped": ("gauge", "KV groups currently backed."),
+    "memx_pool_owner_bytes": ("gauge", "Physical bytes held per owner in this server's pool."),
+    "memx_pool_capacity_bytes": ("gauge", "Capacity of this server's pool (or of its share)."),
+    "memx_kv_map_total": ("counter", "KV groups mapped."),
+    "memx_kv_unmap_total": ("counter", "KV groups unmapped."),
+    "memx_kv_grow_refused_total": ("counter", "Group maps the pool refused."),
+    "memx_kv_map_seconds_total": ("counter", "Time spent mapping KV groups."),
+    "memx_kv_unmap_seconds_total": ("counter", "Time spent unmapping KV groups."),
+    "memx_kv_map_seconds_max": ("gauge", "Longest single map call."),
+    "memx_kv_unmap_seconds_max": ("gauge", "Longest single unmap call."),
+    "memx_vmm_calls_total": ("counter", "Virtual-memory backend calls by kind."),
+    "memx_shared_pool_borrowed_chunks_total": ("counter", "Chunks borrowed from the pool arbiter."),
+    "memx_shared_pool_returned_chunks_total": ("counter", "Chunks returned to the pool arbiter."),
+    "memx_shared_pool_denied_total": ("counter", "Borrow requests the arbiter refused."),
+    "memx_shared_pool_reclaim_requests_total": ("counter", "Reclaim requests from the arbiter."),
+    "memx_shared_pool_held_bytes": ("gauge", "Bytes currently borrowed from the arbiter."),
+    "memx_shared_pool_budget_bytes": ("gauge", "Budget of the shared pool."),
+    "memx_requests_running": ("gauge", "Requests decoding."),
+    "memx_requests_waiting": ("gauge", "Requests waiting for admission."),
+}
+
+
+def _fmt_labels(labels: Dict[str, Any]) -> str:
+    if not labels:
+        return ""
+    body = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+                    for k, v in sorted(labels.items()))
+    return "{" + body + "}"
+
+
+def _samples(rank: Dict[str, Any]) -> Iterable[Tuple[str, Dict[str, Any], float]]:
+    base = {"dp_rank": rank.get("dp_rank", 0)}
+    if rank.get("pool_name"):
+        base["pool"] = rank["pool_name"]
+    kv = rank.get("kv_pool", {})
+    for key, name in (("capacity_tokens", "memx_kv_capacity_tokens"), ("used_tokens", "memx_kv_used_tokens"),
+                      ("available_tokens", "memx_kv_available_tokens"),
+                      ("evictable_tokens", "memx_kv_evictable_tokens")):
+        if key in kv:
+            yield name, base, kv[key]
+    req = rank.get("requests", {})
+    yield "memx_requests_running", base, req.get("running", 0)
+    yield "memx_requests_waiting", base, req.get("waiting", 0)
+    el = rank.get("elastic_kv")
+    if not el:
+        return
+    yield "memx_kv_mapped_bytes", base, el["mapped_bytes"]
+    yield "memx_kv_logical_bytes", base, el["logical_bytes"]
+    yield "memx_kv_groups_mapped", base, el["groups_mapped"]
+    yield "memx_pool_capacity_bytes", base, el["pool_capacity_bytes"]
+    for owner, nbytes in sorted(el.get("owners_bytes", {}).items()):
+        yield "memx_pool_owner_bytes", dict(base, owner=owner), nbytes
+    yield "memx_kv_map_total", base, el["groups_mapped_total"]
+    yield "memx_kv_unmap_total", base, el["groups_unmapped_total"]
+    yield "memx_kv_grow_refused_total", base, el["grow_refused"]
+    yield "memx_kv_map_seconds_total", base, el["map_seconds"]
+    yield "memx_kv_unmap_seconds_total", base, el["unmap_seconds"]
+    yield "memx_kv_map_seconds_max", base, el["max_map_seconds"]
+    yield "memx_kv_unmap_seconds_max", base, el["max_unmap_seconds"]
+    for call, n in sorted(el.get("backend", {}).items()):
+        yield "memx_vmm_calls_total", dict(base, call=call), n
+    shared = el.get("shared_pool")
+    if shared:
+        chunk = shared.get("chunk_bytes", el["chunk_bytes"])
+        yield "memx_shared_pool_borrowed_chunks_total", base, shared["borrowed_total"]
+        yield "memx_shared_pool_returned_chunks_total", base, shared["returned_total"]
+        yield "memx_shared_pool_denied_total", base, shared["denied_total"]
+        yield "memx_shared_pool_reclaim_requests_total", base, shared["reclaim_requests"]
+        yield "memx_shared_pool_held_bytes", base, shared["held_chunks"] * chunk
+        yield "memx_shared_pool_budget_bytes", base, shared["budget_chunks"] * chunk
+
+
+def render_prometheus(doc: Dict[str, Any]) -> str:
+    """The status document as Prometheus text format 0.0.4 (one HELP/TYPE block per metric)."""
+    by_name: Dict[str, List[str]] = {}
+    for rank in doc.get("schedulers", []):
+        for name, labels, value in _samples(rank):
+            by_name.setdefault(name, []).append(f"{name}{_fmt_labels(labels)} {float(value):.17g}")
+    out: List[str] = []
+    for name in _HELP:
+        if name not in by_name:
+            continue
+        kind, text = _HELP[name]
+        out.append(f"# HELP {name} {text}")
+        out.append(f"# TYPE {name} {kind}")
+        out.extend(by_name[name])
+    return "\n".join(out) + "\n"

@@ -1,0 +1,131 @@
+"""``sglang-memx top``: a live terminal view of every memx pool and server on this machine.
+
+Pools are found as ``<pool dir>/*.sock`` (one arbiter each, asked for STATUS
+without borrowing anything); servers as the ``<pool>.server.<pid>.json``
+files that servers joining a pool leave there, plus any ``--url`` given.
+Each frame shows, per pool, the budget split between its clients, and per
+server its KV (mapped vs logical bytes, tokens used / capacity), requests,
+and map / unmap counts. ``--once`` prints one frame (for scripts and tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+BAR = 24
+
+
+def _gib(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _bar(part: float, whole: float, width: int = BAR) -> str:
+    filled = 0 if whole <= 0 else min(width, round(width * part / whole))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def collect(pool_dir: Path, urls: List[str], timeout: float = 2.0) -> Dict[str, Any]:
+    """One snapshot: ``{"pools": [...], "servers": [...]}``; unreachable things carry ``error``."""
+    from memory_ext.pool.arbiter_client import ArbiterError, query_arbiter_status
+
+    pools, servers = [], []
+    known = {u.rstrip("/"): None for u in urls}
+    if pool_dir.is_dir():
+        for sock in sorted(pool_dir.glob("*.sock")):
+            entry: Dict[str, Any] = {"name": sock.stem, "socket": str(sock)}
+            try:
+                entry.update(query_arbiter_status(sock, timeout=timeout, name="sglang-memx-top"))
+            except ArbiterError as exc:
+                entry["error"] = str(exc)
+            pools.append(entry)
+        for reg in sorted(pool_dir.glob("*.server.*.json")):
+            try:
+                info = json.loads(reg.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(info, dict) and _pid_alive(int(info.get("pid", 0))) and info.get("url"):
+                known.setdefault(str(info["url"]).rstrip("/"), info.get("pool"))
+    for url, pool in known.items():
+        entry = {"url": url, "pool": pool}
+        try:
+            with urllib.request.urlopen(url + "/memx/status", timeout=timeout) as r:
+                entry["status"] = json.load(r)
+        except (OSError, ValueError) as exc:
+            entry["error"] = str(exc)
+        servers.append(entry)
+    return {"time": time.time(), "pools": pools, "servers": servers}
+
+
+def render(snap: Dict[str, Any]) -> str:
+    lines = [f"sglang-memx top   {time.strftime('%H:%M:%S', time.localtime(snap['time']))}   "
+             f"{len(snap['pools'])} pool(s), {len(snap['servers'])} server(s)", ""]
+    lines.append("POOLS")
+    if not snap["pools"]:
+        lines.append("  (none)")
+    for p in snap["pools"]:
+        if "error" in p:
+            lines.append(f"  {p['name']:<16} unreachable: {p['error']}")
+            continue
+        g = p["granularity"]
+        held = sum(c["held"] for c in p["clients"])
+        lines.append(f"  {p['name']:<16} {_bar(held, p['budget'])} {_gib(held * g)} lent of {_gib(p['budget'] * g)}"
+                     f"  free {_gib(p['free'] * g)}  waiting {p['pending']}")
+        for c in p["clients"]:
+            if c["name"] == "sglang-memx-top":
+                continue
+            lines.append(f"    {c['name']:<22} pid {c['pid']:<8} {_bar(c['held'], p['budget'], 16)} "
+                         f"{_gib(c['held'] * g)}  reclaim asked {c['asked']}")
+    lines += ["", "SERVERS"]
+    if not snap["servers"]:
+        lines.append("  (none; servers that join a pool are found automatically, others with --url)")
+    for s in snap["servers"]:
+        if "error" in s:
+            lines.append(f"  {s['url']:<28} unreachable: {s['error']}")
+            continue
+        for rank in s["status"].get("schedulers", []):
+            kv, req, el = rank["kv_pool"], rank["requests"], rank.get("elastic_kv")
+            head = f"  {s['url']:<28} {kv['used_tokens']:>7}/{kv['capacity_tokens']:<7} tok"
+            head += f"  run {req['running']:>3} wait {req['waiting']:>3}"
+            if el:
+                head += (f"  KV {_bar(el['mapped_bytes'], el['logical_bytes'], 16)} {_gib(el['mapped_bytes'])}"
+                         f" / {_gib(el['logical_bytes'])}  map {el['groups_mapped_total']} unmap "
+                         f"{el['groups_unmapped_total']}")
+            else:
+                head += f"  KV static {_gib(kv['bytes'])}"
+            lines.append(head + (f"  pool {rank['pool_name']}" if rank.get("pool_name") else ""))
+    return "\n".join(lines)
+
+
+def run(pool_dir: Path, urls: List[str], interval: float, once: bool, frames: Optional[int] = None) -> int:
+    shown = 0
+    while True:
+        frame = render(collect(pool_dir, urls))
+        if once:
+            print(frame)
+            return 0
+        print("\x1b[H\x1b[2J" + frame, flush=True)
+        shown += 1
+        if frames is not None and shown >= frames:
+            return 0
+        try:
+            time.sleep(interval)
+        except KeyboardInterrupt:
+            return 0

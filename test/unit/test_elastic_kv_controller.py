@@ -1,0 +1,116 @@
+"""ElasticKV against upstream's real allocators: the free list stays inside mapped groups,
+groups come and go with use, and `available` never promises more than the pool can back."""
+
+import types
+
+import pytest
+import torch
+
+from memory_ext.pool import ChunkPool, LayeredKVBuffers, Owner
+from memory_ext.vmm import host_backend
+from sglang_memx.elastic.kv import ElasticKV
+
+CHUNK = 4096
+ROW = 64  # bytes per token row per buffer -> 64 rows per chunk
+
+
+def _make(page_size, num_tokens=1024, capacity_chunks=1000, buffers=4):
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    backend = host_backend(CHUNK)
+    pool = ChunkPool(backend, capacity_chunks)
+    layered = LayeredKVBuffers(pool, [ROW] * buffers, num_tokens + page_size, page_size)
+    kv = ElasticKV(layered, page_size, num_tokens // page_size)
+    cache = types.SimpleNamespace(_memx_elastic=kv)
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(num_tokens, torch.bfloat16, "cpu", cache, need_sort=True)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(num_tokens, page_size, torch.bfloat16, "cpu", cache, need_sort=True)
+    kv.restrict_free_list(alloc)
+    return kv, alloc, pool, backend
+
+
+def _avail(kv, alloc):
+    return kv.free_page_count(alloc) + kv.growable_pages()
+
+
+def test_free_list_starts_with_group_zero_only():
+    kv, alloc, pool, _ = _make(1)
+    assert kv.group_pages == 64 and kv.num_groups == 17  # pages 0..1024
+    assert sorted(alloc.free_pages.tolist()) == list(range(1, 64))
+    assert kv.buffers.mapped_groups() == [0] and pool.usage()[Owner.KV] == 4
+    assert _avail(kv, alloc) == 1024  # logical pages 1..1024 all reachable
+    kv.check(alloc)
+
+
+def test_grow_alloc_free_shrink_round_trip():
+    kv, alloc, pool, _ = _make(1)
+    kv.grow(alloc, 300)
+    got = alloc.alloc(300)
+    assert got is not None and len(set(got.tolist())) == 300
+    assert {int(p) // 64 for p in got} <= set(kv.buffers.mapped_groups())
+    assert kv.buffers.num_mapped == 5  # 63 + 4 * 64 >= 300
+    kv.check(alloc)
+    alloc.free(got[:200])
+    kv.shrink(alloc)
+    kv.check(alloc)
+    live_groups = {int(p) // 64 for p in got[200:]}
+    assert set(kv.buffers.mapped_groups()) == live_groups | {0}
+    alloc.free(got[200:])
+    assert kv.shrink(alloc) >= 1 and kv.buffers.mapped_groups() == [0]
+    assert pool.usage()[Owner.KV] == 4 and kv.logical_free_pages(alloc) == 1024
+    kv.check(alloc)
+
+
+def test_available_never_exceeds_what_the_pool_can_back():
+    kv, alloc, pool, _ = _make(1, capacity_chunks=4 * 3)  # group 0 + 2 more groups
+    assert kv.growable_pages() == 128 and _avail(kv, alloc) == 63 + 128
+    kv.grow(alloc, 1000)  # asks for far more: gets what the pool has, no error
+    assert kv.buffers.num_mapped == 3 and kv.growable_pages() == 0
+    assert alloc.alloc(63 + 128) is not None and alloc.alloc(1) is None
+
+
+def test_spare_groups_stay_mapped():
+    kv, alloc, _, _ = _make(1)
+    kv.spare_groups = 1
+    kv.grow(alloc, 63 + 64 * 3)
+    got = alloc.alloc(63 + 64 * 3)
+    alloc.free(got)
+    kv.shrink(alloc)
+    assert kv.buffers.num_mapped == 2  # group 0 + one spare
+    kv.check(alloc)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_paged_allocator_extend_and_decode_stay_in_mapped_groups(page_size):
+    kv, alloc, _, _ = _make(page_size, num_tokens=2048)
+    assert kv.buffers.group_rows % page_size == 0
+    n = 3
+    prefix = torch.zeros(n, dtype=torch.int64)
+    seq = torch.tensor([70, 5, 130], dtype=torch.int64)
+    last = torch.full((n,), -1, dtype=torch.int64)
+    extend = int(seq.sum())
+    kv.grow(alloc, extend // page_size + n + 1)
+    out = alloc.alloc_extend(prefix, prefix, seq, seq, last, extend)
+    assert out is not None and len(set(out.tolist())) == extend
+    mapped = set(kv.buffers.mapped_groups())
+    assert {int(t) // kv.buffers.group_rows for t in out} <= mapped
+    ends = torch.cumsum(seq, 0) - 1
+    last_loc = out[ends]
+    kv.grow(alloc, n)
+    dec = alloc.alloc_decode(seq + 1, seq + 1, last_loc)
+    assert dec is not None
+    assert {int(t) // kv.buffers.group_rows for t in dec} <= set(kv.buffers.mapped_groups())
+    kv.check(alloc)
+    alloc.free(torch.cat([out, dec]))
+    kv.shrink(alloc)
+    assert kv.buffers.mapped_groups() == [0]
+    kv.check(alloc)
+
+
+def test_check_catches_a_free_page_in_an_unmapped_group():
+    kv, alloc, _, _ = _make(1)
+    alloc.free_pages = torch.cat([alloc.free_pages, torch.tensor([500])])
+    with pytest.raises(AssertionError, match="unmapped groups"):
+        kv.check(alloc)
