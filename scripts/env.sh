@@ -18,12 +18,25 @@ MEMX_BASE_PY="${MEMX_BASE_PYTHON:-python3}"
 
 _memx_log() { printf '[memx-env] %s\n' "$*" >&2; }
 
+# uv runs from $MEMX_BASE_PY if it has the right version, else from a small tool venv under
+# $MEMX_HOME/tools (works where the system python refuses pip installs, PEP 668).
+MEMX_UV_PY=""
 _memx_uv() {
-  if ! "$MEMX_BASE_PY" -m uv --version 2>/dev/null | grep -q "$MEMX_UV_VERSION"; then
-    _memx_log "installing uv $MEMX_UV_VERSION for $MEMX_BASE_PY"
-    "$MEMX_BASE_PY" -m pip install -q --disable-pip-version-check "uv==$MEMX_UV_VERSION" >&2
+  if [ -z "$MEMX_UV_PY" ]; then
+    local tool="$MEMX_HOME/tools/uv-$MEMX_UV_VERSION"
+    if "$MEMX_BASE_PY" -m uv --version 2>/dev/null | grep -q "$MEMX_UV_VERSION"; then
+      MEMX_UV_PY="$MEMX_BASE_PY"
+    elif "$tool/bin/python" -m uv --version 2>/dev/null | grep -q "$MEMX_UV_VERSION"; then
+      MEMX_UV_PY="$tool/bin/python"
+    else
+      _memx_log "installing uv $MEMX_UV_VERSION in $tool"
+      rm -rf "$tool"
+      "$MEMX_BASE_PY" -m venv "$tool" >&2
+      "$tool/bin/python" -m pip install -q --disable-pip-version-check "uv==$MEMX_UV_VERSION" >&2
+      MEMX_UV_PY="$tool/bin/python"
+    fi
   fi
-  "$MEMX_BASE_PY" -m uv "$@"
+  "$MEMX_UV_PY" -m uv "$@"
 }
 
 _memx_env_key() {

@@ -53,7 +53,7 @@ def test_host_baseline_uses_pcie_only_and_lends_nothing_to_a_tier():
     assert links.get("nvlink_sc:0", {"bytes": 0})["bytes"] == 0
 
 
-def test_worker_scale_up_reclaims_and_drops_peer_blocks():
+def test_worker_scale_up_reclaims_whole_meus_within_the_donation():
     sim, hook, _ = _run("swiftcache", duration=20.0)
     ws = hook.workers[0]
     before = ws.policy.donated_blocks

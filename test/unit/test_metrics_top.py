@@ -1,0 +1,62 @@
+"""/memx/metrics rendering and the `sglang-memx top` frame, from a status document."""
+
+import re
+import time
+
+from sglang_memx.metrics import render_prometheus
+from sglang_memx.top import render
+
+RANK = {
+    "dp_rank": 0, "pool_name": "gpu0",
+    "kv_pool": {"capacity_tokens": 4096, "used_tokens": 100, "available_tokens": 300, "evictable_tokens": 50,
+                "bytes": 65536},
+    "requests": {"running": 2, "waiting": 1},
+    "elastic_kv": {"mapped_bytes": 65536, "logical_bytes": 1 << 20, "groups_mapped": 4,
+                   "pool_capacity_bytes": 1 << 19, "owners_bytes": {"kv": 65536, "free": 4096},
+                   "groups_mapped_total": 9, "groups_unmapped_total": 5, "grow_refused": 1,
+                   "map_seconds": 0.002, "unmap_seconds": 0.001, "max_map_seconds": 0.0005,
+                   "max_unmap_seconds": 0.0002, "chunk_bytes": 4096,
+                   "backend": {"map_calls": 36, "unmap_calls": 20},
+                   "shared_pool": {"borrowed_total": 40, "returned_total": 20, "denied_total": 2,
+                                   "reclaim_requests": 3, "held_chunks": 17, "budget_chunks": 52,
+                                   "chunk_bytes": 4096}},
+}
+DOC = {"schedulers": [RANK]}
+
+
+def test_prometheus_text_has_help_type_and_labelled_samples():
+    text = render_prometheus(DOC)
+    assert text.endswith("\n")
+    assert "# TYPE memx_kv_map_total counter" in text
+    assert 'memx_kv_map_total{dp_rank="0",pool="gpu0"} 9' in text
+    assert 'memx_pool_owner_bytes{dp_rank="0",owner="kv",pool="gpu0"} 65536' in text
+    assert 'memx_vmm_calls_total{call="map_calls",dp_rank="0",pool="gpu0"} 36' in text
+    assert 'memx_shared_pool_held_bytes{dp_rank="0",pool="gpu0"} 69632' in text
+    sample = re.compile(r'^[a-z_]+(\{[^}]*\})? -?[0-9.e+-]+$')
+    for line in text.splitlines():
+        assert line.startswith("# ") or sample.match(line), line
+    names = [l.split()[2] for l in text.splitlines() if l.startswith("# TYPE")]
+    assert len(names) == len(set(names))  # one HELP/TYPE block per metric
+
+
+def test_prometheus_without_elastic_kv_has_only_token_gauges():
+    rank = {k: v for k, v in RANK.items() if k not in ("elastic_kv", "pool_name")}
+    text = render_prometheus({"schedulers": [rank]})
+    assert 'memx_kv_capacity_tokens{dp_rank="0"} 4096' in text
+    assert "memx_kv_mapped_bytes" not in text and "shared_pool" not in text
+
+
+def test_top_frame_shows_pools_clients_and_servers():
+    snap = {"time": time.time(),
+            "pools": [{"name": "gpu0", "socket": "/x/gpu0.sock", "budget": 52, "created": 20, "free": 3,
+                       "floor": 0, "pending": 0, "granularity": 4096,
+                       "clients": [{"name": "sglang-11", "pid": 11, "held": 17, "asked": 1},
+                                   {"name": "sglang-memx-top", "pid": 99, "held": 0, "asked": 0}]},
+                      {"name": "dead", "socket": "/x/dead.sock", "error": "no answer"}],
+            "servers": [{"url": "http://127.0.0.1:30001", "pool": "gpu0", "status": DOC},
+                        {"url": "http://127.0.0.1:30002", "error": "refused"}]}
+    frame = render(snap)
+    assert "gpu0" in frame and "68.00 KiB lent of 208.00 KiB" in frame
+    assert "sglang-11" in frame and "sglang-memx-top" not in frame
+    assert "dead" in frame and "unreachable" in frame
+    assert "http://127.0.0.1:30001" in frame and "map 9 unmap 5" in frame and "pool gpu0" in frame
