@@ -1,6 +1,6 @@
 """Three co-located servers sharing one KV budget through the pool arbiter (--memx-pool).
 
-The budget (52 chunks of 4 KiB = 13 groups of 64 tokens) is far below what the
+The budget (52 chunks of 4 KiB = 13 groups of 32 float32 tokens) is far below what the
 three servers' logical capacities add up to, so memory must move: a busy
 server borrows, an idle server's cached KV is reclaimed (evicted and given
 back) and flows to the next busy one, live, with no restart. Then one server
@@ -24,8 +24,10 @@ from support.server import SGLangServer, start_all
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
 SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=5)
-BUDGET_GB = "0.0002"  # 214748 B -> 52 chunks of 4 KiB -> 13 groups of 64 tokens
-CHUNKS_PER_GROUP = 4  # 2 layers x (K, V), 64 tokens x 64 B each
+BUDGET_GB = "0.0002"  # 214748 B -> 52 chunks of 4 KiB -> 13 groups of 32 tokens
+CHUNKS_PER_GROUP = 4  # 2 layers x (K, V), 32 float32 tokens x 128 B each
+# float32: servers see different batch shapes; bf16 rounding could flip a flat random model's argmax
+DTYPE = ["--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def pool(tmp_path_factory, tiny_model_root):
     model = tiny_model(SPEC, tiny_model_root)
     pool_dir = tmp_path_factory.mktemp("pools")
     name = f"t{os.getpid()}"
-    args = ["--memx-elastic-kv", "--memx-pool", name, "--memx-pool-budget-gb", BUDGET_GB,
+    args = DTYPE + ["--memx-elastic-kv", "--memx-pool", name, "--memx-pool-budget-gb", BUDGET_GB,
             "--memx-pool-dir", str(pool_dir), "--memx-chunk-kb", "4"]
     servers = [SGLangServer(model, name=f"colo-{x}", max_total_tokens=4096, extra_args=args) for x in "abc"]
     start_all(servers)
