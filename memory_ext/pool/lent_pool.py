@@ -25,7 +25,7 @@ import threading
 from typing import List, Optional
 
 from ..vmm.base import PhysicalChunk, VmmBackend
-from .arbiter_client import ArbiterClient, ArbiterDenied
+from .arbiter_client import ArbiterClient, ArbiterDenied, ArbiterError
 from .ownership import ChunkPool
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,14 @@ class LentPool:
     @property
     def budget_chunks(self) -> int:
         return self.client.budget
+
+    def available_now(self) -> int:
+        """Chunks the arbiter could grant at once (free + never created), from one STATUS."""
+        try:
+            st = self.client.status()
+        except ArbiterError:
+            return 0
+        return st["free"] + st["budget"] - st["created"]
 
     def borrow(self, n: int) -> int:
         """Borrow ``n`` chunks into FREE; return ``n``, or 0 if the arbiter refused."""

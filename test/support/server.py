@@ -70,9 +70,28 @@ class SGLangServer:
                                      env=self.env, start_new_session=True)
         return self
 
+    def _port_taken(self) -> bool:
+        try:
+            return "address already in use" in self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+
+    def _restart_on_new_port(self) -> None:
+        """The port picked at construction was taken meanwhile (another server's internal ports)."""
+        self.stop()
+        i = self.args.index("--port")
+        self.port = free_port()
+        self.args[i + 1] = str(self.port)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
+
     def wait_ready(self, timeout: float = 420.0) -> "SGLangServer":
         deadline = time.monotonic() + timeout
+        retried = False
         while time.monotonic() < deadline:
+            if not retried and self._port_taken():
+                retried = True
+                self._restart_on_new_port()
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server {self.name} exited with {self.proc.returncode}; "
                                    f"log tail:\n{self.log_tail()}")

@@ -103,7 +103,8 @@ def test_lent_pool_borrows_gives_back_and_answers_reclaims():
     a = LentPool(sock, "a", host_backend(CHUNK))
     b = LentPool(sock, "b", host_backend(CHUNK))
     try:
-        assert a.borrow(8) == 8 and a.pool.available() == 8
+        assert b.available_now() == 10
+        assert a.borrow(8) == 8 and a.pool.available() == 8 and b.available_now() == 2
         held = a.pool.acquire(Owner.KV, 6)  # 6 in use, 2 FREE
         assert b.borrow(4) == 4  # arbiter reclaims 2: a answers with its 2 FREE chunks at once
         assert a.reclaim_requests >= 1 and a.take_pending_reclaim() == 0

@@ -12,8 +12,9 @@
 * Borrowing (shared pool): if the waiting queue plus the running requests'
   remaining decode need more tokens than are free, evictable or growable, the
   shortfall (in whole groups, up to the logical capacity) is borrowed. A
-  refusal backs off for ``BORROW_BACKOFF_S``; requests then wait in the queue
-  (upstream's admission sees the real free memory), never fail.
+  refusal backs off (``borrow_tokens``); requests then wait in the queue
+  (upstream's admission sees the real free memory), never fail. The decode
+  path borrows only what the arbiter has free at once, never waiting.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import time
 logger = logging.getLogger("sglang_memx")
 
 BORROW_BACKOFF_S = 0.5
+BORROW_BACKOFF_MAX_S = 8.0
+MAX_NEW_CLIP = 4096  # upstream's default SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 
 
 def _evictable(tree_cache) -> int:
@@ -51,7 +54,10 @@ def queue_demand_tokens(scheduler) -> int:
     demand = 0
     for req in list(getattr(scheduler, "waiting_queue", []))[:1]:
         max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
-        demand += len(getattr(req, "origin_input_ids", ()) or ()) + int(max_new)
+        # upstream admits a request only if input + max_new (clipped) + one page is strictly
+        # below what is free and evictable; ask for exactly that much
+        demand += (len(getattr(req, "origin_input_ids", ()) or ()) + min(int(max_new), MAX_NEW_CLIP)
+                   + int(getattr(scheduler, "page_size", 1)) + 1)
     running = getattr(scheduler, "running_batch", None)
     for req in list(getattr(running, "reqs", None) or []):
         max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
@@ -59,37 +65,56 @@ def queue_demand_tokens(scheduler) -> int:
     return demand
 
 
-def borrow_tokens(kv, tokens: int) -> int:
-    """Borrow enough whole groups for ``tokens`` more tokens (shared pool only); return groups borrowed."""
+def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = False) -> int:
+    """Borrow enough whole groups for ``tokens`` more tokens (shared pool only); return groups borrowed.
+
+    ``may_wait=False`` (the decode path) takes only what the arbiter has free right now, so a
+    decode step never waits for other servers' reclaims. ``may_wait=True`` (once per
+    iteration, for the queue) may make the arbiter reclaim from others, which can take up to
+    its reclaim timeout; after a refusal it backs off, doubling from ``BORROW_BACKOFF_S`` up
+    to ``BORROW_BACKOFF_MAX_S``, and a grant resets the back-off. ``urgent`` (a decode step
+    that would otherwise retract) ignores the back-off.
+    """
     lent = kv.lent
     if lent is None or tokens <= 0:
         return 0
     now = time.monotonic()
-    if now < getattr(kv, "_borrow_backoff_until", 0.0):
+    if not urgent and now < kv.borrow_backoff_until:
         return 0
     unmapped = kv.num_groups - kv.buffers.num_mapped - kv.affordable_groups()
     groups = min(-(-tokens // kv.buffers.group_rows), max(0, unmapped))
+    cpg = kv.buffers.chunks_per_group
+    if not may_wait:
+        groups = min(groups, lent.available_now() // cpg)
     if groups <= 0:
         return 0
-    cpg = kv.buffers.chunks_per_group
-    if lent.borrow(groups * cpg):
-        return groups
-    fewer = min(groups - 1, lent.last_denied_available // cpg)  # take what can be had now
-    if fewer > 0 and lent.borrow(fewer * cpg):
-        return fewer
-    kv._borrow_backoff_until = now + BORROW_BACKOFF_S
-    return 0
+    got = groups if lent.borrow(groups * cpg) else 0
+    if not got and may_wait:
+        fewer = min(groups - 1, lent.last_denied_available // cpg)  # take what can be had now
+        got = fewer if fewer > 0 and lent.borrow(fewer * cpg) else 0
+    if got:
+        kv.borrow_backoff_s = BORROW_BACKOFF_S
+    elif may_wait:
+        delay = kv.borrow_backoff_s or BORROW_BACKOFF_S
+        kv.borrow_backoff_until = now + delay
+        kv.borrow_backoff_s = min(BORROW_BACKOFF_MAX_S, delay * 2)
+    return got
 
 
 def answer_reclaim(kv, allocator, tree_cache) -> int:
-    """Free and return the chunks the arbiter asked for; return how many chunks went back."""
+    """Free and return the chunks the arbiter asked for; return how many chunks went back.
+
+    Cached pages of one group may be spread over the LRU order, so eviction continues until
+    enough whole groups are empty (or nothing evictable is left).
+    """
     lent = kv.lent
     pending = lent.take_pending_reclaim() if lent is not None else 0
     if pending <= 0:
         return 0
-    groups = -(-pending // kv.buffers.chunks_per_group)
-    _evict(tree_cache, groups * kv.buffers.group_rows)
-    kv.shrink(allocator, spare_groups=0)
+    need = -(-pending // kv.buffers.chunks_per_group)
+    freed = kv.shrink(allocator, spare_groups=0)
+    while freed < need and _evict(tree_cache, (need - freed) * kv.buffers.group_rows) > 0:
+        freed += kv.shrink(allocator, spare_groups=0)
     return lent.give_back()
 
 
@@ -102,7 +127,7 @@ def physical_max_tokens(kv) -> int:
 
 def cap_request_lengths(scheduler, kv) -> None:
     """Refuse (with upstream's own length error) requests that could never fit the physical budget."""
-    if getattr(kv, "_lengths_capped", False):
+    if kv.lengths_capped:
         return
     cap = physical_max_tokens(kv)
     if hasattr(scheduler, "max_req_len") and scheduler.max_req_len > cap - 1:
@@ -110,7 +135,7 @@ def cap_request_lengths(scheduler, kv) -> None:
     if hasattr(scheduler, "max_req_input_len") and scheduler.max_req_input_len > cap - 6:
         scheduler.max_req_input_len = cap - 6
         logger.info("memx: requests are limited to %d input tokens by the physical KV budget", cap - 6)
-    kv._lengths_capped = True
+    kv.lengths_capped = True
 
 
 def tick(scheduler) -> None:

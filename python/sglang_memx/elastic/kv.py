@@ -61,6 +61,10 @@ class ElasticKV:
         self.stats = {"grow_calls": 0, "groups_mapped_total": 0, "groups_unmapped_total": 0, "grow_refused": 0,
                       "map_seconds": 0.0, "unmap_seconds": 0.0, "max_map_seconds": 0.0,
                       "max_unmap_seconds": 0.0}
+        # scheduler-side driver state (elastic.driver): borrow back-off, one-time length cap
+        self.borrow_backoff_until = 0.0
+        self.borrow_backoff_s = 0.0
+        self.lengths_capped = False
         buffers.map_groups([0])                 # the padded page 0 must always be writable
 
     # ----------------------------------------------------------- geometry
@@ -160,6 +164,9 @@ class ElasticKV:
         """Unmap mapped groups whose pages are all free (highest first), keeping spares; return how many."""
         spare = self.spare_groups if spare_groups is None else spare_groups
         if self.buffers.num_mapped <= 1 + spare:
+            return 0
+        # a group can only be empty if at least its usable pages are free: skip the O(free pages) scan
+        if self.free_page_count(allocator) < min(self.group_pages, self._last_group_pages):
             return 0
         allocator.merge_and_sort_free()
         free = allocator.free_pages

@@ -14,7 +14,9 @@
   ``alloc_decode`` (around) map groups first when the free list is short
   (see ``sglang_memx.elastic.kv`` for the invariant).
 * ``BaseTokenToKVPoolAllocator.check_decode_capacity`` (around): with a
-  shared pool, borrows the shortfall before upstream decides to retract.
+  shared pool, borrows what the arbiter has free; if upstream still finds the
+  step short, borrows again letting the arbiter reclaim from idle peers,
+  before upstream retracts.
 """
 
 from __future__ import annotations
@@ -143,12 +145,19 @@ def around_alloc_decode(original, allocator, seq_lens, *args, **kwargs):
 
 def around_check_decode_capacity(original, allocator, *args, **kwargs):
     kv = _elastic_of(allocator)
-    if kv is not None and kv.lent is not None:
-        from sglang_memx.elastic.driver import borrow_tokens
+    if kv is None or kv.lent is None:
+        return original(allocator, *args, **kwargs)
+    from sglang_memx.elastic.driver import borrow_tokens
 
-        need = int(kwargs.get("num_tokens", 0))
-        borrow_tokens(kv, need - allocator.available_size())
-    return original(allocator, *args, **kwargs)
+    need = int(kwargs.get("num_tokens", 0))
+    borrow_tokens(kv, need - allocator.available_size(), may_wait=False)  # what is free at once
+    if original(allocator, *args, **kwargs):
+        return True
+    # still short after evicting our own cache: let the arbiter reclaim from idle peers
+    # before upstream retracts (or aborts) a running request
+    if borrow_tokens(kv, need - allocator.available_size(), may_wait=True, urgent=True):
+        return original(allocator, *args, **kwargs)
+    return False
 
 
 _A = "sglang.srt.mem_cache.allocator."
