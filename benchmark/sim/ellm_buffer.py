@@ -156,13 +156,7 @@ class EllmElasticScheduler(EllmScheduler):
         if len(cache) > 4 * len(inst.running) + 1024:  # forget finished requests
             live = {r.rid for r in inst.running}
             self._dreq = {k: v for k, v in cache.items() if k in live}
-        d = self.policy.decide(free_kv_chunks=kv.available, idle_act_chunks=self.act_total - self.lent,
-                               prefills=p_reqs, decodes=d_reqs, cpu_buffer_free_chunks=self.buffer_free())
-        self.decisions += 1
-        if d.inflation > 0:
-            before = kv.capacity
-            self.lent += kv.resize(before + d.inflation) - before
-            self.max_lent = max(self.max_lent, self.lent)
+        d = self._decide_and_inflate(kv, p_reqs, d_reqs, self.buffer_free())
         plan = BatchPlan()
         admitted = set(d.admitted)
         if d.phase == "prefill":

@@ -132,6 +132,17 @@ class EllmScheduler:
         self.decisions = 0
         self.max_lent = 0
 
+    def _decide_and_inflate(self, kv, p_reqs, d_reqs, cpu_buffer_free_chunks: int):
+        """Ask Alg. 1 for this iteration's decision and lend it the idle activation blocks it inflates into."""
+        d = self.policy.decide(free_kv_chunks=kv.available, idle_act_chunks=self.act_total - self.lent,
+                               prefills=p_reqs, decodes=d_reqs, cpu_buffer_free_chunks=cpu_buffer_free_chunks)
+        self.decisions += 1
+        if d.inflation > 0:
+            before = kv.capacity
+            self.lent += kv.resize(before + d.inflation) - before
+            self.max_lent = max(self.max_lent, self.lent)
+        return d
+
     def plan(self, inst: "Instance", now: float) -> BatchPlan:
         kv = inst.kv
         bs = kv.block_size
@@ -142,15 +153,7 @@ class EllmScheduler:
             return BatchPlan()
         p_reqs = [self._Prefill(str(r.rid), r.target, -(-r.target // bs)) for r in prefills]
         d_reqs = [self._Decode(str(r.rid), 1 if r.ctx % bs == 0 else 0) for r in decodes]
-        d = self.policy.decide(free_kv_chunks=kv.available,
-                               idle_act_chunks=self.act_total - self.lent,
-                               prefills=p_reqs, decodes=d_reqs,
-                               cpu_buffer_free_chunks=self.cpu_buffer_blocks)
-        self.decisions += 1
-        if d.inflation:
-            before = kv.capacity
-            self.lent += kv.resize(before + d.inflation) - before
-            self.max_lent = max(self.max_lent, self.lent)
+        d = self._decide_and_inflate(kv, p_reqs, d_reqs, self.cpu_buffer_blocks)
         plan = BatchPlan()
         admitted = set(d.admitted)
         if d.phase == "prefill":

@@ -79,7 +79,7 @@ def elastic_status(allocator) -> dict[str, Any] | None:
     doc = kv.status()
     doc["owners_bytes"] = {str(o).lower(): n * chunk for o, n in pool.usage().items()}
     doc["pool_capacity_bytes"] = pool.capacity_chunks * chunk
-    doc["backend"] = {k: v for k, v in kv.backend.counters().items()} if hasattr(kv, "backend") else {}
+    doc["backend"] = pool.backend.counters()
     doc["shared_pool"] = kv.lent.status() if kv.lent is not None else None
     if kv.lent is not None:
         doc["shared_pool"]["chunk_bytes"] = chunk

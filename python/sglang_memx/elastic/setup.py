@@ -163,7 +163,6 @@ def build_elastic_kv(config: MemxConfig, row_bytes: Sequence[int], num_rows: int
         pool = ChunkPool(backend, capacity)
     buffers = LayeredKVBuffers(pool, row_bytes, num_rows, page_size)
     kv = ElasticKV(buffers, page_size, num_pages, lent=lent, device=device)
-    kv.backend = backend
     register_server(config, server_url)
     logger.info("memx: elastic KV on %s: %d token rows reserved in %d groups of %d tokens (%.1f MiB each); "
                 "pool %s", backend.__class__.__name__, num_rows, groups, group_rows,
