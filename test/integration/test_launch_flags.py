@@ -23,7 +23,12 @@ BAD_CASES = [
     (["--memx-disable", "--memx-status-path", "/x"], "--memx-disable",
      "contradicts --memx-status-path"),
     (["--memx-no-such-flag", "1"], None, "unrecognized arguments: --memx-no-such-flag"),
+    (["--memx-pool", "gpu0"], "--memx-pool", "needs --memx-elastic-kv"),
+    (["--memx-elastic-kv", "--memx-chunk-kb", "6"], "--memx-chunk-kb", "power of two"),
+    (["--memx-elastic-kv", "--memx-pool-budget-gb", "-1"], "--memx-pool-budget-gb", "positive number"),
 ]
+DEFAULTS = {"disabled": False, "status_path": "/memx/status", "elastic_kv": False, "pool": None,
+            "pool_budget_gb": None, "pool_dir": None, "chunk_kb": 64}
 
 PARSE_SCRIPT = r"""
 import contextlib, io, json, pickle, sys
@@ -102,8 +107,8 @@ def test_bad_memx_values_exit_2_naming_the_flag(runs, index):
 
 def test_config_reaches_server_args_and_survives_pickling(runs):
     good, default = runs["cases"][len(BAD_CASES):]
-    assert good["code"] == 0 and good["config"] == {"disabled": False, "status_path": "/ops/memx"}
-    assert default["config"] == {"disabled": False, "status_path": "/memx/status"}
+    assert good["code"] == 0 and good["config"] == dict(DEFAULTS, status_path="/ops/memx")
+    assert default["config"] == DEFAULTS
     assert "sglang-memx 0.1.0 active on sglang 0.5.23" in good["stderr"]
 
 
