@@ -7,10 +7,11 @@ arbiter:
 * ``borrow(n)`` asks the arbiter for ``n`` chunks (all or nothing) and adopts
   them into FREE; a refusal returns 0 (the engine then waits or retracts).
 * ``give_back(n)`` disowns up to ``n`` FREE chunks and returns them.
-* The arbiter's ``RECLAIM(n)`` is answered at once with FREE chunks (on the
-  client's reclaim thread; the pool is thread-safe); whatever FREE could not
-  cover is added to ``pending_reclaim`` for the engine, which frees memory on
-  its own thread (e.g. evicts cached prefixes) and calls ``give_back``.
+* The arbiter's ``RECLAIM(n)`` only adds ``n`` to ``pending_reclaim``; the
+  engine answers on its own thread (``take_pending_reclaim``, free memory,
+  ``give_back``). It is never answered from the client's reclaim thread: the
+  engine counts FREE chunks as memory it can map, and a chunk taken away
+  between its check and its allocation would break that promise.
 
 Invariant: every chunk of ``pool`` was lent by the arbiter and is either in
 the pool's ledger or being handed back; the pool never creates chunks, so
@@ -86,15 +87,13 @@ class LentPool:
         return len(chunks)
 
     def _on_reclaim(self, n: int) -> List[PhysicalChunk]:
-        chunks = self.pool.disown(n)
         with self._lock:
             self.reclaim_requests += 1
-            self._pending_reclaim += n - len(chunks)
-            self.returned_total += len(chunks)
-        return chunks
+            self._pending_reclaim += n
+        return []  # answered by the engine's thread (see the module docstring)
 
     def take_pending_reclaim(self) -> int:
-        """Chunks the arbiter asked for that FREE could not cover; resets the count."""
+        """Chunks the arbiter asked for since the last call; resets the count."""
         with self._lock:
             n, self._pending_reclaim = self._pending_reclaim, 0
             return n

@@ -2,9 +2,10 @@
 
 ``tick`` runs on the scheduler thread before upstream picks the next batch.
 
-* Reclaim (shared pool): chunks the arbiter asked for that were not FREE are
-  freed by evicting cached prefixes (radix cache, LRU) until enough groups
-  empty, then unmapped and returned.
+* Reclaim (shared pool): the chunks the arbiter asked for are answered here,
+  on the scheduler thread: FREE chunks first, then by evicting cached
+  prefixes (radix cache, LRU) until enough groups empty, which are unmapped
+  and returned.
 * Deflation: mapped groups whose pages are all free are unmapped (keeping
   ``spare_groups``); with a shared pool their chunks go back to the arbiter
   as soon as nothing waits, so an idle server holds only what its cached
