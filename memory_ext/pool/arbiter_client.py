@@ -64,11 +64,13 @@ class ArbiterClient:
 
     def __init__(self, socket_path, name: str, backend: VmmBackend,
                  on_reclaim: Optional[Callable[[int], Sequence[PhysicalChunk]]] = None, *,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0,
+                 on_late_reply: Optional[Callable[[dict, List[PhysicalChunk]], bool]] = None):
         if not isinstance(backend, VmmBackend):
             raise TypeError(f"backend must be a VmmBackend, got {type(backend).__name__}")
         self.backend = backend
         self.on_reclaim = on_reclaim
+        self.on_late_reply = on_late_reply  # (reply, chunks) -> True if it kept the chunks
         self.timeout = timeout
         self._lock = threading.Lock()
         self._next_req = 1
@@ -101,8 +103,13 @@ class ArbiterClient:
         self.floor: int = welcome["floor"]
 
     # ------------------------------------------------------------------- API
-    def borrow(self, n: int, owner: str = "kv") -> List[PhysicalChunk]:
-        """Borrow ``n`` chunks (all or nothing); raises ArbiterDenied if refused."""
+    def borrow(self, n: int, owner: str = "kv", timeout: Optional[float] = None) -> List[PhysicalChunk]:
+        """Borrow ``n`` chunks (all or nothing); raises ArbiterDenied if refused.
+
+        ``timeout`` (default: the client's) bounds the wait for each reply; on expiry
+        ArbiterError is raised and the reply, when it comes, goes to ``on_late_reply``
+        (or, if that does not keep them, the granted chunks go straight back).
+        """
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"n must be a positive int, got {n!r}")
         got: List[PhysicalChunk] = []
@@ -110,7 +117,7 @@ class ArbiterClient:
             while len(got) < n:
                 k = min(n - len(got), proto.MAX_CHUNKS_PER_MESSAGE)
                 w = self._request({"type": "BORROW", "n": k, "owner": owner},
-                                  timeout=self.timeout)
+                                  timeout=self.timeout if timeout is None else timeout)
                 if w.reply["type"] == "DENY":
                     raise ArbiterDenied(w.reply["reason"], w.reply["available"])
                 if w.reply["type"] != "GRANT":
@@ -287,7 +294,13 @@ class ArbiterClient:
             for c in chunks:
                 self._held[c.source_id] = c
         if w is None:
-            if chunks:  # the borrower gave up waiting: hand the grant straight back
+            kept = False
+            if self.on_late_reply is not None:
+                try:
+                    kept = bool(self.on_late_reply(msg, chunks))
+                except Exception:
+                    log.exception("arbiter client: on_late_reply failed")
+            if chunks and not kept:  # the borrower gave up waiting: hand the grant straight back
                 log.warning("arbiter client: late GRANT for request %d; returning it", msg["req_id"])
                 threading.Thread(target=self._give_back_quietly, args=(chunks,), daemon=True).start()
             return

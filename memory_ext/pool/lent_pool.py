@@ -4,8 +4,14 @@ The engine's tensors acquire and release chunks from ``pool`` exactly as from
 a local pool; this class moves chunks between that pool's FREE set and the
 arbiter:
 
-* ``borrow(n)`` asks the arbiter for ``n`` chunks (all or nothing) and adopts
-  them into FREE; a refusal returns 0 (the engine then waits or retracts).
+* ``borrow(n, wait)`` asks the arbiter for ``n`` chunks (all or nothing) and
+  adopts them into FREE; a refusal returns 0 (the engine then waits or
+  retracts). It waits at most ``wait`` seconds: a grant that needs other
+  processes to give memory back may take longer, and an engine thread must
+  never block on another engine (two borrowers would each wait for the other
+  to answer a reclaim). A reply that comes later is adopted into FREE then
+  (or counted as a refusal); while one is outstanding, ``borrow`` asks nothing
+  more and returns 0.
 * ``give_back(n)`` disowns up to ``n`` FREE chunks and returns them.
 * The arbiter's ``RECLAIM(n)`` only adds ``n`` to ``pending_reclaim``; the
   engine answers on its own thread (``take_pending_reclaim``, free memory,
@@ -41,7 +47,10 @@ class LentPool:
         self.denied_total = 0
         self.reclaim_requests = 0
         self.last_denied_available = 0  # what the arbiter said it could lend at its last refusal
-        self.client = ArbiterClient(socket_path, name, backend, on_reclaim=self._on_reclaim, timeout=timeout)
+        self.late_grants = 0
+        self._outstanding = 0  # borrows whose reply had not come when we stopped waiting
+        self.client = ArbiterClient(socket_path, name, backend, on_reclaim=self._on_reclaim, timeout=timeout,
+                                    on_late_reply=self._on_late_reply)
         self.pool = ChunkPool(backend, self.client.budget, create_chunks=False)
 
     @property
@@ -56,17 +65,27 @@ class LentPool:
             return 0
         return st["free"] + st["budget"] - st["created"]
 
-    def borrow(self, n: int) -> int:
-        """Borrow ``n`` chunks into FREE; return ``n``, or 0 if the arbiter refused."""
+    def borrow(self, n: int, wait: Optional[float] = None) -> int:
+        """Borrow ``n`` chunks into FREE; return ``n``, or 0 if refused, not granted within
+        ``wait`` seconds (default: the client's timeout), or a borrow is still outstanding."""
         if n <= 0:
             return 0
+        with self._lock:
+            if self._outstanding:
+                return 0
         try:
-            chunks = self.client.borrow(n)
+            chunks = self.client.borrow(n, timeout=wait)
         except ArbiterDenied as exc:
             with self._lock:
                 self.denied_total += 1
                 self.last_denied_available = int(exc.available)
             log.debug("arbiter denied %d chunk(s): %s", n, exc)
+            return 0
+        except ArbiterError as exc:
+            if exc.field is not None or not self.client.connected:
+                raise
+            with self._lock:  # no reply in time: it will come to _on_late_reply
+                self._outstanding += 1
             return 0
         try:
             self.pool.adopt(chunks)
@@ -76,6 +95,25 @@ class LentPool:
         with self._lock:
             self.borrowed_total += n
         return n
+
+    def _on_late_reply(self, msg: dict, chunks: List[PhysicalChunk]) -> bool:
+        with self._lock:
+            if msg["type"] not in ("GRANT", "DENY") or self._outstanding == 0:
+                return False
+            self._outstanding -= 1
+            if msg["type"] == "DENY":
+                self.denied_total += 1
+                self.last_denied_available = int(msg.get("available", 0))
+                return False
+        try:
+            self.pool.adopt(chunks)  # only adds FREE chunks: never breaks what the engine counted on
+        except Exception:
+            log.exception("lent pool: could not adopt a late grant; returning it")
+            return False
+        with self._lock:
+            self.borrowed_total += len(chunks)
+            self.late_grants += 1
+        return True
 
     def give_back(self, max_chunks: Optional[int] = None) -> int:
         """Return up to ``max_chunks`` (default: all) FREE chunks to the arbiter; return how many."""
@@ -103,6 +141,7 @@ class LentPool:
             return {"budget_chunks": self.client.budget, "borrowed_total": self.borrowed_total,
                     "returned_total": self.returned_total, "denied_total": self.denied_total,
                     "reclaim_requests": self.reclaim_requests, "pending_reclaim": self._pending_reclaim,
+                    "late_grants": self.late_grants, "outstanding": self._outstanding,
                     "held_chunks": len(self.client.held()), "client_id": self.client.client_id}
 
     def close(self) -> None:

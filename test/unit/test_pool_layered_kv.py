@@ -130,3 +130,31 @@ def test_lent_pool_borrows_gives_back_and_answers_reclaims():
         a.close()
         b.close()
         arb.stop()
+
+
+def test_lent_pool_never_blocks_on_a_peer_and_keeps_a_late_grant():
+    d = tempfile.mkdtemp()
+    sock = os.path.join(d, "p.sock")
+    arb = Arbiter(sock, host_backend(CHUNK), 8, reclaim_timeout=3.0).start()
+    a = LentPool(sock, "a", host_backend(CHUNK))
+    b = LentPool(sock, "b", host_backend(CHUNK))
+    try:
+        assert a.borrow(8) == 8
+        t0 = time.monotonic()
+        assert b.borrow(4, wait=0.05) == 0  # needs a reclaim from a: b does not wait for it
+        assert time.monotonic() - t0 < 1.0 and b.status()["outstanding"] == 1
+        assert b.borrow(1, wait=0.05) == 0  # one request in flight at a time
+        deadline = time.time() + 5
+        while not a.take_pending_reclaim() and time.time() < deadline:
+            time.sleep(0.01)
+        assert a.give_back(4) == 4  # a's engine answers on its own time
+        while b.pool.available() < 4 and time.time() < deadline:
+            time.sleep(0.01)
+        assert b.pool.available() == 4 and b.late_grants == 1 and b.status()["outstanding"] == 0
+        st = arb.status()
+        assert sum(c["held"] for c in st["clients"]) == 8
+        arb.check_invariants()
+    finally:
+        a.close()
+        b.close()
+        arb.stop()

@@ -27,6 +27,8 @@ logger = logging.getLogger("sglang_memx")
 
 BORROW_BACKOFF_S = 0.5
 BORROW_BACKOFF_MAX_S = 8.0
+QUEUE_WAIT_S = 0.02   # longest a scheduler iteration waits for a grant for its queue
+URGENT_WAIT_S = 0.5   # ... for a decode step that would otherwise retract
 MAX_NEW_CLIP = 4096  # upstream's default SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 
 
@@ -69,12 +71,13 @@ def queue_demand_tokens(scheduler) -> int:
 def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = False) -> int:
     """Borrow enough whole groups for ``tokens`` more tokens (shared pool only); return groups borrowed.
 
-    ``may_wait=False`` (the decode path) takes only what the arbiter has free right now, so a
-    decode step never waits for other servers' reclaims. ``may_wait=True`` (once per
-    iteration, for the queue) may make the arbiter reclaim from others, which can take up to
-    its reclaim timeout; after a refusal it backs off, doubling from ``BORROW_BACKOFF_S`` up
-    to ``BORROW_BACKOFF_MAX_S``, and a grant resets the back-off. ``urgent`` (a decode step
-    that would otherwise retract) ignores the back-off.
+    ``may_wait=False`` takes only what the arbiter has free right now. ``may_wait=True`` may
+    make the arbiter reclaim from other servers; the scheduler waits for the grant at most
+    ``QUEUE_WAIT_S`` (``URGENT_WAIT_S`` when ``urgent``: a decode step that would otherwise
+    retract), and a grant that comes later lands in the pool for the next iteration (see
+    ``LentPool.borrow``): a scheduler never blocks on another server. After a refusal it backs
+    off, doubling from ``BORROW_BACKOFF_S`` up to ``BORROW_BACKOFF_MAX_S`` (``urgent`` ignores
+    the back-off); a grant resets it.
     """
     lent = kv.lent
     if lent is None or tokens <= 0:
@@ -89,10 +92,11 @@ def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = Fals
         groups = min(groups, lent.available_now() // cpg)
     if groups <= 0:
         return 0
-    got = groups if lent.borrow(groups * cpg) else 0
+    wait = URGENT_WAIT_S if urgent else QUEUE_WAIT_S
+    got = groups if lent.borrow(groups * cpg, wait=wait) else 0
     if not got and may_wait:
         fewer = min(groups - 1, lent.last_denied_available // cpg)  # take what can be had now
-        got = fewer if fewer > 0 and lent.borrow(fewer * cpg) else 0
+        got = fewer if fewer > 0 and lent.borrow(fewer * cpg, wait=wait) else 0
     if got:
         kv.borrow_backoff_s = BORROW_BACKOFF_S
     elif may_wait:
@@ -116,7 +120,7 @@ def answer_reclaim(kv, allocator, tree_cache) -> int:
     freed = kv.shrink(allocator, spare_groups=0)
     while freed < need and _evict(tree_cache, (need - freed) * kv.buffers.group_rows) > 0:
         freed += kv.shrink(allocator, spare_groups=0)
-    return lent.give_back()
+    return lent.give_back(pending)  # what was asked for; late grants for our own queue stay
 
 
 def physical_max_tokens(kv) -> int:
