@@ -11,7 +11,7 @@ Reports per setup TTFT p50/p99, TPOT p50, throughput (output tok/s), and the
 number of retractions; and memx/stock ratios. JSON + PNG under
 benchmark/results/e2e/.
 
-    python benchmark/e2e/colocated.py [--phases 3] [--burst 16] [--new-tokens 64]
+    python benchmark/e2e/colocated.py [--phases 3] [--phase-s 20] [--burst 16] [--new-tokens 64]
 """
 
 from __future__ import annotations
@@ -66,7 +66,10 @@ def stream_one(server: SGLangServer, text: str, new_tokens: int) -> dict:
             "retractions": meta.get("num_retractions", 0)}
 
 
-def drive(servers, phases: int, burst: int, trickle_s: float, new_tokens: int, prompt_words: int) -> list:
+def drive(servers, phases: int, burst: int, trickle_s: float, new_tokens: int, prompt_words: int,
+          phase_s: float) -> list:
+    """The same request schedule for every setup: each phase lasts ``phase_s``; the busy
+    model gets ``burst`` requests at its start, the others one every ``trickle_s``."""
     results, lock, threads = [], threading.Lock(), []
 
     def run(i, text):
@@ -75,22 +78,21 @@ def drive(servers, phases: int, burst: int, trickle_s: float, new_tokens: int, p
         with lock:
             results.append(r)
 
+    def launch(i, text):
+        threads.append(threading.Thread(target=run, args=(i, text)))
+        threads[-1].start()
+
     for phase in range(phases):
         busy = phase % len(servers)
         start = time.perf_counter()
         for b in range(burst):
-            text = f"phase {phase} burst {b} " + " ".join(f"w{b}_{j}" for j in range(prompt_words))
-            threads.append(threading.Thread(target=run, args=(busy, text)))
-            threads[-1].start()
-        k = 0
-        while any(t.is_alive() for t in threads[-burst:]):
+            launch(busy, f"phase {phase} burst {b} " + " ".join(f"w{b}_{j}" for j in range(prompt_words)))
+        for k in range(int(phase_s // trickle_s)):
+            time.sleep(max(0.0, start + k * trickle_s - time.perf_counter()))
             for i in range(len(servers)):
-                if i != busy and time.perf_counter() - start > k * trickle_s:
-                    text = f"phase {phase} trickle {k} " + " ".join(f"v{k}_{j}" for j in range(prompt_words))
-                    threads.append(threading.Thread(target=run, args=(i, text)))
-                    threads[-1].start()
-            k += 1
-            time.sleep(trickle_s)
+                if i != busy:
+                    launch(i, f"phase {phase} trickle {k} " + " ".join(f"v{k}_{j}" for j in range(prompt_words)))
+        time.sleep(max(0.0, start + phase_s - time.perf_counter()))
     for t in threads:
         t.join()
     return results
@@ -122,7 +124,8 @@ def run_setup(kind: str, model, budget_tokens: int, args, pool_dir: Path) -> dic
         for s in servers:
             s.generate("warm up", max_new_tokens=4, temperature=0)
         t0 = time.perf_counter()
-        results = drive(servers, args.phases, args.burst, args.trickle_s, args.new_tokens, args.prompt_words)
+        results = drive(servers, args.phases, args.burst, args.trickle_s, args.new_tokens, args.prompt_words,
+                        args.phase_s)
         out = summarize(results, time.perf_counter() - t0)
     finally:
         for s in servers:
@@ -157,6 +160,7 @@ def main() -> int:
     ap.add_argument("--phases", type=int, default=3)
     ap.add_argument("--burst", type=int, default=16)
     ap.add_argument("--trickle-s", type=float, default=4.0)
+    ap.add_argument("--phase-s", type=float, default=20.0)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-words", type=int, default=40)
     ap.add_argument("--budget-tokens", type=int, default=1536, help="total KV tokens of the three servers")

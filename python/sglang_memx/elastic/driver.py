@@ -26,7 +26,7 @@ import time
 logger = logging.getLogger("sglang_memx")
 
 BORROW_BACKOFF_S = 0.5
-BORROW_BACKOFF_MAX_S = 8.0
+BORROW_BACKOFF_MAX_S = 1.0
 QUEUE_WAIT_S = 0.02   # longest a scheduler iteration waits for a grant for its queue
 URGENT_WAIT_S = 0.5   # ... for a decode step that would otherwise retract
 MAX_NEW_CLIP = 4096  # upstream's default SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
