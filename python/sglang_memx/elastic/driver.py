@@ -8,8 +8,8 @@
   and returned.
 * Deflation: mapped groups whose pages are all free are unmapped (keeping
   ``spare_groups``); with a shared pool their chunks go back to the arbiter
-  as soon as nothing waits, so an idle server holds only what its cached
-  prefixes use.
+  as soon as nothing waits, except what running requests may still decode
+  into, so an idle server holds only what its cached prefixes use.
 * Borrowing (shared pool): if the waiting queue plus the running requests'
   remaining decode need more tokens than are free, evictable or growable, the
   shortfall (in whole groups, up to the logical capacity) is borrowed. A
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+from memory_ext.pool import Owner
 
 logger = logging.getLogger("sglang_memx")
 
@@ -48,6 +50,40 @@ def _evict(tree_cache, tokens: int) -> int:
     return int(getattr(result, "num_tokens_evicted", 0) or 0)
 
 
+def _admitted_requests(scheduler) -> list:
+    """Requests holding KV: the running batch and a prefill batch not merged into it yet
+    (upstream merges the last prefill batch inside ``get_next_batch_to_run``, after our tick)."""
+    seen, out = set(), []
+    for batch in (getattr(scheduler, "running_batch", None), getattr(scheduler, "last_batch", None)):
+        for req in list(getattr(batch, "reqs", None) or []):
+            finished = getattr(req, "finished", None)
+            if id(req) in seen or (callable(finished) and finished()):
+                continue
+            seen.add(id(req))
+            out.append(req)
+    return out
+
+
+def running_demand_tokens(scheduler) -> int:
+    """Tokens the admitted requests may still decode (their remaining max_new_tokens)."""
+    demand = 0
+    for req in _admitted_requests(scheduler):
+        max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
+        demand += max(0, int(max_new) - len(getattr(req, "output_ids", ()) or ()))
+    return demand
+
+
+def spare_free_chunks(kv, allocator, scheduler) -> int:
+    """FREE chunks not needed for the running requests' remaining decode (those may go back).
+
+    A running request was admitted against memory counted as available; giving that memory
+    away would make its later decode steps fail (upstream then retracts or aborts it).
+    """
+    need = running_demand_tokens(scheduler) - kv.free_page_count(allocator) * kv.page_size
+    keep = -(-max(0, need) // kv.buffers.group_rows) * kv.buffers.chunks_per_group
+    return max(0, kv.buffers.pool.usage()[Owner.FREE] - keep)
+
+
 def queue_demand_tokens(scheduler) -> int:
     """Tokens the head of the waiting queue and the running requests' remaining decode would need.
 
@@ -61,11 +97,7 @@ def queue_demand_tokens(scheduler) -> int:
         # below what is free and evictable; ask for exactly that much
         demand += (len(getattr(req, "origin_input_ids", ()) or ()) + min(int(max_new), MAX_NEW_CLIP)
                    + int(getattr(scheduler, "page_size", 1)) + 1)
-    running = getattr(scheduler, "running_batch", None)
-    for req in list(getattr(running, "reqs", None) or []):
-        max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
-        demand += max(0, int(max_new) - len(getattr(req, "output_ids", ()) or ()))
-    return demand
+    return demand + running_demand_tokens(scheduler)
 
 
 def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = False) -> int:
@@ -106,7 +138,7 @@ def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = Fals
     return got
 
 
-def answer_reclaim(kv, allocator, tree_cache) -> int:
+def answer_reclaim(kv, allocator, tree_cache, scheduler=None) -> int:
     """Free and return the chunks the arbiter asked for; return how many chunks went back.
 
     Cached pages of one group may be spread over the LRU order, so eviction continues until
@@ -120,7 +152,8 @@ def answer_reclaim(kv, allocator, tree_cache) -> int:
     freed = kv.shrink(allocator, spare_groups=0)
     while freed < need and _evict(tree_cache, (need - freed) * kv.buffers.group_rows) > 0:
         freed += kv.shrink(allocator, spare_groups=0)
-    return lent.give_back(pending)  # what was asked for; late grants for our own queue stay
+    spare = spare_free_chunks(kv, allocator, scheduler) if scheduler is not None else pending
+    return lent.give_back(min(pending, spare))  # never what running requests will decode into
 
 
 def physical_max_tokens(kv) -> int:
@@ -150,13 +183,13 @@ def tick(scheduler) -> None:
         return
     cap_request_lengths(scheduler, kv)
     tree_cache = getattr(scheduler, "tree_cache", None)
-    answer_reclaim(kv, allocator, tree_cache)
+    answer_reclaim(kv, allocator, tree_cache, scheduler)
     kv.shrink(allocator)
     if kv.lent is None:
         return
     demand = queue_demand_tokens(scheduler)
     if not getattr(scheduler, "waiting_queue", None):
-        kv.lent.give_back()  # nothing waits: unused borrowed chunks go back at once
+        kv.lent.give_back(spare_free_chunks(kv, allocator, scheduler))  # nothing waits: unused chunks go back
     shortfall = demand - allocator.available_size() - _evictable(tree_cache)
     if shortfall > 0:
         borrow_tokens(kv, shortfall)
