@@ -1,7 +1,8 @@
 """Three co-located servers sharing one KV budget through the pool arbiter (--memx-pool).
 
-The budget (52 chunks of 4 KiB = 13 groups of 32 float32 tokens) is far below what the
-three servers' logical capacities add up to, so memory must move: a busy
+The budget (131 chunks of 4 KiB, KV and activations together: a 64-token prefill's
+activations take 45 chunks, a KV group of 32 float32 tokens 4) is far below what
+the three servers' logical capacities add up to, so memory must move: a busy
 server borrows, an idle server's cached KV is reclaimed (evicted and given
 back) and flows to the next busy one, live, with no restart. Then one server
 is SIGKILLed mid-load: the others keep answering, the arbiter takes the dead
@@ -24,10 +25,12 @@ from support.server import SGLangServer, start_all
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
 SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=5)
-BUDGET_GB = "0.0002"  # 214748 B -> 52 chunks of 4 KiB -> 13 groups of 32 tokens
+# 536870 B -> 131 chunks of 4 KiB: activations of one 64-token prefill (45 chunks) + 21 KV groups of 32 tokens
+BUDGET_GB = "0.0005"
+BUDGET_CHUNKS = 131
 CHUNKS_PER_GROUP = 4  # 2 layers x (K, V), 32 float32 tokens x 128 B each
 # float32: servers see different batch shapes; bf16 rounding could flip a flat random model's argmax
-DTYPE = ["--dtype", "float32"]
+DTYPE = ["--dtype", "float32", "--chunked-prefill-size", "64"]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,7 @@ def _wait(predicate, timeout=30.0):
 
 def test_every_server_joined_one_arbiter(pool):
     held, st = _held(pool["sock"])
-    assert st["budget"] == 52 and st["granularity"] == 4096
+    assert st["budget"] == BUDGET_CHUNKS and st["granularity"] == 4096
     assert sorted(held) == sorted(_scheduler_pid(s) for s in pool["servers"])
     assert sum(st_c["held"] for st_c in st["clients"]) <= st["budget"]
 
@@ -84,7 +87,7 @@ def test_every_server_joined_one_arbiter(pool):
 def test_memory_flows_from_idle_to_busy_server(pool):
     a, b, _ = pool["servers"]
     texts = [f"load {i} " + " ".join(f"q{i}_{j}" for j in range(30)) for i in range(6)]
-    out_a = _gen(a, texts, 80)  # 6 x ~120 tokens: most of the 13-group budget
+    out_a = _gen(a, texts, 80)  # 6 x ~115 tokens: more than the 21 KV groups left beside activations
     held, _ = _held(pool["sock"])
     a_pid, b_pid = _scheduler_pid(a), _scheduler_pid(b)
     assert held[a_pid] > 4 * CHUNKS_PER_GROUP, held  # a borrowed well beyond its group 0

@@ -2,8 +2,8 @@
 
 Three servers on one tiny Llama (GQA): stock; memx elastic KV with a physical
 budget far below its logical capacity (page size 1, 4 KiB chunks, so a group
-is 32 float32 tokens and the budget holds 13 groups); memx elastic KV with page size 4
-and no budget. Outputs must be identical to stock through prefix-cache hits,
+is 32 float32 tokens and the budget holds a 64-token prefill's activations plus 14
+groups); memx elastic KV with page size 4 and no budget. Outputs must be identical to stock through prefix-cache hits,
 chunked prefill and retraction under memory pressure, and the KV memory must
 go back to the pool when the requests are gone.
 """
@@ -20,7 +20,7 @@ SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, he
 # float32: under retraction the batches differ from stock's, and a random tiny model's logits
 # are so flat that bf16 rounding differences between batch shapes could flip an argmax.
 COMMON = ["--chunked-prefill-size", "64", "--dtype", "float32"]
-TIGHT_BUDGET_GB = "0.0002"  # 52 chunks of 4 KiB = 13 groups of 32 tokens (128 B per row)
+TIGHT_BUDGET_GB = "0.0004"  # 104 chunks of 4 KiB: a 64-token prefill's activation (45) + 14 KV groups of 32 tokens
 PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three four five",
            "Elastic memory for serving"]
 
@@ -94,18 +94,19 @@ def test_request_beyond_the_physical_budget_is_refused(servers):
 
 def test_retraction_under_pressure_matches_stock(servers):
     """12 requests arriving together need ~4x the tight server's physical budget. Without ignore_eos
-    upstream admits on an estimated output length (x --schedule-conservativeness 0.05), so it
-    over-admits, runs out of physical KV while decoding and retracts (recomputes) requests;
-    the answers must still be stock's and no request may be lost."""
+    upstream admits on an estimated output length (x --schedule-conservativeness 0.05); the
+    activation of the next prefill chunk bounds admission to ~3 requests, whose decode (~290
+    tokens each) then outgrows the physical KV, so requests are retracted (recomputed); the
+    answers must still be stock's and no request may be lost."""
     texts = [f"request {i} " + " ".join(f"t{i}_{j}" for j in range(20)) for i in range(12)]
-    want = [r["output_ids"] for r in _gen(servers["stock"], texts, 120, ignore_eos=False)]
+    want = [r["output_ids"] for r in _gen(servers["stock"], texts, 200, ignore_eos=False)]
 
-    got = _gen(servers["tight"], texts, 120, ignore_eos=False)  # all 12 arrive at once
+    got = _gen(servers["tight"], texts, 200, ignore_eos=False)  # all 12 arrive at once
     assert [r["output_ids"] for r in got] == want
     retractions = sum(r["meta_info"].get("num_retractions", 0) for r in got)
     status = _elastic(servers["tight"])
     budget_groups = status["pool_capacity_bytes"] // status["group_bytes"]
-    assert budget_groups <= 13  # the physical budget (~400 tokens) really is below the load
+    assert budget_groups <= 26  # the whole budget (832 tokens, activations included) is below the load
     assert retractions > 0, "the load should have forced retractions"
     assert status["groups_mapped_total"] > budget_groups  # groups were unmapped and mapped again
 
@@ -128,6 +129,21 @@ def test_memory_returns_to_the_pool(servers, name):
     assert st["groups_mapped"] == 1, st  # only group 0 (the padded page) stays mapped
     assert st["owners_bytes"]["kv"] == st["group_bytes"]
     assert st["groups_unmapped_total"] > 0
+
+
+def test_activations_balloon_with_kv(servers):
+    """The tight server's budget holds KV and activations (eLLM ballooning): prefills took
+    activation chunks, KV later mapped into the idle ones, and both never exceeded the budget."""
+    server = servers["tight"]
+    _gen(server, [f"balloon {i} " + "y " * 50 for i in range(8)], 30)
+    el = _elastic(server)
+    act = el["activation"]
+    assert act["profile"]["per_token_bytes"] == 4 * (2 * 64 + (2 * 4 + 2 * 2) * 16 + 3 * 128)
+    assert act["max_batch_tokens"] == 64
+    assert act["peak_held"] >= act["peak_need"] > 0
+    assert act["chunks_from_free"] + act["chunks_from_kv"] >= act["peak_held"]
+    assert act["chunks_lent_to_kv"] > 0  # KV inflated into idle activation memory
+    assert el["mapped_bytes"] + act["held_bytes"] <= el["pool_capacity_bytes"]
 
 
 def test_status_reports_physical_bytes(servers):

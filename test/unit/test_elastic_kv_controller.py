@@ -114,3 +114,47 @@ def test_check_catches_a_free_page_in_an_unmapped_group():
     alloc.free_pages = torch.cat([alloc.free_pages, torch.tensor([500])])
     with pytest.raises(AssertionError, match="unmapped groups"):
         kv.check(alloc)
+
+
+# ------------------------------------------------------------ activation ballooning
+def _with_balloon(per_token_bytes, capacity_chunks):
+    from memory_ext.policy.activation import ActivationProfile
+    from sglang_memx.elastic.activation import ActivationBalloon
+
+    kv, alloc, pool, backend = _make(1, capacity_chunks=capacity_chunks)
+    kv.activation = ActivationBalloon(pool, ActivationProfile(per_token_bytes=per_token_bytes))
+    return kv, alloc, pool
+
+
+def test_activation_takes_free_chunks_and_kv_inflates_into_idle_ones():
+    from sglang_memx.elastic.driver import reserve_activation
+
+    kv, alloc, pool = _with_balloon(CHUNK, capacity_chunks=4 * 4)  # group 0 + 12 free chunks
+    assert reserve_activation(kv, alloc, None, tokens=8, seqs=1)   # 8 chunks
+    assert pool.usage()[Owner.ACTIVATION] == 8 and kv.activation.live == 8
+    assert kv.growable_pages() == 64  # 4 FREE chunks = one group; the live 8 are not KV's
+    kv.activation.end_iteration()     # the forward is over: the 8 chunks are idle
+    assert kv.growable_pages() == 3 * 64
+    kv.grow(alloc, 63 + 3 * 64)       # inflation: KV maps into idle activation memory
+    assert kv.buffers.num_mapped == 4 and pool.usage()[Owner.ACTIVATION] == 0
+    assert kv.activation.stats["chunks_lent_to_kv"] == 8
+    kv.check(alloc)
+
+
+def test_activation_deflates_free_kv_lazily_and_refuses_what_cannot_fit():
+    from sglang_memx.elastic.driver import reserve_activation
+
+    kv, alloc, pool = _with_balloon(CHUNK, capacity_chunks=4 * 4)
+    kv.grow(alloc, 63 + 3 * 64)                       # KV maps everything
+    held = alloc.alloc(63 + 64)                       # groups 0 and 1 in use, 2 and 3 free
+    assert pool.available() == 0
+    assert reserve_activation(kv, alloc, None, tokens=5, seqs=1)  # deflates 2 groups (only 5 needed)
+    assert kv.buffers.num_mapped == 2 and pool.usage()[Owner.ACTIVATION] == 5
+    assert kv.activation.stats["chunks_from_kv"] == 5
+    kv.check(alloc)
+    kv.activation.end_iteration()
+    assert not reserve_activation(kv, alloc, None, tokens=9, seqs=1)  # 9 > 5 held + 3 free
+    assert pool.usage()[Owner.ACTIVATION] == 5 and kv.activation.stats["refused"] == 1  # nothing taken
+    alloc.free(held)
+    assert reserve_activation(kv, alloc, None, tokens=9, seqs=1)  # group 1 is free now
+    kv.check(alloc)

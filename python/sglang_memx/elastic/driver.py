@@ -81,6 +81,9 @@ def spare_free_chunks(kv, allocator, scheduler) -> int:
     """
     need = running_demand_tokens(scheduler) - kv.free_page_count(allocator) * kv.page_size
     keep = -(-max(0, need) // kv.buffers.group_rows) * kv.buffers.chunks_per_group
+    if kv.activation is not None:  # and their decode steps' activation
+        n = len(_admitted_requests(scheduler))
+        keep += max(0, kv.activation.need_chunks(n, n) - kv.activation.held)
     return max(0, kv.buffers.pool.usage()[Owner.FREE] - keep)
 
 
@@ -98,6 +101,39 @@ def queue_demand_tokens(scheduler) -> int:
         demand += (len(getattr(req, "origin_input_ids", ()) or ()) + min(int(max_new), MAX_NEW_CLIP)
                    + int(getattr(scheduler, "page_size", 1)) + 1)
     return demand + running_demand_tokens(scheduler)
+
+
+def head_prefill_tokens(scheduler) -> int:
+    """Tokens of the waiting head request's first prefill chunk (0 if nothing waits)."""
+    head = list(getattr(scheduler, "waiting_queue", []))[:1]
+    if not head:
+        return 0
+    tokens = len(getattr(head[0], "origin_input_ids", ()) or ())
+    chunk = getattr(scheduler, "chunked_prefill_size", None)
+    return min(tokens, chunk) if chunk and chunk > 0 else tokens
+
+
+def activation_demand_tokens(kv, scheduler) -> int:
+    """The head request's prefill activation, in KV-token equivalents of pool memory.
+
+    All of it, held or not: the allocator's ``available_size`` counts idle activation chunks
+    as growable KV, and the head's prefill will make them live again.
+    """
+    tokens = head_prefill_tokens(scheduler)
+    if kv.activation is None or tokens <= 0:
+        return 0
+    return -(-kv.activation.need_chunks(tokens, 1) // kv.buffers.chunks_per_group) * kv.buffers.group_rows
+
+
+def prepare_head_activation(kv, allocator, tree_cache, scheduler) -> None:
+    """Before batch selection (no prefix match is pending yet, so evicting cached prefixes is
+    safe): hold the head request's prefill activation, so that a server whose memory is all
+    cached prefixes still admits it. The chunks stay idle until the batch reserves them."""
+    tokens = head_prefill_tokens(scheduler)
+    if kv.activation is None or tokens <= 0:
+        return
+    reserve_activation(kv, allocator, tree_cache, tokens, 1)
+    kv.activation.end_iteration()
 
 
 def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = False) -> int:
@@ -138,20 +174,61 @@ def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = Fals
     return got
 
 
-def answer_reclaim(kv, allocator, tree_cache, scheduler=None) -> int:
-    """Free and return the chunks the arbiter asked for; return how many chunks went back.
+def free_groups(kv, allocator, tree_cache, groups: int) -> int:
+    """Unmap up to ``groups`` free KV groups into FREE, evicting cached prefixes (LRU) as needed.
 
     Cached pages of one group may be spread over the LRU order, so eviction continues until
-    enough whole groups are empty (or nothing evictable is left).
+    enough whole groups are empty (or nothing evictable is left). Returns groups unmapped.
     """
+    freed = kv.shrink(allocator, max_groups=groups, spare_groups=0)
+    while freed < groups and _evict(tree_cache, (groups - freed) * kv.buffers.group_rows) > 0:
+        freed += kv.shrink(allocator, max_groups=groups - freed, spare_groups=0)
+    return freed
+
+
+def reserve_activation(kv, allocator, tree_cache, tokens: int, seqs: int, *, urgent: bool = False) -> bool:
+    """eLLM Alg. 1 for one batch: its activation chunks, from FREE, then idle KV (lazy deflation).
+
+    With a shared pool a shortfall is then borrowed: what the arbiter has free now, or, when
+    ``urgent`` (a decode step that would otherwise retract), letting it reclaim from peers.
+    False: the batch does not fit with its activation; nothing was taken.
+    """
+    balloon = kv.activation
+    if balloon is None or tokens <= 0:
+        return True
+    cpg = kv.buffers.chunks_per_group
+
+    def kv_idle() -> int:  # tree_cache None: free groups only, nothing evicted
+        empty = len(kv.empty_groups(allocator))
+        evictable = _evictable(tree_cache) if tree_cache is not None else 0
+        return (empty + evictable // kv.buffers.group_rows) * cpg
+
+    def deflate(chunks: int) -> int:
+        return free_groups(kv, allocator, tree_cache, -(-chunks // cpg)) * cpg
+
+    if balloon.reserve(tokens, seqs, kv_idle, deflate):
+        return True
+    if kv.lent is None:
+        return False
+    # shared pool: borrow the shortfall (urgent: the arbiter may reclaim from idle peers), retry once
+    short = balloon.need_chunks(tokens, seqs) - balloon.held - kv.buffers.pool.available()
+    groups = -(-max(short, 1) // cpg)
+    if not borrow_tokens(kv, groups * kv.buffers.group_rows, may_wait=urgent, urgent=urgent):
+        return False
+    return balloon.reserve(tokens, seqs, kv_idle, deflate)
+
+
+def answer_reclaim(kv, allocator, tree_cache, scheduler=None) -> int:
+    """Free and return the chunks the arbiter asked for (idle activation, free groups, then
+    cached prefixes); return how many chunks went back."""
     lent = kv.lent
     pending = lent.take_pending_reclaim() if lent is not None else 0
     if pending <= 0:
         return 0
-    need = -(-pending // kv.buffers.chunks_per_group)
-    freed = kv.shrink(allocator, spare_groups=0)
-    while freed < need and _evict(tree_cache, (need - freed) * kv.buffers.group_rows) > 0:
-        freed += kv.shrink(allocator, spare_groups=0)
+    if kv.activation is not None:  # idle activation memory is the cheapest to give
+        n = len(_admitted_requests(scheduler)) if scheduler is not None else 0
+        kv.activation.release_idle(keep=kv.activation.need_chunks(n, n))
+    free_groups(kv, allocator, tree_cache, -(-pending // kv.buffers.chunks_per_group))
     spare = spare_free_chunks(kv, allocator, scheduler) if scheduler is not None else pending
     return lent.give_back(min(pending, spare))  # never what running requests will decode into
 
@@ -159,7 +236,9 @@ def answer_reclaim(kv, allocator, tree_cache, scheduler=None) -> int:
 def physical_max_tokens(kv) -> int:
     """The most tokens this server can ever back: its whole budget (own pool or shared pool)."""
     budget = kv.lent.budget_chunks if kv.lent is not None else kv.buffers.pool.capacity_chunks
-    groups = min(kv.num_groups, budget // kv.buffers.chunks_per_group)
+    if kv.activation is not None:  # the largest prefill batch's activation shares the budget
+        budget -= kv.activation.need_chunks(kv.activation.max_batch_tokens, 1)
+    groups = min(kv.num_groups, max(0, budget) // kv.buffers.chunks_per_group)
     return groups * kv.buffers.group_rows - kv.page_size  # page 0 is never allocatable
 
 
@@ -182,14 +261,21 @@ def tick(scheduler) -> None:
     if kv is None:
         return
     cap_request_lengths(scheduler, kv)
+    if kv.activation is not None:
+        kv.activation.end_iteration()  # the previous forward is done: its activations are idle
     tree_cache = getattr(scheduler, "tree_cache", None)
     answer_reclaim(kv, allocator, tree_cache, scheduler)
     kv.shrink(allocator)
     if kv.lent is None:
+        prepare_head_activation(kv, allocator, tree_cache, scheduler)
         return
-    demand = queue_demand_tokens(scheduler)
-    if not getattr(scheduler, "waiting_queue", None):
-        kv.lent.give_back(spare_free_chunks(kv, allocator, scheduler))  # nothing waits: unused chunks go back
+    demand = queue_demand_tokens(scheduler) + activation_demand_tokens(kv, scheduler)
+    if not getattr(scheduler, "waiting_queue", None):  # nothing waits: unused chunks go back
+        if kv.activation is not None:  # keep what the running requests' decode steps need
+            n = len(_admitted_requests(scheduler))
+            kv.activation.release_idle(keep=kv.activation.need_chunks(n, n))
+        kv.lent.give_back(spare_free_chunks(kv, allocator, scheduler))
     shortfall = demand - allocator.available_size() - _evictable(tree_cache)
     if shortfall > 0:
         borrow_tokens(kv, shortfall)
+    prepare_head_activation(kv, allocator, tree_cache, scheduler)

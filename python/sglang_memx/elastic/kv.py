@@ -52,6 +52,7 @@ class ElasticKV:
         self.group_pages = buffers.group_rows // page_size
         self.spare_groups = spare_groups
         self.lent = lent                        # LentPool when the pool is shared, else None
+        self.activation = None                  # ActivationBalloon sharing the pool, or None
         self.device = device
         last_page = num_pages                   # highest logical page id
         self.num_groups = last_page // self.group_pages + 1
@@ -89,8 +90,9 @@ class ElasticKV:
         return [g for g in range(self.num_groups) if g not in mapped]
 
     def affordable_groups(self) -> int:
-        """Groups the pool could back right now."""
-        return self.buffers.pool.available() // self.buffers.chunks_per_group
+        """Groups the pool could back right now (FREE chunks plus idle activation chunks)."""
+        idle = self.activation.idle() if self.activation is not None else 0
+        return (self.buffers.pool.available() + idle) // self.buffers.chunks_per_group
 
     def growable_pages(self) -> int:
         """Pages ``grow`` could add now: the lowest affordable unmapped groups."""
@@ -145,6 +147,8 @@ class ElasticKV:
             chosen.append(g)
             pages += self.usable_pages(g)
         chosen = chosen[:self.affordable_groups()]
+        if chosen and self.activation is not None:  # inflation: KV takes idle activation chunks
+            self.activation.lend_to_kv(len(chosen) * self.buffers.chunks_per_group - self.buffers.pool.available())
         mapped: List[int] = []
         while chosen:
             try:
@@ -165,24 +169,31 @@ class ElasticKV:
         spare = self.spare_groups if spare_groups is None else spare_groups
         if self.buffers.num_mapped <= 1 + spare:
             return 0
-        # a group can only be empty if at least its usable pages are free: skip the O(free pages) scan
-        if self.free_page_count(allocator) < min(self.group_pages, self._last_group_pages):
-            return 0
-        allocator.merge_and_sort_free()
-        free = allocator.free_pages
-        counts = torch.bincount(free // self.group_pages, minlength=self.num_groups).tolist()
-        empty = [g for g in self.buffers.mapped_groups() if g != 0 and counts[g] == self.usable_pages(g)]
-        empty.sort(reverse=True)
+        empty = self.empty_groups(allocator)
         victims = empty[:max(0, len(empty) - spare)]
         if max_groups is not None:
             victims = victims[:max_groups]
         if not victims:
             return 0
+        free = allocator.free_pages
         drop = torch.isin(free // self.group_pages, torch.tensor(victims, dtype=torch.int64, device=free.device))
         allocator.free_pages = free[~drop]
         n = self._timed("unmap", self.buffers.unmap_groups, victims)
         self.stats["groups_unmapped_total"] += n
         return n
+
+    def empty_groups(self, allocator) -> List[int]:
+        """Mapped groups other than 0 whose pages are all free, highest first (merges staged frees).
+
+        A group can only be empty if at least its usable pages are free: that skips the O(free pages) scan.
+        """
+        if self.buffers.num_mapped <= 1 or self.free_page_count(allocator) < min(self.group_pages,
+                                                                                  self._last_group_pages):
+            return []
+        allocator.merge_and_sort_free()
+        counts = torch.bincount(allocator.free_pages // self.group_pages, minlength=self.num_groups).tolist()
+        empty = [g for g in self.buffers.mapped_groups() if g != 0 and counts[g] == self.usable_pages(g)]
+        return sorted(empty, reverse=True)
 
     # ------------------------------------------------------------ checks
     def logical_free_pages(self, allocator) -> int:
@@ -209,4 +220,5 @@ class ElasticKV:
             "logical_bytes": self.num_groups * b.group_bytes, "chunk_bytes": b.pool.chunk_bytes,
             "chunks_per_group": b.chunks_per_group, "spare_groups": self.spare_groups,
             **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()},
+            "activation": self.activation.status() if self.activation is not None else None,
         }

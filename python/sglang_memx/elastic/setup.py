@@ -27,6 +27,8 @@ from memory_ext.pool.arbiter_client import ArbiterError
 from memory_ext.pool.layered_kv import LayeredKVBuffers, group_rows_for
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.config import MemxConfig, MemxConfigError
+from memory_ext.policy.activation import ActivationProfile
+from sglang_memx.elastic.activation import ActivationBalloon
 from sglang_memx.elastic.kv import ElasticKV
 
 logger = logging.getLogger("sglang_memx")
@@ -135,13 +137,43 @@ def register_server(config: MemxConfig, url: Optional[str]) -> Optional[Path]:
     return path
 
 
+def activation_profile(model_config, dtype) -> Optional[ActivationProfile]:
+    """The activation profile of the served model from its shapes (None if they are not all known)."""
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    try:
+        heads = int(hf.num_attention_heads)
+        hidden = int(hf.hidden_size)
+        return ActivationProfile.from_model_dims(
+            hidden=hidden, intermediate=int(hf.intermediate_size), num_heads=heads,
+            num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(hf, "head_dim", None) or hidden // heads), vocab=int(hf.vocab_size),
+            itemsize=int(getattr(dtype, "itemsize", 2)))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def max_batch_tokens(server_args) -> int:
+    """The most tokens one prefill batch can hold: the chunked-prefill size, else max_prefill_tokens."""
+    chunk = getattr(server_args, "chunked_prefill_size", None)
+    if chunk is not None and chunk > 0:
+        return int(chunk)
+    return int(getattr(server_args, "max_prefill_tokens", None) or 16384)
+
+
 def build_elastic_kv(config: MemxConfig, row_bytes: Sequence[int], num_rows: int, page_size: int,
-                     num_pages: int, device, server_url: Optional[str] = None) -> ElasticKV:
-    """Everything elastic KV needs; group 0 (the padded page) is mapped on return."""
+                     num_pages: int, device, server_url: Optional[str] = None,
+                     profile: Optional[ActivationProfile] = None, batch_tokens: int = 0) -> ElasticKV:
+    """Everything elastic KV needs; group 0 (the padded page) is mapped on return.
+
+    With a ``profile``, activations share the pool (``ActivationBalloon``): an own pool
+    without a budget gets room for the largest prefill batch's activation on top of the
+    logical KV size; a budget must hold one KV group plus that activation.
+    """
     backend = make_backend(config, str(device))
     group_rows = group_rows_for(row_bytes, backend.granularity, page_size)
     chunks_per_group = sum(group_rows * rb // backend.granularity for rb in row_bytes)
     groups = -(-num_rows // group_rows)
+    act_chunks = profile.chunks_for(batch_tokens, 1, backend.granularity) if profile and batch_tokens else 0
     lent = None
     if config.pool:
         lent = join_pool(config, backend)
@@ -154,15 +186,19 @@ def build_elastic_kv(config: MemxConfig, row_bytes: Sequence[int], num_rows: int
     else:
         if config.pool_budget_gb is not None:
             capacity = int(config.pool_budget_gb * GB) // backend.granularity
-            if capacity < chunks_per_group:
+            if capacity < chunks_per_group + act_chunks:
                 raise MemxConfigError("--memx-pool-budget-gb",
                                       f"{config.pool_budget_gb} GB is less than one KV group "
-                                      f"({chunks_per_group * backend.granularity / GB:.3f} GB)")
+                                      f"({chunks_per_group * backend.granularity / GB:.6f} GB) plus the "
+                                      f"activation of a {batch_tokens}-token prefill batch "
+                                      f"({act_chunks * backend.granularity / GB:.6f} GB)")
         else:
-            capacity = groups * chunks_per_group
+            capacity = groups * chunks_per_group + act_chunks
         pool = ChunkPool(backend, capacity)
     buffers = LayeredKVBuffers(pool, row_bytes, num_rows, page_size)
     kv = ElasticKV(buffers, page_size, num_pages, lent=lent, device=device)
+    if profile is not None:
+        kv.activation = ActivationBalloon(pool, profile, batch_tokens)
     register_server(config, server_url)
     logger.info("memx: elastic KV on %s: %d token rows reserved in %d groups of %d tokens (%.1f MiB each); "
                 "pool %s", backend.__class__.__name__, num_rows, groups, group_rows,

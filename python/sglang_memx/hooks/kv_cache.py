@@ -13,10 +13,12 @@
   adds the pages the pool could map now; ``alloc`` / ``alloc_extend`` /
   ``alloc_decode`` (around) map groups first when the free list is short
   (see ``sglang_memx.elastic.kv`` for the invariant).
-* ``BaseTokenToKVPoolAllocator.check_decode_capacity`` (around): with a
-  shared pool, borrows what the arbiter has free; if upstream still finds the
-  step short, borrows again letting the arbiter reclaim from idle peers,
-  before upstream retracts.
+* ``BaseTokenToKVPoolAllocator.check_decode_capacity`` (around): first the
+  decode step's activation is reserved (``elastic.driver.reserve_activation``;
+  if it cannot fit, the step does not fit and upstream retracts); with a
+  shared pool, it then borrows what the arbiter has free; if upstream still
+  finds the step short, borrows again letting the arbiter reclaim from idle
+  peers, before upstream retracts.
 """
 
 from __future__ import annotations
@@ -40,8 +42,13 @@ def around_configure(original, configurator, *args, **kwargs):
     config = config_of(getattr(configurator, "server_args", None))
     if config.disabled or not config.elastic_kv:
         return original(configurator, *args, **kwargs)
+    from sglang_memx.elastic.setup import activation_profile, max_batch_tokens
+
     _build.config = config
     sa = configurator.server_args
+    _build.profile = activation_profile(getattr(configurator, "model_config", None),
+                                        getattr(configurator, "model_dtype", None))
+    _build.batch_tokens = max_batch_tokens(sa)
     _build.server_url = f"http://{getattr(sa, 'host', '127.0.0.1')}:{getattr(sa, 'port', 0)}"
     try:
         result = original(configurator, *args, **kwargs)
@@ -92,7 +99,8 @@ def around_create_buffers(original, pool, *args, **kwargs):
     layers = pool.layer_num
     kv = build_elastic_kv(config, [k_row] * layers + [v_row] * layers, rows, pool.page_size,
                           pool.size // pool.page_size, pool.device,
-                          server_url=getattr(_build, "server_url", None))
+                          server_url=getattr(_build, "server_url", None),
+                          profile=getattr(_build, "profile", None), batch_tokens=getattr(_build, "batch_tokens", 0))
     for name in ("k_scale_buffer", "v_scale_buffer", "native_k_scale_buffer", "native_v_scale_buffer",
                  "dq_k_buffer", "dq_v_buffer"):
         setattr(pool, name, None)
@@ -145,10 +153,16 @@ def around_alloc_decode(original, allocator, seq_lens, *args, **kwargs):
 
 def around_check_decode_capacity(original, allocator, *args, **kwargs):
     kv = _elastic_of(allocator)
-    if kv is None or kv.lent is None:
+    if kv is None:
         return original(allocator, *args, **kwargs)
-    from sglang_memx.elastic.driver import borrow_tokens
+    from sglang_memx.elastic.driver import borrow_tokens, reserve_activation
 
+    requests = kwargs.get("requests")
+    if requests is not None and not reserve_activation(kv, allocator, kwargs.get("tree_cache"),
+                                                       len(requests), len(requests), urgent=True):
+        return False  # the step's activation does not fit: upstream retracts a request and asks again
+    if kv.lent is None:
+        return original(allocator, *args, **kwargs)
     need = int(kwargs.get("num_tokens", 0))
     borrow_tokens(kv, need - allocator.available_size(), may_wait=False)  # what is free at once
     if original(allocator, *args, **kwargs):

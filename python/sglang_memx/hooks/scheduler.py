@@ -6,6 +6,10 @@
   IPC channel.
 * ``Scheduler.get_next_batch_to_run`` (before): one elastic-KV ``tick`` per
   loop iteration (reclaims, deflation, borrowing; ``elastic.driver``).
+* ``PrefillAdder.add_one_req`` (around): with elastic KV, the batch being
+  formed reserves its activation chunks first (``reserve_activation``: FREE,
+  then idle KV); if they cannot be had the request waits (``NO_TOKEN``), so
+  upstream's KV check that follows sees what is left after activations.
 * ``SchedulerPoolStatsObserver._get_token_info`` (after): with elastic KV the pool
   statistics (log lines, metrics, load reports and the idle leak check) count
   the pages of unmapped groups as free: they are free logical pages, merely
@@ -58,6 +62,31 @@ def after_get_token_info(result, observer, *args, **kwargs):
                                full_token_usage=used / capacity if capacity else 0.0)
 
 
+def around_add_one_req(original, adder, req, *args, **kwargs):
+    """Admit ``req`` only if the batch's activation fits together with its KV (eLLM Alg. 1)."""
+    allocator = getattr(adder, "token_to_kv_pool_allocator", None)
+    kv = getattr(allocator, "_memx_elastic", None)
+    if kv is None or kv.activation is None:
+        return original(adder, req, *args, **kwargs)
+    from sglang.srt.managers.schedule_policy import AddReqResult
+    from sglang_memx.elastic.driver import reserve_activation
+
+    admitted = list(adder.can_run_list)
+    tokens = len(req.full_untruncated_fill_ids) - req.prefix_len
+    if adder.rem_chunk_tokens is not None:
+        tokens = min(tokens, max(int(adder.rem_chunk_tokens), 1))
+    tokens += sum(int(getattr(r, "extend_input_len", 0) or 0) for r in admitted)
+    live_before = kv.activation.live
+    # no eviction here: queued requests hold unlocked prefix matches (tick evicts for the head)
+    if not reserve_activation(kv, allocator, None, max(tokens, 1), len(admitted) + 1):
+        kv.activation.stats["deferred_requests"] += 1
+        return AddReqResult.NO_TOKEN
+    result = original(adder, req, *args, **kwargs)
+    if not (adder.can_run_list and adder.can_run_list[-1] is req):
+        kv.activation.live = live_before  # not admitted: its share goes back to idle (KV may take it)
+    return result
+
+
 HOOKS = (
     HookSpec(
         "sglang.srt.managers.scheduler_components.internal_state."
@@ -67,6 +96,8 @@ HOOKS = (
     HookSpec("sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", "before",
              before_get_next_batch_to_run, expects=("self",),
              why="elastic KV: answer reclaims, deflate, borrow once per iteration"),
+    HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "around", around_add_one_req,
+             expects=("self", "req"), why="eLLM ballooning: admit a request only if KV and activation fit"),
     HookSpec("sglang.srt.managers.scheduler_components.pool_stats_observer."
              "SchedulerPoolStatsObserver._get_token_info", "after", after_get_token_info,
              expects=("self",), why="count unmapped KV groups as free logical pages in pool stats"),

@@ -1,0 +1,105 @@
+"""ActivationBalloon: the activation side of one server's KV pool (eLLM ballooning, E1/E2).
+
+The pool that backs elastic KV also holds the activation memory of the
+batch being formed and run: chunks owned by ``Owner.ACTIVATION``. Invariants:
+
+* ``live`` (chunks the current batch needs) <= ``held`` (chunks owned) after
+  every successful ``reserve``; a batch is admitted only if its activation
+  fits together with its KV (``reserve`` returns False and takes nothing
+  otherwise: no hold-and-wait).
+* KV inflates into idle activation memory (``held - live``) when it needs to
+  map a group and FREE is short (``lend_to_kv``); activation takes memory back
+  from KV lazily, only when a batch needs it and only the shortfall
+  (``memory_ext.policy.activation.plan_activation``).
+* ``live`` goes back to 0 once per scheduler iteration (``end_iteration``):
+  the previous forward has finished by then (no overlap scheduling on CPU).
+
+On CPU the chunks are accounting only (torch's CPU allocator still serves the
+tensors; the chunks are never mapped). On CUDA the activation tensors would
+come from these chunks through torch's pluggable allocator; that is not wired
+yet, so on CUDA the reservation is conservative (activations are counted
+against the budget and also allocated by torch).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List
+
+from memory_ext.pool import Owner
+from memory_ext.policy.activation import ActivationProfile, plan_activation
+
+
+class ActivationBalloon:
+    def __init__(self, pool, profile: ActivationProfile, max_batch_tokens: int = 0):
+        self.pool = pool
+        self.profile = profile
+        self.max_batch_tokens = max_batch_tokens  # the largest prefill batch (chunked-prefill size)
+        self.chunks: List = []
+        self.live = 0
+        self.stats = {"reserves": 0, "refused": 0, "chunks_from_free": 0, "chunks_from_kv": 0,
+                      "chunks_lent_to_kv": 0, "peak_held": 0, "peak_need": 0, "deferred_requests": 0}
+
+    @property
+    def held(self) -> int:
+        return len(self.chunks)
+
+    def idle(self) -> int:
+        return max(0, self.held - self.live)
+
+    def need_chunks(self, tokens: int, seqs: int) -> int:
+        return self.profile.chunks_for(tokens, seqs, self.pool.chunk_bytes)
+
+    def reserve(self, tokens: int, seqs: int, kv_idle_chunks: Callable[[], int],
+                deflate_kv: Callable[[int], int]) -> bool:
+        """Make sure a batch of ``tokens`` tokens / ``seqs`` sequences has its activation chunks.
+
+        ``kv_idle_chunks()``: chunks KV could give up now (free groups, evictable cache);
+        ``deflate_kv(n)``: unmap at least ``n`` chunks of KV into FREE, return how many it freed.
+        """
+        need = self.need_chunks(tokens, seqs)
+        self.stats["reserves"] += 1
+        self.stats["peak_need"] = max(self.stats["peak_need"], need)
+        if need <= self.held:
+            self.live = max(self.live, need)
+            return True
+        step = plan_activation(need, self.held, self.pool.available(), kv_idle_chunks())
+        if not step.fits:
+            self.stats["refused"] += 1
+            return False
+        if step.deflate_kv:
+            deflate_kv(step.deflate_kv)
+        short = need - self.held
+        if short > self.pool.available():  # deflation freed less than planned
+            self.stats["refused"] += 1
+            return False
+        from_free = min(step.take_free, short)
+        self.chunks.extend(self.pool.acquire(Owner.ACTIVATION, short))
+        self.stats["chunks_from_free"] += from_free
+        self.stats["chunks_from_kv"] += short - from_free
+        self.stats["peak_held"] = max(self.stats["peak_held"], self.held)
+        self.live = max(self.live, need)
+        return True
+
+    def lend_to_kv(self, n: int) -> int:
+        """Inflation: give up to ``n`` idle chunks to FREE so KV can map them; return how many."""
+        n = min(n, self.idle())
+        if n <= 0:
+            return 0
+        give, self.chunks = self.chunks[-n:], self.chunks[:-n]
+        self.pool.release(Owner.ACTIVATION, give)
+        self.stats["chunks_lent_to_kv"] += n
+        return n
+
+    def release_idle(self, keep: int = 0) -> int:
+        """Idle chunks beyond ``keep`` back to FREE (a server in a shared pool gives them back)."""
+        return self.lend_to_kv(self.held - max(self.live, keep))
+
+    def end_iteration(self) -> None:
+        self.live = 0
+
+    def status(self) -> dict:
+        p = self.profile
+        return {"held_chunks": self.held, "max_batch_tokens": self.max_batch_tokens, "live_chunks": self.live, "held_bytes": self.held * self.pool.chunk_bytes,
+                "profile": {"per_token_bytes": p.per_token_bytes, "per_seq_bytes": p.per_seq_bytes,
+                            "fixed_bytes": p.fixed_bytes, "source": p.source, "observations": p.observations},
+                **self.stats}
