@@ -1,9 +1,11 @@
 """Three co-located servers, bursty traffic: static KV split (stock) vs one shared budget (memx).
 
-Same machine, same run, same total KV memory. Stock SGLang gets a third of
-the budget per server (``--max-total-tokens``); memx servers join one pool
-(``--memx-elastic-kv --memx-pool``) whose budget is the whole amount, each
-with the whole amount as logical capacity. Traffic comes in phases: in phase
+Same machine, same run, same memory. Stock SGLang gets a third of the KV
+budget per server (``--max-total-tokens``) and its activations outside it;
+memx servers join one pool (``--memx-elastic-kv --memx-pool``) whose budget
+is the whole KV amount plus three prefill batches' activations (KV and
+activations share it), each with the whole amount as logical capacity. Both
+use 64-token chunked prefill. Traffic comes in phases: in phase
 k model k gets a burst of concurrent requests while the others see a trickle,
 so at any time one server needs far more than a third of the memory.
 
@@ -108,15 +110,30 @@ def summarize(results: list, wall: float) -> dict:
             "retractions": sum(r["retractions"] for r in ok), "wall_s": wall}
 
 
+CHUNKED_PREFILL = 64  # both setups; bounds one prefill batch's activation
+
+
+def activation_bytes() -> int:
+    """One CHUNKED_PREFILL-token prefill's activation of the tiny Llama in bf16 (memx's profile)."""
+    from memory_ext.policy.activation import ActivationProfile
+
+    p = ActivationProfile.from_model_dims(hidden=64, intermediate=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                                          vocab=512, itemsize=2)
+    return p.bytes_for(CHUNKED_PREFILL, 1)
+
+
 def run_setup(kind: str, model, budget_tokens: int, args, pool_dir: Path) -> dict:
+    """Same memory: stock's three KV pools + each server's activations (outside its pool, up to one
+    prefill batch each) = memx's shared budget for KV and activations together."""
     per_group = 64 * TOKEN_ROW_BYTES * 2 * LAYERS  # bytes of one 64-token group over all buffers
-    budget_gb = (budget_tokens // 64) * per_group / (1 << 30)
+    budget_gb = ((budget_tokens // 64) * per_group + 3 * activation_bytes()) / (1 << 30)
+    common = ["--chunked-prefill-size", str(CHUNKED_PREFILL)]
     if kind == "stock":
         servers = [SGLangServer(model, name=f"bench-colo-stock{i}", stock=True,
-                                max_total_tokens=budget_tokens // 3) for i in range(3)]
+                                max_total_tokens=budget_tokens // 3, extra_args=common) for i in range(3)]
     else:
-        extra = ["--memx-elastic-kv", "--memx-pool", f"bench{os.getpid()}", "--memx-pool-budget-gb",
-                 f"{budget_gb:.12f}", "--memx-pool-dir", str(pool_dir), "--memx-chunk-kb", str(CHUNK_KB)]
+        extra = common + ["--memx-elastic-kv", "--memx-pool", f"bench{os.getpid()}", "--memx-pool-budget-gb",
+                          f"{budget_gb:.12f}", "--memx-pool-dir", str(pool_dir), "--memx-chunk-kb", str(CHUNK_KB)]
         servers = [SGLangServer(model, name=f"bench-colo-memx{i}", max_total_tokens=budget_tokens,
                                 extra_args=extra) for i in range(3)]
     start_all(servers)

@@ -98,6 +98,23 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         help="Physical chunk size of the host (CPU) backend in KiB, a power of two "
              ">= 4 (default 64). CUDA uses the device's granularity (2 MiB).",
     ),
+    MemxFlag(
+        "--memx-host-buffer-gb", "host_buffer_gb", type=float, default=None, metavar="GB",
+        help="CPU elastic buffer (eLLM E3): under memory pressure, the KV of a request "
+             "taken off the device (retracted) waits in host memory, up to GB, and is "
+             "fetched back before its decode resumes instead of being recomputed. Needs "
+             "--memx-elastic-kv and the radix cache.",
+    ),
+    MemxFlag(
+        "--memx-ttft-slo-ms", "ttft_slo_ms", type=float, default=None, metavar="MS",
+        help="TTFT SLO driving the host buffer's logical size (eLLM Alg. 2: TTFT "
+             "violations grow it). Needs --memx-host-buffer-gb and --memx-tpot-slo-ms.",
+    ),
+    MemxFlag(
+        "--memx-tpot-slo-ms", "tpot_slo_ms", type=float, default=None, metavar="MS",
+        help="TPOT SLO driving the host buffer's logical size (eLLM Alg. 2: TPOT "
+             "violations shrink it, first). Needs --memx-host-buffer-gb and --memx-ttft-slo-ms.",
+    ),
 )
 
 _POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -112,6 +129,9 @@ class MemxConfig:
     pool_budget_gb: float | None = None
     pool_dir: str | None = None
     chunk_kb: int = 64
+    host_buffer_gb: float | None = None
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
 
     def validate(self) -> "MemxConfig":
         path = self.status_path
@@ -128,6 +148,7 @@ class MemxConfig:
             raise MemxConfigError("--memx-status-path",
                                   f"{path!r} is an upstream SGLang route; choose another path")
         self._validate_pool()
+        self._validate_host_buffer()
         if self.disabled:
             for flag in MEMX_FLAGS:
                 if flag.dest != "disabled" and getattr(self, flag.dest) != flag.default:
@@ -159,12 +180,30 @@ class MemxConfig:
             if c != 64:
                 raise MemxConfigError("--memx-chunk-kb", "needs --memx-elastic-kv")
 
+    def _validate_host_buffer(self) -> None:
+        for option, value in (("--memx-host-buffer-gb", self.host_buffer_gb),
+                              ("--memx-ttft-slo-ms", self.ttft_slo_ms), ("--memx-tpot-slo-ms", self.tpot_slo_ms)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise MemxConfigError(option, f"must be a positive number, got {value!r}")
+        if self.host_buffer_gb is not None and not self.elastic_kv:
+            raise MemxConfigError("--memx-host-buffer-gb", "needs --memx-elastic-kv")
+        slos = (self.ttft_slo_ms, self.tpot_slo_ms)
+        if any(v is not None for v in slos):
+            option = "--memx-ttft-slo-ms" if self.ttft_slo_ms is not None else "--memx-tpot-slo-ms"
+            if self.host_buffer_gb is None:
+                raise MemxConfigError(option, "needs --memx-host-buffer-gb (the SLOs size the host buffer)")
+            if None in slos:
+                missing = "--memx-tpot-slo-ms" if self.tpot_slo_ms is None else "--memx-ttft-slo-ms"
+                raise MemxConfigError(missing, f"must be given together with {option} (eLLM Alg. 2 uses both)")
+
     @property
     def features(self) -> dict[str, bool]:
         """Which memx features are on in this process (names are stable API)."""
         on = not self.disabled
         return {"status_endpoint": on, "elastic_kv": on and self.elastic_kv,
-                "shared_pool": on and self.pool is not None}
+                "shared_pool": on and self.pool is not None,
+                "host_buffer": on and self.host_buffer_gb is not None}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

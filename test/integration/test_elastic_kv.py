@@ -35,9 +35,16 @@ def servers(tiny_model_root):
                                               "--schedule-conservativeness", "0.05"])
     paged = SGLangServer(model, name="ekv-paged", max_total_tokens=4096,
                          extra_args=COMMON + ["--memx-elastic-kv", "--memx-chunk-kb", "4", "--page-size", "4"])
-    start_all([stock, tight, paged])
-    yield {"stock": stock, "tight": tight, "paged": paged}
-    for s in (stock, tight, paged):
+    # the tight server plus a CPU elastic buffer: retracted requests' KV waits on the host
+    parked = SGLangServer(model, name="ekv-parked", max_total_tokens=4096,
+                          extra_args=COMMON + ["--memx-elastic-kv", "--memx-chunk-kb", "4",
+                                               "--memx-pool-budget-gb", TIGHT_BUDGET_GB,
+                                               "--schedule-conservativeness", "0.05",
+                                               "--memx-host-buffer-gb", "0.01"])
+    everyone = [stock, tight, paged, parked]
+    start_all(everyone)
+    yield {"stock": stock, "tight": tight, "paged": paged, "parked": parked}
+    for s in everyone:
         s.stop()
 
 
@@ -92,7 +99,8 @@ def test_request_beyond_the_physical_budget_is_refused(servers):
     assert len(_gen(servers["tight"], PROMPTS[0], 4)["output_ids"]) == 4
 
 
-def test_retraction_under_pressure_matches_stock(servers):
+@pytest.mark.parametrize("name", ["tight", "parked"])
+def test_retraction_under_pressure_matches_stock(servers, name):
     """12 requests arriving together need ~4x the tight server's physical budget. Without ignore_eos
     upstream admits on an estimated output length (x --schedule-conservativeness 0.05); the
     activation of the next prefill chunk bounds admission to ~3 requests, whose decode (~290
@@ -101,14 +109,23 @@ def test_retraction_under_pressure_matches_stock(servers):
     texts = [f"request {i} " + " ".join(f"t{i}_{j}" for j in range(20)) for i in range(12)]
     want = [r["output_ids"] for r in _gen(servers["stock"], texts, 200, ignore_eos=False)]
 
-    got = _gen(servers["tight"], texts, 200, ignore_eos=False)  # all 12 arrive at once
+    got = _gen(servers[name], texts, 200, ignore_eos=False)  # all 12 arrive at once
     assert [r["output_ids"] for r in got] == want
     retractions = sum(r["meta_info"].get("num_retractions", 0) for r in got)
-    status = _elastic(servers["tight"])
+    status = _elastic(servers[name])
     budget_groups = status["pool_capacity_bytes"] // status["group_bytes"]
     assert budget_groups <= 26  # the whole budget (832 tokens, activations included) is below the load
     assert retractions > 0, "the load should have forced retractions"
     assert status["groups_mapped_total"] > budget_groups  # groups were unmapped and mapped again
+    host = status["host_buffer"]
+    if name == "tight":
+        assert host is None
+        return
+    # parked KV came back through the radix cache instead of being recomputed, nothing leaked
+    assert host["parked"] > 0 and host["restored"] > 0, host
+    assert host["parked"] == host["restored"] + host["dropped"] + host["requests"], host
+    assert host["requests"] == 0 and host["used_bytes"] == 0, host
+    assert host["restored_tokens"] > 0 and host["slo_scaling"] is None
 
 
 @pytest.mark.parametrize("name", ["tight", "paged"])

@@ -18,7 +18,7 @@ def _parse(argv):
 def test_defaults():
     cfg = _parse([])
     assert cfg == MemxConfig()
-    assert cfg.features == {"status_endpoint": True, "elastic_kv": False, "shared_pool": False}
+    assert cfg.features == {"status_endpoint": True, "elastic_kv": False, "shared_pool": False, "host_buffer": False}
     assert cfg.status_path == "/memx/status"
 
 
@@ -80,7 +80,7 @@ def test_elastic_kv_flags_parse_and_turn_features_on():
                   "--memx-pool-dir", "/tmp/p", "--memx-chunk-kb", "2048"])
     assert (cfg.elastic_kv, cfg.pool, cfg.pool_budget_gb, cfg.pool_dir, cfg.chunk_kb) == (
         True, "gpu0", 1.5, "/tmp/p", 2048)
-    assert cfg.features == {"status_endpoint": True, "elastic_kv": True, "shared_pool": True}
+    assert cfg.features == {"status_endpoint": True, "elastic_kv": True, "shared_pool": True, "host_buffer": False}
     assert MemxConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -96,9 +96,24 @@ def test_elastic_kv_flags_parse_and_turn_features_on():
     (["--memx-elastic-kv", "--memx-chunk-kb", "6"], "--memx-chunk-kb", "power of two"),
     (["--memx-elastic-kv", "--memx-chunk-kb", "2"], "--memx-chunk-kb", "power of two"),
     (["--memx-disable", "--memx-elastic-kv"], "--memx-disable", "--memx-elastic-kv"),
+    (["--memx-host-buffer-gb", "1"], "--memx-host-buffer-gb", "needs --memx-elastic-kv"),
+    (["--memx-elastic-kv", "--memx-host-buffer-gb", "-1"], "--memx-host-buffer-gb", "positive"),
+    (["--memx-elastic-kv", "--memx-ttft-slo-ms", "500", "--memx-tpot-slo-ms", "50"], "--memx-ttft-slo-ms",
+     "needs --memx-host-buffer-gb"),
+    (["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--memx-ttft-slo-ms", "500"], "--memx-tpot-slo-ms",
+     "together with --memx-ttft-slo-ms"),
+    (["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--memx-ttft-slo-ms", "0", "--memx-tpot-slo-ms", "5"],
+     "--memx-ttft-slo-ms", "positive"),
 ])
 def test_bad_elastic_flags_name_the_flag(argv, flag, fragment):
     with pytest.raises(MemxConfigError) as err:
         _parse(argv)
     assert err.value.flag == flag
     assert fragment in str(err.value)
+
+
+def test_host_buffer_flags_parse():
+    cfg = _parse(["--memx-elastic-kv", "--memx-host-buffer-gb", "0.5", "--memx-ttft-slo-ms", "800",
+                  "--memx-tpot-slo-ms", "60"])
+    assert (cfg.host_buffer_gb, cfg.ttft_slo_ms, cfg.tpot_slo_ms) == (0.5, 800.0, 60.0)
+    assert cfg.features["host_buffer"] is True

@@ -158,3 +158,18 @@ def test_activation_deflates_free_kv_lazily_and_refuses_what_cannot_fit():
     alloc.free(held)
     assert reserve_activation(kv, alloc, None, tokens=9, seqs=1)  # group 1 is free now
     kv.check(alloc)
+
+
+def test_a_budget_without_room_for_one_prefill_batch_is_refused_naming_the_flag():
+    from memory_ext.policy.activation import ActivationProfile
+    from sglang_memx.config import MemxConfig, MemxConfigError
+    from sglang_memx.elastic.setup import build_elastic_kv
+
+    profile = ActivationProfile(per_token_bytes=CHUNK)  # one chunk per token
+    config = MemxConfig(elastic_kv=True, chunk_kb=4, pool_budget_gb=12 * CHUNK / (1 << 30))  # 12 chunks
+    args = ([ROW] * 4, 1025, 1, 1024, "cpu")
+    kv = build_elastic_kv(config, *args, profile=profile, batch_tokens=8)  # 4 (one group) + 8 fit
+    assert kv.activation is not None and kv.activation.max_batch_tokens == 8
+    with pytest.raises(MemxConfigError, match="--memx-pool-budget-gb") as err:
+        build_elastic_kv(config, *args, profile=profile, batch_tokens=9)
+    assert "--chunked-prefill-size" in str(err.value)

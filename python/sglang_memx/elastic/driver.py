@@ -24,6 +24,7 @@ import logging
 import time
 
 from memory_ext.pool import Owner
+from sglang_memx.elastic.host_buffer import observe_slos, restore_parked
 
 logger = logging.getLogger("sglang_memx")
 
@@ -266,8 +267,11 @@ def tick(scheduler) -> None:
     tree_cache = getattr(scheduler, "tree_cache", None)
     answer_reclaim(kv, allocator, tree_cache, scheduler)
     kv.shrink(allocator)
+    if kv.host is not None:
+        observe_slos(kv, scheduler)
     if kv.lent is None:
         prepare_head_activation(kv, allocator, tree_cache, scheduler)
+        restore_parked(kv, scheduler)
         return
     demand = queue_demand_tokens(scheduler) + activation_demand_tokens(kv, scheduler)
     if not getattr(scheduler, "waiting_queue", None):  # nothing waits: unused chunks go back
@@ -279,3 +283,4 @@ def tick(scheduler) -> None:
     if shortfall > 0:
         borrow_tokens(kv, shortfall)
     prepare_head_activation(kv, allocator, tree_cache, scheduler)
+    restore_parked(kv, scheduler)

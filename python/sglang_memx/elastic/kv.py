@@ -53,6 +53,7 @@ class ElasticKV:
         self.spare_groups = spare_groups
         self.lent = lent                        # LentPool when the pool is shared, else None
         self.activation = None                  # ActivationBalloon sharing the pool, or None
+        self.host = None                        # HostBufferState (--memx-host-buffer-gb), or None
         self.device = device
         last_page = num_pages                   # highest logical page id
         self.num_groups = last_page // self.group_pages + 1
@@ -221,4 +222,5 @@ class ElasticKV:
             "chunks_per_group": b.chunks_per_group, "spare_groups": self.spare_groups,
             **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()},
             "activation": self.activation.status() if self.activation is not None else None,
+            "host_buffer": self.host.status() if self.host is not None else None,
         }

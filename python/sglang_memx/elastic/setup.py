@@ -178,6 +178,13 @@ def build_elastic_kv(config: MemxConfig, row_bytes: Sequence[int], num_rows: int
     if config.pool:
         lent = join_pool(config, backend)
         pool = lent.pool
+        if lent.budget_chunks < chunks_per_group + act_chunks:
+            lent.close()
+            raise MemxConfigError("--memx-pool-budget-gb",
+                                  f"pool {config.pool!r} ({lent.budget_chunks} chunks) cannot hold one KV group "
+                                  f"({chunks_per_group} chunks) plus the activation of a {batch_tokens}-token "
+                                  f"prefill batch ({act_chunks} chunks); raise the budget or lower "
+                                  f"--chunked-prefill-size")
         if lent.borrow(chunks_per_group) == 0:
             lent.close()
             raise MemxConfigError("--memx-pool-budget-gb",
@@ -191,7 +198,8 @@ def build_elastic_kv(config: MemxConfig, row_bytes: Sequence[int], num_rows: int
                                       f"{config.pool_budget_gb} GB is less than one KV group "
                                       f"({chunks_per_group * backend.granularity / GB:.6f} GB) plus the "
                                       f"activation of a {batch_tokens}-token prefill batch "
-                                      f"({act_chunks * backend.granularity / GB:.6f} GB)")
+                                      f"({act_chunks * backend.granularity / GB:.6f} GB); raise the budget "
+                                      f"or lower --chunked-prefill-size")
         else:
             capacity = groups * chunks_per_group + act_chunks
         pool = ChunkPool(backend, capacity)

@@ -10,6 +10,9 @@
   formed reserves its activation chunks first (``reserve_activation``: FREE,
   then idle KV); if they cannot be had the request waits (``NO_TOKEN``), so
   upstream's KV check that follows sees what is left after activations.
+* ``ScheduleBatch.release_req`` (around): with ``--memx-host-buffer-gb``, a
+  request being retracted has its KV copied to the host buffer before
+  upstream frees it (``elastic.host_buffer``).
 * ``SchedulerPoolStatsObserver._get_token_info`` (after): with elastic KV the pool
   statistics (log lines, metrics, load reports and the idle leak check) count
   the pages of unmapped groups as free: they are free logical pages, merely
@@ -87,6 +90,20 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
     return result
 
 
+def around_release_req(original, batch, idx, *args, **kwargs):
+    """A request being retracted (``offload_kv`` true): park its KV in the host buffer first."""
+    kv = getattr(batch.token_to_kv_pool_allocator, "_memx_elastic", None)
+    offload = kwargs.get("offload_kv", args[1] if len(args) > 1 else True)
+    if kv is not None and kv.host is not None and offload:
+        from sglang_memx.elastic.host_buffer import park_retracted
+
+        try:
+            park_retracted(kv, batch.reqs[idx], batch.req_to_token_pool, batch.token_to_kv_pool_allocator)
+        except Exception:  # the request is then recomputed, as in stock SGLang
+            logger.exception("memx: could not park a retracted request's KV")
+    return original(batch, idx, *args, **kwargs)
+
+
 HOOKS = (
     HookSpec(
         "sglang.srt.managers.scheduler_components.internal_state."
@@ -98,6 +115,9 @@ HOOKS = (
              why="elastic KV: answer reclaims, deflate, borrow once per iteration"),
     HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "around", around_add_one_req,
              expects=("self", "req"), why="eLLM ballooning: admit a request only if KV and activation fit"),
+    HookSpec("sglang.srt.managers.schedule_batch.ScheduleBatch.release_req", "around", around_release_req,
+             expects=("self", "idx", "remaing_req_count", "offload_kv"),
+             why="host buffer: park a retracted request's KV before upstream frees it"),
     HookSpec("sglang.srt.managers.scheduler_components.pool_stats_observer."
              "SchedulerPoolStatsObserver._get_token_info", "after", after_get_token_info,
              expects=("self",), why="count unmapped KV groups as free logical pages in pool stats"),
