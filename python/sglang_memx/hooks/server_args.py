@@ -25,7 +25,10 @@ def _validating_parse_args(parser: argparse.ArgumentParser):
     def parse_args(args=None, namespace=None):
         ns = original(args, namespace)
         try:
-            MemxConfig.from_namespace(ns)
+            config = MemxConfig.from_namespace(ns)
+            if config.host_buffer_gb is not None and getattr(ns, "disable_radix_cache", False):
+                raise MemxConfigError("--memx-host-buffer-gb", "needs the radix cache (parked KV is restored "
+                                      "through it); drop --disable-radix-cache or the host buffer")
         except MemxConfigError as exc:
             parser.error(str(exc))  # prints usage + message, exits with status 2
         return ns
