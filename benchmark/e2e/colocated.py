@@ -154,22 +154,27 @@ def run_setup(kind: str, model, budget_tokens: int, args, pool_dir: Path) -> dic
     return out
 
 
-def plot(doc: dict, path: Path) -> None:
+def ratio_bars(doc: dict, keys, labels, title: str, path: Path) -> None:
+    """One bar pair (stock, memx) per metric, titled with the memx/stock ratio; PNG at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s"]
     fig, axes = plt.subplots(1, len(keys), figsize=(14, 3.2))
     for ax, key in zip(axes, keys):
-        vals = [doc["stock"][key], doc["memx"][key]]
-        ax.bar(["stock (static split)", "memx (shared pool)"], vals, color=["#999", "#2a7"])
+        ax.bar(labels, [doc["stock"][key], doc["memx"][key]], color=["#999", "#2a7"])
         ax.set_title(f"{key}\nmemx/stock = {doc['ratios'][key]:.2f}", fontsize=9)
         ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"3 co-located tiny Llama servers, {doc['budget_tokens_total']} KV tokens in total")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot(doc: dict, path: Path) -> None:
+    ratio_bars(doc, ["ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s"],
+               ["stock (static split)", "memx (shared pool)"],
+               f"3 co-located tiny Llama servers, {doc['budget_tokens_total']} KV tokens in total", path)
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmark" / "e2e"))
 
-from colocated import LAYERS, RESULTS, stream_one, summarize  # noqa: E402
+from colocated import LAYERS, RESULTS, ratio_bars, stream_one, summarize  # noqa: E402
 from support.server import SGLangServer, start_all  # noqa: E402
 
 CHUNK_KB = 4
@@ -90,21 +90,10 @@ def run_setup(kind: str, model, memory_bytes: int, args) -> dict:
 
 
 def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = ["max_running_requests", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s"]
-    fig, axes = plt.subplots(1, len(keys), figsize=(14, 3.2))
-    for ax, key in zip(axes, keys):
-        ax.bar(["stock (static)", "memx (ballooning)"], [doc["stock"][key], doc["memx"][key]], color=["#999", "#2a7"])
-        ax.set_title(f"{key}\nmemx/stock = {doc['ratios'][key]:.2f}", fontsize=9)
-        ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"one tiny Llama server, {doc['memory_bytes']} B for KV + activations, "
-                 f"{doc['params']['requests']} long prompts at once")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    ratio_bars(doc, ["max_running_requests", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s"],
+               ["stock (static)", "memx (ballooning)"],
+               f"one tiny Llama server, {doc['memory_bytes']} B for KV + activations, "
+               f"{doc['params']['requests']} long prompts at once", path)
 
 
 def main() -> int:
