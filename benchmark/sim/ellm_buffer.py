@@ -156,7 +156,7 @@ class EllmElasticScheduler(EllmScheduler):
         if len(cache) > 4 * len(inst.running) + 1024:  # forget finished requests
             live = {r.rid for r in inst.running}
             self._dreq = {k: v for k, v in cache.items() if k in live}
-        d = self._decide_and_inflate(kv, p_reqs, d_reqs, self.buffer_free())
+        d = self._decide_and_inflate(kv, p_reqs, d_reqs, self.buffer_free(), inst)
         plan = BatchPlan()
         admitted = set(d.admitted)
         if d.phase == "prefill":

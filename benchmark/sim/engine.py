@@ -123,8 +123,14 @@ class Instance:
             if hit:
                 req.cached_keys = req.block_keys(0, hit, bs)
                 req.ctx = hit * bs
-                req.prefix_hit_tokens += req.ctx
                 self.kv.hit_tokens += req.ctx
+        if req.first_token_t is None:
+            # the admission that produces the first token counts, once: an
+            # admission undone by ``unadmit`` or by a preemption before the
+            # first token is replaced, and re-admissions after the first token
+            # (recomputation re-hitting the request's own published blocks)
+            # are not prompt hits -- so prefix_hit_tokens <= prompt_len
+            req.prefix_hit_tokens = req.ctx
         req.state = RUNNING
         if req.admitted_t is None:
             req.admitted_t = now
@@ -350,6 +356,7 @@ class Simulator:
             inst.sim = self
             inst.gpu = gpus[inst.cfg.gpu]
         self.periodic = list(periodic or [])  # (period_s, fn(sim, now))
+        self.arbiter = None  # node_arbiter.SimArbiter when the scenario has ``arbiter``
         self.samples: List[Sample] = []
         self.rejected: List[int] = []
         self.finished = 0
@@ -430,7 +437,10 @@ class Simulator:
         return self
 
     def check(self) -> None:
-        """Assert KV invariants, and no leaks when nothing is running."""
+        """Assert KV invariants, no leaks when nothing is running, and (with
+        the node arbiter) that every GPU's memory accounts add up to its budget."""
+        if self.arbiter is not None:
+            self.arbiter.verify()
         for inst in self.instances:
             inst.kv.check()
             if not inst.running:

@@ -43,7 +43,11 @@ class LayerStreamingHook:
 
     def before_iteration(self, inst: "Instance", plan: BatchPlan, now: float) -> None:
         if not self._applied:
-            inst.kv.resize(inst.kv.capacity + self.gained_blocks)
+            arb = getattr(inst.sim, "arbiter", None)
+            if arb is not None:
+                arb.offload(inst, self.gained_blocks)
+            else:
+                inst.kv.resize(inst.kv.capacity + self.gained_blocks)
             self._applied = True
         if self.bytes:
             plan.transfers.append((self.link, self.bytes))

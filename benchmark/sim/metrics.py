@@ -18,6 +18,11 @@ Definitions (all times in seconds):
   ``makespan`` = time of the last finish (or the horizon if work remained).
 * KV utilisation: blocks held by running requests / capacity, sampled every
   ``sample_period_s``.
+* Prefix hit fraction: prompt tokens found in the prefix cache by the
+  admission that produced each request's first token, over the prompt
+  tokens of finished requests (<= 1: re-admissions after a preemption, whose
+  hits include the request's own generated tokens, and admissions undone
+  before the first token are not counted again).
 """
 
 from __future__ import annotations
@@ -127,8 +132,11 @@ def summarize(sim) -> dict:
     overall["slo"] = {"attainment": ok / arrived if arrived else float("nan")}
     overall["goodput_rps"] = sum(b["goodput_rps"] for b in per.values())
     overall["goodput_tokens_per_s"] = sum(b["goodput_tokens_per_s"] for b in per.values())
-    return {"makespan_s": makespan, "sim_wall_s": sim.wall_s, "overall": overall, "instances": per,
-            "links": sim.links.summary()}
+    out = {"makespan_s": makespan, "sim_wall_s": sim.wall_s, "overall": overall, "instances": per,
+           "links": sim.links.summary()}
+    if getattr(sim, "arbiter", None) is not None:
+        out["arbiter"] = sim.arbiter.report()
+    return out
 
 
 def timeline(sim) -> dict:

@@ -35,6 +35,12 @@ idle -> active transition (MRU). ``cap`` = ``floor(cap_fraction * layers)``.
 One controller decision per iteration of a participating instance, taken
 after the iteration (so the next plan sees the new capacity), like Alg. 1's
 per-step call.
+
+Under the node arbiter (scenario key ``arbiter``, ``node_arbiter.py``) a
+shortage is first served from idle memory (free budget, idle borrowed KV,
+idle KV of models with no work); REMAP and RESTORE move weights through the
+arbiter (a restore takes the layer back from any idle borrowed KV, not only
+the original borrower's), and a REMAP naming the borrower itself is held.
 """
 
 from __future__ import annotations
@@ -178,6 +184,11 @@ class OneirosHook:
         # it can only HOLD (nothing remapped: exact) or RESTORE, which is not
         # urgent: then it is asked at most every ``restore_period_s``
         # (``max_feasible_alpha`` costs O(n) plan_layers calls per model).
+        arb = getattr(inst.sim, "arbiter", None)
+        if arb is not None and inst.kv.available < self.controller.low_watermark:
+            # node arbiter: idle memory first (free, returned, idle peers' KV);
+            # the controller may remap only what that leaves short
+            arb.grow(inst, self.controller.high_watermark - inst.kv.available)
         if inst.kv.available >= self.controller.low_watermark:
             led = ledger_of(inst)
             if not any(led.alpha.values()) or now - self._last_decision < self.restore_period_s:
@@ -196,10 +207,18 @@ class OneirosHook:
         self.controller.observe(inst.kv.available, states)
         d = self.controller.decide()
         self.decisions[d.action.value] = self.decisions.get(d.action.value, 0) + 1
-        if d.action is Action.REMAP:
+        arb = getattr(inst.sim, "arbiter", None)
+        if d.action is Action.REMAP and arb is not None and by_name[d.model] is inst:
+            arb.self_remaps_held += 1  # the arbiter never remaps a model into its own KV
+        elif d.action is Action.REMAP:
             lender = by_name[d.model]
-            blocks = int(self._hook(lender).layer_bytes // inst.cfg.kv_block_bytes)
-            inst.kv.resize(inst.kv.capacity + blocks)
+            if arb is not None:
+                blocks = arb.remap(lender, inst)
+            else:
+                blocks = int(self._hook(lender).layer_bytes // inst.cfg.kv_block_bytes)
+                inst.kv.resize(inst.kv.capacity + blocks)
+            if blocks == 0 and arb is not None:  # refused by the arbiter: a HOLD
+                return Action.HOLD
             led.loans[lender.idx].append((inst, blocks))
             led.alpha[lender.idx] = d.target_remapped
             led.plan[lender.idx] = d.plan
@@ -211,14 +230,25 @@ class OneirosHook:
             changed = False
             while led.alpha[lender.idx] > d.target_remapped:
                 borrower, blocks = led.loans[lender.idx][-1]
-                kv = borrower.kv
-                ok = kv.used <= kv.capacity - blocks
-                if ok and not over_limit:
-                    ok = kv.available - blocks >= self._hook(borrower).controller.high_watermark
-                if not ok:
-                    led.deferred_restores += 1
-                    break
-                kv.resize(kv.capacity - blocks)
+                if arb is not None:
+                    # the layer comes back from free budget or idle borrowed KV of any
+                    # model: over its limit the lender drains it as it frees up; a
+                    # demand-subsided restore is all or nothing and leaves every
+                    # participating model its high watermark free
+                    keep = None if over_limit else (
+                        lambda i: self._hook(i).controller.high_watermark if i in led.members else 0)
+                    if not arb.restore(lender, keep, drain=over_limit):
+                        led.deferred_restores += 1
+                        break
+                else:
+                    kv = borrower.kv
+                    ok = kv.used <= kv.capacity - blocks
+                    if ok and not over_limit:
+                        ok = kv.available - blocks >= self._hook(borrower).controller.high_watermark
+                    if not ok:
+                        led.deferred_restores += 1
+                        break
+                    kv.resize(kv.capacity - blocks)
                 led.loans[lender.idx].pop()
                 led.alpha[lender.idx] -= 1
                 led.restores += 1
@@ -234,6 +264,11 @@ class OneirosHook:
                     led.plan[lender.idx] = pl if pl.feasible else _forced_plan(st.n_layers, a)
         elif d.reason.startswith("KV blocks running out"):
             led.holds_blocked += 1
+        if arb is not None:  # a draining restore of a model back within its limit is given up
+            for m in led.members:
+                lim = d.limits.get(m.cfg.name) if d.limits else None
+                if m in arb.restoring[m.cfg.gpu] and lim is not None and led.alpha[m.idx] <= lim[0]:
+                    arb.cancel_restore(m)
         return d.action
 
     def report(self) -> Dict[str, Any]:

@@ -39,7 +39,11 @@ def plot_result(obj: Dict[str, Any], png: Path) -> None:
         else:
             names = list(results)
             ax.bar(names, [_v(get(results[n][0]["overall"])) for n in names],
-                   color=[f"C{i}" for i in range(len(names))])
+                   color=[f"C{i % 10}" for i in range(len(names))])
+            if len(names) > 4:  # many variants: slanted labels
+                ax.tick_params(axis="x", labelrotation=35, labelsize=7)
+                for t in ax.get_xticklabels():
+                    t.set_horizontalalignment("right")
         ax.set_title(label)
         ax.grid(alpha=0.3)
     if sweep:
@@ -47,12 +51,21 @@ def plot_result(obj: Dict[str, Any], png: Path) -> None:
     for ax, key, label in ((axes.flat[4], "kv_util", "KV utilisation"), (axes.flat[5], "waiting", "waiting requests")):
         for vi, (name, tl) in enumerate(obj["timeline"].items()):
             for ii, (inst, series) in enumerate(tl["instances"].items()):
-                ax.plot(tl["t"], series[key], color=f"C{vi}", alpha=1.0 - 0.25 * ii, lw=0.8,
+                ax.plot(tl["t"], series[key], color=f"C{vi % 10}", alpha=max(1.0 - 0.25 * ii, 0.2), lw=0.8,
                         label=f"{name}/{inst}")
         ax.set_title(label + (" (highest rate)" if sweep else ""))
         ax.set_xlabel("simulated time (s)")
         ax.grid(alpha=0.3)
-    axes.flat[4].legend(fontsize=7)
+    n_lines = sum(len(tl["instances"]) for tl in obj["timeline"].values())
+    if n_lines <= 12:
+        axes.flat[4].legend(fontsize=7)
+    else:  # one entry per variant (colour); models are shades of it, in file order
+        from matplotlib.lines import Line2D
+        tls = obj["timeline"]
+        handles = [Line2D([], [], color=f"C{vi % 10}", lw=1.5) for vi in range(len(tls))]
+        models = next(iter(tls.values()))["instances"]
+        axes.flat[4].legend(handles, list(tls), fontsize=6, ncol=2,
+                            title="shade: " + ", ".join(models), title_fontsize=6)
     fig.suptitle(f"{obj['scenario']} — {obj['where']}\n{obj['command']}", fontsize=9)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)

@@ -100,6 +100,12 @@ def build_simulation(spec: ScenarioSpec, seed: Optional[int] = None, rate_scale:
                   spec.seed if seed is None else seed, rate_scale)
     sim = Simulator(gpus, instances, wl.requests, wl.initial, spec.duration_s,
                     horizon_s=spec.duration_s + spec.drain_s, sample_period_s=spec.sample_period_s)
+    if spec.arbiter is not None:
+        from .node_arbiter import attach_arbiter
+        try:
+            attach_arbiter(sim, spec)
+        except ValueError as e:
+            raise ScenarioError(f"{spec.source}: arbiter: {e}") from None
     for gi in range(spec.node.count):
         sim.links.add(f"h2d:{gi}", g.host_gbps * 1e9)
         sim.links.add(f"d2h:{gi}", g.host_gbps * 1e9)

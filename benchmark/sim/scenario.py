@@ -24,7 +24,7 @@ try:  # optional dependency
 except ImportError:  # pragma: no cover
     yaml = None
 
-__all__ = ["ScenarioError", "ScenarioSpec", "NodeSpec", "ModelEntry", "Scenario", "load_scenario",
+__all__ = ["ScenarioError", "ScenarioSpec", "ArbiterSpec", "NodeSpec", "ModelEntry", "Scenario", "load_scenario",
            "parse_scenario", "YAML_AVAILABLE"]
 
 YAML_AVAILABLE = yaml is not None
@@ -167,6 +167,22 @@ class ModelEntry:
 
 
 @dataclass(frozen=True)
+class ArbiterSpec:
+    """Scenario key ``arbiter`` (``benchmark/sim/node_arbiter.py``): every
+    memory mechanism's capacity change goes through one node-wide
+    ``memory_ext.policy.arbiter.MemoryArbiter``. ``share_kv``: idle KV of
+    models with no work may be lent to co-located models (tier IDLE_PEER);
+    ``floor_fraction``: share of its KV an idle model keeps;
+    ``low_watermark_frac`` / ``high_watermark_frac``: an instance asks for
+    memory when its free KV falls below low x its planned KV, up to high."""
+
+    share_kv: bool = True
+    floor_fraction: float = 0.25
+    low_watermark_frac: float = 0.03
+    high_watermark_frac: float = 0.15
+
+
+@dataclass(frozen=True)
 class ScenarioSpec:
     """One runnable configuration (the base file or one variant of it)."""
 
@@ -180,6 +196,7 @@ class ScenarioSpec:
     sample_period_s: float = 1.0
     description: str = ""
     source: str = "<memory>"
+    arbiter: Optional[ArbiterSpec] = None
 
 
 @dataclass
@@ -318,11 +335,21 @@ def parse_scenario(data: Any, src: str = "<memory>", allow_extras: bool = False)
         if names.index(n) != i:
             raise ScenarioError(f"{src}: models[{i}].name: expected a unique name, got {n!r} (duplicate)")
     workloads = tuple(_workload(_Obj(w, p, src), names, duration) for p, w in o.list("workloads", []))
+    arbiter = None
+    ao = o.obj("arbiter")
+    if ao is not None:
+        arbiter = ArbiterSpec(ao.bool("share_kv", True), ao.num("floor_fraction", 0.25, min=0, max=1),
+                              ao.num("low_watermark_frac", 0.03, min=0, max=1),
+                              ao.num("high_watermark_frac", 0.15, min=0, max=1))
+        if arbiter.high_watermark_frac < arbiter.low_watermark_frac:
+            ao.fail("high_watermark_frac", f"number >= low_watermark_frac ({arbiter.low_watermark_frac})",
+                    arbiter.high_watermark_frac)
+        ao.done()
     spec = ScenarioSpec(name=name, node=node, models=tuple(models), workloads=workloads,
                         duration_s=duration, seed=o.int("seed", 0, min=0),
                         drain_s=o.num("drain_s", 600.0, min=0),
                         sample_period_s=o.num("sample_period_s", 1.0, positive=True),
-                        description=o.str("description", ""), source=src)
+                        description=o.str("description", ""), source=src, arbiter=arbiter)
     o.done()
     return spec
 

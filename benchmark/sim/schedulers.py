@@ -131,13 +131,29 @@ class EllmScheduler:
         self.cpu_buffer_blocks = cpu_buffer_blocks
         self.decisions = 0
         self.max_lent = 0
+        self.deflated = 0  # blocks given back to activation (node arbiter only)
 
-    def _decide_and_inflate(self, kv, p_reqs, d_reqs, cpu_buffer_free_chunks: int):
-        """Ask Alg. 1 for this iteration's decision and lend it the idle activation blocks it inflates into."""
-        d = self.policy.decide(free_kv_chunks=kv.available, idle_act_chunks=self.act_total - self.lent,
+    def _decide_and_inflate(self, kv, p_reqs, d_reqs, cpu_buffer_free_chunks: int, inst=None):
+        """Ask Alg. 1 for this iteration's decision and lend it the idle activation blocks it inflates into.
+
+        Under the node arbiter (``inst.sim.arbiter``) the idle activation is
+        the model's ``activation`` account and both inflation and deflation
+        (Alg. 1's negative ``I``) are applied through the arbiter; without
+        it, deflation is not applied (lent blocks stay with KV)."""
+        arb = getattr(inst.sim, "arbiter", None) if inst is not None else None
+        idle_act = arb.act_idle_blocks(inst) if arb is not None else self.act_total - self.lent
+        d = self.policy.decide(free_kv_chunks=kv.available, idle_act_chunks=idle_act,
                                prefills=p_reqs, decodes=d_reqs, cpu_buffer_free_chunks=cpu_buffer_free_chunks)
         self.decisions += 1
-        if d.inflation > 0:
+        if arb is not None:
+            if d.inflation > 0:
+                arb.inflate(inst, d.inflation)
+            elif d.inflation < 0:
+                arb.deflate(inst, -d.inflation)
+                self.deflated += -d.inflation
+            self.lent = self.act_total - arb.act_idle_blocks(inst)
+            self.max_lent = max(self.max_lent, self.lent)
+        elif d.inflation > 0:
             before = kv.capacity
             self.lent += kv.resize(before + d.inflation) - before
             self.max_lent = max(self.max_lent, self.lent)
@@ -153,7 +169,7 @@ class EllmScheduler:
             return BatchPlan()
         p_reqs = [self._Prefill(str(r.rid), r.target, -(-r.target // bs)) for r in prefills]
         d_reqs = [self._Decode(str(r.rid), 1 if r.ctx % bs == 0 else 0) for r in decodes]
-        d = self._decide_and_inflate(kv, p_reqs, d_reqs, self.cpu_buffer_blocks)
+        d = self._decide_and_inflate(kv, p_reqs, d_reqs, self.cpu_buffer_blocks, inst)
         plan = BatchPlan()
         admitted = set(d.admitted)
         if d.phase == "prefill":

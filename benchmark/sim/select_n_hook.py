@@ -105,7 +105,11 @@ class _OffloadBase:
 
     def _grow_kv(self, inst: "Instance") -> None:
         if not self._applied:
-            inst.kv.resize(inst.kv.capacity + self.gained_blocks)
+            arb = getattr(inst.sim, "arbiter", None)
+            if arb is not None:  # the node arbiter credits the freed weights to this model's KV
+                arb.offload(inst, self.gained_blocks)
+            else:
+                inst.kv.resize(inst.kv.capacity + self.gained_blocks)
             self._applied = True
 
     def after_iteration(self, inst: "Instance", plan: BatchPlan, now: float, duration: float) -> None:

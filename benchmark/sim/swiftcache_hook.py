@@ -49,6 +49,12 @@ Mechanism and mapping to ``memory_ext.policy.swiftcache``:
 * In ``layer_stream`` mode lending is decided once at start (SCALEDOWN with
   an empty window) and stays static; ``plan_lsc`` sizes LSC and RC.
 
+Under the node arbiter (scenario key ``arbiter``) lending and reclaiming go
+through ``node_arbiter.SimArbiter`` (``lend_peer`` / ``reclaim_peer``): the
+lent blocks become the master's ``peer`` account on the worker's GPU, and the
+policy's ``current_blocks`` is re-read from the worker's pool before each
+decision, since Select-N and the arbiter also resize it.
+
 Not modelled: block-table sync latency (ZeroMQ), the cost of remapping
 (O(1) in the block-major layout), per-layer pipeline bubbles; the KV store
 of newly computed tokens in layer-stream mode.
@@ -321,10 +327,16 @@ class SwiftCacheHook:
         if d == ws.last_demand:
             return
         ws.last_demand = d
+        arb = self.inst.sim.arbiter
+        if arb is not None:  # other mechanisms (Select-N, the arbiter) also resize the worker's pool
+            ws.policy.current_blocks = ws.inst.kv.capacity
         dec = ws.policy.on_request(now, d)
         if dec.changed:
             ws.scale_ups += 1
-            ws.inst.kv.resize(ws.inst.kv.capacity + dec.worker_blocks)
+            if arb is not None:
+                arb.reclaim_peer(ws.inst, self.inst, dec.worker_blocks)
+            else:
+                ws.inst.kv.resize(ws.inst.kv.capacity + dec.worker_blocks)
             if ws.tier is not None:
                 ws.tier.capacity = ws.donated_units * ws.meu_m
                 self._shrink(ws.tier)
@@ -339,9 +351,24 @@ class SwiftCacheHook:
 
     def _scale_down(self, ws: _WorkerState, now: float) -> None:
         pol, kv = ws.policy, ws.inst.kv
+        arb = self.inst.sim.arbiter
+        if arb is not None:
+            pol.current_blocks = kv.capacity
         before_cur, before_don = pol.current_blocks, pol.donated_blocks
         dec = pol.on_tick(now)
         if not dec.changed:
+            return
+        if arb is not None:
+            # lend only idle blocks, in whole MEUs, through the node arbiter
+            lent = min(dec.worker_blocks, kv.available) // pol.meu_worker * pol.meu_worker
+            arb.lend_peer(ws.inst, self.inst, lent)
+            pol.current_blocks = kv.capacity
+            pol.donated_blocks = before_don + lent
+            if lent:
+                ws.scale_downs += 1
+            ws.max_donated = max(ws.max_donated, pol.donated_blocks)
+            if ws.tier is not None:
+                ws.tier.capacity = ws.donated_units * ws.meu_m
             return
         target = kv.capacity - dec.worker_blocks
         got = kv.resize(target)  # never takes blocks in use

@@ -92,6 +92,23 @@ def test_prefix_cache_hits_reduce_prefill_work_and_ttft():
     assert on.summary["overall"]["ttft_s"]["mean"] < off.summary["overall"]["ttft_s"]["mean"]
 
 
+def test_prefix_hit_fraction_counts_each_request_once_despite_preemptions():
+    """Regression: ``Instance.admit`` used to add a request's hit on every
+    admission, so recomputation after a preemption (re-hitting the request's
+    own published prompt + generated blocks) pushed the fraction far above 1."""
+    r = run_spec(_spec(duration_s=20, model={"kv_memory_gb": 1.0},
+                       workload={"system_prompt_tokens": 256, "sessions": {"turns_mean": 3, "think_s": 1}},
+                       seed=3))
+    o = r.summary["overall"]
+    assert o["preemptions"] > 0
+    done = [q for q in r.sim.requests if q.finish_t is not None]
+    assert any(q.preemptions for q in done)
+    assert all(0 <= q.prefix_hit_tokens <= q.prompt_len for q in done)
+    assert 0.1 < o["prefix_hit_fraction"] <= 1.0
+    for b in r.summary["instances"].values():
+        assert b["prefix_hit_fraction"] <= 1.0
+
+
 def test_same_seed_same_result_other_seed_differs():
     a = run_spec(_spec()).summary
     b = run_spec(_spec()).summary

@@ -68,6 +68,12 @@ def test_good_file_loads_with_variants(tmp_path):
     (lambda d: d["variants"][0]["set"].__setitem__("models[9].gpu", 0), "cannot set this path (index 9 out of range"),
     (lambda d: d["variants"][0]["set"].__setitem__("models[*].gpu", "z"), "models[0].gpu: expected int"),
     (lambda d: d.__setitem__("sweep", {"rate_scale": [1, 0]}), "sweep.rate_scale[1]: expected number > 0"),
+    (lambda d: d.__setitem__("arbiter", {"share_kv": 1}), "arbiter.share_kv: expected true or false"),
+    (lambda d: d.__setitem__("arbiter", {"floor_fraction": 2}), "arbiter.floor_fraction: expected finite number"),
+    (lambda d: d.__setitem__("arbiter", {"low_watermark_frac": 0.5, "high_watermark_frac": 0.1}),
+     "arbiter.high_watermark_frac: expected number >= low_watermark_frac"),
+    (lambda d: d.__setitem__("arbiter", {"budget": 1}), "arbiter.budget: unknown field"),
+    (lambda d: d.__setitem__("arbiter", True), "arbiter: expected a mapping"),
 ])
 def test_malformed_fields_name_file_and_path(tmp_path, mutate, expect):
     assert expect in _bad(tmp_path, mutate)
@@ -113,6 +119,21 @@ def test_cli_run_writes_json_and_png(tmp_path):
     assert obj["command"].startswith("python -m benchmark.sim run")
     assert obj["results"]["ok"][0]["overall"]["finished"] > 0
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_arbiter_key_and_variants(tmp_path):
+    d = copy.deepcopy(GOOD)
+    d["arbiter"] = {"share_kv": False}
+    d["variants"].append({"name": "free", "set": {"arbiter": None}})
+    sc = load_scenario(_write(tmp_path, d))
+    assert sc.base.arbiter is not None and not sc.base.arbiter.share_kv
+    assert sc.base.arbiter.floor_fraction == 0.25
+    v = dict(sc.variants)
+    assert v["v"].arbiter == sc.base.arbiter and v["free"].arbiter is None
+    sim = build_simulation(sc.base)
+    assert sim.arbiter is not None and build_simulation(v["free"]).arbiter is None
+    sim.run()
+    sim.check()
 
 
 def test_shipped_scenarios_load():
