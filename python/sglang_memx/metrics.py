@@ -33,6 +33,16 @@ _HELP = {
     "memx_kv_map_seconds_max": ("gauge", "Longest single map call."),
     "memx_kv_unmap_seconds_max": ("gauge", "Longest single unmap call."),
     "memx_vmm_calls_total": ("counter", "Virtual-memory backend calls by kind."),
+    "memx_activation_held_bytes": ("gauge", "Pool bytes held for activations (live + idle)."),
+    "memx_activation_peak_held_bytes": ("gauge", "Most pool bytes ever held for activations."),
+    "memx_activation_chunks_from_kv_total": ("counter", "Chunks activation took from idle KV (deflation)."),
+    "memx_activation_chunks_lent_to_kv_total": ("counter", "Idle activation chunks KV took (inflation)."),
+    "memx_activation_deferred_requests_total": ("counter", "Admissions deferred: the activation did not fit."),
+    "memx_host_buffer_used_bytes": ("gauge", "Host bytes holding parked KV."),
+    "memx_host_buffer_logical_bytes": ("gauge", "Host buffer size the SLO rule allows now."),
+    "memx_host_buffer_parked_total": ("counter", "Requests whose KV was parked on the host."),
+    "memx_host_buffer_restored_total": ("counter", "Parked requests whose KV was fetched back."),
+    "memx_host_buffer_dropped_total": ("counter", "Parked entries dropped (request gone)."),
     "memx_shared_pool_borrowed_chunks_total": ("counter", "Chunks borrowed from the pool arbiter."),
     "memx_shared_pool_returned_chunks_total": ("counter", "Chunks returned to the pool arbiter."),
     "memx_shared_pool_denied_total": ("counter", "Borrow requests the arbiter refused."),
@@ -83,6 +93,21 @@ def _samples(rank: Dict[str, Any]) -> Iterable[Tuple[str, Dict[str, Any], float]
     yield "memx_kv_unmap_seconds_max", base, el["max_unmap_seconds"]
     for call, n in sorted(el.get("backend", {}).items()):
         yield "memx_vmm_calls_total", dict(base, call=call), n
+    act = el.get("activation")
+    if act:
+        chunk = el["chunk_bytes"]
+        yield "memx_activation_held_bytes", base, act["held_bytes"]
+        yield "memx_activation_peak_held_bytes", base, act["peak_held"] * chunk
+        yield "memx_activation_chunks_from_kv_total", base, act["chunks_from_kv"]
+        yield "memx_activation_chunks_lent_to_kv_total", base, act["chunks_lent_to_kv"]
+        yield "memx_activation_deferred_requests_total", base, act["deferred_requests"]
+    host = el.get("host_buffer")
+    if host:
+        yield "memx_host_buffer_used_bytes", base, host["used_bytes"]
+        yield "memx_host_buffer_logical_bytes", base, host["logical_bytes"]
+        yield "memx_host_buffer_parked_total", base, host["parked"]
+        yield "memx_host_buffer_restored_total", base, host["restored"]
+        yield "memx_host_buffer_dropped_total", base, host["dropped"]
     shared = el.get("shared_pool")
     if shared:
         chunk = shared.get("chunk_bytes", el["chunk_bytes"])

@@ -126,6 +126,7 @@ def test_retraction_under_pressure_matches_stock(servers, name):
     assert host["parked"] == host["restored"] + host["dropped"] + host["requests"], host
     assert host["requests"] == 0 and host["used_bytes"] == 0, host
     assert host["restored_tokens"] > 0 and host["slo_scaling"] is None
+    assert "memx_host_buffer_restored_total{" in servers[name].request_text("/memx/metrics")
 
 
 @pytest.mark.parametrize("name", ["tight", "paged"])
@@ -161,6 +162,7 @@ def test_activations_balloon_with_kv(servers):
     assert act["chunks_from_free"] + act["chunks_from_kv"] >= act["peak_held"]
     assert act["chunks_lent_to_kv"] > 0  # KV inflated into idle activation memory
     assert el["mapped_bytes"] + act["held_bytes"] <= el["pool_capacity_bytes"]
+    assert "memx_activation_chunks_lent_to_kv_total{" in server.request_text("/memx/metrics")
 
 
 def test_status_reports_physical_bytes(servers):

@@ -17,6 +17,10 @@ RANK = {
                    "map_seconds": 0.002, "unmap_seconds": 0.001, "max_map_seconds": 0.0005,
                    "max_unmap_seconds": 0.0002, "chunk_bytes": 4096,
                    "backend": {"map_calls": 36, "unmap_calls": 20},
+                   "activation": {"held_bytes": 8192, "peak_held": 45, "chunks_from_kv": 4, "chunks_lent_to_kv": 30,
+                                  "deferred_requests": 2},
+                   "host_buffer": {"used_bytes": 1000, "logical_bytes": 4096, "parked": 3, "restored": 2,
+                                   "dropped": 0},
                    "shared_pool": {"borrowed_total": 40, "returned_total": 20, "denied_total": 2,
                                    "reclaim_requests": 3, "held_chunks": 17, "budget_chunks": 52,
                                    "chunk_bytes": 4096}},
@@ -32,6 +36,9 @@ def test_prometheus_text_has_help_type_and_labelled_samples():
     assert 'memx_pool_owner_bytes{dp_rank="0",owner="kv",pool="gpu0"} 65536' in text
     assert 'memx_vmm_calls_total{call="map_calls",dp_rank="0",pool="gpu0"} 36' in text
     assert 'memx_shared_pool_held_bytes{dp_rank="0",pool="gpu0"} 69632' in text
+    assert 'memx_activation_peak_held_bytes{dp_rank="0",pool="gpu0"} 184320' in text
+    assert 'memx_activation_chunks_lent_to_kv_total{dp_rank="0",pool="gpu0"} 30' in text
+    assert 'memx_host_buffer_restored_total{dp_rank="0",pool="gpu0"} 2' in text
     sample = re.compile(r'^[a-z_]+(\{[^}]*\})? -?[0-9.e+-]+$')
     for line in text.splitlines():
         assert line.startswith("# ") or sample.match(line), line
