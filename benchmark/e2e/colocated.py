@@ -62,6 +62,8 @@ def stream_one(server: SGLangServer, text: str, new_tokens: int) -> dict:
     except Exception as exc:  # noqa: BLE001 - recorded, counted as a failure
         return {"error": repr(exc)}
     e2e = time.perf_counter() - t0
+    if last is None or "meta_info" not in last:
+        return {"error": f"stream ended without a result: {last!r}"}
     meta = last["meta_info"]
     n = meta["completion_tokens"]
     return {"ttft": ttft, "e2e": e2e, "tokens": n, "tpot": (e2e - ttft) / max(1, n - 1),

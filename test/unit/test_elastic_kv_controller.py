@@ -173,3 +173,21 @@ def test_a_budget_without_room_for_one_prefill_batch_is_refused_naming_the_flag(
     with pytest.raises(MemxConfigError, match="--memx-pool-budget-gb") as err:
         build_elastic_kv(config, *args, profile=profile, batch_tokens=9)
     assert "--chunked-prefill-size" in str(err.value)
+
+
+def test_demand_counts_the_rest_of_a_chunked_prompt():
+    """A request mid chunked-prefill is in no batch; its remaining prompt and decode still need
+    memory (a shared-pool server once gave that memory back and crashed on the next chunk)."""
+    from sglang_memx.elastic.driver import head_prefill_tokens, running_demand_tokens
+
+    def req(prompt, out, max_new, allocated):
+        return types.SimpleNamespace(origin_input_ids=[1] * prompt, output_ids=[2] * out,
+                                     sampling_params=types.SimpleNamespace(max_new_tokens=max_new),
+                                     kv=types.SimpleNamespace(kv_allocated_len=allocated), finished=lambda: False)
+
+    decoding = req(100, 10, 64, 110)
+    chunked = req(180, 0, 64, 128)
+    sched = types.SimpleNamespace(running_batch=types.SimpleNamespace(reqs=[decoding]), last_batch=None,
+                                  chunked_req=chunked, waiting_queue=[], chunked_prefill_size=64)
+    assert running_demand_tokens(sched) == (64 - 10) + (180 - 128 + 64)
+    assert head_prefill_tokens(sched) == 52  # the chunked request's last chunk comes before any waiting one

@@ -37,7 +37,8 @@ class ActivationBalloon:
         self.chunks: List = []
         self.live = 0
         self.stats = {"reserves": 0, "refused": 0, "chunks_from_free": 0, "chunks_from_kv": 0,
-                      "chunks_lent_to_kv": 0, "peak_held": 0, "peak_need": 0, "deferred_requests": 0}
+                      "chunks_lent_to_kv": 0, "peak_held": 0, "peak_need": 0, "deferred_requests": 0,
+                      "overcommitted_chunks": 0}
 
     @property
     def held(self) -> int:

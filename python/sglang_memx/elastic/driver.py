@@ -52,11 +52,15 @@ def _evict(tree_cache, tokens: int) -> int:
 
 
 def _admitted_requests(scheduler) -> list:
-    """Requests holding KV: the running batch and a prefill batch not merged into it yet
-    (upstream merges the last prefill batch inside ``get_next_batch_to_run``, after our tick)."""
+    """Requests holding KV: the running batch, a prefill batch not merged into it yet
+    (upstream merges the last prefill batch inside ``get_next_batch_to_run``, after our tick)
+    and a request whose chunked prefill is under way."""
     seen, out = set(), []
-    for batch in (getattr(scheduler, "running_batch", None), getattr(scheduler, "last_batch", None)):
-        for req in list(getattr(batch, "reqs", None) or []):
+    chunked = getattr(scheduler, "chunked_req", None)
+    groups = [list(getattr(getattr(scheduler, name, None), "reqs", None) or [])
+              for name in ("running_batch", "last_batch")] + [[chunked] if chunked is not None else []]
+    for reqs in groups:
+        for req in reqs:
             finished = getattr(req, "finished", None)
             if id(req) in seen or (callable(finished) and finished()):
                 continue
@@ -66,11 +70,17 @@ def _admitted_requests(scheduler) -> list:
 
 
 def running_demand_tokens(scheduler) -> int:
-    """Tokens the admitted requests may still decode (their remaining max_new_tokens)."""
+    """Tokens the admitted requests still need: the rest of a chunked prompt and their remaining
+    max_new_tokens (prompt + max_new minus what is allocated, or minus prompt + output so far)."""
     demand = 0
     for req in _admitted_requests(scheduler):
-        max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
-        demand += max(0, int(max_new) - len(getattr(req, "output_ids", ()) or ()))
+        max_new = int(getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0)
+        prompt = len(getattr(req, "origin_input_ids", ()) or ())
+        done = prompt + len(getattr(req, "output_ids", ()) or ())
+        allocated = getattr(getattr(req, "kv", None), "kv_allocated_len", None)
+        if isinstance(allocated, int) and allocated < prompt:  # chunked prefill under way
+            done = allocated
+        demand += max(0, prompt + max_new - done)
     return demand
 
 
@@ -105,11 +115,17 @@ def queue_demand_tokens(scheduler) -> int:
 
 
 def head_prefill_tokens(scheduler) -> int:
-    """Tokens of the waiting head request's first prefill chunk (0 if nothing waits)."""
-    head = list(getattr(scheduler, "waiting_queue", []))[:1]
-    if not head:
-        return 0
-    tokens = len(getattr(head[0], "origin_input_ids", ()) or ())
+    """Tokens of the next prefill chunk: of the request whose chunked prefill is under way,
+    else of the waiting head request (0 if nothing waits)."""
+    chunked = getattr(scheduler, "chunked_req", None)
+    if chunked is not None:
+        allocated = getattr(getattr(chunked, "kv", None), "kv_allocated_len", 0) or 0
+        tokens = max(1, len(getattr(chunked, "origin_input_ids", ()) or ()) - int(allocated))
+    else:
+        head = list(getattr(scheduler, "waiting_queue", []))[:1]
+        if not head:
+            return 0
+        tokens = len(getattr(head[0], "origin_input_ids", ()) or ())
     chunk = getattr(scheduler, "chunked_prefill_size", None)
     return min(tokens, chunk) if chunk and chunk > 0 else tokens
 

@@ -10,6 +10,8 @@
   formed reserves its activation chunks first (``reserve_activation``: FREE,
   then idle KV); if they cannot be had the request waits (``NO_TOKEN``), so
   upstream's KV check that follows sees what is left after activations.
+* ``PrefillAdder.add_chunked_req`` (around): the next chunk of a chunked
+  prefill reserves its activation too (held since the tick; it cannot wait).
 * ``ScheduleBatch.release_req`` (around): with ``--memx-host-buffer-gb``, a
   request being retracted has its KV copied to the host buffer before
   upstream frees it (``elastic.host_buffer``).
@@ -90,6 +92,21 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
     return result
 
 
+def around_add_chunked_req(original, adder, req, *args, **kwargs):
+    """The next chunk of a chunked prefill makes its activation live (held since the tick), so
+    KV cannot take it; it cannot wait (it holds KV), so a shortfall is only counted."""
+    kv = getattr(getattr(adder, "token_to_kv_pool_allocator", None), "_memx_elastic", None)
+    if kv is not None and kv.activation is not None:
+        from sglang_memx.elastic.driver import reserve_activation
+
+        tokens = len(req.full_untruncated_fill_ids) - req.prefix_len
+        if adder.rem_chunk_tokens is not None:
+            tokens = min(tokens, max(int(adder.rem_chunk_tokens), 1))
+        if not reserve_activation(kv, adder.token_to_kv_pool_allocator, None, max(tokens, 1), 1):
+            kv.activation.stats["overcommitted_chunks"] += 1
+    return original(adder, req, *args, **kwargs)
+
+
 def around_release_req(original, batch, idx, *args, **kwargs):
     """A request being retracted (``offload_kv`` true): park its KV in the host buffer first."""
     kv = getattr(batch.token_to_kv_pool_allocator, "_memx_elastic", None)
@@ -115,6 +132,9 @@ HOOKS = (
              why="elastic KV: answer reclaims, deflate, borrow once per iteration"),
     HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "around", around_add_one_req,
              expects=("self", "req"), why="eLLM ballooning: admit a request only if KV and activation fit"),
+    HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req", "around",
+             around_add_chunked_req, expects=("self", "req"),
+             why="eLLM ballooning: a chunked prefill's next chunk holds its activation"),
     HookSpec("sglang.srt.managers.schedule_batch.ScheduleBatch.release_req", "around", around_release_req,
              expects=("self", "idx", "remaing_req_count", "offload_kv"),
              why="host buffer: park a retracted request's KV before upstream frees it"),
