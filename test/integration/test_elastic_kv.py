@@ -157,7 +157,10 @@ def test_activations_balloon_with_kv(servers):
     _gen(server, [f"balloon {i} " + "y " * 50 for i in range(8)], 30)
     el = _elastic(server)
     act = el["activation"]
-    assert act["profile"]["per_token_bytes"] == 4 * (2 * 64 + (2 * 4 + 2 * 2) * 16 + 3 * 128)
+    # derived from the model's shapes, then measured on the first forwards (raised if they needed more)
+    assert act["profile"]["per_token_bytes"] >= 4 * (2 * 64 + (2 * 4 + 2 * 2) * 16 + 3 * 128)
+    assert act["profile"]["observations"] == len(act["measurements"]) >= 3
+    assert all(0 < m["peak_bytes"] <= m["profile_bytes"] for m in act["measurements"]), act["measurements"]
     assert act["max_batch_tokens"] == 16
     assert act["peak_held"] >= act["peak_need"] > 0
     assert act["chunks_from_free"] + act["chunks_from_kv"] >= act["peak_held"]

@@ -30,15 +30,20 @@ from memory_ext.policy.activation import ActivationProfile, plan_activation
 
 
 class ActivationBalloon:
+    MEASURE_FIRST = 3   # forwards measured after start-up whatever their size
+    MEASURE_LIMIT = 8   # measured forwards in all (later ones only if larger than any before)
+
     def __init__(self, pool, profile: ActivationProfile, max_batch_tokens: int = 0):
         self.pool = pool
         self.profile = profile
+        self.measurements: List[tuple] = []  # (tokens, seqs, peak bytes) of measured forwards
+        self._measuring = True
         self.max_batch_tokens = max_batch_tokens  # the largest prefill batch (chunked-prefill size)
         self.chunks: List = []
         self.live = 0
         self.stats = {"reserves": 0, "refused": 0, "chunks_from_free": 0, "chunks_from_kv": 0,
                       "chunks_lent_to_kv": 0, "peak_held": 0, "peak_need": 0, "deferred_requests": 0,
-                      "overcommitted_chunks": 0}
+                      "overcommitted_chunks": 0, "profile_raised": 0}
 
     @property
     def held(self) -> int:
@@ -95,6 +100,22 @@ class ActivationBalloon:
         """Idle chunks beyond ``keep`` back to FREE (a server in a shared pool gives them back)."""
         return self.lend_to_kv(self.held - max(self.live, keep))
 
+    # ------------------------------------------------------ profile measurement
+    def wants_measurement(self, tokens: int) -> bool:
+        n = len(self.measurements)
+        if not self._measuring or tokens <= 0 or n >= self.MEASURE_LIMIT:
+            return False
+        return n < self.MEASURE_FIRST or tokens > max(m[0] for m in self.measurements)
+
+    def record_measurement(self, tokens: int, seqs: int, peak_bytes: int) -> None:
+        """A measured forward's peak: the profile is raised if it predicted less."""
+        self.measurements.append((tokens, seqs, peak_bytes))
+        if self.profile.observe(tokens, seqs, peak_bytes):
+            self.stats["profile_raised"] += 1
+
+    def stop_measuring(self) -> None:
+        self._measuring = False
+
     def end_iteration(self) -> None:
         self.live = 0
 
@@ -103,4 +124,6 @@ class ActivationBalloon:
         return {"held_chunks": self.held, "max_batch_tokens": self.max_batch_tokens, "live_chunks": self.live, "held_bytes": self.held * self.pool.chunk_bytes,
                 "profile": {"per_token_bytes": p.per_token_bytes, "per_seq_bytes": p.per_seq_bytes,
                             "fixed_bytes": p.fixed_bytes, "source": p.source, "observations": p.observations},
+                "measurements": [{"tokens": t, "seqs": q, "peak_bytes": b, "profile_bytes": p.bytes_for(t, q)}
+                                 for t, q, b in self.measurements],
                 **self.stats}

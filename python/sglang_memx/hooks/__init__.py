@@ -20,6 +20,7 @@ HOOK_MODULES = (
     "sglang_memx.hooks.server_args",
     "sglang_memx.hooks.scheduler",
     "sglang_memx.hooks.kv_cache",
+    "sglang_memx.hooks.model_runner",
     "sglang_memx.hooks.http",
 )
 
