@@ -202,14 +202,18 @@ def main() -> int:
     for kind in ("stock", "memx"):
         doc[kind] = run_setup(kind, model, args.budget_tokens, args, pool_dir)
         print(kind, json.dumps(doc[kind]), flush=True)
-    doc["ratios"] = {k: (doc["memx"][k] / doc["stock"][k] if doc["stock"][k] else float("nan"))
-                     for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s")}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "colocated.json").write_text(json.dumps(doc, indent=2))
-    plot(doc, RESULTS / "colocated.png")
-    print(json.dumps(doc["ratios"], indent=2))
-    print(f"wrote {RESULTS / 'colocated.json'} and colocated.png")
+    write_results(doc, ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s"), "colocated", plot)
     return 0
+
+
+def write_results(doc: dict, keys, name: str, plot_fn) -> None:
+    """Add memx/stock ratios of ``keys`` to ``doc``; write ``<name>.json`` and ``<name>.png``."""
+    doc["ratios"] = {k: (doc["memx"][k] / doc["stock"][k] if doc["stock"][k] else float("nan")) for k in keys}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(doc, indent=2))
+    plot_fn(doc, RESULTS / f"{name}.png")
+    print(json.dumps(doc["ratios"], indent=2))
+    print(f"wrote {RESULTS / name}.json and {name}.png")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmark" / "e2e"))
 
-from colocated import LAYERS, RESULTS, ratio_bars, stream_one, summarize  # noqa: E402
+from colocated import LAYERS, ratio_bars, stream_one, summarize, write_results  # noqa: E402
 from support.server import SGLangServer, start_all  # noqa: E402
 
 CHUNK_KB = 4
@@ -121,12 +121,7 @@ def main() -> int:
     for kind, rs in runs.items():  # per metric, the median over repeats
         doc[kind] = {k: statistics.median(r[k] for r in rs) for k in keys + ("retractions", "failed")}
         doc[kind]["runs"] = rs
-    doc["ratios"] = {k: (doc["memx"][k] / doc["stock"][k] if doc["stock"][k] else float("nan")) for k in keys}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "long_prompts.json").write_text(json.dumps(doc, indent=2))
-    plot(doc, RESULTS / "long_prompts.png")
-    print(json.dumps(doc["ratios"], indent=2))
-    print(f"wrote {RESULTS / 'long_prompts.json'} and long_prompts.png")
+    write_results(doc, keys, "long_prompts", plot)
     return 0
 
 
