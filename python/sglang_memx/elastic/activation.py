@@ -74,14 +74,12 @@ class ActivationBalloon:
             return False
         if step.deflate_kv:
             deflate_kv(step.deflate_kv)
-        short = need - self.held
-        if short > self.pool.available():  # deflation freed less than planned
+        if step.shortfall > self.pool.available():  # deflation freed less than planned
             self.stats["refused"] += 1
             return False
-        from_free = min(step.take_free, short)
-        self.chunks.extend(self.pool.acquire(Owner.ACTIVATION, short))
-        self.stats["chunks_from_free"] += from_free
-        self.stats["chunks_from_kv"] += short - from_free
+        self.chunks.extend(self.pool.acquire(Owner.ACTIVATION, step.shortfall))
+        self.stats["chunks_from_free"] += step.take_free
+        self.stats["chunks_from_kv"] += step.deflate_kv
         self.stats["peak_held"] = max(self.stats["peak_held"], self.held)
         self.live = max(self.live, need)
         return True

@@ -84,6 +84,14 @@ def running_demand_tokens(scheduler) -> int:
     return demand
 
 
+def decode_activation_chunks(kv, scheduler) -> int:
+    """Activation chunks one decode step of the admitted requests needs (0 without ballooning)."""
+    if kv.activation is None or scheduler is None:
+        return 0
+    n = len(_admitted_requests(scheduler))
+    return kv.activation.need_chunks(n, n)
+
+
 def spare_free_chunks(kv, allocator, scheduler) -> int:
     """FREE chunks not needed for the running requests' remaining decode (those may go back).
 
@@ -93,8 +101,7 @@ def spare_free_chunks(kv, allocator, scheduler) -> int:
     need = running_demand_tokens(scheduler) - kv.free_page_count(allocator) * kv.page_size
     keep = -(-max(0, need) // kv.buffers.group_rows) * kv.buffers.chunks_per_group
     if kv.activation is not None:  # and their decode steps' activation
-        n = len(_admitted_requests(scheduler))
-        keep += max(0, kv.activation.need_chunks(n, n) - kv.activation.held)
+        keep += max(0, decode_activation_chunks(kv, scheduler) - kv.activation.held)
     return max(0, kv.buffers.pool.usage()[Owner.FREE] - keep)
 
 
@@ -243,8 +250,7 @@ def answer_reclaim(kv, allocator, tree_cache, scheduler=None) -> int:
     if pending <= 0:
         return 0
     if kv.activation is not None:  # idle activation memory is the cheapest to give
-        n = len(_admitted_requests(scheduler)) if scheduler is not None else 0
-        kv.activation.release_idle(keep=kv.activation.need_chunks(n, n))
+        kv.activation.release_idle(keep=decode_activation_chunks(kv, scheduler))
     free_groups(kv, allocator, tree_cache, -(-pending // kv.buffers.chunks_per_group))
     spare = spare_free_chunks(kv, allocator, scheduler) if scheduler is not None else pending
     return lent.give_back(min(pending, spare))  # never what running requests will decode into
@@ -272,6 +278,18 @@ def cap_request_lengths(scheduler, kv) -> None:
     kv.lengths_capped = True
 
 
+def balance_shared_pool(kv, allocator, tree_cache, scheduler) -> None:
+    """Shared pool: give unused chunks back when nothing waits, borrow the queue's shortfall."""
+    demand = queue_demand_tokens(scheduler) + activation_demand_tokens(kv, scheduler)
+    if not getattr(scheduler, "waiting_queue", None):  # nothing waits: unused chunks go back
+        if kv.activation is not None:  # keep what the running requests' decode steps need
+            kv.activation.release_idle(keep=decode_activation_chunks(kv, scheduler))
+        kv.lent.give_back(spare_free_chunks(kv, allocator, scheduler))
+    shortfall = demand - allocator.available_size() - _evictable(tree_cache)
+    if shortfall > 0:
+        borrow_tokens(kv, shortfall)
+
+
 def tick(scheduler) -> None:
     allocator = scheduler.token_to_kv_pool_allocator
     kv = getattr(allocator, "_memx_elastic", None)
@@ -285,18 +303,7 @@ def tick(scheduler) -> None:
     kv.shrink(allocator)
     if kv.host is not None:
         observe_slos(kv, scheduler)
-    if kv.lent is None:
-        prepare_head_activation(kv, allocator, tree_cache, scheduler)
-        restore_parked(kv, scheduler)
-        return
-    demand = queue_demand_tokens(scheduler) + activation_demand_tokens(kv, scheduler)
-    if not getattr(scheduler, "waiting_queue", None):  # nothing waits: unused chunks go back
-        if kv.activation is not None:  # keep what the running requests' decode steps need
-            n = len(_admitted_requests(scheduler))
-            kv.activation.release_idle(keep=kv.activation.need_chunks(n, n))
-        kv.lent.give_back(spare_free_chunks(kv, allocator, scheduler))
-    shortfall = demand - allocator.available_size() - _evictable(tree_cache)
-    if shortfall > 0:
-        borrow_tokens(kv, shortfall)
+    if kv.lent is not None:
+        balance_shared_pool(kv, allocator, tree_cache, scheduler)
     prepare_head_activation(kv, allocator, tree_cache, scheduler)
     restore_parked(kv, scheduler)

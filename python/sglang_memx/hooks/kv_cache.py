@@ -53,7 +53,7 @@ def around_configure(original, configurator, *args, **kwargs):
     try:
         result = original(configurator, *args, **kwargs)
     finally:
-        _build.config = None
+        _build.config = _build.profile = None
     pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
     kv = getattr(pool, "_memx_elastic", None)
     if kv is None:

@@ -67,6 +67,14 @@ def after_get_token_info(result, observer, *args, **kwargs):
                                full_token_usage=used / capacity if capacity else 0.0)
 
 
+def _next_chunk_tokens(adder, req) -> int:
+    """Tokens ``req`` would prefill in this batch: the rest of its input, at most the chunk left."""
+    tokens = len(req.full_untruncated_fill_ids) - req.prefix_len
+    if adder.rem_chunk_tokens is not None:
+        tokens = min(tokens, max(int(adder.rem_chunk_tokens), 1))
+    return max(tokens, 1)
+
+
 def around_add_one_req(original, adder, req, *args, **kwargs):
     """Admit ``req`` only if the batch's activation fits together with its KV (eLLM Alg. 1)."""
     allocator = getattr(adder, "token_to_kv_pool_allocator", None)
@@ -77,13 +85,10 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
     from sglang_memx.elastic.driver import reserve_activation
 
     admitted = list(adder.can_run_list)
-    tokens = len(req.full_untruncated_fill_ids) - req.prefix_len
-    if adder.rem_chunk_tokens is not None:
-        tokens = min(tokens, max(int(adder.rem_chunk_tokens), 1))
-    tokens += sum(int(getattr(r, "extend_input_len", 0) or 0) for r in admitted)
+    tokens = _next_chunk_tokens(adder, req) + sum(int(getattr(r, "extend_input_len", 0) or 0) for r in admitted)
     live_before = kv.activation.live
     # no eviction here: queued requests hold unlocked prefix matches (tick evicts for the head)
-    if not reserve_activation(kv, allocator, None, max(tokens, 1), len(admitted) + 1):
+    if not reserve_activation(kv, allocator, None, tokens, len(admitted) + 1):
         kv.activation.stats["deferred_requests"] += 1
         return AddReqResult.NO_TOKEN
     result = original(adder, req, *args, **kwargs)
@@ -99,10 +104,7 @@ def around_add_chunked_req(original, adder, req, *args, **kwargs):
     if kv is not None and kv.activation is not None:
         from sglang_memx.elastic.driver import reserve_activation
 
-        tokens = len(req.full_untruncated_fill_ids) - req.prefix_len
-        if adder.rem_chunk_tokens is not None:
-            tokens = min(tokens, max(int(adder.rem_chunk_tokens), 1))
-        if not reserve_activation(kv, adder.token_to_kv_pool_allocator, None, max(tokens, 1), 1):
+        if not reserve_activation(kv, adder.token_to_kv_pool_allocator, None, _next_chunk_tokens(adder, req), 1):
             kv.activation.stats["overcommitted_chunks"] += 1
     return original(adder, req, *args, **kwargs)
 
