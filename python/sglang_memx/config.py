@@ -197,6 +197,12 @@ class MemxConfig:
                 missing = "--memx-tpot-slo-ms" if self.tpot_slo_ms is None else "--memx-ttft-slo-ms"
                 raise MemxConfigError(missing, f"must be given together with {option} (eLLM Alg. 2 uses both)")
 
+    def check_server_args(self, disable_radix_cache: bool) -> None:
+        """Checks that need upstream's own flags too (run at parse time and again at pool build)."""
+        if self.host_buffer_gb is not None and disable_radix_cache:
+            raise MemxConfigError("--memx-host-buffer-gb", "needs the radix cache (parked KV is restored "
+                                  "through it); drop --disable-radix-cache or the host buffer")
+
     @property
     def features(self) -> dict[str, bool]:
         """Which memx features are on in this process (names are stable API)."""

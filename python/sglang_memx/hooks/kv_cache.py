@@ -66,10 +66,8 @@ def around_configure(original, configurator, *args, **kwargs):
             f"configuration uses {type(allocator).__name__}")
     allocator._memx_elastic = kv
     kv.restrict_free_list(allocator)
-    if config.host_buffer_gb is not None:
-        if getattr(sa, "disable_radix_cache", False):
-            raise MemxConfigError("--memx-host-buffer-gb", "needs the radix cache (parked KV is restored "
-                                  "through it); drop --disable-radix-cache or the host buffer")
+    if config.host_buffer_gb is not None:  # also for servers built without the CLI parser
+        config.check_server_args(bool(getattr(sa, "disable_radix_cache", False)))
         from sglang_memx.elastic.host_buffer import build_host_buffer
 
         kv.host = build_host_buffer(config, kv.buffers.group_bytes)

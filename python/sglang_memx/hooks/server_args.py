@@ -25,10 +25,7 @@ def _validating_parse_args(parser: argparse.ArgumentParser):
     def parse_args(args=None, namespace=None):
         ns = original(args, namespace)
         try:
-            config = MemxConfig.from_namespace(ns)
-            if config.host_buffer_gb is not None and getattr(ns, "disable_radix_cache", False):
-                raise MemxConfigError("--memx-host-buffer-gb", "needs the radix cache (parked KV is restored "
-                                      "through it); drop --disable-radix-cache or the host buffer")
+            MemxConfig.from_namespace(ns).check_server_args(bool(getattr(ns, "disable_radix_cache", False)))
         except MemxConfigError as exc:
             parser.error(str(exc))  # prints usage + message, exits with status 2
         return ns
