@@ -297,7 +297,13 @@ class LogicalBufferScaler:
     """Alg. 2. ``max_chunks``: B_max (CPU physical buffer); ``min_chunks``: the
     floor (paper: 1); ``initial_chunks`` defaults to ``min_chunks`` (paper:
     initialized to 1). Optional ``ttft_slo``/``tpot_slo`` let ``observe``
-    take measured latencies instead of miss flags."""
+    take measured latencies instead of miss flags.
+
+    ``per_sample``: the windows hold the last ``window`` *measurements* of each
+    metric instead of the last ``window`` iterations (an iteration without a
+    sample adds nothing). The paper's scheduler produces a TTFT sample nearly
+    every iteration; SGLang's first tokens are sparse (one prefill among many
+    decode steps), so per-iteration windows would almost never see 3 misses."""
 
     max_chunks: int
     min_chunks: int = 1
@@ -307,6 +313,7 @@ class LogicalBufferScaler:
     initial_chunks: Optional[int] = None
     ttft_slo: Optional[float] = None
     tpot_slo: Optional[float] = None
+    per_sample: bool = False
     logical_chunks: int = field(init=False)
     _ttft: Deque[bool] = field(init=False, repr=False)
     _tpot: Deque[bool] = field(init=False, repr=False)
@@ -321,6 +328,7 @@ class LogicalBufferScaler:
             raise ValueError(f"alpha must be a finite number > 1, got {self.alpha!r}")
         _check_int("window", self.window, 1)
         _check_int("misses_to_violate", self.misses_to_violate, 1)
+        _check_bool("per_sample", self.per_sample)
         if self.misses_to_violate > self.window:
             raise ValueError(f"misses_to_violate ({self.misses_to_violate}) must be <= window ({self.window})")
         init = self.min_chunks if self.initial_chunks is None else self.initial_chunks
@@ -349,7 +357,7 @@ class LogicalBufferScaler:
         flags = []
         for name, value, slo in (("ttft", ttft, self.ttft_slo), ("tpot", tpot, self.tpot_slo)):
             if value is None:
-                flags.append(False)
+                flags.append(None if self.per_sample else False)
                 continue
             if slo is None:
                 raise ValueError(f"{name}_slo must be set to observe {name} latencies")
@@ -357,15 +365,21 @@ class LogicalBufferScaler:
                     or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number >= 0 or None, got {value!r}")
             flags.append(value > slo)
-        return self.update(ttft_missed=flags[0], tpot_missed=flags[1])
+        return self._record(flags[0], flags[1])
 
     def update(self, ttft_missed: bool = False, tpot_missed: bool = False) -> BufferDecision:
         """One scheduling iteration: record this iteration's misses, detect
         violations (R8) and scale the logical buffer."""
         _check_bool("ttft_missed", ttft_missed)
         _check_bool("tpot_missed", tpot_missed)
-        self._ttft.append(ttft_missed)
-        self._tpot.append(tpot_missed)
+        return self._record(ttft_missed, tpot_missed)
+
+    def _record(self, ttft_missed: Optional[bool], tpot_missed: Optional[bool]) -> BufferDecision:
+        """Append the flags given (None: no sample, nothing appended) and act on violations."""
+        if ttft_missed is not None:
+            self._ttft.append(ttft_missed)
+        if tpot_missed is not None:
+            self._tpot.append(tpot_missed)
         e_ttft = sum(self._ttft) >= self.misses_to_violate
         e_tpot = sum(self._tpot) >= self.misses_to_violate
         prev = self.logical_chunks

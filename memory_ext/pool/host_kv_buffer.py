@@ -7,8 +7,10 @@ the rows of those tokens, copied to host tensors. Invariants:
   ``logical_bytes`` (the size the SLO rule allows now) at the time an entry
   is parked, nor ``capacity_bytes`` ever. Shrinking the logical size evicts
   nothing (eLLM §4.4.2); it only refuses new entries.
-* An entry is taken out whole (``take``) or dropped whole (``drop``); a key
-  is parked at most once.
+* An entry is taken out whole (``take``: its request resumed from it) or
+  dropped whole (``drop``); a key is parked at most once. Copying an entry's
+  rows back to the device (``record_fetch``) keeps the entry: the device copy
+  may still be evicted before its request resumes.
 
 The copies themselves (device -> host and back) are the caller's: rows are
 ``torch`` tensors on the host (pinned when the device is CUDA).
@@ -46,7 +48,7 @@ class HostKVBuffer:
         self._lock = threading.Lock()
         self.used_bytes = 0
         self.stats = {"parked": 0, "restored": 0, "dropped": 0, "refused": 0, "parked_tokens": 0,
-                      "restored_tokens": 0, "peak_used_bytes": 0}
+                      "restored_tokens": 0, "fetched": 0, "fetched_tokens": 0, "peak_used_bytes": 0}
         if logical_bytes is not None:
             self.set_logical_bytes(logical_bytes)
 
@@ -91,8 +93,17 @@ class HostKVBuffer:
     def peek(self, key: str) -> Optional[ParkedKV]:
         return self._entries.get(key)
 
+    def record_fetch(self, key: str) -> None:
+        """Count one copy of ``key``'s rows back to the device (the entry stays)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise KeyError(f"{key!r} is not parked")
+            self.stats["fetched"] += 1
+            self.stats["fetched_tokens"] += len(entry)
+
     def take(self, key: str) -> Optional[ParkedKV]:
-        """Remove and return ``key``'s entry (it is being fetched back), or None."""
+        """Remove and return ``key``'s entry (its request resumed from it), or None."""
         with self._lock:
             entry = self._entries.pop(key, None)
             if entry is not None:

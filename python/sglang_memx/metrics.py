@@ -42,7 +42,9 @@ _HELP = {
     "memx_host_buffer_logical_bytes": ("gauge", "Host buffer size the SLO rule allows now."),
     "memx_host_buffer_parked_total": ("counter", "Requests whose KV was parked on the host."),
     "memx_host_buffer_restored_total": ("counter", "Parked requests whose KV was fetched back."),
-    "memx_host_buffer_dropped_total": ("counter", "Parked entries dropped (request gone)."),
+    "memx_host_buffer_dropped_total": ("counter", "Parked entries dropped (request gone or recomputed)."),
+    "memx_host_buffer_fetched_total": ("counter", "Copies of parked KV back to the device."),
+    "memx_host_buffer_prefill_offloads_total": ("counter", "Requests admitted as prefills whose KV goes to the host."),
     "memx_shared_pool_borrowed_chunks_total": ("counter", "Chunks borrowed from the pool arbiter."),
     "memx_shared_pool_returned_chunks_total": ("counter", "Chunks returned to the pool arbiter."),
     "memx_shared_pool_denied_total": ("counter", "Borrow requests the arbiter refused."),
@@ -108,6 +110,8 @@ def _samples(rank: Dict[str, Any]) -> Iterable[Tuple[str, Dict[str, Any], float]
         yield "memx_host_buffer_parked_total", base, host["parked"]
         yield "memx_host_buffer_restored_total", base, host["restored"]
         yield "memx_host_buffer_dropped_total", base, host["dropped"]
+        yield "memx_host_buffer_fetched_total", base, host["fetched"]
+        yield "memx_host_buffer_prefill_offloads_total", base, host["prefill_offloads"]
     shared = el.get("shared_pool")
     if shared:
         chunk = shared.get("chunk_bytes", el["chunk_bytes"])

@@ -130,6 +130,30 @@ def test_retraction_under_pressure_matches_stock(servers, name):
     assert "memx_host_buffer_restored_total{" in servers[name].request_text("/memx/metrics")
 
 
+def test_prefills_offload_to_the_host_buffer_when_decode_reservations_fill_memory(servers):
+    """eLLM Alg. 1's CPU-buffer branch. Fixed-length requests (ignore_eos) make upstream reserve
+    their whole max_new_tokens, so after ~3 of these 8 the parked server's admission refuses the
+    rest (NO_TOKEN) while most of its memory is still physically free. With the host buffer those
+    prefill anyway, stream their first token, wait on the host and resume from their fetched KV;
+    the answers must be stock's and the buffer must end empty."""
+    server = servers["parked"]
+    texts = [f"offload {i} " + " ".join(f"o{i}_{j}" for j in range(20)) for i in range(8)]
+    want = [r["output_ids"] for r in _gen(servers["stock"], texts, 100)]
+    before = _elastic(server)["host_buffer"]
+    got = _gen(server, texts, 100)  # all 8 arrive at once
+    assert [r["output_ids"] for r in got] == want
+    host = _elastic(server)["host_buffer"]
+    offloaded = host["prefill_offloads"] - before["prefill_offloads"]
+    assert offloaded > 0, host
+    assert host["offload_parked"] - before["offload_parked"] == offloaded  # none finished on its first token
+    assert host["fetched"] > before["fetched"] or host["restored"] - before["restored"] == offloaded
+    assert host["restored"] - before["restored"] >= offloaded - 1, host  # resumed from their KV, not recomputed
+    assert host["requests"] == host["used_bytes"] == host["pinned"] == host["offload_pending"] == 0, host
+    assert host["parked"] == host["restored"] + host["dropped"], host
+    assert sum(r["meta_info"].get("num_retractions", 0) for r in got) >= offloaded
+    assert "memx_host_buffer_prefill_offloads_total{" in server.request_text("/memx/metrics")
+
+
 @pytest.mark.parametrize("name", ["tight", "paged"])
 def test_memory_returns_to_the_pool(servers, name):
     server = servers[name]

@@ -1,4 +1,4 @@
-"""The host buffer's logical size follows eLLM Alg. 2 from TTFT / TPOT measured per scheduler iteration."""
+"""The host buffer's logical size follows eLLM Alg. 2 from TTFT / TPOT samples measured in the scheduler."""
 
 import types
 
@@ -50,9 +50,40 @@ def test_ttft_misses_grow_and_tpot_misses_shrink_the_logical_buffer():
         observe_slos(kv, _scheduler(running=[r], decode=False), now=t)
     assert host.events["ttft"] >= 1 and host.buffer.logical_bytes > UNIT
     grown = host.buffer.logical_bytes
-    for _ in range(5):  # decode iterations of 50 ms (> 10 ms TPOT SLO)
+    slow = _req(1)
+    for _ in range(5):  # a running request gets one token per 50 ms (> 10 ms TPOT SLO)
         t += 0.05
-        observe_slos(kv, _scheduler(running=[_req(5)]), now=t)
+        slow.output_ids.append(1)
+        observe_slos(kv, _scheduler(running=[slow]), now=t)
     assert host.events["tpot"] >= 1 and host.buffer.logical_bytes < grown
     st = host.status()["slo_scaling"]
     assert st["ttft_slo_s"] == 0.1 and st["tpot_slo_s"] == 0.01 and st["unit_bytes"] == UNIT
+
+
+def test_sparse_first_tokens_still_count_as_a_violation():
+    """SGLang produces first tokens in few iterations (prefills among many fast decode steps); the
+    window counts samples, so 3 slow first tokens spread over 30 iterations are a TTFT violation."""
+    kv = _state()
+    t, fast = 0.0, _req(1)
+    for i in range(3):
+        r = _req()
+        observe_slos(kv, _scheduler(waiting=[r], running=[fast]), now=t)
+        for _ in range(10):  # fast decode steps in between: 1 ms per token, no first token
+            t += 0.001
+            fast.output_ids.append(1)
+            observe_slos(kv, _scheduler(running=[fast]), now=t)
+        r.output_ids.append(1)
+        t += 0.5
+        observe_slos(kv, _scheduler(running=[fast, r], decode=False), now=t)
+    assert kv.host.events == {"ttft": 1, "tpot": 0}
+    assert kv.host.buffer.logical_bytes == 2 * UNIT  # grown by alpha = 2
+
+
+def test_an_offloaded_prefill_waiting_for_decode_counts_in_tpot():
+    """The wait between a parked request's first and second token is a TPOT sample."""
+    kv = _state()
+    r = _req(1)
+    observe_slos(kv, _scheduler(running=[r]), now=0.0)
+    r.output_ids.append(1)
+    observe_slos(kv, _scheduler(running=[r]), now=2.0)
+    assert kv.host.scaler.window_misses() == (0, 1)

@@ -20,7 +20,7 @@ RANK = {
                    "activation": {"held_bytes": 8192, "peak_held": 45, "chunks_from_kv": 4, "chunks_lent_to_kv": 30,
                                   "deferred_requests": 2},
                    "host_buffer": {"used_bytes": 1000, "logical_bytes": 4096, "parked": 3, "restored": 2,
-                                   "dropped": 0},
+                                   "dropped": 0, "fetched": 4, "prefill_offloads": 5},
                    "shared_pool": {"borrowed_total": 40, "returned_total": 20, "denied_total": 2,
                                    "reclaim_requests": 3, "held_chunks": 17, "budget_chunks": 52,
                                    "chunk_bytes": 4096}},
@@ -39,6 +39,7 @@ def test_prometheus_text_has_help_type_and_labelled_samples():
     assert 'memx_activation_peak_held_bytes{dp_rank="0",pool="gpu0"} 184320' in text
     assert 'memx_activation_chunks_lent_to_kv_total{dp_rank="0",pool="gpu0"} 30' in text
     assert 'memx_host_buffer_restored_total{dp_rank="0",pool="gpu0"} 2' in text
+    assert 'memx_host_buffer_prefill_offloads_total{dp_rank="0",pool="gpu0"} 5' in text
     sample = re.compile(r'^[a-z_]+(\{[^}]*\})? -?[0-9.e+-]+$')
     for line in text.splitlines():
         assert line.startswith("# ") or sample.match(line), line

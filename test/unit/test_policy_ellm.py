@@ -276,6 +276,23 @@ def test_observe_latencies():
     assert s.observe(ttft=3.0, tpot=0.01).logical_chunks == 8  # last 5: F,T,F,T,T
 
 
+def test_per_sample_windows_ignore_iterations_without_a_sample():
+    # Same samples as above, with empty iterations between them: per iteration the TTFT window
+    # (maxlen 5) never holds 3 misses; per sample it holds T,T,T after the third slow first token.
+    per_iter = LogicalBufferScaler(max_chunks=64, initial_chunks=4, ttft_slo=1.0, tpot_slo=0.05)
+    per_sample = LogicalBufferScaler(max_chunks=64, initial_chunks=4, ttft_slo=1.0, tpot_slo=0.05, per_sample=True)
+    for s in (per_iter, per_sample):
+        for _ in range(3):
+            s.observe(ttft=2.0)
+            for _ in range(4):
+                s.observe(tpot=0.01)
+    assert per_iter.logical_chunks == 4 and per_iter.window_misses() == (1, 0)  # T,F,F,F,F
+    assert per_sample.logical_chunks == 8  # 4 * alpha
+    assert per_sample.window_misses() == (0, 0)  # cleared by the event; TPOT samples were all fast
+    with pytest.raises(ValueError, match="per_sample"):
+        LogicalBufferScaler(max_chunks=4, per_sample=1)
+
+
 def test_available_buffer_never_evicts():
     s = LogicalBufferScaler(max_chunks=64, initial_chunks=8)
     assert s.available(3) == 5

@@ -42,3 +42,15 @@ def test_bad_entries_are_refused_naming_the_problem():
         buf.park("a", range(4), _rows(4))
     with pytest.raises(ValueError, match="capacity_bytes"):
         HostKVBuffer(0)
+
+
+def test_a_fetch_keeps_the_entry_until_its_request_resumes():
+    buf = HostKVBuffer(4096)
+    buf.park("a", range(4), _rows(4))
+    buf.record_fetch("a")
+    buf.record_fetch("a")  # the device copy was evicted and fetched again
+    assert "a" in buf and buf.used_bytes == 256
+    assert buf.stats["fetched"] == 2 and buf.stats["fetched_tokens"] == 8
+    assert buf.take("a") is not None and buf.stats["restored"] == 1
+    with pytest.raises(KeyError, match="'a' is not parked"):
+        buf.record_fetch("a")

@@ -122,3 +122,35 @@ def test_server_args_record_carries_private_attributes_through_pickle():
     args._memx_config = {"status_path": "/memx/status", "disabled": False}
     clone = pickle.loads(pickle.dumps(args))
     assert clone._memx_config == args._memx_config
+
+
+def test_host_buffer_offload_relies_on_these_upstream_internals():
+    """The prefill offload (elastic.host_buffer, hooks.scheduler) drives upstream's own pieces:
+    the prefill budget's two offsets, retraction's release function, the queue entry point,
+    the radix cache's lock / match / insert and the admission constants."""
+    from sglang.srt.managers import schedule_batch, schedule_policy
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+
+    budget = _source(PrefillBudget)
+    for line in ("self.total_offset +=", "self.current_offset +=", "- self.total_offset",
+                 "- self.current_offset", "total_tokens < self.remaining_total"):
+        assert line in budget, line
+    assert "PrefillBudget(" in _source(BaseTokenToKVPoolAllocator.create_prefill_budget)
+    params = inspect.signature(schedule_batch.release_req).parameters
+    assert {"req", "remaing_req_count", "req_to_token_pool", "token_to_kv_pool_allocator", "tree_cache",
+            "hisparse_coordinator", "offload_kv"} <= set(params)
+    assert list(inspect.signature(Scheduler._add_request_to_queue).parameters) == ["self", "req", "is_retracted"]
+    assert isinstance(schedule_policy.CLIP_MAX_NEW_TOKENS, int)
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    for name in ("lock", "unlock", "match_prefix", "insert", "evictable_size"):
+        assert callable(getattr(RadixCache, name)), name
+    assert issubclass(RadixCache, BasePrefixCache)
+    assert "key" in MatchPrefixParams.__dataclass_fields__ and "value" in InsertParams.__dataclass_fields__
+    adder = _source(schedule_policy.PrefillAdder)
+    for attr in ("self.memory_budget =", "self.can_run_list", "self.rem_input_tokens", "self.rem_chunk_tokens",
+                 "self.running_batch", "self.page_size", "self.tree_cache"):
+        assert attr in adder, attr

@@ -24,7 +24,7 @@ import logging
 import time
 
 from memory_ext.pool import Owner
-from sglang_memx.elastic.host_buffer import observe_slos, restore_parked
+from sglang_memx.elastic.host_buffer import fetch_parked, observe_slos, offload_eligible, park_offloaded_prefills
 
 logger = logging.getLogger("sglang_memx")
 
@@ -84,6 +84,29 @@ def running_demand_tokens(scheduler) -> int:
     return demand
 
 
+def decode_reserve_tokens(scheduler) -> float:
+    """What upstream's admission reserves for the running requests' remaining decode: each one's
+    remaining max_new_tokens (clipped) times the current new-token ratio."""
+    batch = getattr(scheduler, "running_batch", None)
+    tracker = getattr(scheduler, "new_token_ratio_tracker", None)
+    ratio = float(getattr(tracker, "current", 1.0))
+    total = 0.0
+    for req in list(getattr(batch, "reqs", None) or []):
+        params = req.sampling_params
+        left = min(max(int(params.max_new_tokens or 0) - len(req.output_ids), 0), MAX_NEW_CLIP)
+        total += left * (1.0 if getattr(params, "ignore_eos", False) else ratio)
+    return total
+
+
+def reopen_admission_for_offload(kv, scheduler) -> None:
+    """Upstream stops trying to admit after a refusal until a running request leaves
+    (``batch_is_full``); with room in the host buffer a new request may still prefill there."""
+    batch = getattr(scheduler, "running_batch", None)
+    if (batch is not None and batch.batch_is_full and kv.host.offload_room() > 0
+            and any(offload_eligible(r) for r in getattr(scheduler, "waiting_queue", []))):
+        batch.batch_is_full = False
+
+
 def decode_activation_chunks(kv, scheduler) -> int:
     """Activation chunks one decode step of the admitted requests needs (0 without ballooning)."""
     if kv.activation is None or scheduler is None:
@@ -132,7 +155,13 @@ def head_prefill_tokens(scheduler) -> int:
         head = list(getattr(scheduler, "waiting_queue", []))[:1]
         if not head:
             return 0
-        tokens = len(getattr(head[0], "origin_input_ids", ()) or ())
+        req = head[0]
+        tokens = len(getattr(req, "origin_input_ids", ()) or ()) + len(getattr(req, "output_ids", ()) or ())
+        kv = getattr(getattr(scheduler, "token_to_kv_pool_allocator", None), "_memx_elastic", None)
+        host = getattr(kv, "host", None)
+        entry = host.buffer.peek(req.rid) if host is not None else None
+        if entry is not None and req.rid in host.pins:  # its parked KV is back and pinned: a cached prefix
+            tokens = max(1, tokens - len(entry))
     chunk = getattr(scheduler, "chunked_prefill_size", None)
     return min(tokens, chunk) if chunk and chunk > 0 else tokens
 
@@ -296,6 +325,8 @@ def tick(scheduler) -> None:
     if kv is None:
         return
     cap_request_lengths(scheduler, kv)
+    if kv.host is not None:  # before anything reads the last batch: offloaded prefills leave it
+        park_offloaded_prefills(kv, scheduler)
     if kv.activation is not None:
         kv.activation.end_iteration()  # the previous forward is done: its activations are idle
     tree_cache = getattr(scheduler, "tree_cache", None)
@@ -305,5 +336,7 @@ def tick(scheduler) -> None:
         observe_slos(kv, scheduler)
     if kv.lent is not None:
         balance_shared_pool(kv, allocator, tree_cache, scheduler)
+    if kv.host is not None:  # first: the head's prefill size depends on its parked KV being back
+        fetch_parked(kv, scheduler, int(decode_reserve_tokens(scheduler)))
+        reopen_admission_for_offload(kv, scheduler)
     prepare_head_activation(kv, allocator, tree_cache, scheduler)
-    restore_parked(kv, scheduler)

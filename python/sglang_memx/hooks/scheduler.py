@@ -10,6 +10,11 @@
   formed reserves its activation chunks first (``reserve_activation``: FREE,
   then idle KV); if they cannot be had the request waits (``NO_TOKEN``), so
   upstream's KV check that follows sees what is left after activations.
+  With ``--memx-host-buffer-gb``, a new request upstream refuses for want of
+  KV room is admitted as an offloaded prefill if its prompt fits the device
+  now and its KV fits the host buffer (eLLM Alg. 1's CPU-buffer branch;
+  parked after its prefill by ``elastic.host_buffer``); a request parked on
+  the host that cannot resume yet lets later requests prefill into the buffer.
 * ``PrefillAdder.add_chunked_req`` (around): the next chunk of a chunked
   prefill reserves its activation too (held since the tick; it cannot wait).
 * ``ScheduleBatch.release_req`` (around): with ``--memx-host-buffer-gb``, a
@@ -75,8 +80,13 @@ def _next_chunk_tokens(adder, req) -> int:
     return max(tokens, 1)
 
 
+def _admitted(adder, req) -> bool:
+    return bool(adder.can_run_list) and adder.can_run_list[-1] is req
+
+
 def around_add_one_req(original, adder, req, *args, **kwargs):
-    """Admit ``req`` only if the batch's activation fits together with its KV (eLLM Alg. 1)."""
+    """Admit ``req`` only if the batch's activation fits together with its KV (eLLM Alg. 1); with a
+    host buffer, a request refused for want of KV may prefill with its KV going to the host."""
     allocator = getattr(adder, "token_to_kv_pool_allocator", None)
     kv = getattr(allocator, "_memx_elastic", None)
     if kv is None or kv.activation is None:
@@ -91,10 +101,68 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
     if not reserve_activation(kv, allocator, None, tokens, len(admitted) + 1):
         kv.activation.stats["deferred_requests"] += 1
         return AddReqResult.NO_TOKEN
-    result = original(adder, req, *args, **kwargs)
-    if not (adder.can_run_list and adder.can_run_list[-1] is req):
+    host = kv.host
+    from sglang_memx.elastic.host_buffer import note_admitted, offload_eligible
+
+    if host is not None and getattr(adder, "_memx_behind_parked", False) and offload_eligible(req):
+        result = AddReqResult.NO_TOKEN  # first come, first served: a request parked on the host is ahead
+    else:
+        result = original(adder, req, *args, **kwargs)
+    if host is not None and result == AddReqResult.NO_TOKEN and not _admitted(adder, req):
+        result = _offload_at_admission(original, adder, req, kv, args, kwargs)
+    if not _admitted(adder, req):
         kv.activation.live = live_before  # not admitted: its share goes back to idle (KV may take it)
+    elif host is not None:
+        note_admitted(kv, req, adder.tree_cache)
     return result
+
+
+class _PhysicalBudget:
+    """While admitting an offloaded prefill, upstream's budget checks only what the device must
+    hold now: the batch so far, this prompt and one decode step of the running requests, not
+    their reserved future decode tokens nor this request's (its KV leaves after the prefill).
+    Afterwards the budget keeps its reservations plus what this admission allocates now."""
+
+    def __init__(self, budget, max_new: int, headroom: int):
+        self.budget, self.max_new, self.headroom = budget, max_new, headroom
+
+    def __enter__(self):
+        self.total, self.current = self.budget.total_offset, self.budget.current_offset
+        self.budget.total_offset = self.current + self.headroom - self.max_new
+        return self
+
+    def __exit__(self, *exc):
+        self.budget.total_offset = self.total + (self.budget.current_offset - self.current)
+        return False
+
+
+def _offload_at_admission(original, adder, req, kv, args, kwargs):
+    """eLLM Alg. 1's CPU-buffer branch for a request upstream refused (``NO_TOKEN``)."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
+    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+    from sglang_memx.elastic.host_buffer import mark_offloaded, offload_bytes, offload_eligible
+
+    host = kv.host
+    if req.rid in host.buffer:  # prefilled already, waiting on the host for room to decode
+        adder._memx_behind_parked = True
+        return AddReqResult.CONTINUE  # requests behind it may still prefill into the buffer
+    has_chunked = kwargs.get("has_chunked_req", args[0] if args else False)
+    if has_chunked or not offload_eligible(req) or type(adder.memory_budget) is not PrefillBudget:
+        return AddReqResult.NO_TOKEN  # (upstream tracks one chunked prefill at a time)
+    nbytes = offload_bytes(req, adder.token_to_kv_pool_allocator)
+    if nbytes > host.offload_room():
+        host.offload["offload_no_room"] += 1
+        return AddReqResult.NO_TOKEN
+    max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+    headroom = adder.page_size * (len(adder.running_batch.reqs) + 1)
+    with _PhysicalBudget(adder.memory_budget, max_new, headroom):
+        original(adder, req, *args, **kwargs)
+    if not _admitted(adder, req):
+        return AddReqResult.NO_TOKEN
+    mark_offloaded(kv, req, nbytes)
+    if adder.rem_input_tokens <= 0 or (adder.rem_chunk_tokens is not None and adder.rem_chunk_tokens <= 0):
+        return AddReqResult.OTHER
+    return AddReqResult.CONTINUE if adder.memory_budget.remaining_current > headroom else AddReqResult.NO_TOKEN
 
 
 def around_add_chunked_req(original, adder, req, *args, **kwargs):
@@ -106,6 +174,11 @@ def around_add_chunked_req(original, adder, req, *args, **kwargs):
 
         if not reserve_activation(kv, adder.token_to_kv_pool_allocator, None, _next_chunk_tokens(adder, req), 1):
             kv.activation.stats["overcommitted_chunks"] += 1
+    if kv is not None and getattr(req, "_memx_offload_bytes", 0):
+        # an offloaded prefill's chunks are sized by what the device holds now, like its admission
+        headroom = adder.page_size * (len(adder.running_batch.reqs) + 1)
+        with _PhysicalBudget(adder.memory_budget, 0, headroom):
+            return original(adder, req, *args, **kwargs)
     return original(adder, req, *args, **kwargs)
 
 
