@@ -14,6 +14,12 @@ order alternating); memx/stock ratios. JSON + PNG under
 benchmark/results/e2e/.
 
     python benchmark/e2e/long_prompts.py [--kv-tokens 1024] [--chunk 64] [--requests 12]
+
+CPU elastic buffer (eLLM E3): ``--host-buffer-gb G`` gives the memx setup
+``--memx-host-buffer-gb G``, so requests refused for want of decode reservation prefill anyway
+and wait on the host; ``--baseline memx`` then compares against memx *without* the buffer
+(same budget) instead of stock, isolating the buffer's effect. Results go to
+``long_prompts_host_buffer.*`` then.
 """
 
 from __future__ import annotations
@@ -53,13 +59,20 @@ def model_and_profile():
 
 
 def run_setup(kind: str, model, memory_bytes: int, args) -> dict:
+    """``kind``: "stock", or "memx" (with the host buffer if ``--host-buffer-gb``); the baseline
+    side is "stock" or, with ``--baseline memx``, memx without the host buffer."""
     common = ["--chunked-prefill-size", str(args.chunk)]
+    host_buffer = kind == "memx" and args.host_buffer_gb is not None
+    if kind == "stock" and args.baseline == "memx":
+        kind = "memx"
     if kind == "stock":
         server = SGLangServer(model, name="bench-long-stock", stock=True, max_total_tokens=args.kv_tokens,
                               extra_args=common)
     else:
         extra = common + ["--memx-elastic-kv", "--memx-chunk-kb", str(CHUNK_KB),
                           "--memx-pool-budget-gb", f"{memory_bytes / (1 << 30):.12f}"]
+        if host_buffer:
+            extra += ["--memx-host-buffer-gb", str(args.host_buffer_gb)]
         server = SGLangServer(model, name="bench-long-memx", max_total_tokens=4 * args.kv_tokens, extra_args=extra)
     start_all([server])
     try:
@@ -89,9 +102,14 @@ def run_setup(kind: str, model, memory_bytes: int, args) -> dict:
     return out
 
 
+def labels(args) -> list:
+    base = "memx, no host buffer" if args.baseline == "memx" else "stock (static)"
+    return [base, "memx + host buffer" if args.host_buffer_gb is not None else "memx (ballooning)"]
+
+
 def plot(doc: dict, path: Path) -> None:
-    ratio_bars(doc, ["max_running_requests", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s"],
-               ["stock (static)", "memx (ballooning)"],
+    ratio_bars(doc, ["max_running_requests", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s"],
+               doc["labels"],
                f"one tiny Llama server, {doc['memory_bytes']} B for KV + activations, "
                f"{doc['params']['requests']} long prompts at once", path)
 
@@ -104,14 +122,20 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=60)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="runs per setup, order alternating; medians reported")
+    ap.add_argument("--host-buffer-gb", type=float, default=None, help="give memx a CPU elastic buffer this big")
+    ap.add_argument("--baseline", choices=("stock", "memx"), default="stock",
+                    help="compare against stock SGLang, or against memx without the host buffer")
     args = ap.parse_args()
+    if args.baseline == "memx" and args.host_buffer_gb is None:
+        ap.error("--baseline memx compares against memx without the host buffer: give --host-buffer-gb")
     command = "python benchmark/e2e/long_prompts.py " + " ".join(sys.argv[1:])
     print(f"# {command}", flush=True)
     model, profile, kv_token_bytes = model_and_profile()
     memory = args.kv_tokens * kv_token_bytes + profile.bytes_for(args.chunk, 1)
     doc = {"command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "memory_bytes": memory, "kv_bytes_stock": args.kv_tokens * kv_token_bytes,
-           "activation_bytes_per_chunk": profile.bytes_for(args.chunk, 1), "params": vars(args)}
+           "activation_bytes_per_chunk": profile.bytes_for(args.chunk, 1), "params": vars(args),
+           "labels": labels(args)}
     keys = ("max_running_requests", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s")
     runs = {"stock": [], "memx": []}
     for rep in range(args.repeats):  # alternate the order: a noisy neighbour hits both setups alike
@@ -121,7 +145,11 @@ def main() -> int:
     for kind, rs in runs.items():  # per metric, the median over repeats
         doc[kind] = {k: statistics.median(r[k] for r in rs) for k in keys + ("retractions", "failed")}
         doc[kind]["runs"] = rs
-    write_results(doc, keys, "long_prompts", plot)
+    for kind, rs in runs.items():
+        hosts = [r["elastic_kv"]["host_buffer"] for r in rs if (r.get("elastic_kv") or {}).get("host_buffer")]
+        if hosts:
+            doc[kind]["prefill_offloads"] = statistics.median(h["prefill_offloads"] for h in hosts)
+    write_results(doc, keys, "long_prompts" + ("_host_buffer" if args.host_buffer_gb is not None else ""), plot)
     return 0
 
 

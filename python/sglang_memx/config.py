@@ -100,10 +100,10 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
     ),
     MemxFlag(
         "--memx-host-buffer-gb", "host_buffer_gb", type=float, default=None, metavar="GB",
-        help="CPU elastic buffer (eLLM E3): under memory pressure, the KV of a request "
-             "taken off the device (retracted) waits in host memory, up to GB, and is "
-             "fetched back before its decode resumes instead of being recomputed. Needs "
-             "--memx-elastic-kv and the radix cache.",
+        help="CPU elastic buffer (eLLM E3), up to GB of host memory: a new request refused "
+             "for want of KV reservation prefills anyway and its KV waits here until it can "
+             "decode; a retracted request's KV waits here instead of being recomputed. Both "
+             "are fetched back before their decode. Needs --memx-elastic-kv and the radix cache.",
     ),
     MemxFlag(
         "--memx-ttft-slo-ms", "ttft_slo_ms", type=float, default=None, metavar="MS",

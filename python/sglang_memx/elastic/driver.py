@@ -16,6 +16,11 @@
   refusal backs off (``borrow_tokens``); requests then wait in the queue
   (upstream's admission sees the real free memory), never fail. The decode
   path borrows only what the arbiter has free at once, never waiting.
+* Host buffer (``--memx-host-buffer-gb``, ``elastic.host_buffer``): first,
+  offloaded prefills leave the last prefill batch and are parked once their
+  first token is in; last, the first parked request's KV is fetched and
+  pinned when its reservation fits, and admission is reopened while the
+  buffer has room for new prefills.
 """
 
 from __future__ import annotations
