@@ -1,11 +1,13 @@
 """Elastic KV (--memx-elastic-kv) against stock SGLang on the same prompts, greedy.
 
-Three servers on one tiny Llama (GQA): stock; memx elastic KV with a physical
+Servers on one tiny Llama (GQA): stock; memx elastic KV with a physical
 budget far below its logical capacity (page size 1, 4 KiB chunks, so a group
 is 32 float32 tokens and the budget holds a 16-token prefill's activations plus 23
-groups); memx elastic KV with page size 4 and no budget. Outputs must be identical to stock through prefix-cache hits,
-chunked prefill and retraction under memory pressure, and the KV memory must
-go back to the pool when the requests are gone.
+groups); memx elastic KV with page size 4 and no budget; the tight server
+plus a CPU elastic buffer ("parked"), and that plus Alg. 2 SLOs ("slo").
+Outputs must be identical to stock through prefix-cache hits, chunked prefill,
+retraction under memory pressure and prefills offloaded to the host buffer,
+and the KV memory must go back to the pool when the requests are gone.
 """
 
 
@@ -41,9 +43,15 @@ def servers(tiny_model_root):
                                                "--memx-pool-budget-gb", TIGHT_BUDGET_GB,
                                                "--schedule-conservativeness", "0.05",
                                                "--memx-host-buffer-gb", "0.01"])
-    everyone = [stock, tight, paged, parked]
+    # ... with Alg. 2 sizing it: a TTFT SLO every request misses, a TPOT SLO none does
+    slo = SGLangServer(model, name="ekv-slo", max_total_tokens=4096,
+                       extra_args=COMMON + ["--memx-elastic-kv", "--memx-chunk-kb", "4",
+                                            "--memx-pool-budget-gb", TIGHT_BUDGET_GB,
+                                            "--memx-host-buffer-gb", "0.01",
+                                            "--memx-ttft-slo-ms", "1", "--memx-tpot-slo-ms", "100000"])
+    everyone = [stock, tight, paged, parked, slo]
     start_all(everyone)
-    yield {"stock": stock, "tight": tight, "paged": paged, "parked": parked}
+    yield {"stock": stock, "tight": tight, "paged": paged, "parked": parked, "slo": slo}
     for s in everyone:
         s.stop()
 
@@ -152,6 +160,26 @@ def test_prefills_offload_to_the_host_buffer_when_decode_reservations_fill_memor
     assert host["parked"] == host["restored"] + host["dropped"], host
     assert sum(r["meta_info"].get("num_retractions", 0) for r in got) >= offloaded
     assert "memx_host_buffer_prefill_offloads_total{" in server.request_text("/memx/metrics")
+
+
+def test_slo_rule_grows_the_host_buffer_on_ttft_misses(servers):
+    """Alg. 2 in the real server: the buffer starts at one KV group (too small for one prompt's
+    KV, so the first prefills cannot be offloaded); every first token misses the 1 ms TTFT SLO, so
+    the logical size doubles after each 3 misses until prefills do offload. Same answers as stock."""
+    server = servers["slo"]
+    start = _elastic(server)["host_buffer"]["slo_scaling"]
+    assert start["logical_units"] == 1 and start["ttft_events"] == start["tpot_events"] == 0
+    texts = [f"slo {i} " + " ".join(f"s{i}_{j}" for j in range(20)) for i in range(10)]
+    want = [r["output_ids"] for r in _gen(servers["stock"], texts, 100)]
+    got = _gen(server, texts, 100)
+    assert [r["output_ids"] for r in got] == want
+    host = _elastic(server)["host_buffer"]
+    scaling = host["slo_scaling"]
+    assert scaling["ttft_events"] >= 2 and scaling["tpot_events"] == 0, scaling
+    assert scaling["logical_units"] >= 4 and host["logical_bytes"] == scaling["logical_units"] * scaling["unit_bytes"]
+    assert host["offload_no_room"] > 0  # refused while the buffer was small ...
+    assert host["prefill_offloads"] > 0  # ... offloaded once it had grown
+    assert host["requests"] == host["used_bytes"] == host["pinned"] == host["offload_pending"] == 0, host
 
 
 @pytest.mark.parametrize("name", ["tight", "paged"])
