@@ -141,8 +141,7 @@ def park_retracted(kv, req, req_to_token_pool, allocator) -> bool:
         return False
     host.buffer.drop(req.rid)  # a stale entry of an earlier retraction
     buffers = _kv_buffers(allocator)
-    row_bytes = sum(b[0].numel() * b.element_size() for b in buffers)
-    if n * row_bytes > host.buffer.room():
+    if n * kv_row_bytes(allocator) > host.buffer.room():
         host.buffer.stats["refused"] += 1
         return False
     idx = req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64)

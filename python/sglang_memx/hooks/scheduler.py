@@ -89,18 +89,20 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
     host buffer, a request refused for want of KV may prefill with its KV going to the host."""
     allocator = getattr(adder, "token_to_kv_pool_allocator", None)
     kv = getattr(allocator, "_memx_elastic", None)
-    if kv is None or kv.activation is None:
+    if kv is None or (kv.activation is None and kv.host is None):
         return original(adder, req, *args, **kwargs)
     from sglang.srt.managers.schedule_policy import AddReqResult
     from sglang_memx.elastic.driver import reserve_activation
 
-    admitted = list(adder.can_run_list)
-    tokens = _next_chunk_tokens(adder, req) + sum(int(getattr(r, "extend_input_len", 0) or 0) for r in admitted)
-    live_before = kv.activation.live
-    # no eviction here: queued requests hold unlocked prefix matches (tick evicts for the head)
-    if not reserve_activation(kv, allocator, None, tokens, len(admitted) + 1):
-        kv.activation.stats["deferred_requests"] += 1
-        return AddReqResult.NO_TOKEN
+    live_before = None
+    if kv.activation is not None:
+        admitted = list(adder.can_run_list)
+        tokens = _next_chunk_tokens(adder, req) + sum(int(getattr(r, "extend_input_len", 0) or 0) for r in admitted)
+        live_before = kv.activation.live
+        # no eviction here: queued requests hold unlocked prefix matches (tick evicts for the head)
+        if not reserve_activation(kv, allocator, None, tokens, len(admitted) + 1):
+            kv.activation.stats["deferred_requests"] += 1
+            return AddReqResult.NO_TOKEN
     host = kv.host
     from sglang_memx.elastic.host_buffer import note_admitted, offload_eligible
 
@@ -111,7 +113,8 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
     if host is not None and result == AddReqResult.NO_TOKEN and not _admitted(adder, req):
         result = _offload_at_admission(original, adder, req, kv, args, kwargs)
     if not _admitted(adder, req):
-        kv.activation.live = live_before  # not admitted: its share goes back to idle (KV may take it)
+        if live_before is not None:
+            kv.activation.live = live_before  # not admitted: its share goes back to idle (KV may take it)
     elif host is not None:
         note_admitted(kv, req, adder.tree_cache)
     return result
@@ -146,7 +149,7 @@ def _offload_at_admission(original, adder, req, kv, args, kwargs):
     if req.rid in host.buffer:  # prefilled already, waiting on the host for room to decode
         adder._memx_behind_parked = True
         return AddReqResult.CONTINUE  # requests behind it may still prefill into the buffer
-    has_chunked = kwargs.get("has_chunked_req", args[0] if args else False)
+    has_chunked = kwargs.get("has_chunked_req", args[0] if args else False) or adder.new_chunked_req is not None
     if has_chunked or not offload_eligible(req) or type(adder.memory_budget) is not PrefillBudget:
         return AddReqResult.NO_TOKEN  # (upstream tracks one chunked prefill at a time)
     nbytes = offload_bytes(req, adder.token_to_kv_pool_allocator)
