@@ -207,6 +207,10 @@ def park_offloaded_prefills(kv, scheduler) -> int:
         if kept:
             parked += 1
             host.offload["offload_parked"] += 1
+        abort = getattr(req, "_memx_pending_abort", None)
+        if abort is not None:  # aborted while in limbo: upstream aborts it from the queue now
+            req._memx_pending_abort = None
+            scheduler.abort_request(abort)
     return parked
 
 

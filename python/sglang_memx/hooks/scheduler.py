@@ -20,6 +20,9 @@
 * ``ScheduleBatch.release_req`` (around): with ``--memx-host-buffer-gb``, a
   request being retracted has its KV copied to the host buffer before
   upstream frees it (``elastic.host_buffer``).
+* ``Scheduler.abort_request`` (after): an abort for an offloaded prefill in
+  limbo (between its prefill batch and the waiting queue) is remembered and
+  replayed once the request is back in the queue.
 * ``SchedulerPoolStatsObserver._get_token_info`` (after): with elastic KV the pool
   statistics (log lines, metrics, load reports and the idle leak check) count
   the pages of unmapped groups as free: they are free logical pages, merely
@@ -199,6 +202,18 @@ def around_release_req(original, batch, idx, *args, **kwargs):
     return original(batch, idx, *args, **kwargs)
 
 
+def after_abort_request(result, scheduler, recv_req, *args, **kwargs):
+    """An abort for an offloaded prefill in limbo (in no batch and not in the queue, for one
+    tick) would be missed; remember it, to be replayed once the request is back in the queue."""
+    kv = getattr(getattr(scheduler, "token_to_kv_pool_allocator", None), "_memx_elastic", None)
+    host = getattr(kv, "host", None)
+    if host is not None:
+        for req in host.limbo:
+            if recv_req.abort_all or req.rid.startswith(recv_req.rid):
+                req._memx_pending_abort = recv_req
+    return result
+
+
 HOOKS = (
     HookSpec(
         "sglang.srt.managers.scheduler_components.internal_state."
@@ -213,6 +228,9 @@ HOOKS = (
     HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req", "around",
              around_add_chunked_req, expects=("self", "req"),
              why="eLLM ballooning: a chunked prefill's next chunk holds its activation"),
+    HookSpec("sglang.srt.managers.scheduler.Scheduler.abort_request", "after", after_abort_request,
+             expects=("self", "recv_req"),
+             why="host buffer: an abort for an offloaded prefill between batches is replayed, not lost"),
     HookSpec("sglang.srt.managers.schedule_batch.ScheduleBatch.release_req", "around", around_release_req,
              expects=("self", "idx", "remaing_req_count", "offload_kv"),
              why="host buffer: park a retracted request's KV before upstream frees it"),

@@ -1,0 +1,53 @@
+"""An abort that arrives while an offloaded prefill is in limbo (out of its prefill batch, not yet
+back in the queue) is remembered by the abort hook and replayed once the request is requeued."""
+
+import types
+
+import sglang.srt.managers.schedule_batch as schedule_batch
+
+from sglang_memx.config import MemxConfig
+from sglang_memx.elastic import host_buffer
+from sglang_memx.elastic.host_buffer import build_host_buffer, park_offloaded_prefills
+from sglang_memx.hooks.scheduler import after_abort_request
+
+
+class _Req:
+    def __init__(self, rid, outputs):
+        self.rid, self.output_ids, self._memx_offload_bytes = rid, [0] * outputs, 64
+
+    def finished(self):
+        return False
+
+
+class _Scheduler:
+    def __init__(self, host):
+        self.token_to_kv_pool_allocator = types.SimpleNamespace(_memx_elastic=types.SimpleNamespace(host=host))
+        self.waiting_queue, self.aborts = [], []
+        self.last_batch = self.running_batch = self.chunked_req = None
+        self.req_to_token_pool = self.tree_cache = None
+
+    def _add_request_to_queue(self, req, is_retracted=False):
+        self.waiting_queue.append(req)
+
+    def abort_request(self, recv_req):  # upstream's: pops matching requests from the queue
+        self.aborts.append(recv_req)
+        self.waiting_queue = [r for r in self.waiting_queue if not r.rid.startswith(recv_req.rid)]
+
+
+def test_an_abort_during_limbo_is_replayed_after_the_request_is_requeued(monkeypatch):
+    host = build_host_buffer(MemxConfig(elastic_kv=True, host_buffer_gb=0.001), 4096)
+    kv = types.SimpleNamespace(host=host)
+    sched = _Scheduler(host)
+    monkeypatch.setattr(schedule_batch, "release_req", lambda **kw: True)
+    monkeypatch.setattr(host_buffer, "park_retracted", lambda *a: True)
+    waiting, aborted = _Req("keep", 1), _Req("gone", 0)  # "gone": its first token is not processed yet
+    host.limbo += [waiting, aborted]
+    host.pending_bytes = 128
+    abort = types.SimpleNamespace(rid="gone", abort_all=False)
+    assert after_abort_request(None, sched, abort) is None
+    assert park_offloaded_prefills(kv, sched) == 1  # "keep" parked; "gone" still waits for its token
+    assert sched.waiting_queue == [waiting] and sched.aborts == [] and host.limbo == [aborted]
+    aborted.output_ids.append(7)
+    park_offloaded_prefills(kv, sched)
+    assert sched.aborts == [abort]  # replayed: upstream removed it from the queue
+    assert sched.waiting_queue == [waiting] and host.limbo == [] and host.pending_bytes == 0
