@@ -156,7 +156,7 @@ def run_setup(kind: str, model, budget_tokens: int, args, pool_dir: Path) -> dic
     return out
 
 
-def ratio_bars(doc: dict, keys, labels, title: str, path: Path) -> None:
+def ratio_bars(doc: dict, keys, labels, title: str, path: Path, ratio_name: str = "memx/stock") -> None:
     """One bar pair (stock, memx) per metric, titled with the memx/stock ratio; PNG at ``path``."""
     import matplotlib
 
@@ -166,7 +166,7 @@ def ratio_bars(doc: dict, keys, labels, title: str, path: Path) -> None:
     fig, axes = plt.subplots(1, len(keys), figsize=(14, 3.2))
     for ax, key in zip(axes, keys):
         ax.bar(labels, [doc["stock"][key], doc["memx"][key]], color=["#999", "#2a7"])
-        ax.set_title(f"{key}\nmemx/stock = {doc['ratios'][key]:.2f}", fontsize=9)
+        ax.set_title(f"{key}\n{ratio_name} = {doc['ratios'][key]:.2f}", fontsize=9)
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(title)
     fig.tight_layout()

@@ -103,15 +103,16 @@ def run_setup(kind: str, model, memory_bytes: int, args) -> dict:
 
 
 def labels(args) -> list:
-    base = "memx, no host buffer" if args.baseline == "memx" else "stock (static)"
-    return [base, "memx + host buffer" if args.host_buffer_gb is not None else "memx (ballooning)"]
+    base = "memx,\nno host buffer" if args.baseline == "memx" else "stock (static)"
+    return [base, "memx\n+ host buffer" if args.host_buffer_gb is not None else "memx (ballooning)"]
 
 
 def plot(doc: dict, path: Path) -> None:
     ratio_bars(doc, ["max_running_requests", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s"],
                doc["labels"],
                f"one tiny Llama server, {doc['memory_bytes']} B for KV + activations, "
-               f"{doc['params']['requests']} long prompts at once", path)
+               f"{doc['params']['requests']} long prompts at once", path,
+               "buffer/no buffer" if doc["params"].get("baseline") == "memx" else "memx/stock")
 
 
 def main() -> int:
