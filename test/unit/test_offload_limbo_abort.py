@@ -39,7 +39,7 @@ def test_an_abort_during_limbo_is_replayed_after_the_request_is_requeued(monkeyp
     kv = types.SimpleNamespace(host=host)
     sched = _Scheduler(host)
     monkeypatch.setattr(schedule_batch, "release_req", lambda **kw: True)
-    monkeypatch.setattr(host_buffer, "park_retracted", lambda *a: True)
+    monkeypatch.setattr(host_buffer, "park_kv", lambda *a: True)
     waiting, aborted = _Req("keep", 1), _Req("gone", 0)  # "gone": its first token is not processed yet
     host.limbo += [waiting, aborted]
     host.pending_bytes = 128

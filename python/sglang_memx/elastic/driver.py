@@ -89,18 +89,21 @@ def running_demand_tokens(scheduler) -> int:
     return demand
 
 
+def remaining_new_tokens(req) -> int:
+    """A request's remaining max_new_tokens, clipped the way upstream's admission estimates it."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    return min(max(int(req.sampling_params.max_new_tokens or 0) - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+
+
 def decode_reserve_tokens(scheduler) -> float:
     """What upstream's admission reserves for the running requests' remaining decode: each one's
     remaining max_new_tokens (clipped) times the current new-token ratio."""
     batch = getattr(scheduler, "running_batch", None)
     tracker = getattr(scheduler, "new_token_ratio_tracker", None)
     ratio = float(getattr(tracker, "current", 1.0))
-    total = 0.0
-    for req in list(getattr(batch, "reqs", None) or []):
-        params = req.sampling_params
-        left = min(max(int(params.max_new_tokens or 0) - len(req.output_ids), 0), MAX_NEW_CLIP)
-        total += left * (1.0 if getattr(params, "ignore_eos", False) else ratio)
-    return total
+    return sum(remaining_new_tokens(req) * (1.0 if getattr(req.sampling_params, "ignore_eos", False) else ratio)
+               for req in list(getattr(batch, "reqs", None) or []))
 
 
 def reopen_admission_for_offload(kv, scheduler) -> None:

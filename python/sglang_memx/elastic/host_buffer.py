@@ -13,7 +13,7 @@ Two kinds of request keep their KV in a ``HostKVBuffer`` while they wait:
   prefill's result is processed one iteration after the next batch is
   scheduled, so the request waits one tick in ``limbo`` (excluded from the
   running batch, KV still held) until its first token is in.
-* **Retracted requests** (``park_retracted``, called as upstream releases a
+* **Retracted requests** (``park_kv``, called as upstream releases a
   request it retracts): their committed KV is copied before upstream frees it.
 
 ``fetch_parked`` (once per iteration, before batch selection) puts parked KV
@@ -128,7 +128,7 @@ def mark_offloaded(kv, req, nbytes: int) -> None:
     kv.host.offload["prefill_offloads"] += 1
 
 
-def park_retracted(kv, req, req_to_token_pool, allocator) -> bool:
+def park_kv(kv, req, req_to_token_pool, allocator) -> bool:
     """Copy a request's committed KV to the host buffer (before it is freed); False: not kept."""
     host = kv.host
     if host is None or req.finished() or getattr(req, "input_embeds", None) is not None:
@@ -196,7 +196,7 @@ def park_offloaded_prefills(kv, scheduler) -> int:
         if req.finished():
             continue  # finished on its first token; upstream released its KV
         try:
-            kept = park_retracted(kv, req, scheduler.req_to_token_pool, allocator)
+            kept = park_kv(kv, req, scheduler.req_to_token_pool, allocator)
         except Exception:  # it is recomputed when it resumes, as a retracted request would be
             logger.exception("memx: could not park the KV of offloaded prefill %s", req.rid)
             kept = False
@@ -235,12 +235,16 @@ def note_admitted(kv, req, tree=None) -> None:
         host.buffer.drop(req.rid)
 
 
-def _match(tree, req, tokens):
-    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+def _radix_key(req, tokens):
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    key = RadixKey(array("q", tokens), req.extra_key, cache_salt=req.cache_salt)
-    return tree.match_prefix(MatchPrefixParams(key=key))
+    return RadixKey(array("q", tokens), req.extra_key, cache_salt=req.cache_salt)
+
+
+def _match(tree, req, tokens):
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    return tree.match_prefix(MatchPrefixParams(key=_radix_key(req, tokens)))
 
 
 def fetch_parked(kv, scheduler, decode_reserve_tokens: int = 0) -> bool:
@@ -254,9 +258,7 @@ def fetch_parked(kv, scheduler, decode_reserve_tokens: int = 0) -> bool:
     if host is None or not len(host.buffer):
         return False
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
-    from sglang_memx.elastic.driver import _evict
+    from sglang_memx.elastic.driver import _evict, remaining_new_tokens
 
     waiting = list(getattr(scheduler, "waiting_queue", []))
     allocator, tree = scheduler.token_to_kv_pool_allocator, scheduler.tree_cache
@@ -270,7 +272,7 @@ def fetch_parked(kv, scheduler, decode_reserve_tokens: int = 0) -> bool:
         return False
     entry = host.buffer.peek(req.rid)
     n, page = len(entry), allocator.page_size
-    max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+    max_new = remaining_new_tokens(req)
     pinned = host.pins.get(req.rid) is not None
     own = n if pinned else 0  # a pinned prefix is not evictable, but it is this request's own
     if allocator.available_size() + int(tree.evictable_size()) + own - decode_reserve_tokens < max_new + 2 * page:
@@ -294,9 +296,8 @@ def fetch_parked(kv, scheduler, decode_reserve_tokens: int = 0) -> bool:
         return False
     for buf, rows in zip(_kv_buffers(allocator), entry.rows):
         buf[idx] = rows.to(buf.device, non_blocking=True)
-    key = RadixKey(array("q", entry.tokens), req.extra_key, cache_salt=req.cache_salt)
     try:
-        tree.insert(InsertParams(key=key, value=idx.to(torch.int64, copy=True)))
+        tree.insert(InsertParams(key=_radix_key(req, entry.tokens), value=idx.to(torch.int64, copy=True)))
     except Exception:  # never lose the request: it is recomputed as in stock SGLang
         logger.exception("memx: could not restore the parked KV of %s; it is recomputed", req.rid)
         allocator.free(idx)

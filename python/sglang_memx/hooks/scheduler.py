@@ -144,8 +144,9 @@ class _PhysicalBudget:
 
 def _offload_at_admission(original, adder, req, kv, args, kwargs):
     """eLLM Alg. 1's CPU-buffer branch for a request upstream refused (``NO_TOKEN``)."""
-    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
+    from sglang.srt.managers.schedule_policy import AddReqResult
     from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+    from sglang_memx.elastic.driver import remaining_new_tokens
     from sglang_memx.elastic.host_buffer import mark_offloaded, offload_bytes, offload_eligible
 
     host = kv.host
@@ -159,7 +160,7 @@ def _offload_at_admission(original, adder, req, kv, args, kwargs):
     if nbytes > host.offload_room():
         host.offload["offload_no_room"] += 1
         return AddReqResult.NO_TOKEN
-    max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+    max_new = remaining_new_tokens(req)
     headroom = adder.page_size * (len(adder.running_batch.reqs) + 1)
     with _PhysicalBudget(adder.memory_budget, max_new, headroom):
         original(adder, req, *args, **kwargs)
@@ -193,10 +194,10 @@ def around_release_req(original, batch, idx, *args, **kwargs):
     kv = getattr(batch.token_to_kv_pool_allocator, "_memx_elastic", None)
     offload = kwargs.get("offload_kv", args[1] if len(args) > 1 else True)
     if kv is not None and kv.host is not None and offload:
-        from sglang_memx.elastic.host_buffer import park_retracted
+        from sglang_memx.elastic.host_buffer import park_kv
 
         try:
-            park_retracted(kv, batch.reqs[idx], batch.req_to_token_pool, batch.token_to_kv_pool_allocator)
+            park_kv(kv, batch.reqs[idx], batch.req_to_token_pool, batch.token_to_kv_pool_allocator)
         except Exception:  # the request is then recomputed, as in stock SGLang
             logger.exception("memx: could not park a retracted request's KV")
     return original(batch, idx, *args, **kwargs)
