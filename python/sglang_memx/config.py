@@ -99,6 +99,13 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
              ">= 4 (default 64). CUDA uses the device's granularity (2 MiB).",
     ),
     MemxFlag(
+        "--memx-torch-activations", "torch_activations", action="store_true", default=False,
+        help="On CUDA, leave the forward's activation tensors to torch's own allocator "
+             "(they are then counted against the pool and also allocated by torch) instead of "
+             "the pool's activation arena behind torch.cuda.MemPool. No effect on CPU, where "
+             "activations are accounting only. Needs --memx-elastic-kv.",
+    ),
+    MemxFlag(
         "--memx-host-buffer-gb", "host_buffer_gb", type=float, default=None, metavar="GB",
         help="CPU elastic buffer (eLLM E3), up to GB of host memory: a new request refused "
              "for want of KV reservation prefills anyway and its KV waits here until it can "
@@ -129,6 +136,7 @@ class MemxConfig:
     pool_budget_gb: float | None = None
     pool_dir: str | None = None
     chunk_kb: int = 64
+    torch_activations: bool = False
     host_buffer_gb: float | None = None
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
@@ -179,6 +187,8 @@ class MemxConfig:
                     raise MemxConfigError(option, "needs --memx-elastic-kv (the pool backs the KV cache)")
             if c != 64:
                 raise MemxConfigError("--memx-chunk-kb", "needs --memx-elastic-kv")
+            if self.torch_activations:
+                raise MemxConfigError("--memx-torch-activations", "needs --memx-elastic-kv")
 
     def _validate_host_buffer(self) -> None:
         for option, value in (("--memx-host-buffer-gb", self.host_buffer_gb),

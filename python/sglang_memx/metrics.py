@@ -38,6 +38,9 @@ _HELP = {
     "memx_activation_chunks_from_kv_total": ("counter", "Chunks activation took from idle KV (deflation)."),
     "memx_activation_chunks_lent_to_kv_total": ("counter", "Idle activation chunks KV took (inflation)."),
     "memx_activation_deferred_requests_total": ("counter", "Admissions deferred: the activation did not fit."),
+    "memx_activation_arena_live_bytes": ("gauge", "CUDA: bytes of torch segments live in the activation arena."),
+    "memx_activation_arena_overflow_allocs_total": ("counter", "CUDA: segments that did not fit the arena "
+                                                    "and came from plain device memory."),
     "memx_host_buffer_used_bytes": ("gauge", "Host bytes holding parked KV."),
     "memx_host_buffer_logical_bytes": ("gauge", "Host buffer size the SLO rule allows now."),
     "memx_host_buffer_parked_total": ("counter", "Requests whose KV was parked on the host."),
@@ -103,6 +106,10 @@ def _samples(rank: Dict[str, Any]) -> Iterable[Tuple[str, Dict[str, Any], float]
         yield "memx_activation_chunks_from_kv_total", base, act["chunks_from_kv"]
         yield "memx_activation_chunks_lent_to_kv_total", base, act["chunks_lent_to_kv"]
         yield "memx_activation_deferred_requests_total", base, act["deferred_requests"]
+        arena = act.get("allocator") or {}
+        if arena.get("kind") == "memx arena":
+            yield "memx_activation_arena_live_bytes", base, arena["live_bytes"]
+            yield "memx_activation_arena_overflow_allocs_total", base, arena["overflow_allocs"]
     host = el.get("host_buffer")
     if host:
         yield "memx_host_buffer_used_bytes", base, host["used_bytes"]

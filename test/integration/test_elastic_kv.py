@@ -214,6 +214,7 @@ def test_activations_balloon_with_kv(servers):
     assert act["profile"]["observations"] == len(act["measurements"]) >= 3
     assert all(0 < m["peak_bytes"] <= m["profile_bytes"] for m in act["measurements"]), act["measurements"]
     assert act["max_batch_tokens"] == 16
+    assert act["allocator"] == {"kind": "torch"}  # CPU: accounting only, no arena (CUDA-only)
     assert act["peak_held"] >= act["peak_need"] > 0
     assert act["chunks_from_free"] + act["chunks_from_kv"] >= act["peak_held"]
     assert act["chunks_lent_to_kv"] > 0  # KV inflated into idle activation memory

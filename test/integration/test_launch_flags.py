@@ -27,13 +27,15 @@ BAD_CASES = [
     (["--memx-elastic-kv", "--memx-chunk-kb", "6"], "--memx-chunk-kb", "power of two"),
     (["--memx-elastic-kv", "--memx-pool-budget-gb", "-1"], "--memx-pool-budget-gb", "positive number"),
     (["--memx-host-buffer-gb", "1"], "--memx-host-buffer-gb", "needs --memx-elastic-kv"),
+    (["--memx-torch-activations"], "--memx-torch-activations", "needs --memx-elastic-kv"),
     (["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--memx-tpot-slo-ms", "50"], "--memx-ttft-slo-ms",
      "together with --memx-tpot-slo-ms"),
     (["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--disable-radix-cache"], "--memx-host-buffer-gb",
      "needs the radix cache"),
 ]
 DEFAULTS = {"disabled": False, "status_path": "/memx/status", "elastic_kv": False, "pool": None,
-            "pool_budget_gb": None, "pool_dir": None, "chunk_kb": 64, "host_buffer_gb": None,
+            "pool_budget_gb": None, "pool_dir": None, "chunk_kb": 64, "torch_activations": False,
+            "host_buffer_gb": None,
             "ttft_slo_ms": None, "tpot_slo_ms": None}
 
 PARSE_SCRIPT = r"""

@@ -89,6 +89,7 @@ def test_elastic_kv_flags_parse_and_turn_features_on():
     (["--memx-pool-budget-gb", "2"], "--memx-pool-budget-gb", "needs --memx-elastic-kv"),
     (["--memx-pool-dir", "/tmp/x"], "--memx-pool-dir", "needs --memx-elastic-kv"),
     (["--memx-chunk-kb", "8"], "--memx-chunk-kb", "needs --memx-elastic-kv"),
+    (["--memx-torch-activations"], "--memx-torch-activations", "needs --memx-elastic-kv"),
     (["--memx-elastic-kv", "--memx-pool", "bad name"], "--memx-pool", "letters, digits"),
     (["--memx-elastic-kv", "--memx-pool", "../up"], "--memx-pool", "letters, digits"),
     (["--memx-elastic-kv", "--memx-pool-budget-gb", "0"], "--memx-pool-budget-gb", "positive"),

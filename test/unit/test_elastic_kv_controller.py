@@ -1,6 +1,7 @@
 """ElasticKV against upstream's real allocators: the free list stays inside mapped groups,
 groups come and go with use, and `available` never promises more than the pool can back."""
 
+import ctypes
 import types
 
 import pytest
@@ -191,3 +192,82 @@ def test_demand_counts_the_rest_of_a_chunked_prompt():
                                   chunked_req=chunked, waiting_queue=[], chunked_prefill_size=64)
     assert running_demand_tokens(sched) == (64 - 10) + (180 - 128 + 64)
     assert head_prefill_tokens(sched) == 52  # the chunked request's last chunk comes before any waiting one
+
+
+# ------------------------------------------------ activation arena (the CUDA layout, on host chunks)
+class _FakeMemPool:
+    """Plays ArenaMemPool: ``release_cached`` hands back the segments torch would cache."""
+
+    def __init__(self, lib, cached):
+        self.lib, self.cached, self.rotations = lib, cached, 0
+
+    def release_cached(self):
+        while self.cached:
+            ptr, size = self.cached.pop()
+            self.lib.memx_arena_free(ptr, size, 0, None)
+        self.rotations += 1
+
+
+def test_balloon_with_arena_maps_what_it_holds_and_lends_only_unpinned_chunks():
+    from memory_ext.policy.activation import ActivationProfile
+    from memory_ext.pool.segment_arena import SegmentArena, load_library
+    from sglang_memx.elastic.activation import ActivationBalloon
+    from sglang_memx.elastic.driver import reserve_activation
+
+    lib = load_library()
+    kv, alloc, pool, backend = _make(1, capacity_chunks=4 * 4)  # groups of 4 chunks
+    arena = SegmentArena(backend, pool.capacity_chunks)
+    cached, live = [], []
+    kv.activation = ActivationBalloon(pool, ActivationProfile(per_token_bytes=CHUNK), arena=arena,
+                                      mempool=_FakeMemPool(lib, cached))
+    try:
+        assert reserve_activation(kv, alloc, None, tokens=8, seqs=1)
+        assert arena.mapped_chunks == kv.activation.held == 8 == pool.usage()[Owner.ACTIVATION]
+        # the forward: torch's caching allocator takes two segments from the arena
+        keep = lib.memx_arena_alloc(2 * CHUNK, 0, None)      # outlives the forward (chunks 0-1)
+        live.append((keep, 2 * CHUNK))
+        scratch = lib.memx_arena_alloc(4 * CHUNK, 0, None)   # freed by the forward, cached by torch (2-5)
+        cached.append((scratch, 4 * CHUNK))
+        assert arena.contains(keep) and arena.contains(scratch)
+        kv.activation.end_iteration()
+        assert kv.activation.idle() == 8 and arena.pinned_chunks() == 6
+        assert kv.activation.status()["allocator"]["kind"] == "memx arena"
+        # inflation: KV wants 3 groups (12 chunks), FREE has 4; the cached segment comes back
+        # first, the live one keeps chunks 0-1 mapped, so only 2 groups can be mapped
+        assert kv.grow(alloc, 63 + 3 * 64) == 2
+        assert kv.activation.mempool.rotations == 1 and cached == []
+        assert arena.mapped_chunks == kv.activation.held == 2 == pool.usage()[Owner.ACTIVATION]
+        assert kv.activation.stats["chunks_lent_to_kv"] == 6 and pool.available() == 2
+        kv.check(alloc)
+        ctypes.memset(keep, 7, 2 * CHUNK)  # the live segment's memory is still mapped
+        lib.memx_arena_free(*live.pop(), 0, None)
+        assert kv.activation.lend_to_kv(2) == 2 and arena.mapped_chunks == 0
+        pool.check_invariants()
+    finally:
+        for ptr, size in cached + live:
+            lib.memx_arena_free(ptr, size, 0, None)
+        pool.release(Owner.ACTIVATION, arena.close())
+
+
+def test_activation_arena_is_cuda_only_optional_and_degrades_with_a_warning(caplog, monkeypatch):
+    import memory_ext.pool.segment_arena as segment_arena
+    from sglang_memx.config import MemxConfig
+    from sglang_memx.elastic.setup import activation_arena
+
+    cpu = host_backend(CHUNK)
+    try:
+        pool = ChunkPool(cpu, 8)
+        assert activation_arena(MemxConfig(elastic_kv=True), cpu, pool) == (None, None)  # CPU: accounting only
+    finally:
+        cpu.close()
+    cuda_like = types.SimpleNamespace(device=torch.device("cuda", 0), granularity=CHUNK)
+    off = MemxConfig(elastic_kv=True, torch_activations=True)
+    assert activation_arena(off, cuda_like, pool) == (None, None)
+    def no_driver():
+        raise segment_arena.ArenaBuildError("libcuda.so.1 cannot be loaded: not found")
+
+    monkeypatch.setattr(segment_arena, "cuda_driver_hooks", no_driver)
+    with caplog.at_level("WARNING", logger="sglang_memx"):
+        # no driver library: the arena cannot be built, serving goes on without it
+        assert activation_arena(MemxConfig(elastic_kv=True), cuda_like, pool) == (None, None)
+    assert "activation arena unavailable" in caplog.text and "libcuda" in caplog.text

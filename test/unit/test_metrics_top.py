@@ -18,7 +18,8 @@ RANK = {
                    "max_unmap_seconds": 0.0002, "chunk_bytes": 4096,
                    "backend": {"map_calls": 36, "unmap_calls": 20},
                    "activation": {"held_bytes": 8192, "peak_held": 45, "chunks_from_kv": 4, "chunks_lent_to_kv": 30,
-                                  "deferred_requests": 2},
+                                  "deferred_requests": 2,
+                                  "allocator": {"kind": "memx arena", "live_bytes": 6 << 20, "overflow_allocs": 1}},
                    "host_buffer": {"used_bytes": 1000, "logical_bytes": 4096, "parked": 3, "restored": 2,
                                    "dropped": 0, "fetched": 4, "prefill_offloads": 5},
                    "shared_pool": {"borrowed_total": 40, "returned_total": 20, "denied_total": 2,
@@ -39,6 +40,8 @@ def test_prometheus_text_has_help_type_and_labelled_samples():
     assert 'memx_activation_peak_held_bytes{dp_rank="0",pool="gpu0"} 184320' in text
     assert 'memx_activation_chunks_lent_to_kv_total{dp_rank="0",pool="gpu0"} 30' in text
     assert 'memx_host_buffer_restored_total{dp_rank="0",pool="gpu0"} 2' in text
+    assert 'memx_activation_arena_live_bytes{dp_rank="0",pool="gpu0"} 6291456' in text
+    assert 'memx_activation_arena_overflow_allocs_total{dp_rank="0",pool="gpu0"} 1' in text
     assert 'memx_host_buffer_prefill_offloads_total{dp_rank="0",pool="gpu0"} 5' in text
     sample = re.compile(r'^[a-z_]+(\{[^}]*\})? -?[0-9.e+-]+$')
     for line in text.splitlines():

@@ -15,10 +15,17 @@ batch being formed and run: chunks owned by ``Owner.ACTIVATION``. Invariants:
   the previous forward has finished by then (no overlap scheduling on CPU).
 
 On CPU the chunks are accounting only (torch's CPU allocator still serves the
-tensors; the chunks are never mapped). On CUDA the activation tensors would
-come from these chunks through torch's pluggable allocator; that is not wired
-yet, so on CUDA the reservation is conservative (activations are counted
-against the budget and also allocated by torch).
+tensors; the chunks are never mapped). On CUDA, with an ``arena``
+(``memory_ext.pool.segment_arena``), every held chunk is mapped into the
+arena, and the forward's tensors come from it through torch's pluggable
+allocator / ``MemPool`` (``mempool``, used by the model-runner hook). Then:
+
+* ``held`` == the arena's mapped chunks; ``reserve`` maps what it acquires;
+* ``lend_to_kv`` unmaps from the arena's top, after ``release_cached`` has
+  handed torch's cached segments back (at most once a second), and never
+  under a live segment (a tensor that outlives its forward): it may give
+  fewer chunks than ``idle()`` promised, and KV's ``grow`` then maps fewer
+  groups.
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ class ActivationBalloon:
     MEASURE_FIRST = 3   # forwards measured after start-up whatever their size
     MEASURE_LIMIT = 8   # measured forwards in all (later ones only if larger than any before)
 
-    def __init__(self, pool, profile: ActivationProfile, max_batch_tokens: int = 0):
+    def __init__(self, pool, profile: ActivationProfile, max_batch_tokens: int = 0, arena=None, mempool=None):
         self.pool = pool
+        self.arena = arena      # SegmentArena whose mapped chunks are exactly ``chunks`` (CUDA), or None
+        self.mempool = mempool  # ArenaMemPool the forward allocates from, or None
         self.profile = profile
         self.measurements: List[tuple] = []  # (tokens, seqs, peak bytes) of measured forwards
         self._measuring = True
@@ -77,7 +86,14 @@ class ActivationBalloon:
         if step.shortfall > self.pool.available():  # deflation freed less than planned
             self.stats["refused"] += 1
             return False
-        self.chunks.extend(self.pool.acquire(Owner.ACTIVATION, step.shortfall))
+        got = self.pool.acquire(Owner.ACTIVATION, step.shortfall)
+        if self.arena is not None:
+            try:
+                self.arena.grow(got)
+            except Exception:
+                self.pool.release(Owner.ACTIVATION, got)
+                raise
+        self.chunks.extend(got)
         self.stats["chunks_from_free"] += step.take_free
         self.stats["chunks_from_kv"] += step.deflate_kv
         self.stats["peak_held"] = max(self.stats["peak_held"], self.held)
@@ -89,7 +105,15 @@ class ActivationBalloon:
         n = min(n, self.idle())
         if n <= 0:
             return 0
-        give, self.chunks = self.chunks[-n:], self.chunks[:-n]
+        if self.arena is not None:
+            give = self.arena.shrink(n, self.mempool.release_cached if self.mempool is not None else None)
+            gone = {c.handle_id for c in give}
+            self.chunks = [c for c in self.chunks if c.handle_id not in gone]
+            n = len(give)
+            if not n:
+                return 0
+        else:
+            give, self.chunks = self.chunks[-n:], self.chunks[:-n]
         self.pool.release(Owner.ACTIVATION, give)
         self.stats["chunks_lent_to_kv"] += n
         return n
@@ -119,7 +143,11 @@ class ActivationBalloon:
 
     def status(self) -> dict:
         p = self.profile
-        return {"held_chunks": self.held, "max_batch_tokens": self.max_batch_tokens, "live_chunks": self.live, "held_bytes": self.held * self.pool.chunk_bytes,
+        allocator = {"kind": "torch"} if self.arena is None else {
+            "kind": "memx arena", "mapped_chunks": self.arena.mapped_chunks,
+            "pinned_chunks": self.arena.pinned_chunks(),
+            "cache_releases": self.arena.releases, **self.arena.stats()}
+        return {"held_chunks": self.held, "allocator": allocator, "max_batch_tokens": self.max_batch_tokens, "live_chunks": self.live, "held_bytes": self.held * self.pool.chunk_bytes,
                 "profile": {"per_token_bytes": p.per_token_bytes, "per_seq_bytes": p.per_seq_bytes,
                             "fixed_bytes": p.fixed_bytes, "source": p.source, "observations": p.observations},
                 "measurements": [{"tokens": t, "seqs": q, "peak_bytes": b, "profile_bytes": p.bytes_for(t, q)}

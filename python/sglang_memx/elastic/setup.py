@@ -160,6 +160,27 @@ def max_batch_tokens(server_args) -> int:
     return int(getattr(server_args, "max_prefill_tokens", None) or 16384)
 
 
+def activation_arena(config: MemxConfig, backend, pool):
+    """On CUDA, the arena + MemPool the forward's activations are allocated from; ``(None, None)``
+    on CPU, with ``--memx-torch-activations``, or when the arena cannot be built here (logged: the
+    activations then come from torch and are also counted against the pool, as before)."""
+    if config.torch_activations or getattr(getattr(backend, "device", None), "type", "cpu") != "cuda":
+        return None, None
+    try:
+        from memory_ext.pool.segment_arena import ArenaMemPool, SegmentArena, cuda_driver_hooks
+
+        arena = SegmentArena(backend, pool.capacity_chunks, **cuda_driver_hooks())
+        try:
+            return arena, ArenaMemPool()
+        except BaseException:
+            arena.close()
+            raise
+    except Exception as exc:
+        logger.warning("memx: activation arena unavailable (%s); activations stay with torch's allocator "
+                       "and are counted against the pool as well", exc)
+        return None, None
+
+
 def build_elastic_kv(config: MemxConfig, row_bytes: Sequence[int], num_rows: int, page_size: int,
                      num_pages: int, device, server_url: Optional[str] = None,
                      profile: Optional[ActivationProfile] = None, batch_tokens: int = 0) -> ElasticKV:
@@ -206,7 +227,8 @@ def build_elastic_kv(config: MemxConfig, row_bytes: Sequence[int], num_rows: int
     buffers = LayeredKVBuffers(pool, row_bytes, num_rows, page_size)
     kv = ElasticKV(buffers, page_size, num_pages, lent=lent, device=device)
     if profile is not None:
-        kv.activation = ActivationBalloon(pool, profile, batch_tokens)
+        arena, mempool = activation_arena(config, backend, pool)
+        kv.activation = ActivationBalloon(pool, profile, batch_tokens, arena=arena, mempool=mempool)
     register_server(config, server_url)
     logger.info("memx: elastic KV on %s: %d token rows reserved in %d groups of %d tokens (%.1f MiB each); "
                 "pool %s", backend.__class__.__name__, num_rows, groups, group_rows,

@@ -7,6 +7,9 @@
   under a ``PeakMeter`` (CUDA: allocator peak; CPU: allocations seen per
   op). Each peak feeds ``ActivationProfile.observe``, which raises the
   profile if the model needs more than its shapes predicted (never lowers it).
+  On CUDA with the activation arena, every forward runs inside
+  ``torch.cuda.use_mem_pool``: the tensors it allocates come from the pool's
+  activation chunks (``memory_ext.pool.segment_arena``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,13 @@ def around_forward(original, runner, forward_batch, *args, **kwargs):
     balloon = getattr(kv, "activation", None)
     if balloon is None:
         return original(runner, forward_batch, *args, **kwargs)
+    if balloon.mempool is not None:
+        with balloon.mempool.use():
+            return _measured_forward(original, balloon, runner, forward_batch, *args, **kwargs)
+    return _measured_forward(original, balloon, runner, forward_batch, *args, **kwargs)
+
+
+def _measured_forward(original, balloon, runner, forward_batch, *args, **kwargs):
     input_ids = getattr(forward_batch, "input_ids", None)
     tokens = int(input_ids.numel()) if input_ids is not None else 0
     if not balloon.wants_measurement(tokens):
