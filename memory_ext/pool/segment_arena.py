@@ -27,7 +27,7 @@ Model
 The C state is per process (torch's pluggable allocator passes no context),
 so one arena may be open at a time. The shared library is compiled from the C
 source on first use with the system C compiler (``$CC``, else ``cc``) into
-``$MEMX_HOME/arena`` (default ``~/.cache/sglang-memx/arena``) and reused.
+``$SGLANG_MEMX_HOME/arena`` (default ``~/.cache/sglang-memx/arena``) and reused.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class ArenaBuildError(OSError):
 
 
 def _cache_dir() -> Path:
-    home = os.environ.get("MEMX_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "sglang-memx")
+    home = os.environ.get("SGLANG_MEMX_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "sglang-memx")
     return Path(home) / "arena"
 
 
