@@ -24,6 +24,20 @@ def pool():
 
 
 @pytest.fixture
+def open_arena(pool):
+    """Makes SegmentArenas on ``pool``'s backend; each is closed, its chunks back in the pool, after the test."""
+    made = []
+
+    def make(capacity_chunks, **kwargs):
+        made.append(SegmentArena(pool.backend, capacity_chunks, **kwargs))
+        return made[-1]
+
+    yield make
+    for arena in made:
+        pool.release(Owner.ACTIVATION, arena.close())
+
+
+@pytest.fixture
 def lib():
     return load_library()
 
@@ -41,67 +55,58 @@ def grown(pool, n, arena):
     arena.grow(pool.acquire(Owner.ACTIVATION, n))
 
 
-def test_segments_land_in_mapped_chunks_and_bytes_are_real(pool, lib):
-    arena = SegmentArena(pool.backend, 8)
-    try:
-        grown(pool, 3, arena)
-        a = alloc(lib, G)
-        b = alloc(lib, G + 1)  # rounded to the 512-byte alignment, placed after a
-        assert arena.contains(a) and arena.contains(b)
-        assert a == arena.vrange.base and b == a + G
-        ctypes.memset(b, 0x5A, G + 1)  # writable memory: the mapped chunks
-        assert ctypes.string_at(b + G, 1) == b"\x5a"
-        assert alloc(lib, 2 * G) == 0  # 3 chunks mapped, G + 1 + 512 rounding used: no room
-        st = arena.stats()
-        assert (st["allocs"], st["live_segments"], st["failed_allocs"]) == (2, 2, 1)
-        free(lib, a, G)
-        free(lib, b, G + 1)
-        assert arena.stats()["live_bytes"] == 0 and arena.stats()["peak_bytes"] == G + G + 512
-    finally:
-        pool.release(Owner.ACTIVATION, arena.close())
+def test_segments_land_in_mapped_chunks_and_bytes_are_real(pool, lib, open_arena):
+    arena = open_arena(8)
+    grown(pool, 3, arena)
+    a = alloc(lib, G)
+    b = alloc(lib, G + 1)  # rounded to the 512-byte alignment, placed after a
+    assert arena.contains(a) and arena.contains(b)
+    assert a == arena.vrange.base and b == a + G
+    ctypes.memset(b, 0x5A, G + 1)  # writable memory: the mapped chunks
+    assert ctypes.string_at(b + G, 1) == b"\x5a"
+    assert alloc(lib, 2 * G) == 0  # 3 chunks mapped, G + 1 + 512 rounding used: no room
+    st = arena.stats()
+    assert (st["allocs"], st["live_segments"], st["failed_allocs"]) == (2, 2, 1)
+    free(lib, a, G)
+    free(lib, b, G + 1)
+    assert arena.stats()["live_bytes"] == 0 and arena.stats()["peak_bytes"] == G + G + 512
 
 
-def test_best_fit_prefers_the_smallest_hole(pool, lib):
-    arena = SegmentArena(pool.backend, 8)
-    try:
-        grown(pool, 8, arena)
-        base = arena.vrange.base
-        a, b, c, d = (alloc(lib, n * G) for n in (2, 1, 1, 3))
-        free(lib, a, 2 * G)  # hole of 2 at 0
-        free(lib, c, G)      # hole of 1 at 3
-        e = alloc(lib, G)
-        assert e == base + 3 * G  # the 1-chunk hole, not the first one that fits
-        f = alloc(lib, 2 * G)
-        assert f == base
-        for p, n in ((b, 1), (d, 3), (e, 1), (f, 2)):
-            free(lib, p, n * G)
-        assert arena.stats()["live_segments"] == 0
-    finally:
-        pool.release(Owner.ACTIVATION, arena.close())
+def test_best_fit_prefers_the_smallest_hole(pool, lib, open_arena):
+    arena = open_arena(8)
+    grown(pool, 8, arena)
+    base = arena.vrange.base
+    a, b, c, d = (alloc(lib, n * G) for n in (2, 1, 1, 3))
+    free(lib, a, 2 * G)  # hole of 2 at 0
+    free(lib, c, G)      # hole of 1 at 3
+    e = alloc(lib, G)
+    assert e == base + 3 * G  # the 1-chunk hole, not the first one that fits
+    f = alloc(lib, 2 * G)
+    assert f == base
+    for p, n in ((b, 1), (d, 3), (e, 1), (f, 2)):
+        free(lib, p, n * G)
+    assert arena.stats()["live_segments"] == 0
 
 
-def test_shrink_never_unmaps_under_a_live_segment(pool, lib):
-    arena = SegmentArena(pool.backend, 8)
-    try:
-        grown(pool, 6, arena)
-        low = alloc(lib, G)
-        high = alloc(lib, 3 * G)  # chunks 1..3
-        assert arena.pinned_chunks() == 4
-        assert len(arena.shrink(6)) == 2 and arena.mapped_chunks == 4  # only chunks 4, 5 were idle
-        assert arena.shrink(1) == []
-        released = []
-        got = arena.shrink(3, release_cached=lambda: (free(lib, high, 3 * G), released.append(1)))
-        assert released == [1] and len(got) == 3 and arena.mapped_chunks == 1
-        pool.release(Owner.ACTIVATION, got)
-        assert alloc(lib, 2 * G) == 0  # nothing above the limit is handed out
-        ctypes.memset(low, 1, G)        # the chunk under the live segment is still mapped
-        free(lib, low, G)
-        pool.check_invariants()
-    finally:
-        pool.release(Owner.ACTIVATION, arena.close())
+def test_shrink_never_unmaps_under_a_live_segment(pool, lib, open_arena):
+    arena = open_arena(8)
+    grown(pool, 6, arena)
+    low = alloc(lib, G)
+    high = alloc(lib, 3 * G)  # chunks 1..3
+    assert arena.pinned_chunks() == 4
+    assert len(arena.shrink(6)) == 2 and arena.mapped_chunks == 4  # only chunks 4, 5 were idle
+    assert arena.shrink(1) == []
+    released = []
+    got = arena.shrink(3, release_cached=lambda: (free(lib, high, 3 * G), released.append(1)))
+    assert released == [1] and len(got) == 3 and arena.mapped_chunks == 1
+    pool.release(Owner.ACTIVATION, got)
+    assert alloc(lib, 2 * G) == 0  # nothing above the limit is handed out
+    ctypes.memset(low, 1, G)        # the chunk under the live segment is still mapped
+    free(lib, low, G)
+    pool.check_invariants()
 
 
-def test_overflow_allocator_serves_what_does_not_fit_and_gets_it_back(pool, lib):
+def test_overflow_allocator_serves_what_does_not_fit_and_gets_it_back(pool, lib, open_arena):
     held = {}
     ALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t)
     FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64)
@@ -126,28 +131,25 @@ def test_overflow_allocator_serves_what_does_not_fit_and_gets_it_back(pool, lib)
         return 0
 
     addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value
-    arena = SegmentArena(pool.backend, 4, overflow_alloc=addr(fake_alloc), overflow_free=addr(fake_free),
-                         sync=addr(fake_sync))
-    try:
-        grown(pool, 1, arena)
-        a = alloc(lib, G)
-        big = alloc(lib, 2 * G)
-        assert arena.contains(a) and not arena.contains(big) and big in held
-        st = arena.stats()
-        assert (st["overflow_allocs"], st["overflow_live_bytes"]) == (1, 2 * G)
-        with pytest.raises(RuntimeError, match="still live"):
-            arena.close()
-        free(lib, big, 2 * G)
-        assert held == {} and arena.stats()["overflow_live_bytes"] == 0
-        free(lib, a, G)
-        assert syncs == []
-        again = alloc(lib, G)  # reusing freed memory waits for queued work first, as cudaFree would
-        assert again == a and syncs == [1]
-        free(lib, again, G)
-        free(lib, 12345, 64)   # a pointer nobody handed out: counted, ignored
-        assert arena.stats()["bad_frees"] == 1
-    finally:
-        pool.release(Owner.ACTIVATION, arena.close())
+    arena = open_arena(4, overflow_alloc=addr(fake_alloc), overflow_free=addr(fake_free),
+                       sync=addr(fake_sync))
+    grown(pool, 1, arena)
+    a = alloc(lib, G)
+    big = alloc(lib, 2 * G)
+    assert arena.contains(a) and not arena.contains(big) and big in held
+    st = arena.stats()
+    assert (st["overflow_allocs"], st["overflow_live_bytes"]) == (1, 2 * G)
+    with pytest.raises(RuntimeError, match="still live"):
+        arena.close()
+    free(lib, big, 2 * G)
+    assert held == {} and arena.stats()["overflow_live_bytes"] == 0
+    free(lib, a, G)
+    assert syncs == []
+    again = alloc(lib, G)  # reusing freed memory waits for queued work first, as cudaFree would
+    assert again == a and syncs == [1]
+    free(lib, again, G)
+    free(lib, 12345, 64)   # a pointer nobody handed out: counted, ignored
+    assert arena.stats()["bad_frees"] == 1
 
 
 def test_one_arena_per_process_and_bad_arguments(pool):
@@ -168,42 +170,39 @@ def test_one_arena_per_process_and_bad_arguments(pool):
     SegmentArena(pool.backend, 2).close()  # closed: a new one may open
 
 
-def test_concurrent_segment_traffic_keeps_segments_disjoint(pool, lib):
-    arena = SegmentArena(pool.backend, 16)
-    try:
-        grown(pool, 16, arena)
-        seen, errors = [], []
+def test_concurrent_segment_traffic_keeps_segments_disjoint(pool, lib, open_arena):
+    arena = open_arena(16)
+    grown(pool, 16, arena)
+    seen, errors = [], []
 
-        def worker(k):
-            mine = []
-            for i in range(300):
-                size = 512 * (1 + (i * 7 + k) % 40)
-                p = alloc(lib, size)
-                if p:
-                    ctypes.memset(p, k, size)
-                    mine.append((p, size, k))
-                if len(mine) > 4:
-                    q, n, tag = mine.pop(0)
-                    if ctypes.string_at(q, n) != bytes([tag]) * n:
-                        errors.append(q)  # someone else wrote into my segment
-                    free(lib, q, n)
-            for q, n, _ in mine:
+    def worker(k):
+        mine = []
+        for i in range(300):
+            size = 512 * (1 + (i * 7 + k) % 40)
+            p = alloc(lib, size)
+            if p:
+                ctypes.memset(p, k, size)
+                mine.append((p, size, k))
+            if len(mine) > 4:
+                q, n, tag = mine.pop(0)
+                if ctypes.string_at(q, n) != bytes([tag]) * n:
+                    errors.append(q)  # someone else wrote into my segment
                 free(lib, q, n)
-            seen.append(k)
+        for q, n, _ in mine:
+            free(lib, q, n)
+        seen.append(k)
 
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(1, 5)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert sorted(seen) == [1, 2, 3, 4] and errors == []
-        st = arena.stats()
-        assert st["live_segments"] == 0 and st["allocs"] == st["frees"] and st["bad_frees"] == 0
-    finally:
-        pool.release(Owner.ACTIVATION, arena.close())
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(seen) == [1, 2, 3, 4] and errors == []
+    st = arena.stats()
+    assert st["live_segments"] == 0 and st["allocs"] == st["frees"] and st["bad_frees"] == 0
 
 
-def test_shrink_synchronises_once_after_torch_hands_segments_back(pool, lib):
+def test_shrink_synchronises_once_after_torch_hands_segments_back(pool, lib, open_arena):
     syncs = []
     SYNC = ctypes.CFUNCTYPE(ctypes.c_int)
 
@@ -212,21 +211,18 @@ def test_shrink_synchronises_once_after_torch_hands_segments_back(pool, lib):
         syncs.append(1)
         return 0
 
-    arena = SegmentArena(pool.backend, 4, sync=ctypes.cast(fake_sync, ctypes.c_void_p).value)
-    try:
-        grown(pool, 4, arena)
-        a = alloc(lib, G)
-        b = alloc(lib, 3 * G)
-        got = arena.shrink(2, release_cached=lambda: free(lib, b, 3 * G))
-        assert len(got) == 2 and syncs == [1]  # synchronised here, between forwards
-        pool.release(Owner.ACTIVATION, got)
-        c = alloc(lib, G)                      # so this alloc (inside a forward) does not
-        assert c == a + G and syncs == [1]
-        assert arena.shrink(1, release_cached=lambda: None) == [] and syncs == [1]  # nothing freed
-        free(lib, a, G)
-        free(lib, c, G)
-    finally:
-        pool.release(Owner.ACTIVATION, arena.close())
+    arena = open_arena(4, sync=ctypes.cast(fake_sync, ctypes.c_void_p).value)
+    grown(pool, 4, arena)
+    a = alloc(lib, G)
+    b = alloc(lib, 3 * G)
+    got = arena.shrink(2, release_cached=lambda: free(lib, b, 3 * G))
+    assert len(got) == 2 and syncs == [1]  # synchronised here, between forwards
+    pool.release(Owner.ACTIVATION, got)
+    c = alloc(lib, G)                      # so this alloc (inside a forward) does not
+    assert c == a + G and syncs == [1]
+    assert arena.shrink(1, release_cached=lambda: None) == [] and syncs == [1]  # nothing freed
+    free(lib, a, G)
+    free(lib, c, G)
 
 
 def test_torch_pluggable_allocator_loads_the_arena_with_the_signatures_it_calls():
@@ -249,15 +245,12 @@ def test_torch_pluggable_allocator_loads_the_arena_with_the_signatures_it_calls(
     assert callable(torch.cuda.MemPool) and callable(torch.cuda.use_mem_pool)
 
 
-def test_cache_release_is_rate_limited(pool, lib):
-    arena = SegmentArena(pool.backend, 4, release_interval_s=3600)
-    try:
-        grown(pool, 4, arena)
-        top = alloc(lib, 4 * G)  # a tensor that lives on: emptying the cache cannot help
-        calls = []
-        assert arena.shrink(1, release_cached=lambda: calls.append(1)) == []
-        assert arena.shrink(1, release_cached=lambda: calls.append(1)) == []
-        assert calls == [1] and arena.releases == 1
-        free(lib, top, 4 * G)
-    finally:
-        pool.release(Owner.ACTIVATION, arena.close())
+def test_cache_release_is_rate_limited(pool, lib, open_arena):
+    arena = open_arena(4, release_interval_s=3600)
+    grown(pool, 4, arena)
+    top = alloc(lib, 4 * G)  # a tensor that lives on: emptying the cache cannot help
+    calls = []
+    assert arena.shrink(1, release_cached=lambda: calls.append(1)) == []
+    assert arena.shrink(1, release_cached=lambda: calls.append(1)) == []
+    assert calls == [1] and arena.releases == 1
+    free(lib, top, 4 * G)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from sglang_memx.hooks import HookSpec
@@ -26,10 +27,8 @@ def around_forward(original, runner, forward_batch, *args, **kwargs):
     balloon = getattr(kv, "activation", None)
     if balloon is None:
         return original(runner, forward_batch, *args, **kwargs)
-    if balloon.mempool is not None:
-        with balloon.mempool.use():
-            return _measured_forward(original, balloon, runner, forward_batch, *args, **kwargs)
-    return _measured_forward(original, balloon, runner, forward_batch, *args, **kwargs)
+    with balloon.mempool.use() if balloon.mempool is not None else contextlib.nullcontext():
+        return _measured_forward(original, balloon, runner, forward_batch, *args, **kwargs)
 
 
 def _measured_forward(original, balloon, runner, forward_batch, *args, **kwargs):

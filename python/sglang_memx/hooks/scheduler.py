@@ -83,6 +83,11 @@ def _next_chunk_tokens(adder, req) -> int:
     return max(tokens, 1)
 
 
+def _decode_headroom(adder) -> int:
+    """Device room an offloaded prefill leaves: one page per running request and one for itself."""
+    return adder.page_size * (len(adder.running_batch.reqs) + 1)
+
+
 def _admitted(adder, req) -> bool:
     return bool(adder.can_run_list) and adder.can_run_list[-1] is req
 
@@ -161,7 +166,7 @@ def _offload_at_admission(original, adder, req, kv, args, kwargs):
         host.offload["offload_no_room"] += 1
         return AddReqResult.NO_TOKEN
     max_new = remaining_new_tokens(req)
-    headroom = adder.page_size * (len(adder.running_batch.reqs) + 1)
+    headroom = _decode_headroom(adder)
     with _PhysicalBudget(adder.memory_budget, max_new, headroom):
         original(adder, req, *args, **kwargs)
     if not _admitted(adder, req):
@@ -183,7 +188,7 @@ def around_add_chunked_req(original, adder, req, *args, **kwargs):
             kv.activation.stats["overcommitted_chunks"] += 1
     if kv is not None and getattr(req, "_memx_offload_bytes", 0):
         # an offloaded prefill's chunks are sized by what the device holds now, like its admission
-        headroom = adder.page_size * (len(adder.running_batch.reqs) + 1)
+        headroom = _decode_headroom(adder)
         with _PhysicalBudget(adder.memory_budget, 0, headroom):
             return original(adder, req, *args, **kwargs)
     return original(adder, req, *args, **kwargs)
