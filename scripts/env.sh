@@ -63,9 +63,16 @@ if [ ! -f "$MEMX_ENV/.complete" ]; then
   _memx_log "environment ready in $(( $(date +%s) - start ))s"
 fi
 
-# This checkout's packages: cheap, so redone every time (the path may differ
-# between checkouts that share the environment).
-_memx_uv pip install -q -p "$MEMX_PY" --no-deps --no-build-isolation \
-  -e "$MEMX_REPO/sgl-kernel" -e "$MEMX_REPO" >&2
+# This checkout's packages, editable: reinstalled only when the environment points at another
+# checkout or their metadata (entry points, dependencies) changed since the last install.
+_memx_editable_key() {
+  { echo "$MEMX_REPO"; cat "$MEMX_REPO/pyproject.toml" "$MEMX_REPO/sgl-kernel/pyproject.toml"; } | sha256sum | cut -c1-16
+}
+editable_key=$(_memx_editable_key)
+if [ "$(cat "$MEMX_ENV/.editable" 2>/dev/null)" != "$editable_key" ]; then
+  _memx_uv pip install -q -p "$MEMX_PY" --no-deps --no-build-isolation \
+    -e "$MEMX_REPO/sgl-kernel" -e "$MEMX_REPO" >&2
+  echo "$editable_key" > "$MEMX_ENV/.editable"
+fi
 
 echo "$MEMX_PY"

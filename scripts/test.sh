@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run the whole test suite (unit, upstream_compat, integration on CPU; gpu
-# tests are skipped with a reason on hosts without CUDA).
+# Run the whole test suite: ruff (lint + format check), then unit, upstream_compat,
+# integration on CPU; gpu tests are skipped with a reason on hosts without CUDA.
 #
 #   scripts/test.sh [pytest args]     e.g. scripts/test.sh test/unit -x
 #
@@ -13,6 +13,9 @@ PY=$(scripts/env.sh)
 "$PY" -m sglang_memx.cli models prepare >/dev/null
 export SGLANG_USE_CPU_ENGINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [ "$#" -eq 0 ]; then
+  # House style first (seconds): lint and format, configured in pyproject.toml.
+  "$PY" -m ruff check .
+  "$PY" -m ruff format --check .
   set -- test/unit test/upstream_compat test/gpu test/integration
 fi
 exec "$PY" -m pytest -p no:cacheprovider --durations=15 "$@"

@@ -45,8 +45,13 @@ LAYERS = 2
 
 def stream_one(server: SGLangServer, text: str, new_tokens: int) -> dict:
     """One streaming /generate; returns ttft, e2e, tokens, retractions (or error)."""
-    body = json.dumps({"text": text, "stream": True, "sampling_params": {
-        "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}).encode()
+    body = json.dumps(
+        {
+            "text": text,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
+        }
+    ).encode()
     req = urllib.request.Request(server.url + "/generate", data=body, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     ttft, last = None, None
@@ -66,12 +71,18 @@ def stream_one(server: SGLangServer, text: str, new_tokens: int) -> dict:
         return {"error": f"stream ended without a result: {last!r}"}
     meta = last["meta_info"]
     n = meta["completion_tokens"]
-    return {"ttft": ttft, "e2e": e2e, "tokens": n, "tpot": (e2e - ttft) / max(1, n - 1),
-            "retractions": meta.get("num_retractions", 0)}
+    return {
+        "ttft": ttft,
+        "e2e": e2e,
+        "tokens": n,
+        "tpot": (e2e - ttft) / max(1, n - 1),
+        "retractions": meta.get("num_retractions", 0),
+    }
 
 
-def drive(servers, phases: int, burst: int, trickle_s: float, new_tokens: int, prompt_words: int,
-          phase_s: float) -> list:
+def drive(
+    servers, phases: int, burst: int, trickle_s: float, new_tokens: int, prompt_words: int, phase_s: float
+) -> list:
     """The same request schedule for every setup: each phase lasts ``phase_s``; the busy
     model gets ``burst`` requests at its start, the others one every ``trickle_s``."""
     results, lock, threads = [], threading.Lock(), []
@@ -105,11 +116,16 @@ def drive(servers, phases: int, burst: int, trickle_s: float, new_tokens: int, p
 def summarize(results: list, wall: float) -> dict:
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft"] for r in ok]
-    return {"requests": len(results), "failed": len(results) - len(ok),
-            "ttft_p50_s": percentile(ttft, 0.50), "ttft_p99_s": percentile(ttft, 0.99),
-            "tpot_p50_s": statistics.median(r["tpot"] for r in ok),
-            "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
-            "retractions": sum(r["retractions"] for r in ok), "wall_s": wall}
+    return {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "ttft_p50_s": percentile(ttft, 0.50),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "tpot_p50_s": statistics.median(r["tpot"] for r in ok),
+        "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "retractions": sum(r["retractions"] for r in ok),
+        "wall_s": wall,
+    }
 
 
 CHUNKED_PREFILL = 64  # both setups; bounds one prefill batch's activation
@@ -119,8 +135,9 @@ def activation_bytes() -> int:
     """One CHUNKED_PREFILL-token prefill's activation of the tiny Llama in bf16 (memx's profile)."""
     from memory_ext.policy.activation import ActivationProfile
 
-    p = ActivationProfile.from_model_dims(hidden=64, intermediate=128, num_heads=4, num_kv_heads=2, head_dim=16,
-                                          vocab=512, itemsize=2)
+    p = ActivationProfile.from_model_dims(
+        hidden=64, intermediate=128, num_heads=4, num_kv_heads=2, head_dim=16, vocab=512, itemsize=2
+    )
     return p.bytes_for(CHUNKED_PREFILL, 1)
 
 
@@ -131,27 +148,55 @@ def run_setup(kind: str, model, budget_tokens: int, args, pool_dir: Path) -> dic
     budget_gb = ((budget_tokens // 64) * per_group + 3 * activation_bytes()) / (1 << 30)
     common = ["--chunked-prefill-size", str(CHUNKED_PREFILL)]
     if kind == "stock":
-        servers = [SGLangServer(model, name=f"bench-colo-stock{i}", stock=True,
-                                max_total_tokens=budget_tokens // 3, extra_args=common) for i in range(3)]
+        servers = [
+            SGLangServer(
+                model, name=f"bench-colo-stock{i}", stock=True, max_total_tokens=budget_tokens // 3, extra_args=common
+            )
+            for i in range(3)
+        ]
     else:
-        extra = common + ["--memx-elastic-kv", "--memx-pool", f"bench{os.getpid()}", "--memx-pool-budget-gb",
-                          f"{budget_gb:.12f}", "--memx-pool-dir", str(pool_dir), "--memx-chunk-kb", str(CHUNK_KB)]
-        servers = [SGLangServer(model, name=f"bench-colo-memx{i}", max_total_tokens=budget_tokens,
-                                extra_args=extra) for i in range(3)]
+        extra = common + [
+            "--memx-elastic-kv",
+            "--memx-pool",
+            f"bench{os.getpid()}",
+            "--memx-pool-budget-gb",
+            f"{budget_gb:.12f}",
+            "--memx-pool-dir",
+            str(pool_dir),
+            "--memx-chunk-kb",
+            str(CHUNK_KB),
+        ]
+        servers = [
+            SGLangServer(model, name=f"bench-colo-memx{i}", max_total_tokens=budget_tokens, extra_args=extra)
+            for i in range(3)
+        ]
     start_all(servers)
     try:
         for s in servers:
             s.generate("warm up", max_new_tokens=4, temperature=0)
         t0 = time.perf_counter()
-        results = drive(servers, args.phases, args.burst, args.trickle_s, args.new_tokens, args.prompt_words,
-                        args.phase_s)
+        results = drive(
+            servers, args.phases, args.burst, args.trickle_s, args.new_tokens, args.prompt_words, args.phase_s
+        )
         out = summarize(results, time.perf_counter() - t0)
     finally:
         for s in servers:
             s.stop()
         if kind == "memx":
-            subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", f"bench{os.getpid()}",
-                            "--pool-dir", str(pool_dir)], check=False, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "sglang_memx.cli",
+                    "pool",
+                    "stop",
+                    f"bench{os.getpid()}",
+                    "--pool-dir",
+                    str(pool_dir),
+                ],
+                check=False,
+                capture_output=True,
+            )
     out["budget_tokens_total"] = budget_tokens
     return out
 
@@ -174,9 +219,13 @@ def ratio_bars(doc: dict, keys, labels, title: str, path: Path, ratio_name: str 
 
 
 def plot(doc: dict, path: Path) -> None:
-    ratio_bars(doc, ["ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s"],
-               ["stock (static split)", "memx (shared pool)"],
-               f"3 co-located tiny Llama servers, {doc['budget_tokens_total']} KV tokens in total", path)
+    ratio_bars(
+        doc,
+        ["ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s"],
+        ["stock (static split)", "memx (shared pool)"],
+        f"3 co-located tiny Llama servers, {doc['budget_tokens_total']} KV tokens in total",
+        path,
+    )
 
 
 def main() -> int:
@@ -194,11 +243,17 @@ def main() -> int:
     from sglang_memx.models.tiny import TinyModelSpec, tiny_model
 
     root = Path(os.environ.get("TMPDIR", "/tmp")) / "sglang-memx-bench-models"
-    model = tiny_model(TinyModelSpec(arch="llama", num_layers=LAYERS, num_heads=4, num_kv_heads=2, head_dim=16,
-                                     seed=5), root)
+    model = tiny_model(
+        TinyModelSpec(arch="llama", num_layers=LAYERS, num_heads=4, num_kv_heads=2, head_dim=16, seed=5), root
+    )
     pool_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-memx-bench-pools-{os.getpid()}"
-    doc = {"command": command, "machine": platform.processor() or platform.machine(),
-           "cpus": os.cpu_count(), "budget_tokens_total": args.budget_tokens, "params": vars(args)}
+    doc = {
+        "command": command,
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "budget_tokens_total": args.budget_tokens,
+        "params": vars(args),
+    }
     for kind in ("stock", "memx"):
         doc[kind] = run_setup(kind, model, args.budget_tokens, args, pool_dir)
         print(kind, json.dumps(doc[kind]), flush=True)

@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmark" / "e2e"))
 
 from colocated import LAYERS, ratio_bars, stream_one, summarize, write_results  # noqa: E402
+
 from support.server import SGLangServer, start_all  # noqa: E402
 
 CHUNK_KB = 4
@@ -52,8 +53,14 @@ def model_and_profile():
     spec = TinyModelSpec(arch="llama", num_layers=LAYERS, num_heads=4, num_kv_heads=2, head_dim=16, seed=5)
     root = Path(os.environ.get("TMPDIR", "/tmp")) / "sglang-memx-bench-models"
     profile = ActivationProfile.from_model_dims(
-        hidden=spec.hidden_size, intermediate=spec.intermediate_size, num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, vocab=spec.vocab_size, itemsize=2)
+        hidden=spec.hidden_size,
+        intermediate=spec.intermediate_size,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        vocab=spec.vocab_size,
+        itemsize=2,
+    )
     kv_token_bytes = 2 * LAYERS * spec.num_kv_heads * spec.head_dim * 2  # K and V, bf16
     return tiny_model(spec, root), profile, kv_token_bytes
 
@@ -66,11 +73,17 @@ def run_setup(kind: str, model, memory_bytes: int, args) -> dict:
     if kind == "stock" and args.baseline == "memx":
         kind = "memx"
     if kind == "stock":
-        server = SGLangServer(model, name="bench-long-stock", stock=True, max_total_tokens=args.kv_tokens,
-                              extra_args=common)
+        server = SGLangServer(
+            model, name="bench-long-stock", stock=True, max_total_tokens=args.kv_tokens, extra_args=common
+        )
     else:
-        extra = common + ["--memx-elastic-kv", "--memx-chunk-kb", str(CHUNK_KB),
-                          "--memx-pool-budget-gb", f"{memory_bytes / (1 << 30):.12f}"]
+        extra = common + [
+            "--memx-elastic-kv",
+            "--memx-chunk-kb",
+            str(CHUNK_KB),
+            "--memx-pool-budget-gb",
+            f"{memory_bytes / (1 << 30):.12f}",
+        ]
         if host_buffer:
             extra += ["--memx-host-buffer-gb", str(args.host_buffer_gb)]
         server = SGLangServer(model, name="bench-long-memx", max_total_tokens=4 * args.kv_tokens, extra_args=extra)
@@ -108,11 +121,15 @@ def labels(args) -> list:
 
 
 def plot(doc: dict, path: Path) -> None:
-    ratio_bars(doc, ["max_running_requests", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s"],
-               doc["labels"],
-               f"one tiny Llama server, {doc['memory_bytes']} B for KV + activations, "
-               f"{doc['params']['requests']} long prompts at once", path,
-               "buffer/no buffer" if doc["params"].get("baseline") == "memx" else "memx/stock")
+    ratio_bars(
+        doc,
+        ["max_running_requests", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s"],
+        doc["labels"],
+        f"one tiny Llama server, {doc['memory_bytes']} B for KV + activations, "
+        f"{doc['params']['requests']} long prompts at once",
+        path,
+        "buffer/no buffer" if doc["params"].get("baseline") == "memx" else "memx/stock",
+    )
 
 
 def main() -> int:
@@ -124,8 +141,12 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="runs per setup, order alternating; medians reported")
     ap.add_argument("--host-buffer-gb", type=float, default=None, help="give memx a CPU elastic buffer this big")
-    ap.add_argument("--baseline", choices=("stock", "memx"), default="stock",
-                    help="compare against stock SGLang, or against memx without the host buffer")
+    ap.add_argument(
+        "--baseline",
+        choices=("stock", "memx"),
+        default="stock",
+        help="compare against stock SGLang, or against memx without the host buffer",
+    )
     args = ap.parse_args()
     if args.baseline == "memx" and args.host_buffer_gb is None:
         ap.error("--baseline memx compares against memx without the host buffer: give --host-buffer-gb")
@@ -133,14 +154,20 @@ def main() -> int:
     print(f"# {command}", flush=True)
     model, profile, kv_token_bytes = model_and_profile()
     memory = args.kv_tokens * kv_token_bytes + profile.bytes_for(args.chunk, 1)
-    doc = {"command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-           "memory_bytes": memory, "kv_bytes_stock": args.kv_tokens * kv_token_bytes,
-           "activation_bytes_per_chunk": profile.bytes_for(args.chunk, 1), "params": vars(args),
-           "labels": labels(args)}
+    doc = {
+        "command": command,
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "memory_bytes": memory,
+        "kv_bytes_stock": args.kv_tokens * kv_token_bytes,
+        "activation_bytes_per_chunk": profile.bytes_for(args.chunk, 1),
+        "params": vars(args),
+        "labels": labels(args),
+    }
     keys = ("max_running_requests", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s")
     runs = {"stock": [], "memx": []}
     for rep in range(args.repeats):  # alternate the order: a noisy neighbour hits both setups alike
-        for kind in (("stock", "memx") if rep % 2 == 0 else ("memx", "stock")):
+        for kind in ("stock", "memx") if rep % 2 == 0 else ("memx", "stock"):
             runs[kind].append(run_setup(kind, model, memory, args))
             print(kind, json.dumps({k: v for k, v in runs[kind][-1].items() if k != "elastic_kv"}), flush=True)
     for kind, rs in runs.items():  # per metric, the median over repeats

@@ -46,12 +46,12 @@ def measure(server: SGLangServer, requests: int, new_tokens: int) -> dict:
         lat = []
         for i in range(requests):
             t = time.perf_counter()
-            server.generate(f"Request {i}: the capital of France is", max_new_tokens=new_tokens,
-                            temperature=0, ignore_eos=True)
+            server.generate(
+                f"Request {i}: the capital of France is", max_new_tokens=new_tokens, temperature=0, ignore_eos=True
+            )
             lat.append(time.perf_counter() - t)
         t = time.perf_counter()
-        out = server.generate("Tell a long story:", max_new_tokens=8 * new_tokens, temperature=0,
-                              ignore_eos=True)
+        out = server.generate("Tell a long story:", max_new_tokens=8 * new_tokens, temperature=0, ignore_eos=True)
         decode_tps = out["meta_info"]["completion_tokens"] / (time.perf_counter() - t)
         status_ms = None
         if not server.stock:
@@ -61,9 +61,13 @@ def measure(server: SGLangServer, requests: int, new_tokens: int) -> dict:
                 server.request("/memx/status")
                 ts.append(time.perf_counter() - t)
             status_ms = 1000 * statistics.median(ts)
-        return {"startup_s": server.startup_s, "latency_median_s": statistics.median(lat),
-                "latency_all_s": lat, "decode_tokens_per_s": decode_tps,
-                "status_roundtrip_ms": status_ms}
+        return {
+            "startup_s": server.startup_s,
+            "latency_median_s": statistics.median(lat),
+            "latency_all_s": lat,
+            "decode_tokens_per_s": decode_tps,
+            "status_roundtrip_ms": status_ms,
+        }
     finally:
         server.stop()
 
@@ -80,14 +84,17 @@ def main() -> int:
     import tempfile
 
     model = _model(args.model, Path(tempfile.mkdtemp()))
-    stock = measure(SGLangServer(model, name=f"bench-{args.model}-stock", stock=True),
-                    args.requests, args.new_tokens)
-    memx = measure(SGLangServer(model, name=f"bench-{args.model}-memx"),
-                   args.requests, args.new_tokens)
+    stock = measure(SGLangServer(model, name=f"bench-{args.model}-stock", stock=True), args.requests, args.new_tokens)
+    memx = measure(SGLangServer(model, name=f"bench-{args.model}-memx"), args.requests, args.new_tokens)
     ratios = {k: memx[k] / stock[k] for k in ("startup_s", "latency_median_s", "decode_tokens_per_s")}
-    result = {"command": command, "where": f"CPU: {platform.processor() or platform.machine()}, "
-              f"{__import__('os').cpu_count()} cores (no GPU)", "model": args.model,
-              "stock": stock, "memx": memx, "memx_over_stock": ratios}
+    result = {
+        "command": command,
+        "where": f"CPU: {platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores (no GPU)",
+        "model": args.model,
+        "stock": stock,
+        "memx": memx,
+        "memx_over_stock": ratios,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"plugin_overhead_{args.model}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
@@ -108,8 +115,16 @@ def main() -> int:
     fig.text(0.01, 0.01, command, fontsize=6)
     fig.tight_layout()
     fig.savefig(stem.with_suffix(".png"), dpi=120)
-    print(json.dumps({"memx_over_stock": ratios, "status_roundtrip_ms": memx["status_roundtrip_ms"],
-                      "startup_s": {"stock": stock["startup_s"], "memx": memx["startup_s"]}}, indent=2))
+    print(
+        json.dumps(
+            {
+                "memx_over_stock": ratios,
+                "status_roundtrip_ms": memx["status_roundtrip_ms"],
+                "startup_s": {"stock": stock["startup_s"], "memx": memx["startup_s"]},
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {stem}.json and {stem}.png")
     return 0
 

@@ -54,6 +54,7 @@ class _ThreadCalls:
                 if threading.get_ident() == self.me:
                     self.n[_name] += 1
                 return out
+
             setattr(vmm, name, wrapped)
 
 
@@ -69,8 +70,9 @@ def run_kv(variant, args, lengths):
     vmm = host_backend(args.granularity)
     pool = ChunkPool(vmm, args.num_pages * args.page_bytes // args.granularity + 8)
     premap = variant == "premap_async"
-    kv = KVETensor(pool, args.page_bytes, args.num_pages,
-                   headroom_slots=args.headroom if premap else 0, async_unmap=premap)
+    kv = KVETensor(
+        pool, args.page_bytes, args.num_pages, headroom_slots=args.headroom if premap else 0, async_unmap=premap
+    )
     calls = _ThreadCalls(vmm)
     reqs, it = {}, iter(lengths)
     times, hot_maps, hot_unmaps = [], 0, 0
@@ -105,10 +107,15 @@ def run_kv(variant, args, lengths):
     pool.close()
     vmm.close()
     out = _summary(times)
-    out.update({"hot_path_map_calls_per_step": hot_maps / args.steps,
-                "hot_path_unmap_calls_per_step": hot_unmaps / args.steps,
-                "all_threads_map_calls": total["map_calls"], "all_threads_unmap_calls": total["unmap_calls"],
-                "kv_stats": stats})
+    out.update(
+        {
+            "hot_path_map_calls_per_step": hot_maps / args.steps,
+            "hot_path_unmap_calls_per_step": hot_unmaps / args.steps,
+            "all_threads_map_calls": total["map_calls"],
+            "all_threads_unmap_calls": total["unmap_calls"],
+            "kv_stats": stats,
+        }
+    )
     return out
 
 
@@ -151,24 +158,42 @@ def main() -> int:
     args.num_pages = args.requests * args.max_len * 2
     command = "python benchmark/micro/pool_decode.py " + " ".join(sys.argv[1:])
     print(f"command: {command}")
-    lengths = _lengths(args.seed, (args.warmup + args.steps) * args.requests + args.requests,
-                       args.min_len, args.max_len)
+    lengths = _lengths(
+        args.seed, (args.warmup + args.steps) * args.requests + args.requests, args.min_len, args.max_len
+    )
     t_start = time.perf_counter()
-    res = {"variants": {
-        "on_demand": run_kv("on_demand", args, lengths),
-        "premap_async": run_kv("premap_async", args, lengths),
-        "torch_empty": run_torch(args, lengths),
-    }}
-    res.update({
-        "command": command,
-        "where": f"CPU host backend (memfd + mmap), {platform.machine()}, {os.cpu_count()} cores, no GPU",
-        "config": {k: getattr(args, k) for k in ("steps", "warmup", "requests", "headroom", "granularity",
-                                                 "page_bytes", "num_pages", "min_len", "max_len", "seed")},
-        "timed_region": "ensure_mapped(new pages) + free_pages(finished requests); refill() and page "
-                        "picking excluded; torch_empty: one torch.empty per new page + dropping finished",
-        "wall_s": time.perf_counter() - t_start,
-        "torch": torch.__version__,
-    })
+    res = {
+        "variants": {
+            "on_demand": run_kv("on_demand", args, lengths),
+            "premap_async": run_kv("premap_async", args, lengths),
+            "torch_empty": run_torch(args, lengths),
+        }
+    }
+    res.update(
+        {
+            "command": command,
+            "where": f"CPU host backend (memfd + mmap), {platform.machine()}, {os.cpu_count()} cores, no GPU",
+            "config": {
+                k: getattr(args, k)
+                for k in (
+                    "steps",
+                    "warmup",
+                    "requests",
+                    "headroom",
+                    "granularity",
+                    "page_bytes",
+                    "num_pages",
+                    "min_len",
+                    "max_len",
+                    "seed",
+                )
+            },
+            "timed_region": "ensure_mapped(new pages) + free_pages(finished requests); refill() and page "
+            "picking excluded; torch_empty: one torch.empty per new page + dropping finished",
+            "wall_s": time.perf_counter() - t_start,
+            "torch": torch.__version__,
+        }
+    )
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / "pool_decode_host"
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2))
@@ -183,19 +208,26 @@ def main() -> int:
     x = range(len(names))
     ax.bar([i - 0.2 for i in x], [res["variants"][n]["p50_us"] for n in names], 0.4, label="p50")
     ax.bar([i + 0.2 for i in x], [res["variants"][n]["p99_us"] for n in names], 0.4, label="p99")
-    labels = [f"{n}\n{res['variants'][n]['hot_path_map_calls_per_step']:.3f} map + "
-              f"{res['variants'][n]['hot_path_unmap_calls_per_step']:.3f} unmap /step" for n in names]
+    labels = [
+        f"{n}\n{res['variants'][n]['hot_path_map_calls_per_step']:.3f} map + "
+        f"{res['variants'][n]['hot_path_unmap_calls_per_step']:.3f} unmap /step"
+        for n in names
+    ]
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_ylabel("µs per decode step (hot path)")
     ax.set_yscale("log")
-    ax.set_title(f"Decode-step allocation, {args.requests} requests, {args.page_kib} KiB pages, "
-                 f"{args.granularity_mib} MiB chunks", fontsize=9)
+    ax.set_title(
+        f"Decode-step allocation, {args.requests} requests, {args.page_kib} KiB pages, "
+        f"{args.granularity_mib} MiB chunks",
+        fontsize=9,
+    )
     ax.legend()
     fig.text(0.01, 0.01, command + " — " + res["where"], fontsize=6)
     fig.tight_layout()
     fig.savefig(stem.with_suffix(".png"), dpi=120)
-    print(json.dumps({n: {k: v for k, v in d.items() if k != "kv_stats"} for n, d in res["variants"].items()},
-                     indent=2))
+    print(
+        json.dumps({n: {k: v for k, v in d.items() if k != "kv_stats"} for n, d in res["variants"].items()}, indent=2)
+    )
     print(f"wall {res['wall_s']:.1f}s; wrote {stem}.json and {stem}.png")
     return 0
 

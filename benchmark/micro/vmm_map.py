@@ -45,6 +45,7 @@ def run(backend_name: str, iters: int, granularity: int) -> dict:
     def sync():
         if device == "cuda":
             torch.cuda.synchronize()
+
     slots = 64
     r = vmm.reserve(slots * granularity)
     chunks = [vmm.create_chunk() for _ in range(slots)]
@@ -88,10 +89,16 @@ def run(backend_name: str, iters: int, granularity: int) -> dict:
     vmm.close()
     mu = _summary(map_unmap)
     return {
-        "backend": backend_name, "device": device, "granularity_bytes": granularity, "iters": iters,
-        "map_unmap": mu, "chunks_mapped_per_s": 1e6 / mu["mean_us"],
-        "tensor_view": _summary(view), "torch_empty": _summary(empty),
-        "torch_empty_and_touch": _summary(empty_touch), "driver_calls_in_loop": calls,
+        "backend": backend_name,
+        "device": device,
+        "granularity_bytes": granularity,
+        "iters": iters,
+        "map_unmap": mu,
+        "chunks_mapped_per_s": 1e6 / mu["mean_us"],
+        "tensor_view": _summary(view),
+        "torch_empty": _summary(empty),
+        "torch_empty_and_touch": _summary(empty_touch),
+        "driver_calls_in_loop": calls,
     }
 
 
@@ -131,8 +138,15 @@ def main() -> int:
     fig.text(0.01, 0.01, command + " — " + res["where"], fontsize=6)
     fig.tight_layout()
     fig.savefig(stem.with_suffix(".png"), dpi=120)
-    print(json.dumps({k: res[k] for k in ("map_unmap", "chunks_mapped_per_s", "tensor_view",
-                                          "torch_empty", "torch_empty_and_touch")}, indent=2))
+    print(
+        json.dumps(
+            {
+                k: res[k]
+                for k in ("map_unmap", "chunks_mapped_per_s", "tensor_view", "torch_empty", "torch_empty_and_touch")
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {stem}.json and {stem}.png")
     return 0
 

@@ -15,17 +15,36 @@ loader), ``runner`` (build/run/compare/write), ``plots``, ``speed``, ``cli``.
 Scenario authors: see ``docs/simulation.md`` and ``benchmark/sim/scenarios/``.
 """
 
+from . import (  # noqa: E402,F401  (registers hook kinds oneiros, select_n, flexgen_static)  # noqa: F401,E402  registers ellm_elastic and fineserve kinds
+    combined,  # noqa: F401,E402  registers the swiftcache hook and the X1 combined kinds
+    ellm_buffer,
+    fineserve_placement,
+    oneiros_hook,
+    select_n_hook,
+)
 from .engine import Gpu, Instance, InstanceConfig, Simulator
 from .hooks import register_hook
 from .plan import BatchPlan, InstanceHook, Scheduler
 from .runner import build_simulation, run_scenario, run_spec
 from .scenario import ScenarioError, load_scenario, parse_scenario
 from .schedulers import ContinuousBatchingScheduler, EllmScheduler, register_scheduler
-from . import oneiros_hook, select_n_hook  # noqa: E402,F401  (registers hook kinds oneiros, select_n, flexgen_static)
-from . import combined  # noqa: F401,E402  registers the swiftcache hook and the X1 combined kinds
-from . import ellm_buffer, fineserve_placement  # noqa: F401,E402  registers ellm_elastic and fineserve kinds
 
-__all__ = ["Gpu", "Instance", "InstanceConfig", "Simulator", "BatchPlan", "InstanceHook", "Scheduler",
-           "build_simulation", "run_scenario", "run_spec", "ScenarioError", "load_scenario",
-           "parse_scenario", "ContinuousBatchingScheduler", "EllmScheduler", "register_scheduler",
-           "register_hook"]
+__all__ = [
+    "Gpu",
+    "Instance",
+    "InstanceConfig",
+    "Simulator",
+    "BatchPlan",
+    "InstanceHook",
+    "Scheduler",
+    "build_simulation",
+    "run_scenario",
+    "run_spec",
+    "ScenarioError",
+    "load_scenario",
+    "parse_scenario",
+    "ContinuousBatchingScheduler",
+    "EllmScheduler",
+    "register_scheduler",
+    "register_hook",
+]

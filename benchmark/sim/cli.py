@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import List, Optional
 
-from .hardware import calibration_rows, GPUS
+from .hardware import GPUS, calibration_rows
 from .models import MODELS
 from .runner import RESULTS, command_line, run_scenario
-from .scenario import ScenarioError, YAML_AVAILABLE, load_scenario
+from .scenario import YAML_AVAILABLE, ScenarioError, load_scenario
 
 
 def _table(rows) -> str:
@@ -23,7 +22,7 @@ def _table(rows) -> str:
     return "\n".join("  ".join(str(c).ljust(w[i]) for i, c in enumerate(r)) for r in rows)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmark.sim", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a scenario file (.json" + (", .yaml" if YAML_AVAILABLE else "") + ")")
@@ -45,20 +44,35 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"  {g.name}: {g.source}")
         return 0
     if args.cmd == "models":
-        rows = [["model", "layers", "hidden", "heads", "kv heads", "inter", "vocab", "params (B)",
-                 "KV KiB/token (bf16)"]]
+        rows = [
+            ["model", "layers", "hidden", "heads", "kv heads", "inter", "vocab", "params (B)", "KV KiB/token (bf16)"]
+        ]
         for m in MODELS.values():
-            rows.append([m.name, m.layers, m.hidden, m.heads, m.kv_heads, m.intermediate, m.vocab,
-                         f"{m.params / 1e9:.2f}", f"{m.kv_bytes_per_token() / 1024:g}"])
+            rows.append(
+                [
+                    m.name,
+                    m.layers,
+                    m.hidden,
+                    m.heads,
+                    m.kv_heads,
+                    m.intermediate,
+                    m.vocab,
+                    f"{m.params / 1e9:.2f}",
+                    f"{m.kv_bytes_per_token() / 1024:g}",
+                ]
+            )
         print(_table(rows))
         return 0
     print(f"command: {cmd}")
     if args.cmd == "speed":
         from .speed import run_speed
+
         out = Path(args.out) if args.out else RESULTS / "speed"
         o = run_speed(args.duration, out, cmd)
-        print(f"simulated {o['simulated_s']:.0f} s, {o['requests']} requests, {o['iterations']} iterations: "
-              f"wall {o['wall_s']:.1f} s = {o['ratio_to_target']:.2f} x the {o['target_s']:.0f} s target")
+        print(
+            f"simulated {o['simulated_s']:.0f} s, {o['requests']} requests, {o['iterations']} iterations: "
+            f"wall {o['wall_s']:.1f} s = {o['ratio_to_target']:.2f} x the {o['target_s']:.0f} s target"
+        )
         print(f"wrote {out.with_suffix('.json')} and .png")
         return 0
     try:

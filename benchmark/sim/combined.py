@@ -26,11 +26,11 @@ when that mechanism acted in a run (used by the test and the docs).
 from __future__ import annotations
 
 import importlib
-from typing import Any, Dict
+from typing import Any
 
 from . import swiftcache_hook  # noqa: F401  (registers "swiftcache")
 
-AVAILABLE: Dict[str, bool] = {}
+AVAILABLE: dict[str, bool] = {}
 for _mod in ("oneiros_hook", "select_n_hook", "ellm_buffer"):
     try:
         importlib.import_module(f"{__package__}.{_mod}")
@@ -47,12 +47,19 @@ def _unwrap(sched):
     return sched
 
 
-def mechanism_counters(sim) -> Dict[str, Any]:
+def mechanism_counters(sim) -> dict[str, Any]:
     """How much each mechanism did in a finished run (0 = never acted)."""
-    out: Dict[str, Any] = {"swiftcache_tier_hit_blocks": 0, "swiftcache_lent_blocks_max": 0,
-                           "oneiros_remaps": 0, "select_n_host_layers": 0, "ellm_inflation_blocks_max": 0,
-                           "layer_streaming_layers": 0, "arbiter_idle_peer_gb": 0.0, "arbiter_return_gb": 0.0,
-                           "arbiter_surplus_gb": 0.0}
+    out: dict[str, Any] = {
+        "swiftcache_tier_hit_blocks": 0,
+        "swiftcache_lent_blocks_max": 0,
+        "oneiros_remaps": 0,
+        "select_n_host_layers": 0,
+        "ellm_inflation_blocks_max": 0,
+        "layer_streaming_layers": 0,
+        "arbiter_idle_peer_gb": 0.0,
+        "arbiter_return_gb": 0.0,
+        "arbiter_surplus_gb": 0.0,
+    }
     for inst in sim.instances:
         for h in inst.hooks:
             kind = type(h).__name__
@@ -61,7 +68,7 @@ def mechanism_counters(sim) -> Dict[str, Any]:
                 out["swiftcache_tier_hit_blocks"] += st["tier_hit_blocks"]
                 out["swiftcache_lent_blocks_max"] += sum(w["max_donated_blocks"] for w in st["workers"].values())
             elif kind == "OneirosHook":
-                st = (getattr(h, "stats", None) or getattr(h, "report"))()
+                st = (getattr(h, "stats", None) or h.report)()
                 out["oneiros_remaps"] = max(out["oneiros_remaps"], st.get("gpu_remaps", 0))
             elif kind == "SelectNHook":
                 out["select_n_host_layers"] += int(getattr(h, "n_off", 0))
@@ -74,6 +81,7 @@ def mechanism_counters(sim) -> Dict[str, Any]:
     if arb is not None:
         moved = arb.policy.moved
         from memory_ext.policy.arbiter import Tier
+
         out["arbiter_idle_peer_gb"] = moved[Tier.IDLE_PEER] / 1e9
         out["arbiter_return_gb"] = moved[Tier.RETURN] / 1e9
         out["arbiter_surplus_gb"] = moved[Tier.SURPLUS] / 1e9

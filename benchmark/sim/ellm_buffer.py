@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, Optional, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 from .plan import BatchPlan
 from .request import RUNNING, Request
@@ -66,9 +66,17 @@ class EllmElasticScheduler(EllmScheduler):
     ``alpha``, ``window``, ``misses`` (Alg. 2), ``initial_buffer_blocks``
     (paper: 1), ``threshold_chunks`` (θ of Alg. 1)."""
 
-    def __init__(self, cfg: "InstanceConfig", threshold_chunks: int = 0, cpu_buffer_gb: float = 0.0,
-                 buffer_scaling: bool = True, alpha: float = 2.0, window: int = 5, misses: int = 3,
-                 initial_buffer_blocks: int = 1) -> None:
+    def __init__(
+        self,
+        cfg: InstanceConfig,
+        threshold_chunks: int = 0,
+        cpu_buffer_gb: float = 0.0,
+        buffer_scaling: bool = True,
+        alpha: float = 2.0,
+        window: int = 5,
+        misses: int = 3,
+        initial_buffer_blocks: int = 1,
+    ) -> None:
         from memory_ext.policy.ellm import LogicalBufferScaler
 
         if isinstance(cpu_buffer_gb, bool) or not isinstance(cpu_buffer_gb, (int, float)) or cpu_buffer_gb < 0:
@@ -81,19 +89,23 @@ class EllmElasticScheduler(EllmScheduler):
         super().__init__(cfg, threshold_chunks=threshold_chunks, cpu_buffer_blocks=b_max)
         # same policy, memoised activation function (pure in the token count)
         self.policy = type(self.policy)(functools.lru_cache(maxsize=None)(self.act_chunks), threshold_chunks)
-        self._dreq: Dict[int, tuple] = {}  # rid -> (new, parked, DecodeRequest): frozen, reused
+        self._dreq: dict[int, tuple] = {}  # rid -> (new, parked, DecodeRequest): frozen, reused
         self.b_max = b_max
-        self.scaler: Optional[LogicalBufferScaler] = None
+        self.scaler: LogicalBufferScaler | None = None
         if b_max > 0 and buffer_scaling:
             self.scaler = LogicalBufferScaler(
-                max_chunks=b_max, alpha=alpha, window=window, misses_to_violate=misses,
+                max_chunks=b_max,
+                alpha=alpha,
+                window=window,
+                misses_to_violate=misses,
                 initial_chunks=min(max(int(initial_buffer_blocks), 1), b_max),
                 ttft_slo=cfg.ttft_slo_s if math.isfinite(cfg.ttft_slo_s) else None,
-                tpot_slo=cfg.tpot_slo_s if math.isfinite(cfg.tpot_slo_s) else None)
+                tpot_slo=cfg.tpot_slo_s if math.isfinite(cfg.tpot_slo_s) else None,
+            )
         self.block_bytes = cfg.kv_block_bytes
         self.token_bytes = cfg.model.kv_bytes_per_token(cfg.kv_dtype)
-        self.parked: Dict[int, Request] = {}   # rid -> request whose KV is in the CPU buffer
-        self.parked_blocks: Dict[int, int] = {}
+        self.parked: dict[int, Request] = {}  # rid -> request whose KV is in the CPU buffer
+        self.parked_blocks: dict[int, int] = {}
         self.cpu_used = 0
         self._hooked = False
         self._last_decode_s = 0.0
@@ -121,7 +133,7 @@ class EllmElasticScheduler(EllmScheduler):
         return max(self.b_max - self.cpu_used, 0)
 
     # ---- Alg. 1 with offload / fetch ----------------------------------------
-    def plan(self, inst: "Instance", now: float) -> BatchPlan:
+    def plan(self, inst: Instance, now: float) -> BatchPlan:
         if not self._hooked:
             inst.hooks.append(self)  # Alg. 2 observes every iteration
             self._hooked = True
@@ -201,13 +213,13 @@ class EllmElasticScheduler(EllmScheduler):
         return plan
 
     # ---- Alg. 2: observe each iteration (InstanceHook) ------------------------
-    def before_iteration(self, inst: "Instance", plan: BatchPlan, now: float) -> None:
+    def before_iteration(self, inst: Instance, plan: BatchPlan, now: float) -> None:
         pass
 
-    def after_iteration(self, inst: "Instance", plan: BatchPlan, now: float, duration: float) -> None:
+    def after_iteration(self, inst: Instance, plan: BatchPlan, now: float, duration: float) -> None:
         if self.scaler is None:
             return
-        ttft: Optional[float] = None
+        ttft: float | None = None
         for r, _ in plan.prefills:
             if r.first_token_t == now:
                 ttft = max(ttft or 0.0, now - r.arrival)
@@ -216,7 +228,7 @@ class EllmElasticScheduler(EllmScheduler):
         if plan.decodes:
             self._last_decode_s = duration
         step = self._last_decode_s
-        tpot: Optional[float] = None
+        tpot: float | None = None
         oldest = next(iter(self.parked.values()), None)  # parked longest (insertion order)
         for group in (plan.decodes, (oldest,) if oldest is not None else ()):
             for r in group:
@@ -235,10 +247,16 @@ class EllmElasticScheduler(EllmScheduler):
             self.logical_trace.append((now, dec.logical_chunks))
 
     def stats(self) -> dict:
-        return {"offloads": self.offloads, "fetches": self.fetches, "offload_gb": self.offload_bytes / 1e9,
-                "fetch_gb": self.fetch_bytes / 1e9, "max_cpu_buffer_gb": self.max_cpu_used * self.block_bytes / 1e9,
-                "buffer_events": dict(self.events), "max_lent_blocks": self.max_lent,
-                "logical_blocks_final": self.scaler.logical_chunks if self.scaler else self.b_max}
+        return {
+            "offloads": self.offloads,
+            "fetches": self.fetches,
+            "offload_gb": self.offload_bytes / 1e9,
+            "fetch_gb": self.fetch_bytes / 1e9,
+            "max_cpu_buffer_gb": self.max_cpu_used * self.block_bytes / 1e9,
+            "buffer_events": dict(self.events),
+            "max_lent_blocks": self.max_lent,
+            "logical_blocks_final": self.scaler.logical_chunks if self.scaler else self.b_max,
+        }
 
 
 if "ellm_elastic" not in SCHEDULERS:

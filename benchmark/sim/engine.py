@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from array import array
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from .events import EventLoop
 from .hardware import GpuSpec
@@ -30,7 +30,7 @@ from .kvcache import KVCache
 from .links import LinkSet
 from .models import ModelSpec
 from .plan import BatchPlan, InstanceHook, Scheduler
-from .request import FINISHED, PENDING, RUNNING, WAITING, Request
+from .request import FINISHED, RUNNING, WAITING, Request
 from .roofline import BatchShape, Roofline
 
 __all__ = ["InstanceConfig", "Instance", "Gpu", "Simulator"]
@@ -67,18 +67,23 @@ class Instance:
     ``admit``, ``reserve``, ``preempt``, ``blocks_needed``, ``roofline``,
     ``last_shape``, ``last_duration``."""
 
-    def __init__(self, idx: int, cfg: InstanceConfig, gpu_spec: GpuSpec, scheduler: Scheduler,
-                 hooks: Optional[List[InstanceHook]] = None) -> None:
+    def __init__(
+        self,
+        idx: int,
+        cfg: InstanceConfig,
+        gpu_spec: GpuSpec,
+        scheduler: Scheduler,
+        hooks: list[InstanceHook] | None = None,
+    ) -> None:
         self.idx, self.cfg = idx, cfg
         self.kv = KVCache(cfg.kv_blocks, cfg.block_size, cfg.prefix_caching)
-        self.roofline = Roofline(cfg.model, gpu_spec, cfg.weight_dtype, cfg.kv_dtype,
-                                 cfg.overhead_s, cfg.share)
+        self.roofline = Roofline(cfg.model, gpu_spec, cfg.weight_dtype, cfg.kv_dtype, cfg.overhead_s, cfg.share)
         self.scheduler = scheduler
-        self.hooks: List[InstanceHook] = list(hooks or [])
-        self.waiting: Deque[Request] = deque()
-        self.running: List[Request] = []
-        self.sim: "Simulator" = None  # set by Simulator
-        self.gpu: "Gpu" = None
+        self.hooks: list[InstanceHook] = list(hooks or [])
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.sim: Simulator = None  # set by Simulator
+        self.gpu: Gpu = None
         self.in_iteration = False
         self.queued = False
         self.last_shape = BatchShape()
@@ -92,7 +97,7 @@ class Instance:
         self.gap_vals = array("d")  # TBT gaps (s), weighted by gap_wts
         self.gap_wts = array("l")
         self._last_iter_end = -1.0
-        self._plan: Optional[BatchPlan] = None
+        self._plan: BatchPlan | None = None
         self._pending = 0
         self._started = 0.0
 
@@ -232,7 +237,7 @@ class Instance:
         self.busy_s += dur
         prev_end = self._last_iter_end
         regular = 0
-        finished: List[Request] = []
+        finished: list[Request] = []
         gap_vals = self.gap_vals
         for r in plan.decodes:
             r.ctx += 1
@@ -294,8 +299,8 @@ class Gpu:
         if mode not in ("time_slice", "spatial"):
             raise ValueError(f"gpu sharing mode must be time_slice or spatial, got {mode!r}")
         self.idx, self.spec, self.mode = idx, spec, mode
-        self.current: Optional[Instance] = None
-        self.queue: Deque[Instance] = deque()
+        self.current: Instance | None = None
+        self.queue: deque[Instance] = deque()
         self.loop: EventLoop = None
 
     def request(self, inst: Instance) -> None:
@@ -325,21 +330,29 @@ class Gpu:
 @dataclass
 class Sample:
     t: float
-    kv_used: List[int]
-    kv_cached: List[int]
-    kv_capacity: List[int]
-    waiting: List[int]
-    running: List[int]
+    kv_used: list[int]
+    kv_cached: list[int]
+    kv_capacity: list[int]
+    waiting: list[int]
+    running: list[int]
 
 
 class Simulator:
     """Runs one workload on a node. ``run()`` returns when no event is left or
     at ``horizon_s`` (arrivals stop at ``duration_s``; the rest drains)."""
 
-    def __init__(self, gpus: List[Gpu], instances: List[Instance], requests: List[Request],
-                 initial: List[int], duration_s: float, horizon_s: Optional[float] = None,
-                 sample_period_s: float = 1.0, links: Optional[LinkSet] = None,
-                 periodic: Optional[List[tuple]] = None) -> None:
+    def __init__(
+        self,
+        gpus: list[Gpu],
+        instances: list[Instance],
+        requests: list[Request],
+        initial: list[int],
+        duration_s: float,
+        horizon_s: float | None = None,
+        sample_period_s: float = 1.0,
+        links: LinkSet | None = None,
+        periodic: list[tuple] | None = None,
+    ) -> None:
         self.loop = EventLoop()
         self.gpus, self.instances, self.requests = gpus, instances, requests
         self.initial = initial
@@ -357,8 +370,8 @@ class Simulator:
             inst.gpu = gpus[inst.cfg.gpu]
         self.periodic = list(periodic or [])  # (period_s, fn(sim, now))
         self.arbiter = None  # node_arbiter.SimArbiter when the scenario has ``arbiter``
-        self.samples: List[Sample] = []
-        self.rejected: List[int] = []
+        self.samples: list[Sample] = []
+        self.rejected: list[int] = []
         self.finished = 0
         self.wall_s = 0.0
         self._next_initial = 0
@@ -404,16 +417,25 @@ class Simulator:
 
     def active(self) -> bool:
         """Anything left to happen: arrivals to come or requests in flight."""
-        return (self._next_initial < len(self.initial) or self._followups > 0
-                or any(i.waiting or i.running for i in self.instances))
+        return (
+            self._next_initial < len(self.initial)
+            or self._followups > 0
+            or any(i.waiting or i.running for i in self.instances)
+        )
 
     # ---- sampling -------------------------------------------------------------
     def _sample(self) -> None:
         insts = self.instances
-        self.samples.append(Sample(
-            self.loop.now, [i.kv.used for i in insts], [i.kv.cached for i in insts],
-            [i.kv.capacity for i in insts], [len(i.waiting) for i in insts],
-            [len(i.running) for i in insts]))
+        self.samples.append(
+            Sample(
+                self.loop.now,
+                [i.kv.used for i in insts],
+                [i.kv.cached for i in insts],
+                [i.kv.capacity for i in insts],
+                [len(i.waiting) for i in insts],
+                [len(i.running) for i in insts],
+            )
+        )
         if self.active():
             self.loop.after(self.sample_period_s, self._sample)
 
@@ -422,8 +444,9 @@ class Simulator:
         if self.active():
             self.loop.after(period, self._periodic, period, fn)
 
-    def run(self) -> "Simulator":
+    def run(self) -> Simulator:
         import time
+
         t0 = time.perf_counter()
         self._schedule_next_initial()
         self.loop.at(0.0, self._sample)

@@ -8,7 +8,8 @@ deterministic function of its inputs.
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable, List, Tuple
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["EventLoop"]
 
@@ -16,7 +17,7 @@ __all__ = ["EventLoop"]
 class EventLoop:
     def __init__(self) -> None:
         self.now = 0.0
-        self._heap: List[Tuple[float, int, Callable[..., Any], tuple]] = []
+        self._heap: list[tuple[float, int, Callable[..., Any], tuple]] = []
         self._seq = 0
 
     def at(self, t: float, fn: Callable[..., Any], *args: Any) -> None:

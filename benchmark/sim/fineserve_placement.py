@@ -37,11 +37,12 @@ batching (Alg. 2), and the Prism-like / static baselines of FineServe §7.1.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .plan import BatchPlan
-from .request import FINISHED, WAITING, Request
+from .request import FINISHED, Request
 from .roofline import BatchShape
 from .schedulers import SCHEDULERS, register_scheduler
 
@@ -49,8 +50,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from .engine import Instance, InstanceConfig
     from .scenario import ScenarioSpec
 
-__all__ = ["SlabPool", "FineServeScheduler", "model_demands", "fineserve_placement", "prism_placement",
-           "prefill_slo", "slab_pool"]
+__all__ = [
+    "SlabPool",
+    "FineServeScheduler",
+    "model_demands",
+    "fineserve_placement",
+    "prism_placement",
+    "prefill_slo",
+    "slab_pool",
+]
 
 _BATCHING = ("edf", "prism", "fcfs")
 _KV_MODES = ("shared", "static")
@@ -62,8 +70,9 @@ _KV_MODES = ("shared", "static")
 class SlabPool:
     """Shared KV memory of one GPU, in slabs (see module docstring)."""
 
-    def __init__(self, insts: List["Instance"], mode: str, min_slab_mb: float,
-                 weights: Optional[Dict[int, float]] = None) -> None:
+    def __init__(
+        self, insts: list[Instance], mode: str, min_slab_mb: float, weights: dict[int, float] | None = None
+    ) -> None:
         from memory_ext.policy.fineserve import blocks_per_slab, slab_bytes
 
         if mode not in _KV_MODES:
@@ -96,7 +105,7 @@ class SlabPool:
     def free_slabs(self) -> int:
         return self.total_slabs - sum(self.held.values())
 
-    def ensure(self, inst: "Instance", blocks: int) -> None:
+    def ensure(self, inst: Instance, blocks: int) -> None:
         """Grow ``inst`` by whole slabs until ``blocks`` are available (or the pool is empty)."""
         if self.mode != "shared":
             return
@@ -110,7 +119,7 @@ class SlabPool:
             self.max_held[inst.idx] = max(self.max_held[inst.idx], self.held[inst.idx])
             inst.kv.resize(inst.kv.capacity + k * bps)
 
-    def trim(self, inst: "Instance") -> None:
+    def trim(self, inst: Instance) -> None:
         """Return fully free slabs beyond one slab of headroom."""
         if self.mode != "shared":
             return
@@ -127,7 +136,7 @@ class SlabPool:
         assert used <= self.total_bytes + 1e-6, (used, self.total_bytes)
 
 
-def slab_pool(inst: "Instance") -> Optional[SlabPool]:
+def slab_pool(inst: Instance) -> SlabPool | None:
     """The pool of ``inst``'s GPU (created on first use; None if not a FineServe instance)."""
     pools = getattr(inst.sim, "_fineserve_pools", None)
     if pools is None:
@@ -143,7 +152,7 @@ def slab_pool(inst: "Instance") -> Optional[SlabPool]:
 # --------------------------------------------------------------------------- local scheduler
 
 
-def _prefill_model(inst: "Instance"):
+def _prefill_model(inst: Instance):
     """ChunkedPrefillModel fitted to the roofline: TTFT of T tokens in chunks of C."""
     from memory_ext.policy.fineserve import ChunkedPrefillModel
 
@@ -163,8 +172,14 @@ class FineServeScheduler:
     """See module docstring. Options: ``batching`` (edf | prism | fcfs), ``kv``
     (shared | static), ``min_slab_mb`` (2), ``weight`` (F_M share for static)."""
 
-    def __init__(self, cfg: "InstanceConfig", batching: str = "edf", kv: str = "shared",
-                 min_slab_mb: float = 2.0, weight: float = 1.0) -> None:
+    def __init__(
+        self,
+        cfg: InstanceConfig,
+        batching: str = "edf",
+        kv: str = "shared",
+        min_slab_mb: float = 2.0,
+        weight: float = 1.0,
+    ) -> None:
         if batching not in _BATCHING:
             raise ValueError(f"batching must be one of {', '.join(_BATCHING)}, got {batching!r}")
         if kv not in _KV_MODES:
@@ -174,10 +189,10 @@ class FineServeScheduler:
         self.batching, self.kv_mode, self.min_slab_mb = batching, kv, float(min_slab_mb)
         self.weight = float(weight)
         self.slo = cfg.ttft_slo_s
-        self.pool: Optional[SlabPool] = None
+        self.pool: SlabPool | None = None
         self.predictor = None
         self.dropped = 0
-        self._req: Dict[int, object] = {}
+        self._req: dict[int, object] = {}
         self._hooked = False
 
     # hook part: give back free slabs after every iteration
@@ -187,16 +202,17 @@ class FineServeScheduler:
     def after_iteration(self, inst, plan, now, duration) -> None:
         self.pool.trim(inst)
 
-    def _drop(self, inst: "Instance", r: Request) -> None:
+    def _drop(self, inst: Instance, r: Request) -> None:
         inst.waiting.remove(r)
         r.state = FINISHED
         r.finish_t = None
         inst.sim.rejected.append(r.rid)
         self.dropped += 1
 
-    def _candidates(self, inst: "Instance", now: float, n_max: int, t_max: int) -> List[Request]:
+    def _candidates(self, inst: Instance, now: float, n_max: int, t_max: int) -> list[Request]:
         """Waiting requests to admit this iteration, in order."""
-        from memory_ext.policy.fineserve import Request as FReq, adaptive_batch
+        from memory_ext.policy.fineserve import Request as FReq
+        from memory_ext.policy.fineserve import adaptive_batch
 
         fresh = [r for r in inst.waiting if r.first_token_t is None]
         again = [r for r in inst.waiting if r.first_token_t is not None]  # preempted: FCFS first
@@ -231,7 +247,7 @@ class FineServeScheduler:
             cache.pop(by[f.rid].rid, None)
         return again + [by[f.rid] for f in take]
 
-    def plan(self, inst: "Instance", now: float) -> BatchPlan:
+    def plan(self, inst: Instance, now: float) -> BatchPlan:
         if not self._hooked:
             self.pool = slab_pool(inst)
             self.predictor = _prefill_model(inst)
@@ -270,8 +286,7 @@ class FineServeScheduler:
         # 3. admission
         slots = cfg.max_running - len(inst.running)
         if budget > 0 and inst.waiting and slots > 0:
-            free_tokens = (kv.available + (pool.free_slabs * pool.bps[inst.idx]
-                                           if pool.mode == "shared" else 0)) * bs
+            free_tokens = (kv.available + (pool.free_slabs * pool.bps[inst.idx] if pool.mode == "shared" else 0)) * bs
             for r in self._candidates(inst, now, slots, free_tokens):
                 if budget <= 0 or len(inst.running) >= cfg.max_running:
                     break
@@ -294,8 +309,9 @@ if "fineserve" not in SCHEDULERS:
 # --------------------------------------------------------------------------- placement
 
 
-def prefill_slo(model: str, gpu: str, weight_dtype: str, kv_dtype: str, tokens: int, scale: float,
-                chunk: int = 2048) -> float:
+def prefill_slo(
+    model: str, gpu: str, weight_dtype: str, kv_dtype: str, tokens: int, scale: float, chunk: int = 2048
+) -> float:
     """``scale`` x the uncontended prefill latency of ``tokens`` prompt tokens
     (FineServe §7.1: SLO = scale x P95 prefill latency of ShareGPT)."""
     from .hardware import gpu_spec
@@ -319,15 +335,15 @@ class Demand:
     weights: float
     activations: float
     kv_base: float
-    mu: float            # tokens per GB of KV
-    slo_rate: float      # rate / ttft_slo (Prism's SLO-weighted rate)
+    mu: float  # tokens per GB of KV
+    slo_rate: float  # rate / ttft_slo (Prism's SLO-weighted rate)
 
     @property
     def footprint(self) -> float:
         return self.weights + self.activations + self.kv_base
 
 
-def model_demands(spec: "ScenarioSpec", rate_scale: float = 1.0) -> List[Demand]:
+def model_demands(spec: ScenarioSpec, rate_scale: float = 1.0) -> list[Demand]:
     """F_M parts, mu and SLO-weighted rate of every model of ``spec``.
     Average KV by Little's law: rate x (mean output x TPOT at batch 1) x
     (mean prompt + mean output / 2) tokens."""
@@ -349,35 +365,46 @@ def model_demands(spec: "ScenarioSpec", rate_scale: float = 1.0) -> List[Demand]
         tpot = Roofline(ms, g, m.weight_dtype, m.kv_dtype, m.overhead_s).iteration_time(s)
         per_tok = ms.kv_bytes_per_token(m.kv_dtype)
         kv_base = rate * mean_out * tpot * (mean_in + mean_out / 2) * per_tok
-        act = ms.activation_bytes(m.max_batched_tokens if m.activation_tokens is None else m.activation_tokens,
-                                  m.weight_dtype)
-        out.append(Demand(m.name, ms.weight_bytes(m.weight_dtype), act, kv_base, 1e9 / per_tok,
-                          rate / m.ttft_slo_s if math.isfinite(m.ttft_slo_s) else rate))
+        act = ms.activation_bytes(
+            m.max_batched_tokens if m.activation_tokens is None else m.activation_tokens, m.weight_dtype
+        )
+        out.append(
+            Demand(
+                m.name,
+                ms.weight_bytes(m.weight_dtype),
+                act,
+                kv_base,
+                1e9 / per_tok,
+                rate / m.ttft_slo_s if math.isfinite(m.ttft_slo_s) else rate,
+            )
+        )
     return out
 
 
-def _budget(spec: "ScenarioSpec") -> float:
+def _budget(spec: ScenarioSpec) -> float:
     from .hardware import gpu_spec
 
     return gpu_spec(spec.node.gpu).mem_bytes * spec.node.memory_fraction
 
 
-def fineserve_placement(spec: "ScenarioSpec", rate_scale: float = 1.0) -> Dict[str, int]:
+def fineserve_placement(spec: ScenarioSpec, rate_scale: float = 1.0) -> dict[str, int]:
     """FineServe Alg. 1 via ``memory_ext.policy.fineserve.place_models``: model -> gpu."""
     from memory_ext.policy.fineserve import GpuCandidate, ModelDemand, place_models
 
     ds = model_demands(spec, rate_scale)
-    res = place_models([ModelDemand(d.name, d.footprint, d.mu) for d in ds],
-                       [GpuCandidate(str(g), _budget(spec)) for g in range(spec.node.count)])
+    res = place_models(
+        [ModelDemand(d.name, d.footprint, d.mu) for d in ds],
+        [GpuCandidate(str(g), _budget(spec)) for g in range(spec.node.count)],
+    )
     res.raise_if_infeasible()
     return {n: int(g) for n, g in res.assignment.items()}
 
 
-def prism_placement(spec: "ScenarioSpec", rate_scale: float = 1.0) -> Dict[str, int]:
+def prism_placement(spec: ScenarioSpec, rate_scale: float = 1.0) -> dict[str, int]:
     """Prism-like heuristic (see module docstring): model -> gpu."""
     ds = model_demands(spec, rate_scale)
     budget = _budget(spec)
-    residents: Dict[int, List[Demand]] = {g: [] for g in range(spec.node.count)}
+    residents: dict[int, list[Demand]] = {g: [] for g in range(spec.node.count)}
     out = {}
     for d in sorted(ds, key=lambda d: -d.slo_rate):
         best, best_score = None, -math.inf
@@ -395,7 +422,7 @@ def prism_placement(spec: "ScenarioSpec", rate_scale: float = 1.0) -> Dict[str, 
     return out
 
 
-def _main(argv: Optional[Sequence[str]] = None) -> int:
+def _main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     from .scenario import load_scenario
@@ -406,9 +433,11 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     sc = load_scenario(a.scenario)
     for d in model_demands(sc.base, a.rate_scale):
-        print(f"{d.name:>10}: F_M {d.footprint / 1e9:6.2f} GB (weights {d.weights / 1e9:.2f}, act "
-              f"{d.activations / 1e9:.2f}, kv {d.kv_base / 1e9:.2f}), mu {d.mu:.0f} tok/GB, "
-              f"rate/slo {d.slo_rate:.2f}")
+        print(
+            f"{d.name:>10}: F_M {d.footprint / 1e9:6.2f} GB (weights {d.weights / 1e9:.2f}, act "
+            f"{d.activations / 1e9:.2f}, kv {d.kv_base / 1e9:.2f}), mu {d.mu:.0f} tok/GB, "
+            f"rate/slo {d.slo_rate:.2f}"
+        )
     print("fineserve:", fineserve_placement(sc.base, a.rate_scale))
     print("prism:    ", prism_placement(sc.base, a.rate_scale))
     return 0

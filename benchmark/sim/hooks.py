@@ -9,7 +9,8 @@ register new kinds with ``register_hook(kind, factory)`` where
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .plan import BatchPlan
 
@@ -31,7 +32,7 @@ class LayerStreamingHook:
     GPUs share the link). Invariant: it never frees more layers than the model has
     minus one."""
 
-    def __init__(self, inst: "Instance", layers: int = 1, link: str = "h2d") -> None:
+    def __init__(self, inst: Instance, layers: int = 1, link: str = "h2d") -> None:
         model = inst.cfg.model
         if not 0 <= layers < model.layers:
             raise ValueError(f"layers must be in [0, {model.layers - 1}], got {layers}")
@@ -41,7 +42,7 @@ class LayerStreamingHook:
         self.gained_blocks = int(self.bytes // inst.cfg.kv_block_bytes)
         self._applied = False
 
-    def before_iteration(self, inst: "Instance", plan: BatchPlan, now: float) -> None:
+    def before_iteration(self, inst: Instance, plan: BatchPlan, now: float) -> None:
         if not self._applied:
             arb = getattr(inst.sim, "arbiter", None)
             if arb is not None:
@@ -52,11 +53,11 @@ class LayerStreamingHook:
         if self.bytes:
             plan.transfers.append((self.link, self.bytes))
 
-    def after_iteration(self, inst: "Instance", plan: BatchPlan, now: float, duration: float) -> None:
+    def after_iteration(self, inst: Instance, plan: BatchPlan, now: float, duration: float) -> None:
         pass
 
 
-HOOKS: Dict[str, Callable[..., Any]] = {"layer_streaming": LayerStreamingHook}
+HOOKS: dict[str, Callable[..., Any]] = {"layer_streaming": LayerStreamingHook}
 
 
 def register_hook(kind: str, factory: Callable[..., Any]) -> None:

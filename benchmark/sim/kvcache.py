@@ -22,7 +22,7 @@ hot path O(1) per block.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, Hashable, Iterable, List
+from collections.abc import Hashable, Iterable
 
 __all__ = ["KVCache"]
 
@@ -35,8 +35,8 @@ class KVCache:
         self.block_size = int(block_size)
         self.prefix_caching = prefix_caching
         self.private = 0
-        self.refs: Dict[Hashable, int] = {}
-        self.lru: "OrderedDict[Hashable, None]" = OrderedDict()
+        self.refs: dict[Hashable, int] = {}
+        self.lru: OrderedDict[Hashable, None] = OrderedDict()
         self.hit_tokens = 0
         self.evicted = 0
 
@@ -78,7 +78,7 @@ class KVCache:
             n += 1
         return n
 
-    def release_cached(self, keys: List[Hashable]) -> None:
+    def release_cached(self, keys: list[Hashable]) -> None:
         """Drop one reference on each of ``keys`` (a matched/published chain)."""
         refs, lru = self.refs, self.lru
         for k in reversed(keys):  # deepest first -> evicted first
@@ -87,7 +87,7 @@ class KVCache:
             if r == 0:
                 lru[k] = None
 
-    def publish(self, keys: List[Hashable]) -> List[Hashable]:
+    def publish(self, keys: list[Hashable]) -> list[Hashable]:
         """Turn ``len(keys)`` private blocks into cached blocks with one
         reference each. Keys already cached (another request published the
         same content) take a reference instead and the private block is

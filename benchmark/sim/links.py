@@ -14,8 +14,8 @@ equals the link bandwidth (or 0 when idle).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
 
 from .events import EventLoop
 
@@ -27,10 +27,10 @@ _EPS_BYTES = 1e-6
 @dataclass
 class Transfer:
     nbytes: float
-    on_done: Optional[Callable[[float], None]]
+    on_done: Callable[[float], None] | None
     started: float
     remaining: float = field(init=False)
-    finished: Optional[float] = None
+    finished: float | None = None
 
     def __post_init__(self) -> None:
         self.remaining = float(self.nbytes)
@@ -43,13 +43,13 @@ class Link:
         if bandwidth <= 0:
             raise ValueError(f"link {name}: bandwidth must be > 0, got {bandwidth}")
         self.name, self.bandwidth, self.loop = name, float(bandwidth), loop
-        self.active: List[Transfer] = []
+        self.active: list[Transfer] = []
         self._last = 0.0
         self._version = 0
         self.bytes_done = 0.0
         self.busy_s = 0.0
 
-    def start(self, nbytes: float, on_done: Optional[Callable[[float], None]] = None) -> Transfer:
+    def start(self, nbytes: float, on_done: Callable[[float], None] | None = None) -> Transfer:
         """Begin moving ``nbytes``; ``on_done(t)`` fires when it completes."""
         now = self.loop.now
         self._advance(now)
@@ -82,8 +82,7 @@ class Link:
         if not self.active:
             return
         first = min(tr.remaining for tr in self.active)
-        self.loop.at(now + max(first, 0.0) * len(self.active) / self.bandwidth,
-                     self._complete, self._version)
+        self.loop.at(now + max(first, 0.0) * len(self.active) / self.bandwidth, self._complete, self._version)
 
     def _complete(self, version: int) -> None:
         if version != self._version:
@@ -110,7 +109,7 @@ class LinkSet:
 
     def __init__(self, loop: EventLoop) -> None:
         self.loop = loop
-        self.links: Dict[str, Link] = {}
+        self.links: dict[str, Link] = {}
 
     def add(self, name: str, bandwidth: float) -> Link:
         if name in self.links:
@@ -124,6 +123,8 @@ class LinkSet:
     def __contains__(self, name: str) -> bool:
         return name in self.links
 
-    def summary(self) -> Dict[str, dict]:
-        return {n: {"bandwidth_gbps": l.bandwidth / 1e9, "bytes": l.bytes_done, "busy_s": l.busy_s}
-                for n, l in self.links.items()}
+    def summary(self) -> dict[str, dict]:
+        return {
+            n: {"bandwidth_gbps": l.bandwidth / 1e9, "bytes": l.bytes_done, "busy_s": l.busy_s}
+            for n, l in self.links.items()
+        }

@@ -28,7 +28,7 @@ Definitions (all times in seconds):
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -56,14 +56,13 @@ def percentile(values: Sequence[float], q: float) -> float:
     return weighted_percentile(v, np.ones_like(v), q)
 
 
-def _dist(x: np.ndarray) -> Dict[str, float]:
+def _dist(x: np.ndarray) -> dict[str, float]:
     if x.size == 0:
         return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    return {"mean": float(x.mean()), "p50": percentile(x, 0.5), "p90": percentile(x, 0.9),
-            "p99": percentile(x, 0.99)}
+    return {"mean": float(x.mean()), "p50": percentile(x, 0.5), "p90": percentile(x, 0.9), "p99": percentile(x, 0.99)}
 
 
-def _block(reqs: List, sim, insts: List, ttft_slo: float, tpot_slo: float, makespan: float) -> dict:
+def _block(reqs: list, sim, insts: list, ttft_slo: float, tpot_slo: float, makespan: float) -> dict:
     rejected = set(sim.rejected)
     fin = [r for r in reqs if r.state == FINISHED and r.rid not in rejected]
     arrived = [r for r in reqs if r.state != PENDING]
@@ -71,8 +70,12 @@ def _block(reqs: List, sim, insts: List, ttft_slo: float, tpot_slo: float, makes
     e2e = np.array([r.finish_t - r.arrival for r in fin])
     multi = [r for r in fin if r.output_len > 1]
     tpot = np.array([(r.finish_t - r.first_token_t) / (r.output_len - 1) for r in multi])
-    ok = [r for r in fin if r.first_token_t - r.arrival <= ttft_slo and
-          (r.output_len <= 1 or (r.finish_t - r.first_token_t) / (r.output_len - 1) <= tpot_slo)]
+    ok = [
+        r
+        for r in fin
+        if r.first_token_t - r.arrival <= ttft_slo
+        and (r.output_len <= 1 or (r.finish_t - r.first_token_t) / (r.output_len - 1) <= tpot_slo)
+    ]
     gv = np.concatenate([np.frombuffer(i.gap_vals, dtype=float) for i in insts]) if insts else np.empty(0)
     gw = np.concatenate([np.frombuffer(i.gap_wts, dtype=np.int64) for i in insts]) if insts else np.empty(0)
     out_tokens = sum(r.output_len for r in fin)
@@ -88,12 +91,18 @@ def _block(reqs: List, sim, insts: List, ttft_slo: float, tpot_slo: float, makes
         "not_arrived": len(reqs) - len(arrived),
         "ttft_s": _dist(ttft),
         "tpot_s": _dist(tpot),
-        "tbt_s": {"mean": float(np.average(gv, weights=gw)) if gv.size else float("nan"),
-                  "p50": weighted_percentile(gv, gw, 0.5), "p99": weighted_percentile(gv, gw, 0.99),
-                  "gaps": int(gw.sum()) if gw.size else 0},
+        "tbt_s": {
+            "mean": float(np.average(gv, weights=gw)) if gv.size else float("nan"),
+            "p50": weighted_percentile(gv, gw, 0.5),
+            "p99": weighted_percentile(gv, gw, 0.99),
+            "gaps": int(gw.sum()) if gw.size else 0,
+        },
         "e2e_s": _dist(e2e),
-        "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo,
-                "attainment": len(ok) / len(arrived) if arrived else float("nan")},
+        "slo": {
+            "ttft_s": ttft_slo,
+            "tpot_s": tpot_slo,
+            "attainment": len(ok) / len(arrived) if arrived else float("nan"),
+        },
         "goodput_rps": len(ok) / span,
         "goodput_tokens_per_s": sum(r.output_len for r in ok) / span,
         "throughput_tokens_per_s": out_tokens / span,
@@ -115,15 +124,18 @@ def summarize(sim) -> dict:
         reqs = [r for r in sim.requests if r.model == i]
         b = _block(reqs, sim, [inst], inst.cfg.ttft_slo_s, inst.cfg.tpot_slo_s, makespan)
         util = np.array([s.kv_used[i] / max(s.kv_capacity[i], 1) for s in samples]) if samples else np.zeros(1)
-        b.update({
-            "iterations": inst.iterations,
-            "busy_fraction": inst.busy_s / max(makespan, 1e-9),
-            "prefill_tokens_computed": inst.prefill_tokens,
-            "kv_capacity_blocks": inst.kv.capacity,
-            "kv_util_mean": float(util.mean()), "kv_util_max": float(util.max()),
-            "kv_evicted_blocks": inst.kv.evicted,
-            "hooks": [h.report() for h in inst.hooks if hasattr(h, "report")],
-        })
+        b.update(
+            {
+                "iterations": inst.iterations,
+                "busy_fraction": inst.busy_s / max(makespan, 1e-9),
+                "prefill_tokens_computed": inst.prefill_tokens,
+                "kv_capacity_blocks": inst.kv.capacity,
+                "kv_util_mean": float(util.mean()),
+                "kv_util_max": float(util.max()),
+                "kv_evicted_blocks": inst.kv.evicted,
+                "hooks": [h.report() for h in inst.hooks if hasattr(h, "report")],
+            }
+        )
         per[inst.cfg.name] = b
     # overall SLO attainment uses each request's own model SLO
     overall = _block(sim.requests, sim, sim.instances, math.inf, math.inf, makespan)
@@ -132,8 +144,13 @@ def summarize(sim) -> dict:
     overall["slo"] = {"attainment": ok / arrived if arrived else float("nan")}
     overall["goodput_rps"] = sum(b["goodput_rps"] for b in per.values())
     overall["goodput_tokens_per_s"] = sum(b["goodput_tokens_per_s"] for b in per.values())
-    out = {"makespan_s": makespan, "sim_wall_s": sim.wall_s, "overall": overall, "instances": per,
-           "links": sim.links.summary()}
+    out = {
+        "makespan_s": makespan,
+        "sim_wall_s": sim.wall_s,
+        "overall": overall,
+        "instances": per,
+        "links": sim.links.summary(),
+    }
     if getattr(sim, "arbiter", None) is not None:
         out["arbiter"] = sim.arbiter.report()
     return out
@@ -144,10 +161,14 @@ def timeline(sim) -> dict:
     s = sim.samples
     return {
         "t": [x.t for x in s],
-        "instances": {inst.cfg.name: {
-            "kv_util": [x.kv_used[i] / max(x.kv_capacity[i], 1) for x in s],
-            "kv_cached": [x.kv_cached[i] for x in s],
-            "kv_capacity": [x.kv_capacity[i] for x in s],
-            "waiting": [x.waiting[i] for x in s],
-            "running": [x.running[i] for x in s]} for i, inst in enumerate(sim.instances)},
+        "instances": {
+            inst.cfg.name: {
+                "kv_util": [x.kv_used[i] / max(x.kv_capacity[i], 1) for x in s],
+                "kv_cached": [x.kv_cached[i] for x in s],
+                "kv_capacity": [x.kv_capacity[i] for x in s],
+                "waiting": [x.waiting[i] for x in s],
+                "running": [x.running[i] for x in s],
+            }
+            for i, inst in enumerate(sim.instances)
+        },
     }

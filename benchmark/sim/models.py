@@ -9,7 +9,6 @@ and count the embedding and LM head separately (tied or not).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
 
 __all__ = ["ModelSpec", "MODELS", "model_spec", "DTYPE_BYTES"]
 
@@ -29,7 +28,7 @@ class ModelSpec:
     intermediate: int
     vocab: int
     gated_mlp: bool = True
-    head_dim_override: Optional[int] = None
+    head_dim_override: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -66,22 +65,25 @@ class ModelSpec:
         return tokens * per_token * DTYPE_BYTES[dtype]
 
 
-MODELS: Dict[str, ModelSpec] = {m.name: m for m in [
-    ModelSpec("Llama-3.1-8B", 32, 4096, 32, 8, 14336, 128256),
-    ModelSpec("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256),
-    ModelSpec("Llama-2-7B", 32, 4096, 32, 32, 11008, 32000),
-    ModelSpec("Llama-2-13B", 40, 5120, 40, 40, 13824, 32000),
-    ModelSpec("Llama-3-70B", 80, 8192, 64, 8, 28672, 128256),
-    ModelSpec("Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064),
-    ModelSpec("Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064),
-    ModelSpec("Qwen3-8B", 36, 4096, 32, 8, 12288, 151936, head_dim_override=128),
-    ModelSpec("Qwen3-14B", 40, 5120, 40, 8, 17408, 151936, head_dim_override=128),
-    ModelSpec("Qwen3-32B", 64, 5120, 64, 8, 25600, 151936, head_dim_override=128),
-    ModelSpec("Mistral-7B", 32, 4096, 32, 8, 14336, 32000),
-    ModelSpec("OPT-6.7B", 32, 4096, 32, 32, 16384, 50272, gated_mlp=False),
-    ModelSpec("OPT-13B", 40, 5120, 40, 40, 20480, 50272, gated_mlp=False),
-    ModelSpec("OPT-30B", 48, 7168, 56, 56, 28672, 50272, gated_mlp=False),
-]}
+MODELS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in [
+        ModelSpec("Llama-3.1-8B", 32, 4096, 32, 8, 14336, 128256),
+        ModelSpec("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256),
+        ModelSpec("Llama-2-7B", 32, 4096, 32, 32, 11008, 32000),
+        ModelSpec("Llama-2-13B", 40, 5120, 40, 40, 13824, 32000),
+        ModelSpec("Llama-3-70B", 80, 8192, 64, 8, 28672, 128256),
+        ModelSpec("Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064),
+        ModelSpec("Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064),
+        ModelSpec("Qwen3-8B", 36, 4096, 32, 8, 12288, 151936, head_dim_override=128),
+        ModelSpec("Qwen3-14B", 40, 5120, 40, 8, 17408, 151936, head_dim_override=128),
+        ModelSpec("Qwen3-32B", 64, 5120, 64, 8, 25600, 151936, head_dim_override=128),
+        ModelSpec("Mistral-7B", 32, 4096, 32, 8, 14336, 32000),
+        ModelSpec("OPT-6.7B", 32, 4096, 32, 32, 16384, 50272, gated_mlp=False),
+        ModelSpec("OPT-13B", 40, 5120, 40, 40, 20480, 50272, gated_mlp=False),
+        ModelSpec("OPT-30B", 48, 7168, 56, 56, 28672, 50272, gated_mlp=False),
+    ]
+}
 
 
 def model_spec(name: str) -> ModelSpec:

@@ -52,7 +52,8 @@ Not routed: FineServe's slab pool (not part of X1).
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Set, Tuple, TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from memory_ext.policy.arbiter import DEFAULT_TIERS, AccountKey, Kind, MemoryArbiter, Tier
 
@@ -69,13 +70,13 @@ __all__ = ["SimArbiter", "attach_arbiter"]
 class _BalancingScheduler:
     """Wraps an instance's scheduler: asks the arbiter for KV before each plan."""
 
-    def __init__(self, inner, arb: "SimArbiter") -> None:
+    def __init__(self, inner, arb: SimArbiter) -> None:
         self.inner, self.arb = inner, arb
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def plan(self, inst: "Instance", now: float) -> BatchPlan:
+    def plan(self, inst: Instance, now: float) -> BatchPlan:
         self.arb.before_plan(inst)
         p = self.inner.plan(inst, now)
         if not p and (inst.waiting or inst.running):
@@ -87,13 +88,13 @@ class _Kicker:
     """Hook: after an iteration on a GPU, instances of that GPU that found
     nothing to run (memory held by others) try again."""
 
-    def __init__(self, arb: "SimArbiter") -> None:
+    def __init__(self, arb: SimArbiter) -> None:
         self.arb = arb
 
-    def before_iteration(self, inst: "Instance", plan: BatchPlan, now: float) -> None:
+    def before_iteration(self, inst: Instance, plan: BatchPlan, now: float) -> None:
         pass
 
-    def after_iteration(self, inst: "Instance", plan: BatchPlan, now: float, duration: float) -> None:
+    def after_iteration(self, inst: Instance, plan: BatchPlan, now: float, duration: float) -> None:
         st = self.arb.starved[inst.cfg.gpu]
         if st:
             for other in list(st):
@@ -105,25 +106,25 @@ class _Kicker:
 class SimArbiter:
     """Glue between the simulator's instances and ``MemoryArbiter`` (module docstring)."""
 
-    def __init__(self, sim: "Simulator", spec: "ScenarioSpec", opts: "ArbiterSpec") -> None:
+    def __init__(self, sim: Simulator, spec: ScenarioSpec, opts: ArbiterSpec) -> None:
         g = gpu_spec(spec.node.gpu)
         budgets = {i: int(g.mem_bytes * spec.node.memory_fraction) for i in range(spec.node.count)}
         tiers = DEFAULT_TIERS if opts.share_kv else (Tier.FREE, Tier.RETURN)
         self.policy = MemoryArbiter(budgets, opts.floor_fraction, tiers)
         self.opts = opts
         self.sim = sim
-        self.insts: Dict[Tuple[int, str], "Instance"] = {}
-        self.by_gpu: Dict[int, List["Instance"]] = {i: [] for i in budgets}
-        self.bb: Dict[int, int] = {}
-        self.layer: Dict[int, int] = {}
-        self.keys: Dict[int, Tuple[AccountKey, AccountKey, AccountKey]] = {}
-        self.low: Dict[int, int] = {}
-        self.high: Dict[int, int] = {}
-        self.starved: Dict[int, Set["Instance"]] = {i: set() for i in budgets}
-        self.restoring: Dict[int, Set["Instance"]] = {i: set() for i in budgets}
-        self.gathered: Dict[int, int] = {}  # lender idx -> weight bytes gathered towards a layer
+        self.insts: dict[tuple[int, str], Instance] = {}
+        self.by_gpu: dict[int, list[Instance]] = {i: [] for i in budgets}
+        self.bb: dict[int, int] = {}
+        self.layer: dict[int, int] = {}
+        self.keys: dict[int, tuple[AccountKey, AccountKey, AccountKey]] = {}
+        self.low: dict[int, int] = {}
+        self.high: dict[int, int] = {}
+        self.starved: dict[int, set[Instance]] = {i: set() for i in budgets}
+        self.restoring: dict[int, set[Instance]] = {i: set() for i in budgets}
+        self.gathered: dict[int, int] = {}  # lender idx -> weight bytes gathered towards a layer
         self.drained_bytes = 0
-        self.claims: Dict[int, Set["Instance"]] = {i: set() for i in budgets}
+        self.claims: dict[int, set[Instance]] = {i: set() for i in budgets}
         self.claimed_bytes = 0
         self.verifications = 0
         self.grow_calls = 0
@@ -138,8 +139,9 @@ class SimArbiter:
             layer = int(ms.layer_weight_bytes(cfg.weight_dtype))
             gpu, name = cfg.gpu, cfg.name
             w = self.policy.open(gpu, name, Kind.WEIGHTS, int(ms.weight_bytes(cfg.weight_dtype)), floor=layer)
-            a = self.policy.open(gpu, name, Kind.ACTIVATION, int(ms.activation_bytes(act_tokens, cfg.weight_dtype)),
-                                 unit=bb)
+            a = self.policy.open(
+                gpu, name, Kind.ACTIVATION, int(ms.activation_bytes(act_tokens, cfg.weight_dtype)), unit=bb
+            )
             k = self.policy.open(gpu, name, Kind.KV, cfg.kv_blocks * bb, unit=bb)
             self.keys[inst.idx] = (w, a, k)
             self.bb[inst.idx], self.layer[inst.idx] = bb, layer
@@ -155,10 +157,10 @@ class SimArbiter:
         sim.arbiter = self
 
     # ---- accounts <-> instances ------------------------------------------------
-    def kv_key(self, inst: "Instance") -> AccountKey:
+    def kv_key(self, inst: Instance) -> AccountKey:
         return self.keys[inst.idx][2]
 
-    def _sync(self, gpu: int, keep: Optional[Callable[["Instance"], int]] = None) -> None:
+    def _sync(self, gpu: int, keep: Callable[[Instance], int] | None = None) -> None:
         """Report every instance of ``gpu``: its idle KV (free + evictable
         blocks), its headroom (``keep(inst)`` blocks if given, else its high
         watermark when it has work, nothing when idle) and whether it has work."""
@@ -187,7 +189,7 @@ class SimArbiter:
             inst.kv.resize(inst.kv.capacity + grant.granted // self.bb[inst.idx])
         self.verify(k.gpu)
 
-    def verify(self, gpu: Optional[int] = None) -> None:
+    def verify(self, gpu: int | None = None) -> None:
         """Conservation: the policy's invariants, and every pool == its account."""
         self.verifications += 1
         gpus = [gpu] if gpu is not None else list(self.by_gpu)
@@ -196,12 +198,13 @@ class SimArbiter:
             for inst in self.by_gpu[g]:
                 kv = inst.kv
                 held = self.policy.held(self.keys[inst.idx][2])
-                assert kv.capacity * self.bb[inst.idx] == held, \
+                assert kv.capacity * self.bb[inst.idx] == held, (
                     f"{inst.cfg.name}: KV pool {kv.capacity} blocks != its account {held} bytes"
+                )
                 assert kv.private + kv.cached <= kv.capacity
 
     # ---- generic KV balancing ------------------------------------------------------
-    def _need(self, inst: "Instance") -> int:
+    def _need(self, inst: Instance) -> int:
         """Free + evictable blocks ``inst`` should have before planning: its
         low watermark, or what the head of its queue needs if it may admit."""
         need = self.low[inst.idx]
@@ -209,7 +212,7 @@ class SimArbiter:
             need = max(need, -(-inst.waiting[0].target // inst.kv.block_size))
         return need
 
-    def before_plan(self, inst: "Instance") -> None:
+    def before_plan(self, inst: Instance) -> None:
         gpu = inst.cfg.gpu
         if self.restoring[gpu]:
             self._gather_restores(gpu)
@@ -221,7 +224,7 @@ class SimArbiter:
         avail = inst.kv.available
         if avail >= need:
             return
-        got = self.grow(inst, need - avail + self.high[inst.idx] - self.low[inst.idx])
+        self.grow(inst, need - avail + self.high[inst.idx] - self.low[inst.idx])
         if inst.kv.available < need and self.policy.excess(gpu, inst.cfg.name) < 0:
             self.claims[gpu].add(inst)  # still short, and others hold memory of its own
 
@@ -248,7 +251,7 @@ class SimArbiter:
                 self._apply(g)
                 self.claimed_bytes += g.granted
 
-    def grow(self, inst: "Instance", blocks: int) -> int:
+    def grow(self, inst: Instance, blocks: int) -> int:
         """Ask for ``blocks`` more KV blocks from idle memory (priority rule); returns blocks granted."""
         if blocks <= 0:
             return 0
@@ -260,10 +263,10 @@ class SimArbiter:
         return g.granted // self.bb[inst.idx]
 
     # ---- eLLM --------------------------------------------------------------------------
-    def act_idle_blocks(self, inst: "Instance") -> int:
+    def act_idle_blocks(self, inst: Instance) -> int:
         return self.policy.held(self.keys[inst.idx][1]) // self.bb[inst.idx]
 
-    def inflate(self, inst: "Instance", blocks: int) -> None:
+    def inflate(self, inst: Instance, blocks: int) -> None:
         _, a, k = self.keys[inst.idx]
         bb = self.bb[inst.idx]
         self.policy.report(a, self.act_idle_blocks(inst) * bb)  # between iterations all activation is idle
@@ -271,7 +274,7 @@ class SimArbiter:
         inst.kv.resize(inst.kv.capacity + blocks)
         self.verify(inst.cfg.gpu)
 
-    def deflate(self, inst: "Instance", blocks: int) -> None:
+    def deflate(self, inst: Instance, blocks: int) -> None:
         _, a, k = self.keys[inst.idx]
         self._sync(inst.cfg.gpu)
         self.policy.move(k, a, blocks * self.bb[inst.idx], Tier.OWN)
@@ -280,7 +283,7 @@ class SimArbiter:
         self.verify(inst.cfg.gpu)
 
     # ---- Select-N / FlexGen-like / layer streaming -----------------------------------------
-    def offload(self, inst: "Instance", blocks: int) -> None:
+    def offload(self, inst: Instance, blocks: int) -> None:
         """Weights moved to host memory become ``blocks`` KV blocks of the same model."""
         if blocks <= 0:
             return
@@ -290,14 +293,19 @@ class SimArbiter:
         self.verify(inst.cfg.gpu)
 
     # ---- Oneiros ----------------------------------------------------------------------------
-    def remap(self, lender: "Instance", borrower: "Instance") -> int:
+    def remap(self, lender: Instance, borrower: Instance) -> int:
         """One layer of ``lender``'s weights into ``borrower``'s KV; returns the
         blocks gained, 0 if the arbiter refuses (``remap_refusal``)."""
         self._sync(borrower.cfg.gpu)
         why = self.policy.remap_refusal(self.kv_key(borrower), self.layer[lender.idx], self.keys[lender.idx][0])
         if why:
-            self.remaps_refused["lender has work" if "has work" in why else
-                                "own weights out" if "own weights" in why else "idle memory left"] += 1
+            self.remaps_refused[
+                "lender has work"
+                if "has work" in why
+                else "own weights out"
+                if "own weights" in why
+                else "idle memory left"
+            ] += 1
             return 0
         g = self.policy.move(self.keys[lender.idx][0], self.kv_key(borrower), self.layer[lender.idx], Tier.REMAP)
         blocks = g.granted // self.bb[borrower.idx]
@@ -305,8 +313,7 @@ class SimArbiter:
         self.verify(borrower.cfg.gpu)
         return blocks
 
-    def restore(self, lender: "Instance", keep: Optional[Callable[["Instance"], int]] = None,
-                drain: bool = False) -> bool:
+    def restore(self, lender: Instance, keep: Callable[[Instance], int] | None = None, drain: bool = False) -> bool:
         """One layer back to ``lender``'s weights from free budget or idle
         borrowed KV; True when the whole layer is back.
 
@@ -320,8 +327,9 @@ class SimArbiter:
             if self.gathered.get(i):
                 self.cancel_restore(lender)
             self._sync(gpu, keep or (lambda _: 0))
-            g = self.policy.request(self.keys[i][0], self.layer[i], partial=False, tiers=(Tier.FREE, Tier.RETURN),
-                                    entitled=False)
+            g = self.policy.request(
+                self.keys[i][0], self.layer[i], partial=False, tiers=(Tier.FREE, Tier.RETURN), entitled=False
+            )
             if g.granted:
                 self._apply(g)
             return g.granted > 0
@@ -341,14 +349,13 @@ class SimArbiter:
             if need <= 0:
                 continue
             self._sync(gpu)
-            g = self.policy.request(self.keys[i][0], need, partial=True, tiers=(Tier.FREE, Tier.RETURN),
-                                    entitled=True)
+            g = self.policy.request(self.keys[i][0], need, partial=True, tiers=(Tier.FREE, Tier.RETURN), entitled=True)
             if g.granted:
                 self._apply(g)
                 self.gathered[i] = self.gathered.get(i, 0) + g.granted
                 self.drained_bytes += g.granted
 
-    def cancel_restore(self, lender: "Instance") -> None:
+    def cancel_restore(self, lender: Instance) -> None:
         """Give up a draining restore: the bytes gathered go back to free."""
         i = lender.idx
         self.restoring[lender.cfg.gpu].discard(lender)
@@ -358,13 +365,13 @@ class SimArbiter:
             self.verify(lender.cfg.gpu)
 
     # ---- SwiftCache -----------------------------------------------------------------------------
-    def _peer_key(self, worker: "Instance", master: "Instance") -> AccountKey:
+    def _peer_key(self, worker: Instance, master: Instance) -> AccountKey:
         key = AccountKey(worker.cfg.gpu, master.cfg.name, Kind.PEER)
         if key not in self.policy.accounts:
             self.policy.open(key.gpu, key.owner, Kind.PEER, 0, unit=self.bb[worker.idx])
         return key
 
-    def lend_peer(self, worker: "Instance", master: "Instance", blocks: int) -> None:
+    def lend_peer(self, worker: Instance, master: Instance, blocks: int) -> None:
         """SCALEDOWN: ``blocks`` idle worker blocks become the master's peer memory."""
         if blocks <= 0:
             return
@@ -374,26 +381,36 @@ class SimArbiter:
         assert worker.kv.resize(cap - blocks) == cap - blocks
         self.verify(worker.cfg.gpu)
 
-    def reclaim_peer(self, worker: "Instance", master: "Instance", blocks: int) -> None:
+    def reclaim_peer(self, worker: Instance, master: Instance, blocks: int) -> None:
         """SCALEUP: ``blocks`` of the master's peer memory go back to the worker."""
         if blocks <= 0:
             return
-        self.policy.move(self._peer_key(worker, master), self.kv_key(worker), blocks * self.bb[worker.idx],
-                         Tier.RECLAIM)
+        self.policy.move(
+            self._peer_key(worker, master), self.kv_key(worker), blocks * self.bb[worker.idx], Tier.RECLAIM
+        )
         worker.kv.resize(worker.kv.capacity + blocks)
         self.verify(worker.cfg.gpu)
 
     # ---- reporting ---------------------------------------------------------------------------------
-    def report(self) -> Dict[str, object]:
+    def report(self) -> dict[str, object]:
         st = self.policy.stats()
-        st.update({"share_kv": self.opts.share_kv, "floor_fraction": self.opts.floor_fraction,
-                   "grow_calls": self.grow_calls, "verifications": self.verifications,
-                   "restore_drained_gb": self.drained_bytes / 1e9, "claimed_gb": self.claimed_bytes / 1e9,
-                   "self_remaps_held": self.self_remaps_held, "remaps_refused": dict(self.remaps_refused),
-                   "accounts_final_bytes": {f"{k.gpu}:{k.owner}:{k.kind.value}": a.held
-                                            for k, a in self.policy.accounts.items()}})
+        st.update(
+            {
+                "share_kv": self.opts.share_kv,
+                "floor_fraction": self.opts.floor_fraction,
+                "grow_calls": self.grow_calls,
+                "verifications": self.verifications,
+                "restore_drained_gb": self.drained_bytes / 1e9,
+                "claimed_gb": self.claimed_bytes / 1e9,
+                "self_remaps_held": self.self_remaps_held,
+                "remaps_refused": dict(self.remaps_refused),
+                "accounts_final_bytes": {
+                    f"{k.gpu}:{k.owner}:{k.kind.value}": a.held for k, a in self.policy.accounts.items()
+                },
+            }
+        )
         return st
 
 
-def attach_arbiter(sim: "Simulator", spec: "ScenarioSpec") -> SimArbiter:
+def attach_arbiter(sim: Simulator, spec: ScenarioSpec) -> SimArbiter:
     return SimArbiter(sim, spec, spec.arbiter)

@@ -47,10 +47,17 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Dict, List, Optional, Tuple, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from memory_ext.policy.oneiros import (Action, BufferMode, LayerPlan, ModelState, OneirosController,
-                                       plan_layers, uniform_interval_layers)
+from memory_ext.policy.oneiros import (
+    Action,
+    BufferMode,
+    LayerPlan,
+    ModelState,
+    OneirosController,
+    plan_layers,
+    uniform_interval_layers,
+)
 
 from .hooks import HOOKS, register_hook
 from .plan import BatchPlan
@@ -64,14 +71,14 @@ __all__ = ["OneirosHook", "ledger_of"]
 class _Ledger:
     """Shared remapping state of the participating instances of one GPU."""
 
-    def __init__(self, members: List["Instance"]) -> None:
+    def __init__(self, members: list[Instance]) -> None:
         self.members = members
-        self.alpha: Dict[int, int] = {i.idx: 0 for i in members}
-        self.plan: Dict[int, Optional[LayerPlan]] = {i.idx: None for i in members}
-        self.loans: Dict[int, List[Tuple["Instance", int]]] = {i.idx: [] for i in members}
-        self.active: Dict[int, bool] = {i.idx: False for i in members}
-        self.last_activated: Dict[int, float] = {i.idx: 0.0 for i in members}
-        self.max_alpha: Dict[int, int] = {i.idx: 0 for i in members}
+        self.alpha: dict[int, int] = {i.idx: 0 for i in members}
+        self.plan: dict[int, LayerPlan | None] = {i.idx: None for i in members}
+        self.loans: dict[int, list[tuple[Instance, int]]] = {i.idx: [] for i in members}
+        self.active: dict[int, bool] = {i.idx: False for i in members}
+        self.last_activated: dict[int, float] = {i.idx: 0.0 for i in members}
+        self.max_alpha: dict[int, int] = {i.idx: 0 for i in members}
         self.remaps = 0
         self.restores = 0
         self.deferred_restores = 0
@@ -85,21 +92,22 @@ class _Ledger:
                 self.last_activated[inst.idx] = now
             self.active[inst.idx] = act
 
-    def lent_blocks_to(self, borrower: "Instance") -> int:
+    def lent_blocks_to(self, borrower: Instance) -> int:
         return sum(b for loans in self.loans.values() for (inst, b) in loans if inst is borrower)
 
 
-_LEDGERS: "weakref.WeakKeyDictionary[Simulator, Dict[int, _Ledger]]" = weakref.WeakKeyDictionary()
+_LEDGERS: weakref.WeakKeyDictionary[Simulator, dict[int, _Ledger]] = weakref.WeakKeyDictionary()
 
 
-def ledger_of(inst: "Instance") -> _Ledger:
+def ledger_of(inst: Instance) -> _Ledger:
     """The ledger of ``inst``'s GPU in its simulator (created on first use)."""
     sim = inst.sim
     per = _LEDGERS.setdefault(sim, {})
     led = per.get(inst.cfg.gpu)
     if led is None:
-        members = [i for i in sim.instances if i.cfg.gpu == inst.cfg.gpu
-                   and any(isinstance(h, OneirosHook) for h in i.hooks)]
+        members = [
+            i for i in sim.instances if i.cfg.gpu == inst.cfg.gpu and any(isinstance(h, OneirosHook) for h in i.hooks)
+        ]
         led = per[inst.cfg.gpu] = _Ledger(members)
     return led
 
@@ -117,13 +125,22 @@ class OneirosHook:
     remapped layers), ``mode`` (auto | single | double), ``prefill_tokens``
     (T_compute of an inactive model; default ``max_batched_tokens``), ``link``."""
 
-    def __init__(self, inst: "Instance", low_watermark_frac: float = 0.03,
-                 high_watermark_frac: float = 0.15, cap_fraction: float = 0.5,
-                 mode: str = "auto", prefill_tokens: Optional[int] = None, link: str = "h2d",
-                 restore_period_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        inst: Instance,
+        low_watermark_frac: float = 0.03,
+        high_watermark_frac: float = 0.15,
+        cap_fraction: float = 0.5,
+        mode: str = "auto",
+        prefill_tokens: int | None = None,
+        link: str = "h2d",
+        restore_period_s: float = 0.05,
+    ) -> None:
         if not 0 <= low_watermark_frac <= high_watermark_frac < 1:
-            raise ValueError("need 0 <= low_watermark_frac <= high_watermark_frac < 1, got "
-                             f"{low_watermark_frac}, {high_watermark_frac}")
+            raise ValueError(
+                "need 0 <= low_watermark_frac <= high_watermark_frac < 1, got "
+                f"{low_watermark_frac}, {high_watermark_frac}"
+            )
         if not 0 <= cap_fraction < 1:
             raise ValueError(f"cap_fraction must be in [0, 1), got {cap_fraction}")
         cfg = inst.cfg
@@ -140,7 +157,7 @@ class OneirosHook:
         self.link = f"{link}:{cfg.gpu}"
         self.restore_period_s = float(restore_period_s)
         self._last_decision = -math.inf
-        self.decisions: Dict[str, int] = {}
+        self.decisions: dict[str, int] = {}
         self.skipped = 0
 
     # ---- helpers ------------------------------------------------------------
@@ -157,21 +174,27 @@ class OneirosHook:
                 return rf.decode_time(len(dec), sum(r.ctx for r in dec) / len(dec))
         return rf.prefill_time(self.prefill_tokens)
 
-    def _state(self, led: _Ledger, observer: "Instance") -> ModelState:
+    def _state(self, led: _Ledger, observer: Instance) -> ModelState:
         i = self.inst.idx
         active = led.active[i]
         return ModelState(
-            name=self.inst.cfg.name, n_layers=self.n_layers, layer_transfer_s=self._t_transfer(),
-            compute_s=self._compute_s(active), active=active, cap=self.cap, remapped=led.alpha[i],
+            name=self.inst.cfg.name,
+            n_layers=self.n_layers,
+            layer_transfer_s=self._t_transfer(),
+            compute_s=self._compute_s(active),
+            active=active,
+            cap=self.cap,
+            remapped=led.alpha[i],
             blocks_per_layer=max(1, int(self.layer_bytes // observer.cfg.kv_block_bytes)),
-            last_activated=led.last_activated[i])
+            last_activated=led.last_activated[i],
+        )
 
     @staticmethod
-    def _hook(inst: "Instance") -> "OneirosHook":
+    def _hook(inst: Instance) -> OneirosHook:
         return next(h for h in inst.hooks if isinstance(h, OneirosHook))
 
     # ---- hook API -----------------------------------------------------------
-    def before_iteration(self, inst: "Instance", plan: BatchPlan, now: float) -> None:
+    def before_iteration(self, inst: Instance, plan: BatchPlan, now: float) -> None:
         led = ledger_of(inst)
         p = led.plan[inst.idx]
         if led.alpha[inst.idx] > 0 and p is not None and p.feasible and p.m:
@@ -179,7 +202,7 @@ class OneirosHook:
             plan.transfers.append((self.link, nbytes))
             led.streamed_bytes += nbytes
 
-    def after_iteration(self, inst: "Instance", plan: BatchPlan, now: float, duration: float) -> None:
+    def after_iteration(self, inst: Instance, plan: BatchPlan, now: float, duration: float) -> None:
         # The controller is asked every iteration while KV is short. Otherwise
         # it can only HOLD (nothing remapped: exact) or RESTORE, which is not
         # urgent: then it is asked at most every ``restore_period_s``
@@ -235,8 +258,11 @@ class OneirosHook:
                     # model: over its limit the lender drains it as it frees up; a
                     # demand-subsided restore is all or nothing and leaves every
                     # participating model its high watermark free
-                    keep = None if over_limit else (
-                        lambda i: self._hook(i).controller.high_watermark if i in led.members else 0)
+                    keep = (
+                        None
+                        if over_limit
+                        else (lambda i: self._hook(i).controller.high_watermark if i in led.members else 0)
+                    )
                     if not arb.restore(lender, keep, drain=over_limit):
                         led.deferred_restores += 1
                         break
@@ -259,8 +285,9 @@ class OneirosHook:
                     led.plan[lender.idx] = d.plan
                 else:  # partly restored (borrower busy): stream with the best plan for a
                     st = self._hook(lender)._state(led, inst)
-                    pl = plan_layers(st.n_layers, a, st.layer_transfer_s, st.compute_s / st.n_layers,
-                                     self.controller.mode)
+                    pl = plan_layers(
+                        st.n_layers, a, st.layer_transfer_s, st.compute_s / st.n_layers, self.controller.mode
+                    )
                     led.plan[lender.idx] = pl if pl.feasible else _forced_plan(st.n_layers, a)
         elif d.reason.startswith("KV blocks running out"):
             led.holds_blocked += 1
@@ -271,19 +298,29 @@ class OneirosHook:
                     arb.cancel_restore(m)
         return d.action
 
-    def report(self) -> Dict[str, Any]:
+    def report(self) -> dict[str, Any]:
         led = ledger_of(self.inst) if self.inst.sim is not None else None
-        out: Dict[str, Any] = {"kind": "oneiros", "cap_layers": self.cap,
-                               "low_watermark_blocks": self.controller.low_watermark,
-                               "high_watermark_blocks": self.controller.high_watermark,
-                               "decisions": dict(self.decisions), "decisions_skipped": self.skipped}
+        out: dict[str, Any] = {
+            "kind": "oneiros",
+            "cap_layers": self.cap,
+            "low_watermark_blocks": self.controller.low_watermark,
+            "high_watermark_blocks": self.controller.high_watermark,
+            "decisions": dict(self.decisions),
+            "decisions_skipped": self.skipped,
+        }
         if led is not None:
             i = self.inst.idx
-            out.update({"alpha_final": led.alpha[i], "alpha_max": led.max_alpha[i],
-                        "borrowed_blocks_final": led.lent_blocks_to(self.inst),
-                        "gpu_remaps": led.remaps, "gpu_restores": led.restores,
-                        "gpu_deferred_restores": led.deferred_restores,
-                        "gpu_streamed_gb": led.streamed_bytes / 1e9})
+            out.update(
+                {
+                    "alpha_final": led.alpha[i],
+                    "alpha_max": led.max_alpha[i],
+                    "borrowed_blocks_final": led.lent_blocks_to(self.inst),
+                    "gpu_remaps": led.remaps,
+                    "gpu_restores": led.restores,
+                    "gpu_deferred_restores": led.deferred_restores,
+                    "gpu_streamed_gb": led.streamed_bytes / 1e9,
+                }
+            )
         return out
 
 

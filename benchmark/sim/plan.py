@@ -9,7 +9,7 @@ the engine never allocates on its own, so a plan cannot fail halfway.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Protocol, Tuple, TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .request import Request
 
@@ -26,9 +26,9 @@ class BatchPlan:
     complete before the iteration ends (they run concurrently with compute);
     ``extra_s``: added compute time (e.g. a non-overlapped copy)."""
 
-    decodes: List[Request] = field(default_factory=list)
-    prefills: List[Tuple[Request, int]] = field(default_factory=list)
-    transfers: List[Tuple[str, float]] = field(default_factory=list)
+    decodes: list[Request] = field(default_factory=list)
+    prefills: list[tuple[Request, int]] = field(default_factory=list)
+    transfers: list[tuple[str, float]] = field(default_factory=list)
     extra_s: float = 0.0
 
     def __bool__(self) -> bool:
@@ -44,7 +44,7 @@ class Scheduler(Protocol):
     preempt and reserve through the ``Instance`` API (``admit``, ``preempt``,
     ``reserve``); they must return an empty plan when there is nothing to run."""
 
-    def plan(self, inst: "Instance", now: float) -> BatchPlan: ...
+    def plan(self, inst: Instance, now: float) -> BatchPlan: ...
 
 
 class InstanceHook(Protocol):
@@ -53,6 +53,6 @@ class InstanceHook(Protocol):
     ``before_iteration`` may append to ``plan.transfers`` / add ``extra_s`` and
     may resize ``inst.kv``; ``after_iteration`` sees the measured duration."""
 
-    def before_iteration(self, inst: "Instance", plan: BatchPlan, now: float) -> None: ...
+    def before_iteration(self, inst: Instance, plan: BatchPlan, now: float) -> None: ...
 
-    def after_iteration(self, inst: "Instance", plan: BatchPlan, now: float, duration: float) -> None: ...
+    def after_iteration(self, inst: Instance, plan: BatchPlan, now: float, duration: float) -> None: ...

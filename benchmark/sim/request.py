@@ -18,7 +18,7 @@ requests with the same block key hold identical KV for that block.
 
 from __future__ import annotations
 
-from typing import Hashable, List, Optional
+from collections.abc import Hashable
 
 __all__ = ["Request", "WAITING", "RUNNING", "FINISHED", "PENDING"]
 
@@ -28,17 +28,49 @@ PENDING, WAITING, RUNNING, FINISHED = 0, 1, 2, 3
 class Request:
     __slots__ = (
         # static
-        "rid", "model", "arrival", "prompt_len", "output_len", "lineage", "sys_key", "sys_len",
-        "next_turn", "think_s", "turn",
+        "rid",
+        "model",
+        "arrival",
+        "prompt_len",
+        "output_len",
+        "lineage",
+        "sys_key",
+        "sys_len",
+        "next_turn",
+        "think_s",
+        "turn",
         # run time
-        "state", "ctx", "generated", "decoding", "cached_keys", "private_blocks",
-        "first_token_t", "finish_t", "last_token_t", "admitted_t", "preemptions", "prefix_hit_tokens",
-        "computed_tokens", "offloaded_blocks", "tag",
+        "state",
+        "ctx",
+        "generated",
+        "decoding",
+        "cached_keys",
+        "private_blocks",
+        "first_token_t",
+        "finish_t",
+        "last_token_t",
+        "admitted_t",
+        "preemptions",
+        "prefix_hit_tokens",
+        "computed_tokens",
+        "offloaded_blocks",
+        "tag",
     )
 
-    def __init__(self, rid: int, model: int, arrival: float, prompt_len: int, output_len: int,
-                 lineage: Hashable = None, sys_key: Hashable = None, sys_len: int = 0,
-                 next_turn: int = -1, think_s: float = 0.0, turn: int = 0) -> None:
+    def __init__(
+        self,
+        rid: int,
+        model: int,
+        arrival: float,
+        prompt_len: int,
+        output_len: int,
+        lineage: Hashable = None,
+        sys_key: Hashable = None,
+        sys_len: int = 0,
+        next_turn: int = -1,
+        think_s: float = 0.0,
+        turn: int = 0,
+    ) -> None:
         if prompt_len < 1 or output_len < 1:
             raise ValueError(f"request {rid}: prompt_len and output_len must be >= 1")
         self.rid, self.model, self.arrival = rid, model, arrival
@@ -50,12 +82,12 @@ class Request:
         self.ctx = 0
         self.generated = 0
         self.decoding = False
-        self.cached_keys: List[Hashable] = []
+        self.cached_keys: list[Hashable] = []
         self.private_blocks = 0
-        self.first_token_t: Optional[float] = None
-        self.finish_t: Optional[float] = None
+        self.first_token_t: float | None = None
+        self.finish_t: float | None = None
         self.last_token_t = 0.0
-        self.admitted_t: Optional[float] = None
+        self.admitted_t: float | None = None
         self.preemptions = 0
         self.prefix_hit_tokens = 0
         self.computed_tokens = 0
@@ -72,9 +104,11 @@ class Request:
             return (self.sys_key, j)
         return (self.lineage, j)
 
-    def block_keys(self, start: int, stop: int, block_size: int) -> List[Hashable]:
+    def block_keys(self, start: int, stop: int, block_size: int) -> list[Hashable]:
         return [self.block_key(j, block_size) for j in range(start, stop)]
 
     def __repr__(self) -> str:
-        return (f"Request(rid={self.rid}, model={self.model}, prompt={self.prompt_len}, "
-                f"out={self.output_len}, gen={self.generated}, ctx={self.ctx})")
+        return (
+            f"Request(rid={self.rid}, model={self.model}, prompt={self.prompt_len}, "
+            f"out={self.output_len}, gen={self.generated}, ctx={self.ctx})"
+        )

@@ -58,8 +58,15 @@ class BatchShape:
 class Roofline:
     """Iteration time of one model on one GPU (see module docstring)."""
 
-    def __init__(self, model: ModelSpec, gpu: GpuSpec, weight_dtype: str = "bf16",
-                 kv_dtype: str = "bf16", overhead_s: float = 5e-4, share: float = 1.0):
+    def __init__(
+        self,
+        model: ModelSpec,
+        gpu: GpuSpec,
+        weight_dtype: str = "bf16",
+        kv_dtype: str = "bf16",
+        overhead_s: float = 5e-4,
+        share: float = 1.0,
+    ):
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share}")
         self.model, self.gpu = model, gpu
@@ -80,8 +87,7 @@ class Roofline:
         if tokens <= 0:
             return 0.0
         lin = max(self._lin_flops_per_token * tokens / self.flops, self._lin_bytes / self.bw)
-        attn = max(self._attn_flops_per_pair * attn_pairs / self.flops,
-                   self._kv_bytes_per_token * kv_tokens / self.bw)
+        attn = max(self._attn_flops_per_pair * attn_pairs / self.flops, self._kv_bytes_per_token * kv_tokens / self.bw)
         return lin + attn
 
     def head_time(self, sampled: int) -> float:
@@ -93,8 +99,11 @@ class Roofline:
         """Whole iteration: layers x layer_time + LM head + overhead (0 if empty)."""
         if shape.tokens <= 0:
             return 0.0
-        return (self.layers * self.layer_time(shape.tokens, shape.attn_pairs, shape.kv_tokens)
-                + self.head_time(shape.sampled) + self.overhead_s)
+        return (
+            self.layers * self.layer_time(shape.tokens, shape.attn_pairs, shape.kv_tokens)
+            + self.head_time(shape.sampled)
+            + self.overhead_s
+        )
 
     def decode_time(self, batch: int, mean_context: float) -> float:
         """Convenience: a pure decode iteration of ``batch`` sequences."""

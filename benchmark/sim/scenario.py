@@ -8,12 +8,13 @@ The file format is documented in ``docs/simulation.md``.
 
 from __future__ import annotations
 
+import builtins
 import copy
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from .hardware import GPUS
 from .models import DTYPE_BYTES, MODELS
@@ -24,8 +25,17 @@ try:  # optional dependency
 except ImportError:  # pragma: no cover
     yaml = None
 
-__all__ = ["ScenarioError", "ScenarioSpec", "ArbiterSpec", "NodeSpec", "ModelEntry", "Scenario", "load_scenario",
-           "parse_scenario", "YAML_AVAILABLE"]
+__all__ = [
+    "ScenarioError",
+    "ScenarioSpec",
+    "ArbiterSpec",
+    "NodeSpec",
+    "ModelEntry",
+    "Scenario",
+    "load_scenario",
+    "parse_scenario",
+    "YAML_AVAILABLE",
+]
 
 YAML_AVAILABLE = yaml is not None
 _REQUIRED = object()
@@ -63,7 +73,7 @@ class _Obj:
     def has(self, key: str) -> bool:
         return key in self.data
 
-    def str(self, key: str, default: Any = _REQUIRED, choices: Optional[List[str]] = None) -> Any:
+    def str(self, key: str, default: Any = _REQUIRED, choices: builtins.list[str] | None = None) -> Any:
         v = self._get(key, default)
         if v is default and default is not _REQUIRED:
             return v
@@ -73,20 +83,30 @@ class _Obj:
             self.fail(key, f"one of {', '.join(choices)}", v)
         return v
 
-    def int(self, key: str, default: Any = _REQUIRED, min: Optional[int] = None,
-            max: Optional[int] = None) -> Any:
+    def int(self, key: str, default: Any = _REQUIRED, min: int | None = None, max: int | None = None) -> Any:
         v = self._get(key, default)
         if v is default and default is not _REQUIRED:
             return v
-        if isinstance(v, bool) or not isinstance(v, int) or (min is not None and v < min) \
-                or (max is not None and v > max):
-            rng = " and ".join(x for x in (f">= {min}" if min is not None else "",
-                                           f"<= {max}" if max is not None else "") if x)
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, int)
+            or (min is not None and v < min)
+            or (max is not None and v > max)
+        ):
+            rng = " and ".join(
+                x for x in (f">= {min}" if min is not None else "", f"<= {max}" if max is not None else "") if x
+            )
             self.fail(key, f"int {rng}".strip(), v)
         return v
 
-    def num(self, key: str, default: Any = _REQUIRED, min: Optional[float] = None,
-            max: Optional[float] = None, positive: bool = False) -> Any:
+    def num(
+        self,
+        key: str,
+        default: Any = _REQUIRED,
+        min: float | None = None,
+        max: float | None = None,
+        positive: bool = False,
+    ) -> Any:
         v = self._get(key, default)
         if v is default and default is not _REQUIRED:
             return v
@@ -94,8 +114,11 @@ class _Obj:
         if not bad:
             bad = (positive and v <= 0) or (min is not None and v < min) or (max is not None and v > max)
         if bad:
-            parts = (["> 0"] if positive else []) + ([f">= {min}"] if min is not None else []) + \
-                    ([f"<= {max}"] if max is not None else [])
+            parts = (
+                (["> 0"] if positive else [])
+                + ([f">= {min}"] if min is not None else [])
+                + ([f"<= {max}"] if max is not None else [])
+            )
             self.fail(key, ("finite number " + " and ".join(parts)).strip(), v)
         return float(v)
 
@@ -105,13 +128,13 @@ class _Obj:
             self.fail(key, "true or false", v)
         return v
 
-    def obj(self, key: str, optional: bool = True) -> Optional["_Obj"]:
+    def obj(self, key: str, optional: bool = True) -> _Obj | None:
         v = self._get(key, None if optional else _REQUIRED)
         if v is None:
             return None
         return _Obj(v, self.at(key), self.src)
 
-    def list(self, key: str, default: Any = _REQUIRED, nonempty: bool = False) -> List[Tuple[str, Any]]:
+    def list(self, key: str, default: Any = _REQUIRED, nonempty: bool = False) -> builtins.list[tuple[str, Any]]:
         v = self._get(key, default)
         if v is default and default is not _REQUIRED:
             return []
@@ -125,8 +148,9 @@ class _Obj:
     def done(self) -> None:
         extra = sorted(set(self.data) - self.seen, key=str)
         if extra:
-            raise ScenarioError(f"{self.src}: {self.at(str(extra[0]))}: unknown field "
-                                f"(allowed: {', '.join(sorted(self.seen))})")
+            raise ScenarioError(
+                f"{self.src}: {self.at(str(extra[0]))}: unknown field (allowed: {', '.join(sorted(self.seen))})"
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -140,8 +164,8 @@ class NodeSpec:
     count: int = 1
     sharing: str = "time_slice"
     memory_fraction: float = 0.9
-    compute_eff: Optional[float] = None
-    memory_eff: Optional[float] = None
+    compute_eff: float | None = None
+    memory_eff: float | None = None
 
 
 @dataclass(frozen=True)
@@ -157,13 +181,13 @@ class ModelEntry:
     prefix_caching: bool = True
     overhead_s: float = 5e-4
     share: float = 1.0
-    kv_memory_gb: Optional[float] = None
-    activation_tokens: Optional[int] = None
+    kv_memory_gb: float | None = None
+    activation_tokens: int | None = None
     ttft_slo_s: float = float("inf")
     tpot_slo_s: float = float("inf")
     scheduler: str = "continuous"
-    scheduler_options: Dict[str, Any] = field(default_factory=dict)
-    hooks: Tuple[Tuple[str, Dict[str, Any]], ...] = ()
+    scheduler_options: dict[str, Any] = field(default_factory=dict)
+    hooks: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -188,15 +212,15 @@ class ScenarioSpec:
 
     name: str
     node: NodeSpec
-    models: Tuple[ModelEntry, ...]
-    workloads: Tuple[WorkloadSpec, ...]
+    models: tuple[ModelEntry, ...]
+    workloads: tuple[WorkloadSpec, ...]
     duration_s: float
     seed: int = 0
     drain_s: float = 600.0
     sample_period_s: float = 1.0
     description: str = ""
     source: str = "<memory>"
-    arbiter: Optional[ArbiterSpec] = None
+    arbiter: ArbiterSpec | None = None
 
 
 @dataclass
@@ -205,10 +229,10 @@ class Scenario:
     rate sweep and the paper's reference numbers."""
 
     base: ScenarioSpec
-    variants: List[Tuple[str, ScenarioSpec]]
-    rate_scales: List[float]
-    paper: Dict[str, Any]
-    raw: Dict[str, Any]
+    variants: list[tuple[str, ScenarioSpec]]
+    rate_scales: list[float]
+    paper: dict[str, Any]
+    raw: dict[str, Any]
     source: str
 
 
@@ -218,16 +242,20 @@ _DTYPES = [d for d in DTYPE_BYTES if d in ("bf16", "fp16", "fp8")]
 def _length(v: Any, path: str, src: str) -> LengthDist:
     if isinstance(v, str):
         if v not in LENGTH_PRESETS:
-            raise ScenarioError(f"{src}: {path}: expected one of {', '.join(LENGTH_PRESETS)} or a "
-                                f"mapping, got {v!r}")
+            raise ScenarioError(f"{src}: {path}: expected one of {', '.join(LENGTH_PRESETS)} or a mapping, got {v!r}")
         return LENGTH_PRESETS[v]
     o = _Obj(v, path, src)
     kind = o.str("kind", "lognormal", ["lognormal", "fixed"])
     if kind == "fixed":
         d = LengthDist("fixed", value=o.int("value", min=1))
     else:
-        d = LengthDist("lognormal", mean=o.num("mean", positive=True), sigma=o.num("sigma", 1.0, min=0),
-                       min=o.int("min", 1, min=1), max=o.int("max", 1 << 20, min=1))
+        d = LengthDist(
+            "lognormal",
+            mean=o.num("mean", positive=True),
+            sigma=o.num("sigma", 1.0, min=0),
+            min=o.int("min", 1, min=1),
+            max=o.int("max", 1 << 20, min=1),
+        )
         if d.max < d.min:
             o.fail("max", f"int >= min ({d.min})", d.max)
     o.done()
@@ -239,13 +267,18 @@ def _arrival(o: _Obj) -> ArrivalSpec:
     if kind == "batch":
         a = ArrivalSpec("batch", count=o.int("count", min=1))
     else:
-        a = ArrivalSpec(kind, rate=o.num("rate", min=0), cv=o.num("cv", 2.0, positive=True),
-                        on_s=o.num("on_s", 60.0, positive=True), off_s=o.num("off_s", 60.0, positive=True))
+        a = ArrivalSpec(
+            kind,
+            rate=o.num("rate", min=0),
+            cv=o.num("cv", 2.0, positive=True),
+            on_s=o.num("on_s", 60.0, positive=True),
+            off_s=o.num("off_s", 60.0, positive=True),
+        )
     o.done()
     return a
 
 
-def _workload(o: _Obj, model_names: List[str], duration: float) -> WorkloadSpec:
+def _workload(o: _Obj, model_names: list[str], duration: float) -> WorkloadSpec:
     model = o.str("model", choices=model_names)
     arrival = _arrival(o.obj("arrival", optional=False))
     inp = _length(o.raw("input", "sharegpt_input"), o.at("input"), o.src)
@@ -253,19 +286,25 @@ def _workload(o: _Obj, model_names: List[str], duration: float) -> WorkloadSpec:
     so = o.obj("sessions")
     sessions = None
     if so is not None:
-        sessions = SessionSpec(so.num("turns_mean", 4.0, min=1), so.num("think_s", 10.0, min=0),
-                               so.int("max_context", 32768, min=2))
+        sessions = SessionSpec(
+            so.num("turns_mean", 4.0, min=1), so.num("think_s", 10.0, min=0), so.int("max_context", 32768, min=2)
+        )
         so.done()
     idle = []
     for p, w in o.list("idle", []):
-        if (not isinstance(w, list) or len(w) != 2 or
-                any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in w) or w[1] < w[0]):
+        if (
+            not isinstance(w, list)
+            or len(w) != 2
+            or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in w)
+            or w[1] < w[0]
+        ):
             raise ScenarioError(f"{o.src}: {p}: expected [start_s, end_s] with end >= start, got {w!r}")
         idle.append((float(w[0]), float(w[1])))
     start = o.num("start_s", 0.0, min=0)
     end = o.num("end_s", None, min=0)
-    w = WorkloadSpec(model, arrival, inp, out, sessions, o.int("system_prompt_tokens", 0, min=0),
-                     start, end, tuple(idle))
+    w = WorkloadSpec(
+        model, arrival, inp, out, sessions, o.int("system_prompt_tokens", 0, min=0), start, end, tuple(idle)
+    )
     o.done()
     return w
 
@@ -283,6 +322,7 @@ def _model(o: _Obj, n_gpus: int) -> ModelEntry:
     kind, opts = "continuous", {}
     if sched is not None:
         from .schedulers import SCHEDULERS
+
         kind = sched.str("kind", "continuous", sorted(SCHEDULERS))
         opts = sched.raw("options", {})
         if not isinstance(opts, dict) or not all(isinstance(k, str) for k in opts):
@@ -292,6 +332,7 @@ def _model(o: _Obj, n_gpus: int) -> ModelEntry:
     for p, h in o.list("hooks", []):
         ho = _Obj(h, p, o.src)
         from .hooks import HOOKS
+
         hk = ho.str("kind", choices=sorted(HOOKS))
         hopts = ho.raw("options", {})
         if not isinstance(hopts, dict):
@@ -299,15 +340,25 @@ def _model(o: _Obj, n_gpus: int) -> ModelEntry:
         ho.done()
         hooks.append((hk, dict(hopts)))
     e = ModelEntry(
-        name=name, model=o.str("model", choices=list(MODELS)), gpu=o.int("gpu", 0, min=0, max=n_gpus - 1),
-        weight_dtype=o.str("weight_dtype", "bf16", _DTYPES), kv_dtype=o.str("kv_dtype", "bf16", _DTYPES),
-        block_size=o.int("block_size", 16, min=1), max_batched_tokens=mb,
-        max_running=o.int("max_running", 256, min=1), prefix_caching=o.bool("prefix_caching", True),
-        overhead_s=o.num("overhead_s", 5e-4, min=0), share=o.num("share", 1.0, positive=True, max=1),
+        name=name,
+        model=o.str("model", choices=list(MODELS)),
+        gpu=o.int("gpu", 0, min=0, max=n_gpus - 1),
+        weight_dtype=o.str("weight_dtype", "bf16", _DTYPES),
+        kv_dtype=o.str("kv_dtype", "bf16", _DTYPES),
+        block_size=o.int("block_size", 16, min=1),
+        max_batched_tokens=mb,
+        max_running=o.int("max_running", 256, min=1),
+        prefix_caching=o.bool("prefix_caching", True),
+        overhead_s=o.num("overhead_s", 5e-4, min=0),
+        share=o.num("share", 1.0, positive=True, max=1),
         kv_memory_gb=o.num("kv_memory_gb", None, positive=True),
         activation_tokens=o.int("activation_tokens", None, min=0),
-        ttft_slo_s=ttft, tpot_slo_s=tpot, scheduler=kind, scheduler_options=dict(opts),
-        hooks=tuple(hooks))
+        ttft_slo_s=ttft,
+        tpot_slo_s=tpot,
+        scheduler=kind,
+        scheduler_options=dict(opts),
+        hooks=tuple(hooks),
+    )
     o.done()
     return e
 
@@ -321,11 +372,14 @@ def parse_scenario(data: Any, src: str = "<memory>", allow_extras: bool = False)
     name = o.str("name")
     duration = o.num("duration_s", positive=True)
     no = o.obj("node", optional=False)
-    node = NodeSpec(no.str("gpu", choices=list(GPUS)), no.int("count", 1, min=1, max=64),
-                    no.str("sharing", "time_slice", ["time_slice", "spatial"]),
-                    no.num("memory_fraction", 0.9, positive=True, max=1),
-                    no.num("compute_eff", None, positive=True, max=1),
-                    no.num("memory_eff", None, positive=True, max=1))
+    node = NodeSpec(
+        no.str("gpu", choices=list(GPUS)),
+        no.int("count", 1, min=1, max=64),
+        no.str("sharing", "time_slice", ["time_slice", "spatial"]),
+        no.num("memory_fraction", 0.9, positive=True, max=1),
+        no.num("compute_eff", None, positive=True, max=1),
+        no.num("memory_eff", None, positive=True, max=1),
+    )
     no.done()
     models = []
     for p, m in o.list("models", nonempty=True):
@@ -338,18 +392,32 @@ def parse_scenario(data: Any, src: str = "<memory>", allow_extras: bool = False)
     arbiter = None
     ao = o.obj("arbiter")
     if ao is not None:
-        arbiter = ArbiterSpec(ao.bool("share_kv", True), ao.num("floor_fraction", 0.25, min=0, max=1),
-                              ao.num("low_watermark_frac", 0.03, min=0, max=1),
-                              ao.num("high_watermark_frac", 0.15, min=0, max=1))
+        arbiter = ArbiterSpec(
+            ao.bool("share_kv", True),
+            ao.num("floor_fraction", 0.25, min=0, max=1),
+            ao.num("low_watermark_frac", 0.03, min=0, max=1),
+            ao.num("high_watermark_frac", 0.15, min=0, max=1),
+        )
         if arbiter.high_watermark_frac < arbiter.low_watermark_frac:
-            ao.fail("high_watermark_frac", f"number >= low_watermark_frac ({arbiter.low_watermark_frac})",
-                    arbiter.high_watermark_frac)
+            ao.fail(
+                "high_watermark_frac",
+                f"number >= low_watermark_frac ({arbiter.low_watermark_frac})",
+                arbiter.high_watermark_frac,
+            )
         ao.done()
-    spec = ScenarioSpec(name=name, node=node, models=tuple(models), workloads=workloads,
-                        duration_s=duration, seed=o.int("seed", 0, min=0),
-                        drain_s=o.num("drain_s", 600.0, min=0),
-                        sample_period_s=o.num("sample_period_s", 1.0, positive=True),
-                        description=o.str("description", ""), source=src, arbiter=arbiter)
+    spec = ScenarioSpec(
+        name=name,
+        node=node,
+        models=tuple(models),
+        workloads=workloads,
+        duration_s=duration,
+        seed=o.int("seed", 0, min=0),
+        drain_s=o.num("drain_s", 600.0, min=0),
+        sample_period_s=o.num("sample_period_s", 1.0, positive=True),
+        description=o.str("description", ""),
+        source=src,
+        arbiter=arbiter,
+    )
     o.done()
     return spec
 
@@ -357,7 +425,7 @@ def parse_scenario(data: Any, src: str = "<memory>", allow_extras: bool = False)
 _PATH_TOKEN = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)|\[(\d+|\*)\]|\.")
 
 
-def _split_path(path: str) -> List[Any]:
+def _split_path(path: str) -> list[Any]:
     out, pos = [], 0
     while pos < len(path):
         m = _PATH_TOKEN.match(path, pos)
@@ -373,7 +441,7 @@ def _split_path(path: str) -> List[Any]:
     return out
 
 
-def _set_path(doc: Any, toks: List[Any], value: Any) -> None:
+def _set_path(doc: Any, toks: list[Any], value: Any) -> None:
     head, rest = toks[0], toks[1:]
     if isinstance(head, str) and head != "*":
         if not isinstance(doc, dict):
@@ -414,7 +482,7 @@ def _read(path: Path) -> Any:
     raise ScenarioError(f"{path}: expected a .json{' or .yaml' if yaml else ''} file")
 
 
-def load_scenario(path: "str | Path", data: Any = None) -> Scenario:
+def load_scenario(path: str | Path, data: Any = None) -> Scenario:
     """Load and validate a scenario file (or ``data`` reported as ``path``).
 
     File-level extras: ``variants`` (list of ``{name, set: {dotted.path:
@@ -458,7 +526,7 @@ def load_scenario(path: "str | Path", data: Any = None) -> Scenario:
                 raise ScenarioError(f"{src}: {p}: expected number > 0, got {x!r}")
             scales.append(float(x))
         so.done()
-    paper: Dict[str, Any] = {}
+    paper: dict[str, Any] = {}
     po = o.obj("paper")
     if po is not None:
         paper["figure"] = po.str("figure", "")

@@ -18,7 +18,8 @@ the scheduler's options dict from the scenario file and the InstanceConfig.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .plan import BatchPlan
 from .request import Request
@@ -26,8 +27,7 @@ from .request import Request
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Instance, InstanceConfig
 
-__all__ = ["ContinuousBatchingScheduler", "EllmScheduler", "SCHEDULERS", "register_scheduler",
-           "make_scheduler"]
+__all__ = ["ContinuousBatchingScheduler", "EllmScheduler", "SCHEDULERS", "register_scheduler", "make_scheduler"]
 
 
 class ContinuousBatchingScheduler:
@@ -39,7 +39,7 @@ class ContinuousBatchingScheduler:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.watermark = watermark
 
-    def plan(self, inst: "Instance", now: float) -> BatchPlan:
+    def plan(self, inst: Instance, now: float) -> BatchPlan:
         kv = inst.kv
         bs = kv.block_size
         cfg = inst.cfg
@@ -47,7 +47,7 @@ class ContinuousBatchingScheduler:
         plan = BatchPlan()
         # 1. decodes: one token each, a new block when the last one is full
         while True:
-            decodes: List[Request] = []
+            decodes: list[Request] = []
             need = 0
             for r in inst.running:
                 if r.decoding:
@@ -113,8 +113,7 @@ class EllmScheduler:
     the policy never offloads.
     """
 
-    def __init__(self, cfg: "InstanceConfig", threshold_chunks: int = 0,
-                 cpu_buffer_blocks: int = 0) -> None:
+    def __init__(self, cfg: InstanceConfig, threshold_chunks: int = 0, cpu_buffer_blocks: int = 0) -> None:
         from memory_ext.policy.ellm import DecodeRequest, ElasticAdmissionPolicy, PrefillRequest
 
         self._Prefill, self._Decode = PrefillRequest, DecodeRequest
@@ -142,8 +141,13 @@ class EllmScheduler:
         it, deflation is not applied (lent blocks stay with KV)."""
         arb = getattr(inst.sim, "arbiter", None) if inst is not None else None
         idle_act = arb.act_idle_blocks(inst) if arb is not None else self.act_total - self.lent
-        d = self.policy.decide(free_kv_chunks=kv.available, idle_act_chunks=idle_act,
-                               prefills=p_reqs, decodes=d_reqs, cpu_buffer_free_chunks=cpu_buffer_free_chunks)
+        d = self.policy.decide(
+            free_kv_chunks=kv.available,
+            idle_act_chunks=idle_act,
+            prefills=p_reqs,
+            decodes=d_reqs,
+            cpu_buffer_free_chunks=cpu_buffer_free_chunks,
+        )
         self.decisions += 1
         if arb is not None:
             if d.inflation > 0:
@@ -159,7 +163,7 @@ class EllmScheduler:
             self.max_lent = max(self.max_lent, self.lent)
         return d
 
-    def plan(self, inst: "Instance", now: float) -> BatchPlan:
+    def plan(self, inst: Instance, now: float) -> BatchPlan:
         kv = inst.kv
         bs = kv.block_size
         decodes = [r for r in inst.running if r.decoding]
@@ -194,7 +198,7 @@ class EllmScheduler:
         return plan
 
 
-SCHEDULERS: Dict[str, Callable[..., Any]] = {
+SCHEDULERS: dict[str, Callable[..., Any]] = {
     "continuous": lambda cfg, **opts: ContinuousBatchingScheduler(**opts),
     "ellm": lambda cfg, **opts: EllmScheduler(cfg, **opts),
 }
@@ -208,5 +212,5 @@ def register_scheduler(kind: str, factory: Callable[..., Any]) -> None:
     SCHEDULERS[kind] = factory
 
 
-def make_scheduler(kind: str, cfg: "InstanceConfig", options: Dict[str, Any]):
+def make_scheduler(kind: str, cfg: InstanceConfig, options: dict[str, Any]):
     return SCHEDULERS[kind](cfg, **options)

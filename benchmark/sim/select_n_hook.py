@@ -32,12 +32,21 @@ iteration: transfer ``p * L`` layers plus stall ``L * max(0, p * t_tr - t_c)``.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Dict, List, Optional, Sequence, TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from memory_ext.policy.select_n import (GpuDemand, LayerTiming, LinkCoordinator, Phase, PhaseRecords, SloKind,
-                                        analyze_phases, iteration_latency, max_interval_for_capacity,
-                                        offloaded_layers)
+from memory_ext.policy.select_n import (
+    GpuDemand,
+    LayerTiming,
+    LinkCoordinator,
+    Phase,
+    PhaseRecords,
+    SloKind,
+    analyze_phases,
+    iteration_latency,
+    max_interval_for_capacity,
+    offloaded_layers,
+)
 
 from .hooks import HOOKS, register_hook
 from .plan import BatchPlan
@@ -63,22 +72,33 @@ def prefill_layer_time(rf: Roofline, batch: int, seq: int) -> float:
     return rf.layer_time(batch * seq, batch * seq * (seq + 1) / 2, batch * seq)
 
 
-def build_records(rf: Roofline, layer_bytes: float, link_bps: float, slos: Sequence[float] = _SLOS,
-                  batches: Sequence[int] = _BATCHES, seqs: Sequence[int] = _SEQS) -> PhaseRecords:
+def build_records(
+    rf: Roofline,
+    layer_bytes: float,
+    link_bps: float,
+    slos: Sequence[float] = _SLOS,
+    batches: Sequence[int] = _BATCHES,
+    seqs: Sequence[int] = _SEQS,
+) -> PhaseRecords:
     """Select-N's offline analyzer run on the simulator's roofline."""
     t_tr = layer_bytes / link_bps
     return analyze_phases(
         rf.layers,
         lambda b, s: LayerTiming(prefill_layer_time(rf, b, s), t_tr),
         lambda b, s: LayerTiming(decode_layer_time(rf, b, s), t_tr),
-        slos, batches, seqs, SloKind.SLOWDOWN)
+        slos,
+        batches,
+        seqs,
+        SloKind.SLOWDOWN,
+    )
 
 
 class _OffloadBase:
     kind = ""
 
-    def __init__(self, inst: "Instance", slo_slowdown: float, batch: int, seq: int, set_tpot_slo: bool,
-                 link: str) -> None:
+    def __init__(
+        self, inst: Instance, slo_slowdown: float, batch: int, seq: int, set_tpot_slo: bool, link: str
+    ) -> None:
         if not slo_slowdown >= 0:
             raise ValueError(f"slo_slowdown must be >= 0, got {slo_slowdown}")
         if batch < 1 or seq < 1:
@@ -103,7 +123,7 @@ class _OffloadBase:
         self.stall_s = 0.0
         self.streamed_bytes = 0.0
 
-    def _grow_kv(self, inst: "Instance") -> None:
+    def _grow_kv(self, inst: Instance) -> None:
         if not self._applied:
             arb = getattr(inst.sim, "arbiter", None)
             if arb is not None:  # the node arbiter credits the freed weights to this model's KV
@@ -112,15 +132,23 @@ class _OffloadBase:
                 inst.kv.resize(inst.kv.capacity + self.gained_blocks)
             self._applied = True
 
-    def after_iteration(self, inst: "Instance", plan: BatchPlan, now: float, duration: float) -> None:
+    def after_iteration(self, inst: Instance, plan: BatchPlan, now: float, duration: float) -> None:
         pass
 
-    def _base_report(self) -> Dict[str, Any]:
-        return {"kind": self.kind, "slo_slowdown": self.slo, "operating_point": {"batch": self.batch,
-                "seq": self.seq}, "t_ref_decode_s": self.t_ref, "tpot_slo_s": self.tpot_slo_s,
-                "layer_transfer_s": self.t_tr, "host_gb": self.host_bytes / 1e9,
-                "kv_gain_blocks": self.gained_blocks, "iterations": self.iterations,
-                "stall_s": self.stall_s, "streamed_gb": self.streamed_bytes / 1e9}
+    def _base_report(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "slo_slowdown": self.slo,
+            "operating_point": {"batch": self.batch, "seq": self.seq},
+            "t_ref_decode_s": self.t_ref,
+            "tpot_slo_s": self.tpot_slo_s,
+            "layer_transfer_s": self.t_tr,
+            "host_gb": self.host_bytes / 1e9,
+            "kv_gain_blocks": self.gained_blocks,
+            "iterations": self.iterations,
+            "stall_s": self.stall_s,
+            "streamed_gb": self.streamed_bytes / 1e9,
+        }
 
 
 class SelectNHook(_OffloadBase):
@@ -129,33 +157,46 @@ class SelectNHook(_OffloadBase):
 
     kind = "select_n"
 
-    def __init__(self, inst: "Instance", slo_slowdown: float = 0.5, batch: int = 128, seq: int = 64,
-                 phase: str = "decode", slos: Sequence[float] = _SLOS, set_tpot_slo: bool = True,
-                 link: str = "h2d", report_points: Optional[List[Dict[str, Any]]] = None) -> None:
+    def __init__(
+        self,
+        inst: Instance,
+        slo_slowdown: float = 0.5,
+        batch: int = 128,
+        seq: int = 64,
+        phase: str = "decode",
+        slos: Sequence[float] = _SLOS,
+        set_tpot_slo: bool = True,
+        link: str = "h2d",
+        report_points: list[dict[str, Any]] | None = None,
+    ) -> None:
         super().__init__(inst, slo_slowdown, batch, seq, set_tpot_slo, link)
-        slos = tuple(sorted(set(float(s) for s in slos) | {self.slo}))
+        slos = tuple(sorted({float(s) for s in slos} | {self.slo}))
         self.phase = Phase(phase)
         self.records = build_records(inst.roofline, self.layer_bytes, self.link_bps, slos)
         i_min = self.records.lookup(self.phase, self.slo, self.batch, self.seq)
         rec_interval = i_min
-        cap = max_interval_for_capacity(self.L, int(self.layer_bytes), int(inst.cfg.model.weight_bytes(
-            inst.cfg.weight_dtype)))
+        cap = max_interval_for_capacity(
+            self.L, int(self.layer_bytes), int(inst.cfg.model.weight_bytes(inst.cfg.weight_dtype))
+        )
         t_c = (decode_layer_time if self.phase is Phase.DECODE else prefill_layer_time)(
-            inst.roofline, self.batch, self.seq)
+            inst.roofline, self.batch, self.seq
+        )
         iter_s = iteration_latency(self.L, i_min, LayerTiming(t_c, self.t_tr)) if i_min else t_c * self.L
-        self.decision = LinkCoordinator(self.link_bps).decide(GpuDemand(
-            inst.cfg.name, self.L, int(self.layer_bytes), iter_s, i_min, cap))
+        self.decision = LinkCoordinator(self.link_bps).decide(
+            GpuDemand(inst.cfg.name, self.L, int(self.layer_bytes), iter_s, i_min, cap)
+        )
         self.record_interval = rec_interval
-        self.interval = self.decision.intervals.get(inst.cfg.name, self.L + 1) if self.decision.accepted \
-            else self.L + 1
+        self.interval = self.decision.intervals.get(inst.cfg.name, self.L + 1) if self.decision.accepted else self.L + 1
         self.n_off = offloaded_layers(self.L, self.interval)
         self.host_bytes = self.n_off * self.layer_bytes
         staging = self.layer_bytes if self.n_off else 0.0
         self.gained_blocks = int((self.host_bytes - staging) // inst.cfg.kv_block_bytes)
-        self.report_points = report_points or [{"phase": "prefill", "batch": 16, "seq": 64},
-                                               {"phase": "decode", "batch": 128, "seq": 64}]
+        self.report_points = report_points or [
+            {"phase": "prefill", "batch": 16, "seq": 64},
+            {"phase": "decode", "batch": 128, "seq": 64},
+        ]
 
-    def before_iteration(self, inst: "Instance", plan: BatchPlan, now: float) -> None:
+    def before_iteration(self, inst: Instance, plan: BatchPlan, now: float) -> None:
         self._grow_kv(inst)
         if not self.n_off:
             return
@@ -174,7 +215,7 @@ class SelectNHook(_OffloadBase):
         self.stall_s += stall
         self.streamed_bytes += nbytes
 
-    def interval_table(self) -> Dict[str, Any]:
+    def interval_table(self) -> dict[str, Any]:
         """Chosen interval per SLO at each report point (Select-N Table 1 style)."""
         out = {}
         for p in self.report_points:
@@ -184,26 +225,38 @@ class SelectNHook(_OffloadBase):
             out[key] = {f"{s:g}": rec.lookup(s, p["batch"], p["seq"]) for s in rec.slos}
         return out
 
-    def report(self) -> Dict[str, Any]:
+    def report(self) -> dict[str, Any]:
         r = self._base_report()
         d = self.records.decode
-        r.update({"phase": self.phase.value, "record_interval": self.record_interval,
-                  "interval": self.interval, "offloaded_layers": self.n_off, "layers": self.L,
-                  "coordinator": {"accepted": self.decision.accepted,
-                                  "rejection": self.decision.rejection.value if self.decision.rejection else None},
-                  "intervals_per_slo": self.interval_table(),
-                  "decode_record_grid": {f"{s:g}": {"batches": list(d.batch_sizes), "seqs": list(d.seq_lens),
-                                                    "grid": d.grid(s)} for s in d.slos}})
+        r.update(
+            {
+                "phase": self.phase.value,
+                "record_interval": self.record_interval,
+                "interval": self.interval,
+                "offloaded_layers": self.n_off,
+                "layers": self.L,
+                "coordinator": {
+                    "accepted": self.decision.accepted,
+                    "rejection": self.decision.rejection.value if self.decision.rejection else None,
+                },
+                "intervals_per_slo": self.interval_table(),
+                "decode_record_grid": {
+                    f"{s:g}": {"batches": list(d.batch_sizes), "seqs": list(d.seq_lens), "grid": d.grid(s)}
+                    for s in d.slos
+                },
+            }
+        )
         return r
 
 
-def flexgen_fraction(inst: "Instance", slo: float, batch: int, seq: int, bus_share: float = 1.0) -> float:
+def flexgen_fraction(inst: Instance, slo: float, batch: int, seq: int, bus_share: float = 1.0) -> float:
     """FlexGen-like static fraction of every layer kept on the host (module docstring)."""
     peak = inst.roofline.gpu.with_efficiency(1.0, 1.0)
     est = Roofline(inst.cfg.model, peak, inst.cfg.weight_dtype, inst.cfg.kv_dtype, 0.0, inst.cfg.share)
     t_c_est = decode_layer_time(est, batch, seq)
     t_tr_est = inst.cfg.model.layer_weight_bytes(inst.cfg.weight_dtype) / (
-        inst.roofline.gpu.host_gbps * 1e9 / bus_share)
+        inst.roofline.gpu.host_gbps * 1e9 / bus_share
+    )
     return min(1.0, (1.0 + slo) * t_c_est / t_tr_est)
 
 
@@ -212,9 +265,17 @@ class FlexGenStaticHook(_OffloadBase):
 
     kind = "flexgen_static"
 
-    def __init__(self, inst: "Instance", slo_slowdown: float = 0.5, batch: int = 128, seq: int = 64,
-                 bus_share: float = 1.0, slos: Sequence[float] = _SLOS, set_tpot_slo: bool = True,
-                 link: str = "h2d") -> None:
+    def __init__(
+        self,
+        inst: Instance,
+        slo_slowdown: float = 0.5,
+        batch: int = 128,
+        seq: int = 64,
+        bus_share: float = 1.0,
+        slos: Sequence[float] = _SLOS,
+        set_tpot_slo: bool = True,
+        link: str = "h2d",
+    ) -> None:
         super().__init__(inst, slo_slowdown, batch, seq, set_tpot_slo, link)
         if not bus_share >= 1:
             raise ValueError(f"bus_share must be >= 1, got {bus_share}")
@@ -224,7 +285,7 @@ class FlexGenStaticHook(_OffloadBase):
         self.gained_blocks = int(self.fraction * (self.L - 1) * self.layer_bytes // inst.cfg.kv_block_bytes)
         self.per_slo = {f"{s:g}": flexgen_fraction(inst, s, self.batch, self.seq, self.bus_share) for s in slos}
 
-    def before_iteration(self, inst: "Instance", plan: BatchPlan, now: float) -> None:
+    def before_iteration(self, inst: Instance, plan: BatchPlan, now: float) -> None:
         self._grow_kv(inst)
         if self.fraction <= 0:
             return
@@ -242,11 +303,16 @@ class FlexGenStaticHook(_OffloadBase):
         self.stall_s += stall
         self.streamed_bytes += nbytes
 
-    def report(self) -> Dict[str, Any]:
+    def report(self) -> dict[str, Any]:
         r = self._base_report()
-        r.update({"fraction": self.fraction, "bus_share": self.bus_share,
-                  "fraction_per_slo": self.per_slo,
-                  "host_gb_per_slo": {k: v * self.L * self.layer_bytes / 1e9 for k, v in self.per_slo.items()}})
+        r.update(
+            {
+                "fraction": self.fraction,
+                "bus_share": self.bus_share,
+                "fraction_per_slo": self.per_slo,
+                "host_gb_per_slo": {k: v * self.L * self.layer_bytes / 1e9 for k, v in self.per_slo.items()},
+            }
+        )
         return r
 
 

@@ -63,10 +63,10 @@ of newly computed tokens in layer-stream mode.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, Hashable, Iterable, List, Optional, TYPE_CHECKING
+from collections.abc import Hashable, Iterable
+from typing import TYPE_CHECKING
 
-from memory_ext.policy.swiftcache import (ElasticWorkerPolicy, KVGeometry, min_elastic_unit,
-                                          plan_lsc)
+from memory_ext.policy.swiftcache import ElasticWorkerPolicy, KVGeometry, min_elastic_unit, plan_lsc
 
 from .hooks import HOOKS, register_hook
 from .kvcache import KVCache
@@ -80,7 +80,7 @@ __all__ = ["TieredKVCache", "SwiftCacheHook", "Tier", "kv_geometry"]
 _BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 
 
-def kv_geometry(inst: "Instance") -> KVGeometry:
+def kv_geometry(inst: Instance) -> KVGeometry:
     m = inst.cfg.model
     return KVGeometry(m.layers, inst.cfg.block_size, m.kv_heads, m.head_dim, _BYTES[inst.cfg.kv_dtype])
 
@@ -88,18 +88,27 @@ def kv_geometry(inst: "Instance") -> KVGeometry:
 class Tier:
     """One spill tier: capacity in master blocks, LRU of stored keys."""
 
-    def __init__(self, name: str, capacity: int, load_link: str, store_link: str,
-                 demote_link: Optional[str] = None) -> None:
+    def __init__(
+        self, name: str, capacity: int, load_link: str, store_link: str, demote_link: str | None = None
+    ) -> None:
         self.name, self.capacity = name, int(capacity)
         self.load_link, self.store_link, self.demote_link = load_link, store_link, demote_link
-        self.keys: "OrderedDict[Hashable, None]" = OrderedDict()
+        self.keys: OrderedDict[Hashable, None] = OrderedDict()
         self.stored = self.loaded = self.dropped = self.demoted = 0
         self.max_used = 0
 
     def stats(self) -> dict:
-        return {"capacity_blocks": self.capacity, "used_blocks": len(self.keys), "max_used_blocks": self.max_used,
-                "stored_blocks": self.stored, "loaded_blocks": self.loaded, "dropped_blocks": self.dropped,
-                "demoted_blocks": self.demoted, "load_link": self.load_link, "store_link": self.store_link}
+        return {
+            "capacity_blocks": self.capacity,
+            "used_blocks": len(self.keys),
+            "max_used_blocks": self.max_used,
+            "stored_blocks": self.stored,
+            "loaded_blocks": self.loaded,
+            "dropped_blocks": self.dropped,
+            "demoted_blocks": self.demoted,
+            "load_link": self.load_link,
+            "store_link": self.store_link,
+        }
 
 
 class TieredKVCache(KVCache):
@@ -107,7 +116,7 @@ class TieredKVCache(KVCache):
     lookups continue into them. ``capacity`` is a property so that the hook
     can bind to the simulator (find its workers) on first use."""
 
-    def __init__(self, base: KVCache, hook: "SwiftCacheHook") -> None:
+    def __init__(self, base: KVCache, hook: SwiftCacheHook) -> None:
         self._hook = hook
         self._bound = False
         super().__init__(base.capacity, base.block_size, base.prefix_caching)
@@ -161,7 +170,7 @@ class TieredKVCache(KVCache):
 
 
 class _WorkerState:
-    def __init__(self, inst: "Instance", policy: ElasticWorkerPolicy, meu_m: int, tier: Optional[Tier]) -> None:
+    def __init__(self, inst: Instance, policy: ElasticWorkerPolicy, meu_m: int, tier: Tier | None) -> None:
         self.inst, self.policy, self.meu_m, self.tier = inst, policy, meu_m, tier
         self.original_blocks = inst.kv.capacity
         self.last_demand = -1
@@ -176,13 +185,13 @@ class _WorkerState:
 class _ScaleUpScheduler:
     """Wraps a worker's scheduler: runs Alg. 1 SCALEUP before each decision."""
 
-    def __init__(self, inner, hook: "SwiftCacheHook", w: _WorkerState) -> None:
+    def __init__(self, inner, hook: SwiftCacheHook, w: _WorkerState) -> None:
         self.inner, self.hook, self.w = inner, hook, w
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def plan(self, inst: "Instance", now: float) -> BatchPlan:
+    def plan(self, inst: Instance, now: float) -> BatchPlan:
         self.hook.worker_demand(self.w, now)
         self.hook.maybe_tick(now)
         return self.inner.plan(inst, now)
@@ -191,10 +200,20 @@ class _ScaleUpScheduler:
 class SwiftCacheHook:
     """See the module docstring."""
 
-    def __init__(self, inst: "Instance", tiers: Optional[List[str]] = None, workers: Optional[List[str]] = None,
-                 host_gb: float = 96.0, host_link_gbps: Optional[float] = None,
-                 nvlink_gbps: Optional[float] = None, layer_stream: bool = False, window_s: float = 60.0,
-                 tick_s: float = 5.0, worker_reserve_tokens: int = 16384, warm_prefixes: bool = False) -> None:
+    def __init__(
+        self,
+        inst: Instance,
+        tiers: list[str] | None = None,
+        workers: list[str] | None = None,
+        host_gb: float = 96.0,
+        host_link_gbps: float | None = None,
+        nvlink_gbps: float | None = None,
+        layer_stream: bool = False,
+        window_s: float = 60.0,
+        tick_s: float = 5.0,
+        worker_reserve_tokens: int = 16384,
+        warm_prefixes: bool = False,
+    ) -> None:
         tiers = list(tiers if tiers is not None else ["peer"])
         for t in tiers:
             if t not in ("peer", "host"):
@@ -215,10 +234,10 @@ class SwiftCacheHook:
         self.warm_prefixes = warm_prefixes
         self.warm_blocks = 0
         self.block_bytes = inst.cfg.kv_block_bytes
-        self.where: Dict[Hashable, Tier] = {}
-        self.tiers: List[Tier] = []
-        self.workers: List[_WorkerState] = []
-        self.pending: Dict[str, float] = {}
+        self.where: dict[Hashable, Tier] = {}
+        self.tiers: list[Tier] = []
+        self.workers: list[_WorkerState] = []
+        self.pending: dict[str, float] = {}
         self.tier_hit_blocks = 0
         self.last_tick = 0.0
         self.lsc = None
@@ -258,13 +277,22 @@ class SwiftCacheHook:
                 raise ValueError(f"swiftcache: worker {name!r} must be on another GPU than the master")
             unit = min_elastic_unit(g_master, kv_geometry(w))
             bs = w.kv.block_size
-            pol = ElasticWorkerPolicy.from_unit(unit, block_size=bs, current_blocks=w.kv.capacity,
-                                                window_s=self.window_s,
-                                                min_blocks=min(w.kv.capacity, -(-self.worker_reserve_tokens // bs)))
+            pol = ElasticWorkerPolicy.from_unit(
+                unit,
+                block_size=bs,
+                current_blocks=w.kv.capacity,
+                window_s=self.window_s,
+                min_blocks=min(w.kv.capacity, -(-self.worker_reserve_tokens // bs)),
+            )
             tier = None
             if "peer" in self.tier_kinds and not self.layer_stream:
-                tier = Tier(f"peer:{name}", 0, self._link("nvlink", w.cfg.gpu), self._link("nvlink", me.cfg.gpu),
-                            self._link("d2h", w.cfg.gpu))
+                tier = Tier(
+                    f"peer:{name}",
+                    0,
+                    self._link("nvlink", w.cfg.gpu),
+                    self._link("nvlink", me.cfg.gpu),
+                    self._link("d2h", w.cfg.gpu),
+                )
                 peer_tiers.append(tier)
             ws = _WorkerState(w, pol, unit.meu_master, tier)
             self.workers.append(ws)
@@ -280,8 +308,9 @@ class SwiftCacheHook:
         if self.layer_stream:
             lent = [int(ws.policy.donated_blocks * ws.inst.cfg.kv_block_bytes) for ws in self.workers]
             self.lsc = plan_lsc(g_master, int(self.base_capacity * self.block_bytes), lent)
-            self.stream_links = [(self._link("nvlink", ws.inst.cfg.gpu), k)
-                                 for ws, k in zip(self.workers, self.lsc.k_workers)]
+            self.stream_links = [
+                (self._link("nvlink", ws.inst.cfg.gpu), k) for ws, k in zip(self.workers, self.lsc.k_workers)
+            ]
             me.kv._cap = self.lsc.max_context_blocks
         if self.warm_prefixes:
             self._warm()
@@ -311,7 +340,7 @@ class SwiftCacheHook:
 
     # ---- worker elasticity (Alg. 1) ------------------------------------------
     @staticmethod
-    def _demand_tokens(w: "Instance") -> int:
+    def _demand_tokens(w: Instance) -> int:
         bs = w.kv.block_size
         n = 0
         for r in w.running:
@@ -412,7 +441,7 @@ class SwiftCacheHook:
             t.max_used = max(t.max_used, len(t.keys))
             return
 
-    def _host_after(self, ti: int) -> Optional[int]:
+    def _host_after(self, ti: int) -> int | None:
         for j in range(ti + 1, len(self.tiers)):
             if self.tiers[j].name == "host":
                 return j
@@ -432,7 +461,7 @@ class SwiftCacheHook:
             else:
                 t.dropped += 1
 
-    def spill(self, keys: List[Hashable]) -> None:
+    def spill(self, keys: list[Hashable]) -> None:
         if not self.tiers:
             return
         for k in keys:
@@ -445,7 +474,11 @@ class SwiftCacheHook:
             if cands:
                 peers = [x for x in cands if x.name.startswith("peer")]
                 first = cands[0]
-                tgt = max(peers, key=lambda x: x.capacity - len(x.keys)) if (peers and first.name.startswith("peer")) else first
+                tgt = (
+                    max(peers, key=lambda x: x.capacity - len(x.keys))
+                    if (peers and first.name.startswith("peer"))
+                    else first
+                )
                 tgt.keys[k] = None
                 self.where[k] = tgt
                 tgt.max_used = max(tgt.max_used, len(tgt.keys))
@@ -466,7 +499,7 @@ class SwiftCacheHook:
         self.pending[tier.load_link] = self.pending.get(tier.load_link, 0.0) + self.block_bytes
 
     # ---- per iteration -----------------------------------------------------------
-    def before_iteration(self, inst: "Instance", plan: BatchPlan, now: float) -> None:
+    def before_iteration(self, inst: Instance, plan: BatchPlan, now: float) -> None:
         if not inst.kv._bound:
             inst.kv.capacity  # bind  # noqa: B018
         self.maybe_tick(now)
@@ -491,23 +524,40 @@ class SwiftCacheHook:
                         self.stream_bytes += share
                 self.stream_iterations += 1
 
-    def after_iteration(self, inst: "Instance", plan: BatchPlan, now: float, duration: float) -> None:
+    def after_iteration(self, inst: Instance, plan: BatchPlan, now: float, duration: float) -> None:
         pass
 
     # ---- reporting -------------------------------------------------------------------
     def stats(self) -> dict:
-        out = {"tier_hit_blocks": self.tier_hit_blocks, "warm_blocks": self.warm_blocks, "tiers": {t.name: t.stats() for t in self.tiers},
-               "workers": {ws.inst.cfg.name: {
-                   "original_blocks": ws.original_blocks, "current_blocks": ws.policy.current_blocks,
-                   "donated_blocks": ws.policy.donated_blocks, "max_donated_blocks": ws.max_donated,
-                   "meu_worker": ws.policy.meu_worker, "meu_master": ws.meu_m,
-                   "scale_ups": ws.scale_ups, "scale_downs": ws.scale_downs} for ws in self.workers}}
+        out = {
+            "tier_hit_blocks": self.tier_hit_blocks,
+            "warm_blocks": self.warm_blocks,
+            "tiers": {t.name: t.stats() for t in self.tiers},
+            "workers": {
+                ws.inst.cfg.name: {
+                    "original_blocks": ws.original_blocks,
+                    "current_blocks": ws.policy.current_blocks,
+                    "donated_blocks": ws.policy.donated_blocks,
+                    "max_donated_blocks": ws.max_donated,
+                    "meu_worker": ws.policy.meu_worker,
+                    "meu_master": ws.meu_m,
+                    "scale_ups": ws.scale_ups,
+                    "scale_downs": ws.scale_downs,
+                }
+                for ws in self.workers
+            },
+        }
         if self.lsc is not None:
-            out["lsc"] = {"n_lsc": self.lsc.n_lsc, "n_rc": self.lsc.n_rc, "k_master": self.lsc.k_master,
-                          "k_workers": list(self.lsc.k_workers),
-                          "max_context_tokens": self.lsc.max_context_tokens,
-                          "baseline_context_tokens": self.base_capacity * self.inst.kv.block_size,
-                          "stream_bytes": self.stream_bytes, "stream_iterations": self.stream_iterations}
+            out["lsc"] = {
+                "n_lsc": self.lsc.n_lsc,
+                "n_rc": self.lsc.n_rc,
+                "k_master": self.lsc.k_master,
+                "k_workers": list(self.lsc.k_workers),
+                "max_context_tokens": self.lsc.max_context_tokens,
+                "baseline_context_tokens": self.base_capacity * self.inst.kv.block_size,
+                "stream_bytes": self.stream_bytes,
+                "stream_iterations": self.stream_iterations,
+            }
         return out
 
 

@@ -45,15 +45,24 @@ so the model is idle there (the process itself keeps running).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .request import Request
 
-__all__ = ["LengthDist", "ArrivalSpec", "SessionSpec", "WorkloadSpec", "Workload",
-           "LENGTH_PRESETS", "generate", "arrival_times", "sample_lengths"]
+__all__ = [
+    "LengthDist",
+    "ArrivalSpec",
+    "SessionSpec",
+    "WorkloadSpec",
+    "Workload",
+    "LENGTH_PRESETS",
+    "generate",
+    "arrival_times",
+    "sample_lengths",
+]
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,7 @@ class LengthDist:
         return float(self.value) if self.kind == "fixed" else self.mean
 
 
-LENGTH_PRESETS: Dict[str, LengthDist] = {
+LENGTH_PRESETS: dict[str, LengthDist] = {
     "sharegpt_input": LengthDist("lognormal", mean=161.31, sigma=1.0, min=4, max=4096),
     "sharegpt_output": LengthDist("lognormal", mean=337.99, sigma=0.9, min=1, max=4096),
     "alpaca_input": LengthDist("lognormal", mean=19.31, sigma=0.6, min=2, max=1024),
@@ -103,11 +112,11 @@ class WorkloadSpec:
     arrival: ArrivalSpec = field(default_factory=ArrivalSpec)
     input: LengthDist = LENGTH_PRESETS["sharegpt_input"]
     output: LengthDist = LENGTH_PRESETS["sharegpt_output"]
-    sessions: Optional[SessionSpec] = None
+    sessions: SessionSpec | None = None
     system_prompt_tokens: int = 0
     start_s: float = 0.0
-    end_s: Optional[float] = None  # default: the scenario duration
-    idle: Tuple[Tuple[float, float], ...] = ()
+    end_s: float | None = None  # default: the scenario duration
+    idle: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass
@@ -116,20 +125,21 @@ class Workload:
     the arrival processes, sorted by arrival; follow-up turns are released by
     the engine when their previous turn finishes."""
 
-    requests: List[Request]
-    initial: List[int]
+    requests: list[Request]
+    initial: list[int]
 
 
 def sample_lengths(dist: LengthDist, n: int, rng: np.random.Generator) -> np.ndarray:
     if dist.kind == "fixed":
         return np.full(n, int(dist.value), dtype=np.int64)
-    mu = math.log(dist.mean) - dist.sigma ** 2 / 2
+    mu = math.log(dist.mean) - dist.sigma**2 / 2
     x = np.rint(rng.lognormal(mu, dist.sigma, size=n))
     return np.clip(x, dist.min, dist.max).astype(np.int64)
 
 
-def arrival_times(spec: ArrivalSpec, start: float, end: float, rng: np.random.Generator,
-                  rate_scale: float = 1.0) -> np.ndarray:
+def arrival_times(
+    spec: ArrivalSpec, start: float, end: float, rng: np.random.Generator, rate_scale: float = 1.0
+) -> np.ndarray:
     """Sorted arrival times in [start, end)."""
     if spec.kind == "batch":
         return np.full(spec.count, start, dtype=float)
@@ -154,7 +164,7 @@ def arrival_times(spec: ArrivalSpec, start: float, end: float, rng: np.random.Ge
         if spec.kind == "poisson":
             gaps = rng.exponential(1.0 / rate, size=n_guess)
         elif spec.kind == "gamma":
-            k = 1.0 / spec.cv ** 2
+            k = 1.0 / spec.cv**2
             gaps = rng.gamma(k, 1.0 / (rate * k), size=n_guess)
         else:
             raise ValueError(f"unknown arrival kind {spec.kind!r}")
@@ -165,18 +175,19 @@ def arrival_times(spec: ArrivalSpec, start: float, end: float, rng: np.random.Ge
     return ts[ts < end]
 
 
-def _drop_idle(ts: np.ndarray, idle: Sequence[Tuple[float, float]]) -> np.ndarray:
+def _drop_idle(ts: np.ndarray, idle: Sequence[tuple[float, float]]) -> np.ndarray:
     keep = np.ones(len(ts), dtype=bool)
     for a, b in idle:
         keep &= ~((ts >= a) & (ts < b))
     return ts[keep]
 
 
-def generate(specs: Sequence[WorkloadSpec], model_index: Dict[str, int], duration_s: float,
-             seed: int, rate_scale: float = 1.0) -> Workload:
+def generate(
+    specs: Sequence[WorkloadSpec], model_index: dict[str, int], duration_s: float, seed: int, rate_scale: float = 1.0
+) -> Workload:
     """Draw every request of every workload (see module docstring)."""
     streams = np.random.SeedSequence(seed).spawn(len(specs))
-    drafts: List[tuple] = []  # (arrival, model, prompt, output, lineage, sys_key, sys_len, turns)
+    drafts: list[tuple] = []  # (arrival, model, prompt, output, lineage, sys_key, sys_len, turns)
     for wi, (spec, ss) in enumerate(zip(specs, streams)):
         rng = np.random.default_rng(ss)
         m = model_index[spec.model]
@@ -202,17 +213,29 @@ def generate(specs: Sequence[WorkloadSpec], model_index: Dict[str, int], duratio
                     hist += new_in + new_out
             drafts.append((float(ts[i]), m, wi, i, sys_key, sys_len, turns))
     drafts.sort(key=lambda d: (d[0], d[1], d[2], d[3]))
-    requests: List[Request] = []
-    initial: List[int] = []
+    requests: list[Request] = []
+    initial: list[int] = []
     for arrival, m, wi, i, sys_key, sys_len, turns in drafts:
         lineage = ("s", wi, i)
         first = len(requests)
         initial.append(first)
-        for k, (p, o, think) in enumerate(turns):
+        for k, (p, o, _think) in enumerate(turns):
             rid = len(requests)
             nxt = rid + 1 if k + 1 < len(turns) else -1
             think_next = turns[k + 1][2] if nxt >= 0 else 0.0
-            requests.append(Request(rid, m, arrival if k == 0 else float("nan"), p, o,
-                                    lineage=lineage, sys_key=sys_key, sys_len=sys_len,
-                                    next_turn=nxt, think_s=think_next, turn=k))
+            requests.append(
+                Request(
+                    rid,
+                    m,
+                    arrival if k == 0 else float("nan"),
+                    p,
+                    o,
+                    lineage=lineage,
+                    sys_key=sys_key,
+                    sys_len=sys_len,
+                    next_turn=nxt,
+                    think_s=think_next,
+                    turn=k,
+                )
+            )
     return Workload(requests, initial)

@@ -41,8 +41,18 @@ class ActivationProfile:
         check_int("fixed_bytes", self.fixed_bytes, 0)
 
     @classmethod
-    def from_model_dims(cls, *, hidden: int, intermediate: int, num_heads: int, num_kv_heads: int,
-                        head_dim: int, vocab: int, itemsize: int, logits_itemsize: int = 4) -> "ActivationProfile":
+    def from_model_dims(
+        cls,
+        *,
+        hidden: int,
+        intermediate: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        vocab: int,
+        itemsize: int,
+        logits_itemsize: int = 4,
+    ) -> ActivationProfile:
         """Upper bound of one decoder layer's live set per token, plus logits per sequence.
 
         Per token: the residual and the normed hidden state (2h), q/k/v
@@ -51,9 +61,16 @@ class ActivationProfile:
         sequence: the last position's logits and their softmax in float32.
         Layers run one after another, so one layer's set is the peak.
         """
-        for name, v in (("hidden", hidden), ("intermediate", intermediate), ("num_heads", num_heads),
-                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("vocab", vocab),
-                        ("itemsize", itemsize), ("logits_itemsize", logits_itemsize)):
+        for name, v in (
+            ("hidden", hidden),
+            ("intermediate", intermediate),
+            ("num_heads", num_heads),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("vocab", vocab),
+            ("itemsize", itemsize),
+            ("logits_itemsize", logits_itemsize),
+        ):
             check_int(name, v, 1)
         per_token = itemsize * (2 * hidden + (2 * num_heads + 2 * num_kv_heads) * head_dim + 3 * intermediate)
         return cls(per_token_bytes=per_token, per_seq_bytes=2 * vocab * logits_itemsize, source="model dims")

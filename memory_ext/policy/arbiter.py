@@ -80,13 +80,23 @@ every account; the peak of ``sum(held)`` never exceeds the budget.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple
 
 from ._checks import check_int as _int
 
-__all__ = ["Kind", "Tier", "AccountKey", "Account", "Take", "Grant", "MemoryArbiter", "PriorityViolation",
-           "DEFAULT_TIERS"]
+__all__ = [
+    "Kind",
+    "Tier",
+    "AccountKey",
+    "Account",
+    "Take",
+    "Grant",
+    "MemoryArbiter",
+    "PriorityViolation",
+    "DEFAULT_TIERS",
+]
 
 
 class Kind(str, enum.Enum):
@@ -111,7 +121,7 @@ class Tier(str, enum.Enum):
     RECLAIM = "reclaim"
 
 
-DEFAULT_TIERS: Tuple[Tier, ...] = (Tier.FREE, Tier.RETURN, Tier.IDLE_PEER, Tier.SURPLUS)
+DEFAULT_TIERS: tuple[Tier, ...] = (Tier.FREE, Tier.RETURN, Tier.IDLE_PEER, Tier.SURPLUS)
 _REQUEST_TIERS = frozenset(DEFAULT_TIERS)
 
 
@@ -140,7 +150,7 @@ class Account:
 class Take:
     """``nbytes`` taken from ``source`` (None: the free budget) by ``tier``."""
 
-    source: Optional[AccountKey]
+    source: AccountKey | None
     nbytes: int
     tier: Tier
 
@@ -154,7 +164,7 @@ class Grant:
     key: AccountKey
     asked: int
     granted: int
-    takes: Tuple[Take, ...]
+    takes: tuple[Take, ...]
     reason: str
 
     @property
@@ -180,29 +190,33 @@ class MemoryArbiter:
     tiers this node uses (default all four, in priority order; a remap is
     refused while these tiers could cover it)."""
 
-    def __init__(self, budgets: Mapping[int, int], floor_fraction: float = 0.25,
-                 tiers: Sequence["Tier | str"] = DEFAULT_TIERS) -> None:
+    def __init__(
+        self, budgets: Mapping[int, int], floor_fraction: float = 0.25, tiers: Sequence[Tier | str] = DEFAULT_TIERS
+    ) -> None:
         if not budgets:
             raise ValueError("budgets must name at least one GPU")
-        self.budget: Dict[int, int] = {}
+        self.budget: dict[int, int] = {}
         for g, b in budgets.items():
             _int("gpu", g)
             self.budget[g] = _int(f"budgets[{g}]", b)
-        if isinstance(floor_fraction, bool) or not isinstance(floor_fraction, (int, float)) \
-                or not 0 <= floor_fraction <= 1:
+        if (
+            isinstance(floor_fraction, bool)
+            or not isinstance(floor_fraction, (int, float))
+            or not 0 <= floor_fraction <= 1
+        ):
             raise ValueError(f"floor_fraction must be a number in [0, 1], got {floor_fraction!r}")
         self.floor_fraction = float(floor_fraction)
         self.tiers = self._tiers(tiers)
-        self.free: Dict[int, int] = dict(self.budget)
-        self.peak: Dict[int, int] = {g: 0 for g in self.budget}
-        self.accounts: Dict[AccountKey, Account] = {}
-        self.busy: Dict[Tuple[int, str], bool] = {}
-        self.moved: Dict[Tier, int] = {t: 0 for t in Tier}
-        self.events: Dict[Tier, int] = {t: 0 for t in Tier}
+        self.free: dict[int, int] = dict(self.budget)
+        self.peak: dict[int, int] = dict.fromkeys(self.budget, 0)
+        self.accounts: dict[AccountKey, Account] = {}
+        self.busy: dict[tuple[int, str], bool] = {}
+        self.moved: dict[Tier, int] = dict.fromkeys(Tier, 0)
+        self.events: dict[Tier, int] = dict.fromkeys(Tier, 0)
         self.requests = self.refused = 0
 
     # ---- setup -----------------------------------------------------------------
-    def open(self, gpu: int, owner: str, kind: "Kind | str", held: int, unit: int = 1, floor: int = 0) -> AccountKey:
+    def open(self, gpu: int, owner: str, kind: Kind | str, held: int, unit: int = 1, floor: int = 0) -> AccountKey:
         """Create an account holding ``held`` bytes taken from the free budget."""
         if gpu not in self.budget:
             raise ValueError(f"gpu {gpu!r} has no budget")
@@ -261,13 +275,13 @@ class MemoryArbiter:
     def excess(self, gpu: int, owner: str) -> int:
         return self.owner_held(gpu, owner) - self.nominal(gpu, owner)
 
-    def lendable(self, donor: AccountKey, tier: Tier, requester_owner: Optional[str] = None,
-                 entitled: bool = False) -> int:
+    def lendable(
+        self, donor: AccountKey, tier: Tier, requester_owner: str | None = None, entitled: bool = False
+    ) -> int:
         """Bytes ``request`` could take from ``donor`` by ``tier`` right now."""
         return self._lendable(self._acc(donor), tier, requester_owner, 0, entitled)
 
-    def _lendable(self, a: Account, tier: Tier, requester_owner: Optional[str], spent: int,
-                  entitled: bool) -> int:
+    def _lendable(self, a: Account, tier: Tier, requester_owner: str | None, spent: int, entitled: bool) -> int:
         """``lendable`` after ``spent`` bytes were already planned from ``a``."""
         if a.key.kind is not Kind.KV or a.key.owner == requester_owner:
             return 0
@@ -285,13 +299,14 @@ class MemoryArbiter:
             return 0
         return max(_floor(cap, a.unit), 0)
 
-    def _plan(self, key: AccountKey, want: int, tiers: Tuple[Tier, ...],
-              entitled: bool) -> Tuple[int, List[Tuple[Account, int, Tier]]]:
+    def _plan(
+        self, key: AccountKey, want: int, tiers: tuple[Tier, ...], entitled: bool
+    ) -> tuple[int, list[tuple[Account, int, Tier]]]:
         """Dry run of ``request``: the bytes gathered and the donor takes."""
         g = key.gpu
         pool = self.free[g] if Tier.FREE in tiers else 0
-        plan: List[Tuple[Account, int, Tier]] = []
-        spent: Dict[AccountKey, int] = {}
+        plan: list[tuple[Account, int, Tier]] = []
+        spent: dict[AccountKey, int] = {}
         for tier in (Tier.RETURN, Tier.IDLE_PEER, Tier.SURPLUS):
             if tier not in tiers or pool >= want:
                 continue
@@ -312,8 +327,9 @@ class MemoryArbiter:
                 pool += t
         return pool, plan
 
-    def grantable(self, key: AccountKey, tiers: Optional[Sequence["Tier | str"]] = None,
-                  entitled: Optional[bool] = None) -> int:
+    def grantable(
+        self, key: AccountKey, tiers: Sequence[Tier | str] | None = None, entitled: bool | None = None
+    ) -> int:
         """Bytes ``request(key, ...)`` could gather from ``tiers`` (default:
         the node's) now, whatever it asks."""
         self._acc(key)
@@ -323,7 +339,7 @@ class MemoryArbiter:
         return pool
 
     @staticmethod
-    def _tiers(tiers: Sequence["Tier | str"]) -> Tuple[Tier, ...]:
+    def _tiers(tiers: Sequence[Tier | str]) -> tuple[Tier, ...]:
         out = []
         for t in tiers:
             try:
@@ -336,8 +352,14 @@ class MemoryArbiter:
         return tuple(out)
 
     # ---- decisions out ---------------------------------------------------------------
-    def request(self, key: AccountKey, nbytes: int, partial: bool = True,
-                tiers: Optional[Sequence["Tier | str"]] = None, entitled: Optional[bool] = None) -> Grant:
+    def request(
+        self,
+        key: AccountKey,
+        nbytes: int,
+        partial: bool = True,
+        tiers: Sequence[Tier | str] | None = None,
+        entitled: bool | None = None,
+    ) -> Grant:
         """Grow ``key`` by ``nbytes`` (rounded up to its unit) from idle memory,
         in the priority order of the module docstring (``tiers``: a subset,
         default the node's). ``partial``: accept less than asked (at least
@@ -356,11 +378,17 @@ class MemoryArbiter:
         granted = min(want, _floor(pool, acc.unit))
         if granted <= 0 or (not partial and granted < want):
             self.refused += 1
-            return Grant(key, want, 0, (), f"refused: {pool} bytes idle in tiers "
-                                            f"{'/'.join(t.value for t in tiers) or 'none'} < "
-                                            f"{'one unit' if partial else 'all'} of {want} asked")
+            return Grant(
+                key,
+                want,
+                0,
+                (),
+                f"refused: {pool} bytes idle in tiers "
+                f"{'/'.join(t.value for t in tiers) or 'none'} < "
+                f"{'one unit' if partial else 'all'} of {want} asked",
+            )
         from_free = min(self.free[g], granted) if Tier.FREE in tiers else 0
-        takes: List[Take] = []
+        takes: list[Take] = []
         if from_free:
             takes.append(Take(None, from_free, Tier.FREE))
             self._count(Tier.FREE, from_free)
@@ -373,10 +401,11 @@ class MemoryArbiter:
         self.free[g] -= granted
         acc.held += granted
         self._after(g)
-        return Grant(key, want, granted, tuple(takes),
-                     "granted" if granted == want else f"partial: {granted} of {want}")
+        return Grant(
+            key, want, granted, tuple(takes), "granted" if granted == want else f"partial: {granted} of {want}"
+        )
 
-    def move(self, src: AccountKey, dst: AccountKey, nbytes: int, tier: "Tier | str") -> Grant:
+    def move(self, src: AccountKey, dst: AccountKey, nbytes: int, tier: Tier | str) -> Grant:
         """An explicit decision of a mechanism (module docstring): ``nbytes``
         leave ``src``; ``dst`` receives them rounded down to its unit, the
         remainder goes to free. Refused (``ValueError``) if it would take
@@ -421,7 +450,7 @@ class MemoryArbiter:
         self._after(src.gpu)
         return Grant(dst, nbytes, got, (Take(src, nbytes, tier),), tier.value)
 
-    def remap_refusal(self, dst: AccountKey, nbytes: int, src: Optional[AccountKey] = None) -> str:
+    def remap_refusal(self, dst: AccountKey, nbytes: int, src: AccountKey | None = None) -> str:
         """Why a remap of ``nbytes`` of weights (of ``src``) into ``dst`` is
         refused now ("" if allowed): the lender has work (its weights are in
         use: every iteration reads them), the node's request tiers could still
@@ -433,8 +462,10 @@ class MemoryArbiter:
             return f"remap refused: {src.owner} has work, its weights are in use"
         cheap = self.grantable(dst)
         if cheap >= max(_floor(nbytes, d.unit), 1):
-            return (f"remap refused: {cheap} idle bytes (free / returned / idle peers) can still cover "
-                    f"{_floor(nbytes, d.unit)}; request() them first")
+            return (
+                f"remap refused: {cheap} idle bytes (free / returned / idle peers) can still cover "
+                f"{_floor(nbytes, d.unit)}; request() them first"
+            )
         w = self.accounts.get(AccountKey(dst.gpu, dst.owner, Kind.WEIGHTS))
         if w is not None and w.held < w.nominal:
             return f"remap refused: {dst.owner} has {w.nominal - w.held} bytes of its own weights remapped out"
@@ -469,8 +500,9 @@ class MemoryArbiter:
             assert a.held >= a.floor, f"{a.key}: held {a.held} < floor {a.floor}"
             held += a.held
         assert self.free[g] >= 0, f"gpu {g}: free {self.free[g]} < 0"
-        assert held + self.free[g] == self.budget[g], \
+        assert held + self.free[g] == self.budget[g], (
             f"gpu {g}: held {held} + free {self.free[g]} != budget {self.budget[g]}"
+        )
         self.peak[g] = max(self.peak[g], held)
         assert self.peak[g] <= self.budget[g], f"gpu {g}: peak {self.peak[g]} > budget {self.budget[g]}"
 
@@ -484,10 +516,13 @@ class MemoryArbiter:
         self.moved[tier] += nbytes
         self.events[tier] += 1
 
-    def stats(self) -> Dict[str, object]:
-        return {"requests": self.requests, "refused": self.refused,
-                "moved_bytes": {t.value: b for t, b in self.moved.items()},
-                "events": {t.value: n for t, n in self.events.items()},
-                "budget_bytes": {str(g): b for g, b in self.budget.items()},
-                "peak_allocated_bytes": {str(g): p for g, p in self.peak.items()},
-                "free_bytes": {str(g): f for g, f in self.free.items()}}
+    def stats(self) -> dict[str, object]:
+        return {
+            "requests": self.requests,
+            "refused": self.refused,
+            "moved_bytes": {t.value: b for t, b in self.moved.items()},
+            "events": {t.value: n for t, n in self.events.items()},
+            "budget_bytes": {str(g): b for g, b in self.budget.items()},
+            "peak_allocated_bytes": {str(g): p for g, p in self.peak.items()},
+            "free_bytes": {str(g): f for g, f in self.free.items()},
+        }

@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Optional, Sequence, Tuple
 
 from ._checks import check_int as _check_int
 
@@ -121,10 +121,10 @@ class AdmissionDecision:
     the batch takes, all allocated together (no hold-and-wait)."""
 
     phase: str
-    admitted: Tuple[str, ...]
-    deferred: Tuple[str, ...]
-    offloaded: Tuple[str, ...]
-    fetched: Tuple[str, ...]
+    admitted: tuple[str, ...]
+    deferred: tuple[str, ...]
+    offloaded: tuple[str, ...]
+    fetched: tuple[str, ...]
     kv_chunks: int
     act_chunks: int
     tokens: int
@@ -172,7 +172,7 @@ class ElasticAdmissionPolicy:
         prefills: Sequence[PrefillRequest] = (),
         decodes: Sequence[DecodeRequest] = (),
         cpu_buffer_free_chunks: int = 0,
-        phase: Optional[str] = None,
+        phase: str | None = None,
     ) -> AdmissionDecision:
         _check_int("free_kv_chunks", free_kv_chunks)
         _check_int("idle_act_chunks", idle_act_chunks)
@@ -216,8 +216,7 @@ class ElasticAdmissionPolicy:
             tokens += r.tokens
             admitted.append(r.rid)
             n += 1
-        return self._finish(PREFILL, queue, n, admitted, offloaded, [], m_kv, tokens, offload, 0,
-                            p_kv, p_act, p_b)
+        return self._finish(PREFILL, queue, n, admitted, offloaded, [], m_kv, tokens, offload, 0, p_kv, p_act, p_b)
 
     # Alg. 1 lines 14-22
     def _decode(self, queue, p_kv, p_act, p_b) -> AdmissionDecision:
@@ -236,11 +235,11 @@ class ElasticAdmissionPolicy:
                 fetched.append(r.rid)
                 fetch += r.offloaded_chunks
             n += 1
-        return self._finish(DECODE, queue, n, admitted, [], fetched, m_kv, tokens, 0, fetch,
-                            p_kv, p_act, p_b)
+        return self._finish(DECODE, queue, n, admitted, [], fetched, m_kv, tokens, 0, fetch, p_kv, p_act, p_b)
 
-    def _finish(self, phase, queue, n, admitted, offloaded, fetched, m_kv, tokens, offload, fetch,
-                p_kv, p_act, p_b) -> AdmissionDecision:
+    def _finish(
+        self, phase, queue, n, admitted, offloaded, fetched, m_kv, tokens, offload, fetch, p_kv, p_act, p_b
+    ) -> AdmissionDecision:
         m_act = self._act(tokens)
         # Alg. 1 lines 23-27 (memory ballooning)
         if p_kv < m_kv and p_act > m_act:
@@ -283,7 +282,7 @@ class BufferDecision:
 
     logical_chunks: int
     previous_chunks: int
-    event: Optional[str]
+    event: str | None
     tpot_violation: bool
     ttft_violation: bool
 
@@ -310,21 +309,25 @@ class LogicalBufferScaler:
     alpha: float = 2.0
     window: int = 5
     misses_to_violate: int = 3
-    initial_chunks: Optional[int] = None
-    ttft_slo: Optional[float] = None
-    tpot_slo: Optional[float] = None
+    initial_chunks: int | None = None
+    ttft_slo: float | None = None
+    tpot_slo: float | None = None
     per_sample: bool = False
     logical_chunks: int = field(init=False)
-    _ttft: Deque[bool] = field(init=False, repr=False)
-    _tpot: Deque[bool] = field(init=False, repr=False)
+    _ttft: deque[bool] = field(init=False, repr=False)
+    _tpot: deque[bool] = field(init=False, repr=False)
 
     def __post_init__(self):
         _check_int("min_chunks", self.min_chunks, 1)
         _check_int("max_chunks", self.max_chunks, 1)
         if self.max_chunks < self.min_chunks:
             raise ValueError(f"max_chunks ({self.max_chunks}) must be >= min_chunks ({self.min_chunks})")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 1 \
-                or not math.isfinite(self.alpha):
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, (int, float))
+            or not self.alpha > 1
+            or not math.isfinite(self.alpha)
+        ):
             raise ValueError(f"alpha must be a finite number > 1, got {self.alpha!r}")
         _check_int("window", self.window, 1)
         _check_int("misses_to_violate", self.misses_to_violate, 1)
@@ -348,11 +351,11 @@ class LogicalBufferScaler:
         _check_int("used_chunks", used_chunks)
         return max(min(self.logical_chunks, self.max_chunks) - used_chunks, 0)
 
-    def window_misses(self) -> Tuple[int, int]:
+    def window_misses(self) -> tuple[int, int]:
         """(ttft misses, tpot misses) in the current windows."""
         return sum(self._ttft), sum(self._tpot)
 
-    def observe(self, ttft: Optional[float] = None, tpot: Optional[float] = None) -> BufferDecision:
+    def observe(self, ttft: float | None = None, tpot: float | None = None) -> BufferDecision:
         """One iteration with measured latencies (None: no sample, R8)."""
         flags = []
         for name, value, slo in (("ttft", ttft, self.ttft_slo), ("tpot", tpot, self.tpot_slo)):
@@ -361,8 +364,7 @@ class LogicalBufferScaler:
                 continue
             if slo is None:
                 raise ValueError(f"{name}_slo must be set to observe {name} latencies")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
-                    or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number >= 0 or None, got {value!r}")
             flags.append(value > slo)
         return self._record(flags[0], flags[1])
@@ -374,7 +376,7 @@ class LogicalBufferScaler:
         _check_bool("tpot_missed", tpot_missed)
         return self._record(ttft_missed, tpot_missed)
 
-    def _record(self, ttft_missed: Optional[bool], tpot_missed: Optional[bool]) -> BufferDecision:
+    def _record(self, ttft_missed: bool | None, tpot_missed: bool | None) -> BufferDecision:
         """Append the flags given (None: no sample, nothing appended) and act on violations."""
         if ttft_missed is not None:
             self._ttft.append(ttft_missed)

@@ -19,24 +19,44 @@ Readings of the paper where it is not explicit are marked "READING:".
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ._checks import check_int as _int
 
 __all__ = [
-    "KVPrecision", "FP16", "BF16", "FP8", "INT4", "precision_by_name",
-    "KVLayout", "token_kv_bytes", "token_qparam_bytes", "kv_block_bytes",
-    "slab_bytes", "blocks_per_slab", "engine_block_id", "split_engine_block_id",
-    "ModelDemand", "GpuCandidate", "CandidateScore", "PlacementResult",
-    "PlacementInfeasible", "placement_score", "place_models",
-    "Request", "ChunkedPrefillModel", "BatchDecision", "adaptive_batch",
+    "KVPrecision",
+    "FP16",
+    "BF16",
+    "FP8",
+    "INT4",
+    "precision_by_name",
+    "KVLayout",
+    "token_kv_bytes",
+    "token_qparam_bytes",
+    "kv_block_bytes",
+    "slab_bytes",
+    "blocks_per_slab",
+    "engine_block_id",
+    "split_engine_block_id",
+    "ModelDemand",
+    "GpuCandidate",
+    "CandidateScore",
+    "PlacementResult",
+    "PlacementInfeasible",
+    "placement_score",
+    "place_models",
+    "Request",
+    "ChunkedPrefillModel",
+    "BatchDecision",
+    "adaptive_batch",
 ]
 
 
 # ---------------------------------------------------------------- validation
 
-def _num(name: str, value, minimum: Optional[float] = None, strict: bool = False) -> float:
+
+def _num(name: str, value, minimum: float | None = None, strict: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if not math.isfinite(value):
@@ -56,6 +76,7 @@ def _name(name: str, value) -> str:
 
 
 # ------------------------------------------------------- F2: precision sizes
+
 
 @dataclass(frozen=True)
 class KVPrecision:
@@ -134,13 +155,13 @@ class KVLayout:
         if not isinstance(self.precision, KVPrecision):
             raise ValueError(f"precision must be a KVPrecision, got {self.precision!r}")
         if self.num_kv_heads % self.tp and self.tp % self.num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads ({self.num_kv_heads}) and tp ({self.tp}) must divide one another")
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) and tp ({self.tp}) must divide one another")
         raw = self.heads_per_rank * self.head_dim * 2 * self.precision.bytes_per_elem
         if raw != int(raw):
             raise ValueError(
                 f"precision bytes_per_elem {self.precision.bytes_per_elem} gives a "
-                f"fractional token size {raw} for head_dim {self.head_dim}")
+                f"fractional token size {raw} for head_dim {self.head_dim}"
+            )
 
     @property
     def heads_per_rank(self) -> int:
@@ -177,11 +198,11 @@ def kv_block_bytes(layout: KVLayout, tokens_per_block: int, per_layer: bool = Tr
     ``token_qparam_bytes``; no per-block constant is assumed.
     """
     _int("tokens_per_block", tokens_per_block, 1)
-    return tokens_per_block * (token_kv_bytes(layout, per_layer)
-                               + token_qparam_bytes(layout, per_layer))
+    return tokens_per_block * (token_kv_bytes(layout, per_layer) + token_qparam_bytes(layout, per_layer))
 
 
 # --------------------------------------------------------- F1: slab numbers
+
 
 def slab_bytes(block_sizes: Iterable[int], min_slab_bytes: int = 0) -> int:
     """Uniform slab size for one GPU.
@@ -221,7 +242,7 @@ def engine_block_id(slab_id: int, local_id: int, blocks_per_slab: int) -> int:
     return slab_id * blocks_per_slab + local_id
 
 
-def split_engine_block_id(block_id: int, blocks_per_slab: int) -> Tuple[int, int]:
+def split_engine_block_id(block_id: int, blocks_per_slab: int) -> tuple[int, int]:
     """Inverse of ``engine_block_id``: returns (slab_id, local_id)."""
     _int("blocks_per_slab", blocks_per_slab, 1)
     _int("block_id", block_id, 0)
@@ -229,6 +250,7 @@ def split_engine_block_id(block_id: int, blocks_per_slab: int) -> Tuple[int, int
 
 
 # ----------------------------------------------------- F3: global placement
+
 
 @dataclass(frozen=True)
 class ModelDemand:
@@ -263,25 +285,25 @@ class GpuCandidate:
 class CandidateScore:
     gpu: str
     feasible: bool
-    k_rem: float    # K_rem(G') after charging M
+    k_rem: float  # K_rem(G') after charging M
     mean_mu: float  # mean mu over G'
-    score: float    # mean_mu * k_rem, or -inf when infeasible
+    score: float  # mean_mu * k_rem, or -inf when infeasible
 
 
 @dataclass(frozen=True)
 class PlacementResult:
-    order: Tuple[str, ...]                   # models in placement order (F_M desc)
-    assignment: Dict[str, str]               # model -> gpu, placed models only
-    residents: Dict[str, Tuple[str, ...]]    # gpu -> models, in placement order
-    k_rem: Dict[str, float]                  # gpu -> contested memory left
-    unplaced: Tuple[str, ...]                # models no candidate could hold
-    scores: Dict[str, Tuple[CandidateScore, ...]] = field(default_factory=dict)
+    order: tuple[str, ...]  # models in placement order (F_M desc)
+    assignment: dict[str, str]  # model -> gpu, placed models only
+    residents: dict[str, tuple[str, ...]]  # gpu -> models, in placement order
+    k_rem: dict[str, float]  # gpu -> contested memory left
+    unplaced: tuple[str, ...]  # models no candidate could hold
+    scores: dict[str, tuple[CandidateScore, ...]] = field(default_factory=dict)
 
     @property
     def feasible(self) -> bool:
         return not self.unplaced
 
-    def raise_if_infeasible(self) -> "PlacementResult":
+    def raise_if_infeasible(self) -> PlacementResult:
         if self.unplaced:
             raise PlacementInfeasible(self.unplaced)
         return self
@@ -293,12 +315,16 @@ class PlacementInfeasible(RuntimeError):
         super().__init__(f"no candidate GPU can hold base footprint of: {', '.join(self.unplaced)}")
 
 
-MuFn = Callable[[str, Tuple[str, ...]], float]
+MuFn = Callable[[str, tuple[str, ...]], float]
 
 
-def placement_score(total_memory: float, resident_footprints: Sequence[float],
-                    resident_mus: Sequence[float], new_footprint: float,
-                    new_mu: float) -> Tuple[bool, float, float, float]:
+def placement_score(
+    total_memory: float,
+    resident_footprints: Sequence[float],
+    resident_mus: Sequence[float],
+    new_footprint: float,
+    new_mu: float,
+) -> tuple[bool, float, float, float]:
     """Eq. 3 for one candidate: returns (feasible, k_rem, mean_mu, score).
 
     score(G|M) = (1/|G'|) * sum_{m in G'} mu_m * K_rem(G'), where G' = G + M
@@ -324,8 +350,9 @@ def placement_score(total_memory: float, resident_footprints: Sequence[float],
     return True, k_rem, mean_mu, mean_mu * k_rem
 
 
-def place_models(models: Sequence[ModelDemand], gpus: Sequence[GpuCandidate],
-                 mu_fn: Optional[MuFn] = None) -> PlacementResult:
+def place_models(
+    models: Sequence[ModelDemand], gpus: Sequence[GpuCandidate], mu_fn: MuFn | None = None
+) -> PlacementResult:
     """Algorithm 1. Models sorted by F_M descending (ties keep input order);
     each goes to the feasible candidate with the highest Eq. 3 score (ties go
     to the earlier candidate in ``gpus``). A model no candidate can hold is
@@ -351,19 +378,19 @@ def place_models(models: Sequence[ModelDemand], gpus: Sequence[GpuCandidate],
 
     by_name = {m.name: m for m in models}
 
-    def mu_of(name: str, group: Tuple[str, ...]) -> float:
+    def mu_of(name: str, group: tuple[str, ...]) -> float:
         if mu_fn is None:
             return by_name[name].mu
         return _num(f"mu_fn({name!r})", mu_fn(name, group), 0.0)
 
     ordered = sorted(models, key=lambda m: -m.base_footprint)  # stable
-    residents: Dict[str, List[str]] = {g.name: [] for g in gpus}
-    assignment: Dict[str, str] = {}
-    unplaced: List[str] = []
-    all_scores: Dict[str, Tuple[CandidateScore, ...]] = {}
+    residents: dict[str, list[str]] = {g.name: [] for g in gpus}
+    assignment: dict[str, str] = {}
+    unplaced: list[str] = []
+    all_scores: dict[str, tuple[CandidateScore, ...]] = {}
 
     for m in ordered:
-        best: Optional[CandidateScore] = None
+        best: CandidateScore | None = None
         row = []
         for g in gpus:
             group = tuple(residents[g.name]) + (m.name,)
@@ -371,7 +398,9 @@ def place_models(models: Sequence[ModelDemand], gpus: Sequence[GpuCandidate],
                 g.total_memory,
                 [by_name[r].base_footprint for r in residents[g.name]],
                 [mu_of(r, group) for r in residents[g.name]],
-                m.base_footprint, mu_of(m.name, group))
+                m.base_footprint,
+                mu_of(m.name, group),
+            )
             cs = CandidateScore(g.name, ok, k_rem, mean_mu, score)
             row.append(cs)
             if ok and (best is None or cs.score > best.score):
@@ -383,15 +412,19 @@ def place_models(models: Sequence[ModelDemand], gpus: Sequence[GpuCandidate],
         residents[best.gpu].append(m.name)
         assignment[m.name] = best.gpu
 
-    k_left = {g.name: g.total_memory - sum(by_name[r].base_footprint for r in residents[g.name])
-              for g in gpus}
+    k_left = {g.name: g.total_memory - sum(by_name[r].base_footprint for r in residents[g.name]) for g in gpus}
     return PlacementResult(
-        order=tuple(m.name for m in ordered), assignment=assignment,
-        residents={k: tuple(v) for k, v in residents.items()}, k_rem=k_left,
-        unplaced=tuple(unplaced), scores=all_scores)
+        order=tuple(m.name for m in ordered),
+        assignment=assignment,
+        residents={k: tuple(v) for k, v in residents.items()},
+        k_rem=k_left,
+        unplaced=tuple(unplaced),
+        scores=all_scores,
+    )
 
 
 # ------------------------------------------------- F4: local adaptive batch
+
 
 @dataclass(frozen=True)
 class Request:
@@ -444,17 +477,18 @@ class ChunkedPrefillModel:
 
 @dataclass(frozen=True)
 class BatchDecision:
-    batch: Tuple[Request, ...]            # S, in EDF order
-    dropped: Tuple[Request, ...]          # D: cannot meet deadline even alone
-    removed_longest: Tuple[Request, ...]  # taken out by lines 12-15 (stay waiting)
-    trimmed: Tuple[Request, ...]          # cut by N_max / T_max (stay waiting)
-    remaining: Tuple[Request, ...]        # W after the call, original order
-    predicted_finish: float               # t + TTFT(batch); t when batch empty
-    deadlines: Dict[str, float]           # rid -> d_r
+    batch: tuple[Request, ...]  # S, in EDF order
+    dropped: tuple[Request, ...]  # D: cannot meet deadline even alone
+    removed_longest: tuple[Request, ...]  # taken out by lines 12-15 (stay waiting)
+    trimmed: tuple[Request, ...]  # cut by N_max / T_max (stay waiting)
+    remaining: tuple[Request, ...]  # W after the call, original order
+    predicted_finish: float  # t + TTFT(batch); t when batch empty
+    deadlines: dict[str, float]  # rid -> d_r
 
 
-def adaptive_batch(waiting: Sequence[Request], now: float, slo: float,
-                   n_max: int, t_max: int, predictor: ChunkedPrefillModel) -> BatchDecision:
+def adaptive_batch(
+    waiting: Sequence[Request], now: float, slo: float, n_max: int, t_max: int, predictor: ChunkedPrefillModel
+) -> BatchDecision:
     """Algorithm 2 (SLO-aware adaptive batching) for one model's queue.
 
     1. d_r = arrival + slo; drop r unless now + TTFT({r}) < d_r (strict, as
@@ -506,6 +540,11 @@ def adaptive_batch(waiting: Sequence[Request], now: float, slo: float,
 
     gone = {r.rid for r in dropped} | {r.rid for r in batch}
     return BatchDecision(
-        batch=tuple(batch), dropped=tuple(dropped), removed_longest=tuple(removed),
-        trimmed=tuple(trimmed), remaining=tuple(r for r in waiting if r.rid not in gone),
-        predicted_finish=now + predictor.ttft(batch), deadlines=deadline)
+        batch=tuple(batch),
+        dropped=tuple(dropped),
+        removed_longest=tuple(removed),
+        trimmed=tuple(trimmed),
+        remaining=tuple(r for r in waiting if r.rid not in gone),
+        predicted_finish=now + predictor.ttft(batch),
+        deadlines=deadline,
+    )

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ._checks import check_int as _int
 
@@ -119,7 +119,7 @@ class BufferMode(str, enum.Enum):
     DOUBLE = "double"
 
 
-def uniform_interval_layers(n_layers: int, m: int, offset: int = 0) -> Tuple[int, ...]:
+def uniform_interval_layers(n_layers: int, m: int, offset: int = 0) -> tuple[int, ...]:
     """Evenly spaced ``m`` of ``n_layers`` layer indices (0-based) on the circle.
 
     Index i is ``(offset + floor(i * n / m)) mod n``; consecutive gaps
@@ -158,7 +158,7 @@ class LayerPlan:
     alpha: int
     beta: int
     m: int
-    shared_layers: Tuple[int, ...]
+    shared_layers: tuple[int, ...]
     min_gap: int
     feasible: bool
     reason: str
@@ -213,7 +213,13 @@ def plan_layers(
     if beta == 0:
         checked = {BufferMode.AUTO: "Eq. 4 and Eq. 5", BufferMode.SINGLE: "Eq. 4", BufferMode.DOUBLE: "Eq. 5"}[mode]
         return LayerPlan(
-            n_layers, alpha, 0, 0, (), 0, False,
+            n_layers,
+            alpha,
+            0,
+            0,
+            (),
+            0,
+            False,
             f"infeasible: {checked} violated for n={n_layers}, alpha={alpha}, "
             f"T_T={t_transfer:g}, T_c={t_layer_compute:g}",
         )
@@ -269,12 +275,12 @@ class ModelState:
     name: str
     n_layers: int
     layer_transfer_s: float
-    compute_s: Optional[float]
+    compute_s: float | None
     active: bool
     cap: int
     remapped: int = 0
     blocks_per_layer: int = 1
-    priority: Optional[float] = None
+    priority: float | None = None
     last_activated: float = 0.0
 
     def __post_init__(self) -> None:
@@ -296,7 +302,7 @@ class ModelState:
         _num("last_activated", self.last_activated)
 
 
-def model_limit(model: ModelState, mode: BufferMode = BufferMode.AUTO) -> Tuple[int, str]:
+def model_limit(model: ModelState, mode: BufferMode = BufferMode.AUTO) -> tuple[int, str]:
     """Largest alpha allowed for ``model`` now, and which rule bounds it.
 
     limit = min(n - 1, cap, O4 bound, O5 bound) with T_c = T_compute / n.
@@ -311,7 +317,7 @@ def model_limit(model: ModelState, mode: BufferMode = BufferMode.AUTO) -> Tuple[
     return min(bounds, key=lambda b: b[0])
 
 
-def remap_order(models: Iterable[ModelState]) -> List[str]:
+def remap_order(models: Iterable[ModelState]) -> list[str]:
     """O3 (section 5.2): the order in which models give up layers.
 
     Inactive models first, then active ones (inactive-before-active holds
@@ -332,7 +338,7 @@ def remap_order(models: Iterable[ModelState]) -> List[str]:
     names = [m.name for m in models]
     if len(set(names)) != len(names):
         raise ValueError(f"name must be unique per model, got {names}")
-    order: List[str] = []
+    order: list[str] = []
     for group in ([m for m in models if not m.active], [m for m in models if m.active]):
         given = [m.priority is not None for m in group]
         if any(given) and not all(given):
@@ -351,8 +357,8 @@ def remap_order(models: Iterable[ModelState]) -> List[str]:
 
 
 class Action(str, enum.Enum):
-    HOLD = "hold"        # change nothing
-    REMAP = "remap"      # lend one more layer of ``model`` to the KV cache
+    HOLD = "hold"  # change nothing
+    REMAP = "remap"  # lend one more layer of ``model`` to the KV cache
     RESTORE = "restore"  # give KV memory back to ``model``'s weights
 
 
@@ -367,11 +373,11 @@ class RemapDecision:
     """
 
     action: Action
-    model: Optional[str]
+    model: str | None
     target_remapped: int
-    plan: Optional[LayerPlan]
+    plan: LayerPlan | None
     reason: str
-    limits: Dict[str, Tuple[int, str]] = field(default_factory=dict)
+    limits: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 class OneirosController:
@@ -404,15 +410,13 @@ class OneirosController:
         self.low_watermark = _int("low_watermark", low_watermark, 0)
         self.high_watermark = _int("high_watermark", high_watermark, 0)
         if self.high_watermark < self.low_watermark:
-            raise ValueError(
-                f"high_watermark must be >= low_watermark ({low_watermark}), got {high_watermark}"
-            )
+            raise ValueError(f"high_watermark must be >= low_watermark ({low_watermark}), got {high_watermark}")
         try:
             self.mode = BufferMode(mode)
         except ValueError:
             raise ValueError(f"mode must be one of {[m.value for m in BufferMode]}, got {mode!r}") from None
-        self._free: Optional[int] = None
-        self._models: Tuple[ModelState, ...] = ()
+        self._free: int | None = None
+        self._models: tuple[ModelState, ...] = ()
 
     def observe(self, free_kv_blocks: int, models: Sequence[ModelState]) -> None:
         """Record the pool's free KV blocks and every model's state."""
@@ -431,9 +435,7 @@ class OneirosController:
     def _plan(self, model: ModelState, alpha: int) -> LayerPlan:
         if alpha == 0:
             return plan_layers(model.n_layers, 0, model.layer_transfer_s, 1.0, self.mode)
-        return plan_layers(
-            model.n_layers, alpha, model.layer_transfer_s, model.compute_s / model.n_layers, self.mode
-        )
+        return plan_layers(model.n_layers, alpha, model.layer_transfer_s, model.compute_s / model.n_layers, self.mode)
 
     def decide(self) -> RemapDecision:
         """Decide one step from the last observation (see class docstring)."""
@@ -446,8 +448,14 @@ class OneirosController:
         for name in reversed(order):
             m, (lim, why) = by_name[name], limits[name]
             if m.remapped > lim:
-                return RemapDecision(Action.RESTORE, name, lim, self._plan(m, lim),
-                                     f"over limit: remapped {m.remapped} > {lim} ({why})", limits)
+                return RemapDecision(
+                    Action.RESTORE,
+                    name,
+                    lim,
+                    self._plan(m, lim),
+                    f"over limit: remapped {m.remapped} > {lim} ({why})",
+                    limits,
+                )
 
         if self._free < self.low_watermark:
             for name in order:
@@ -455,20 +463,27 @@ class OneirosController:
                 if m.remapped < lim:
                     target = m.remapped + 1
                     return RemapDecision(
-                        Action.REMAP, name, target, self._plan(m, target),
+                        Action.REMAP,
+                        name,
+                        target,
+                        self._plan(m, target),
                         f"KV blocks running out: free {self._free} < low watermark {self.low_watermark}",
                         limits,
                     )
             detail = "; ".join(f"{n}: {limits[n][0]} ({limits[n][1]})" for n in order) or "no models"
-            return RemapDecision(Action.HOLD, None, 0, None,
-                                 f"KV blocks running out but no model can remap further: {detail}", limits)
+            return RemapDecision(
+                Action.HOLD, None, 0, None, f"KV blocks running out but no model can remap further: {detail}", limits
+            )
 
         for name in reversed(order):
             m = by_name[name]
             if m.remapped > 0 and self._free - m.blocks_per_layer >= self.high_watermark:
                 target = m.remapped - 1
                 return RemapDecision(
-                    Action.RESTORE, name, target, self._plan(m, target),
+                    Action.RESTORE,
+                    name,
+                    target,
+                    self._plan(m, target),
                     f"KV demand subsided: free {self._free} - {m.blocks_per_layer} >= high watermark "
                     f"{self.high_watermark}",
                     limits,

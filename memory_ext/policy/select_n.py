@@ -64,8 +64,8 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
     "Phase",
@@ -118,7 +118,7 @@ def _pos_num(name: str, v, allow_zero: bool = False) -> float:
     return float(v)
 
 
-def _pow2_grid(name: str, values: Iterable[int]) -> Tuple[int, ...]:
+def _pow2_grid(name: str, values: Iterable[int]) -> tuple[int, ...]:
     vals = tuple(values)
     if not vals:
         raise ValueError(f"{name} must not be empty")
@@ -171,16 +171,18 @@ def _budget(num_layers: int, timing: LayerTiming, slo: float, kind: SloKind) -> 
     return (1.0 + slo) * num_layers * timing.compute_s
 
 
-def meets_slo(num_layers: int, interval: int, timing: LayerTiming, slo: float,
-              slo_kind: SloKind = SloKind.ABSOLUTE) -> bool:
+def meets_slo(
+    num_layers: int, interval: int, timing: LayerTiming, slo: float, slo_kind: SloKind = SloKind.ABSOLUTE
+) -> bool:
     slo_kind = SloKind(slo_kind)
     _pos_num("slo", slo, allow_zero=slo_kind is SloKind.SLOWDOWN)
     budget = _budget(num_layers, timing, slo, slo_kind)
     return iteration_latency(num_layers, interval, timing) <= budget * (1 + _EPS)
 
 
-def optimal_interval(num_layers: int, timing: LayerTiming, slo: float,
-                     slo_kind: SloKind = SloKind.ABSOLUTE) -> Optional[int]:
+def optimal_interval(
+    num_layers: int, timing: LayerTiming, slo: float, slo_kind: SloKind = SloKind.ABSOLUTE
+) -> int | None:
     """Smallest interval meeting the SLO; ``L + 1`` if only "no offload" does;
     ``None`` if not even the un-offloaded model meets it."""
     _pos_int("num_layers", num_layers)
@@ -205,19 +207,19 @@ class PerformanceRecord:
     phase: Phase
     num_layers: int
     slo_kind: SloKind
-    slos: Tuple[float, ...]
-    batch_sizes: Tuple[int, ...]
-    seq_lens: Tuple[int, ...]
-    table: Mapping[Tuple[float, int, int], Optional[int]] = field(repr=False)
+    slos: tuple[float, ...]
+    batch_sizes: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    table: Mapping[tuple[float, int, int], int | None] = field(repr=False)
 
-    def cell(self, slo: float, batch: int, seq: int) -> Optional[int]:
+    def cell(self, slo: float, batch: int, seq: int) -> int | None:
         return self.table[(slo, batch, seq)]
 
-    def grid(self, slo: float) -> List[List[Optional[int]]]:
+    def grid(self, slo: float) -> list[list[int | None]]:
         """Rows = batch sizes, columns = sequence lengths (Table 1 layout)."""
         return [[self.table[(slo, b, s)] for s in self.seq_lens] for b in self.batch_sizes]
 
-    def lookup(self, slo: float, batch: int, seq: int) -> Optional[int]:
+    def lookup(self, slo: float, batch: int, seq: int) -> int | None:
         """Interval for an arbitrary request, from the nearest conservative cell.
 
         Returns ``None`` when no conservative cell exists or the cell is
@@ -229,7 +231,7 @@ class PerformanceRecord:
         key = self.conservative_key(slo_f, batch, seq)
         return None if key is None else self.table[key]
 
-    def conservative_key(self, slo: float, batch: int, seq: int) -> Optional[Tuple[float, int, int]]:
+    def conservative_key(self, slo: float, batch: int, seq: int) -> tuple[float, int, int] | None:
         slo_keys = [s for s in self.slos if s <= slo * (1 + _EPS)]
         if not slo_keys:
             return None
@@ -241,7 +243,7 @@ class PerformanceRecord:
         return (max(slo_keys), b, s)
 
 
-def _round(grid: Sequence[int], v: int, up: bool) -> Optional[int]:
+def _round(grid: Sequence[int], v: int, up: bool) -> int | None:
     if up:
         cands = [g for g in grid if g >= v]
         return min(cands) if cands else None
@@ -252,10 +254,15 @@ def _round(grid: Sequence[int], v: int, up: bool) -> Optional[int]:
 TimingFn = Callable[[int, int], LayerTiming]
 
 
-def analyze(num_layers: int, timing_fn: TimingFn, slos: Iterable[float],
-            batch_sizes: Iterable[int], seq_lens: Iterable[int],
-            phase: Phase = Phase.DECODE,
-            slo_kind: SloKind = SloKind.ABSOLUTE) -> PerformanceRecord:
+def analyze(
+    num_layers: int,
+    timing_fn: TimingFn,
+    slos: Iterable[float],
+    batch_sizes: Iterable[int],
+    seq_lens: Iterable[int],
+    phase: Phase = Phase.DECODE,
+    slo_kind: SloKind = SloKind.ABSOLUTE,
+) -> PerformanceRecord:
     """Offline analyzer (§4.4): one measurement per (batch, seq), one cell per SLO.
 
     ``timing_fn(batch, seq)`` returns the per-layer compute and transfer time
@@ -269,12 +276,12 @@ def analyze(num_layers: int, timing_fn: TimingFn, slos: Iterable[float],
         raise ValueError("slos must not be empty")
     for s in slo_t:
         _pos_num("slos", s, allow_zero=slo_kind is SloKind.SLOWDOWN)
-    slo_t = tuple(sorted(set(float(s) for s in slo_t)))
+    slo_t = tuple(sorted({float(s) for s in slo_t}))
     bs = _pow2_grid("batch_sizes", batch_sizes)
     ss = _pow2_grid("seq_lens", seq_lens)
     if not callable(timing_fn):
         raise ValueError("timing_fn must be callable")
-    table: Dict[Tuple[float, int, int], Optional[int]] = {}
+    table: dict[tuple[float, int, int], int | None] = {}
     for b in bs:
         for s in ss:
             t = timing_fn(b, s)
@@ -298,14 +305,20 @@ class PhaseRecords:
         if self.decode.phase is not Phase.DECODE:
             raise ValueError("decode must be a DECODE record")
 
-    def lookup(self, phase: Phase, slo: float, batch: int, seq: int) -> Optional[int]:
+    def lookup(self, phase: Phase, slo: float, batch: int, seq: int) -> int | None:
         rec = self.prefill if Phase(phase) is Phase.PREFILL else self.decode
         return rec.lookup(slo, batch, seq)
 
 
-def analyze_phases(num_layers: int, prefill_timing_fn: TimingFn, decode_timing_fn: TimingFn,
-                   slos: Iterable[float], batch_sizes: Iterable[int], seq_lens: Iterable[int],
-                   slo_kind: SloKind = SloKind.ABSOLUTE) -> PhaseRecords:
+def analyze_phases(
+    num_layers: int,
+    prefill_timing_fn: TimingFn,
+    decode_timing_fn: TimingFn,
+    slos: Iterable[float],
+    batch_sizes: Iterable[int],
+    seq_lens: Iterable[int],
+    slo_kind: SloKind = SloKind.ABSOLUTE,
+) -> PhaseRecords:
     slos = tuple(slos)
     batch_sizes = tuple(batch_sizes)
     seq_lens = tuple(seq_lens)
@@ -318,8 +331,7 @@ def analyze_phases(num_layers: int, prefill_timing_fn: TimingFn, decode_timing_f
 # --------------------------------------------------------------------------- S3 coordinator
 
 
-def max_interval_for_capacity(num_layers: int, layer_bytes: int,
-                              gpu_weight_budget_bytes: int) -> Optional[int]:
+def max_interval_for_capacity(num_layers: int, layer_bytes: int, gpu_weight_budget_bytes: int) -> int | None:
     """Largest interval whose GPU-resident weights fit the budget (§4.5).
 
     ``None`` means unbounded (the whole model fits). ``0`` means nothing fits,
@@ -354,8 +366,8 @@ class GpuDemand:
     num_layers: int
     layer_bytes: int
     iter_time_s: float
-    min_interval: Optional[int]
-    max_interval: Optional[int] = None
+    min_interval: int | None
+    max_interval: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -366,8 +378,7 @@ class GpuDemand:
         if self.min_interval is not None:
             _pos_int("min_interval", self.min_interval)
         if self.max_interval is not None:
-            if isinstance(self.max_interval, bool) or not isinstance(self.max_interval, int) \
-                    or self.max_interval < 0:
+            if isinstance(self.max_interval, bool) or not isinstance(self.max_interval, int) or self.max_interval < 0:
                 raise ValueError(f"max_interval must be a non-negative int or None, got {self.max_interval!r}")
 
     def offloaded_bytes(self, interval: int) -> int:
@@ -381,7 +392,7 @@ class GpuDemand:
         """
         return self.offloaded_bytes(interval) / self.iter_time_s
 
-    def candidate_intervals(self) -> List[int]:
+    def candidate_intervals(self) -> list[int]:
         """Valid intervals, one per distinct offloaded-layer count.
 
         Among intervals with equal ``L // i`` (same bytes, same rate), the
@@ -391,7 +402,7 @@ class GpuDemand:
             return []
         cap = no_offload_interval(self.num_layers)
         hi = cap if self.max_interval is None else min(self.max_interval, cap)
-        by_count: Dict[int, int] = {}
+        by_count: dict[int, int] = {}
         for i in range(self.min_interval, hi + 1):
             by_count[self.num_layers // i] = i
         return sorted(by_count.values())
@@ -409,7 +420,7 @@ class CoordinatorDecision:
     intervals: Mapping[str, int]  # per GPU; empty when rejected (nothing changes)
     host_bytes: int
     total_rate: float
-    rejection: Optional[Rejection] = None
+    rejection: Rejection | None = None
     reason: str = ""
 
 
@@ -440,19 +451,21 @@ class LinkCoordinator:
             raise ValueError(f"name must be unique per link, got {names!r}")
 
         if new.min_interval is None:
-            return _reject(Rejection.SLO_UNATTAINABLE,
-                           f"{new.name}: no offloading interval meets the SLO")
+            return _reject(Rejection.SLO_UNATTAINABLE, f"{new.name}: no offloading interval meets the SLO")
         if new.max_interval is not None and new.min_interval > new.max_interval:
-            return _reject(Rejection.EXCEEDS_GPU_CAPACITY,
-                           f"{new.name}: SLO needs interval >= {new.min_interval} but GPU "
-                           f"capacity allows at most {new.max_interval}")
+            return _reject(
+                Rejection.EXCEEDS_GPU_CAPACITY,
+                f"{new.name}: SLO needs interval >= {new.min_interval} but GPU "
+                f"capacity allows at most {new.max_interval}",
+            )
         demands = (new,) + others
         cands = [d.candidate_intervals() for d in demands]
         for d, c in zip(demands, cands):
             if not c:
-                return _reject(Rejection.SLO_UNATTAINABLE if d.min_interval is None
-                               else Rejection.EXCEEDS_GPU_CAPACITY,
-                               f"{d.name}: has no valid interval")
+                return _reject(
+                    Rejection.SLO_UNATTAINABLE if d.min_interval is None else Rejection.EXCEEDS_GPU_CAPACITY,
+                    f"{d.name}: has no valid interval",
+                )
 
         best = None
         best_key = None
@@ -466,9 +479,10 @@ class LinkCoordinator:
             if best_key is None or key < best_key:
                 best, best_key = (combo, host, rate), key
         if best is None:
-            return _reject(Rejection.LINK_BANDWIDTH,
-                           "no combination of valid intervals keeps the link under "
-                           f"{self.bandwidth:g} B/s")
+            return _reject(
+                Rejection.LINK_BANDWIDTH,
+                f"no combination of valid intervals keeps the link under {self.bandwidth:g} B/s",
+            )
         combo, host, rate = best
         return CoordinatorDecision(True, {d.name: i for d, i in zip(demands, combo)}, host, rate)
 

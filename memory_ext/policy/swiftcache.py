@@ -45,8 +45,8 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Deque, Iterable, Optional, Sequence, Tuple
 
 from ._checks import check_int as _int
 
@@ -144,11 +144,11 @@ class LSCPlan:
 
     num_layers: int  # L of the master
     k_master: int  # single-layer blocks the master memory holds (Eq. 3)
-    k_workers: Tuple[int, ...]  # full-layer master blocks each worker holds (Eq. 2)
+    k_workers: tuple[int, ...]  # full-layer master blocks each worker holds (Eq. 2)
     n_lsc: int  # single-layer blocks of LSC (Eq. 4)
     n_rc: int  # full-layer blocks of RC (Eq. 5, R1)
-    block_size: Optional[int] = None  # tokens per block, if known
-    m_block_bytes: Optional[int] = None  # Eq. 1, if known
+    block_size: int | None = None  # tokens per block, if known
+    m_block_bytes: int | None = None  # Eq. 1, if known
 
     @property
     def max_context_blocks(self) -> int:
@@ -156,7 +156,7 @@ class LSCPlan:
         return self.n_lsc + self.n_rc
 
     @property
-    def max_context_tokens(self) -> Optional[int]:
+    def max_context_tokens(self) -> int | None:
         return None if self.block_size is None else self.max_context_blocks * self.block_size
 
     @property
@@ -170,11 +170,11 @@ class LSCPlan:
         return self.k_master - self.n_lsc - self.n_rc * self.num_layers
 
     @property
-    def lsc_bytes(self) -> Optional[int]:
+    def lsc_bytes(self) -> int | None:
         return None if self.m_block_bytes is None else self.n_lsc * self.m_block_bytes
 
     @property
-    def rc_bytes(self) -> Optional[int]:
+    def rc_bytes(self) -> int | None:
         if self.m_block_bytes is None:
             return None
         return self.n_rc * self.num_layers * self.m_block_bytes
@@ -185,8 +185,8 @@ def plan_lsc_from_blocks(
     k_workers: Sequence[int],
     num_layers: int,
     *,
-    block_size: Optional[int] = None,
-    m_block_bytes: Optional[int] = None,
+    block_size: int | None = None,
+    m_block_bytes: int | None = None,
 ) -> LSCPlan:
     """Eq. 4-5 from block counts (the form of the paper's worked example)."""
     _int("k_master", k_master)
@@ -224,9 +224,7 @@ def plan_lsc(master: KVGeometry, master_cache_bytes: int, worker_cache_bytes: Se
         worker_full_layer_blocks(_int(f"worker_cache_bytes[{i}]", c), m_block, master.num_layers)
         for i, c in enumerate(worker_cache_bytes)
     ]
-    return plan_lsc_from_blocks(
-        k_master, ks, master.num_layers, block_size=master.block_size, m_block_bytes=m_block
-    )
+    return plan_lsc_from_blocks(k_master, ks, master.num_layers, block_size=master.block_size, m_block_bytes=m_block)
 
 
 # --------------------------------------------------------------------------- W3: MEU
@@ -237,7 +235,7 @@ def block_elems(geom: KVGeometry) -> int:
     return geom.num_layers * geom.block_size * geom.num_kv_heads * geom.head_dim
 
 
-def block_major_shape(geom: KVGeometry, n_blocks: int) -> Tuple[int, int, int]:
+def block_major_shape(geom: KVGeometry, n_blocks: int) -> tuple[int, int, int]:
     """Block-major layout (n_blocks, n_layers, block_elems_per_layer); resizing touches only the tail."""
     _int("n_blocks", n_blocks)
     return (n_blocks, geom.num_layers, geom.block_size * geom.num_kv_heads * geom.head_dim)
@@ -311,7 +309,7 @@ class ScaleDecision:
     needed_blocks: int  # need (up) or max_need (down)
     worker_blocks_before: int
     worker_blocks_after: int
-    donated_blocks_after: Optional[int]  # worker blocks lent to the master afterwards, if tracked
+    donated_blocks_after: int | None  # worker blocks lent to the master afterwards, if tracked
     shortfall_blocks: int = 0  # up only: blocks still missing because the donation ran out (R4)
     reason: str = ""
 
@@ -339,7 +337,7 @@ def scale_up(
     meu_master: int,
     request_len: int,
     *,
-    donated_blocks: Optional[int] = None,
+    donated_blocks: int | None = None,
 ) -> ScaleDecision:
     """Alg. 1 SCALEUP: reclaim ceil((need - N_i) / MEU_i) MEUs, capped by the donation (R4)."""
     _int("current_blocks", current_blocks)
@@ -349,7 +347,14 @@ def scale_up(
     need = blocks_for_tokens(_int("request_len", request_len), block_size)
     if need <= current_blocks:
         return ScaleDecision(
-            ScaleAction.NONE, 0, 0, 0, need, current_blocks, current_blocks, donated_blocks,
+            ScaleAction.NONE,
+            0,
+            0,
+            0,
+            need,
+            current_blocks,
+            current_blocks,
+            donated_blocks,
             reason="allocation already covers the request",
         )
     diff = need - current_blocks
@@ -383,7 +388,7 @@ def scale_down(
     window_lengths: Iterable[int],
     *,
     min_blocks: int = 0,
-    donated_blocks: Optional[int] = None,
+    donated_blocks: int | None = None,
 ) -> ScaleDecision:
     """Alg. 1 SCALEDOWN: release floor((N_i - max_need) / MEU_i) MEUs not needed by the last window (R5)."""
     _int("current_blocks", current_blocks)
@@ -400,7 +405,14 @@ def scale_down(
     floor_blocks = max(max_need, min_blocks)
     if floor_blocks >= current_blocks:
         return ScaleDecision(
-            ScaleAction.NONE, 0, 0, 0, max_need, current_blocks, current_blocks, donated_blocks,
+            ScaleAction.NONE,
+            0,
+            0,
+            0,
+            max_need,
+            current_blocks,
+            current_blocks,
+            donated_blocks,
             reason="recent demand needs the whole allocation",
         )
     k = (current_blocks - floor_blocks) // meu_worker
@@ -423,7 +435,7 @@ class RequestWindow:
 
     def __init__(self, window_s: float = 60.0) -> None:
         self.window_s = _num("window_s", window_s)
-        self._items: Deque[Tuple[float, int]] = deque()
+        self._items: deque[tuple[float, int]] = deque()
         self._last = float("-inf")
 
     def record(self, now: float, request_len: int) -> None:
@@ -434,7 +446,7 @@ class RequestWindow:
         self._last = now
         self._items.append((now, request_len))
 
-    def lengths(self, now: float) -> Tuple[int, ...]:
+    def lengths(self, now: float) -> tuple[int, ...]:
         now = _num("now", now, positive=False)
         cutoff = now - self.window_s
         while self._items and self._items[0][0] < cutoff:
@@ -472,7 +484,7 @@ class ElasticWorkerPolicy:
         self._window = RequestWindow(self.window_s)
 
     @classmethod
-    def from_unit(cls, unit: ElasticUnit, **kw) -> "ElasticWorkerPolicy":
+    def from_unit(cls, unit: ElasticUnit, **kw) -> ElasticWorkerPolicy:
         return cls(meu_worker=unit.meu_worker, meu_master=unit.meu_master, **kw)
 
     @property
@@ -489,16 +501,24 @@ class ElasticWorkerPolicy:
         self._window.record(now, request_len)
         return self._apply(
             scale_up(
-                self.current_blocks, self.block_size, self.meu_worker, self.meu_master,
-                request_len, donated_blocks=self.donated_blocks,
+                self.current_blocks,
+                self.block_size,
+                self.meu_worker,
+                self.meu_master,
+                request_len,
+                donated_blocks=self.donated_blocks,
             )
         )
 
     def on_tick(self, now: float) -> ScaleDecision:
         return self._apply(
             scale_down(
-                self.current_blocks, self.block_size, self.meu_worker, self.meu_master,
-                self._window.lengths(now), min_blocks=self.min_blocks,
+                self.current_blocks,
+                self.block_size,
+                self.meu_worker,
+                self.meu_master,
+                self._window.lengths(now),
+                min_blocks=self.min_blocks,
                 donated_blocks=self.donated_blocks,
             )
         )

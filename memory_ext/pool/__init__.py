@@ -19,10 +19,25 @@ from .arbiter_client import ArbiterClient, ArbiterDenied, ArbiterError
 from .kv_etensor import KVETensor
 from .layered_kv import LayeredKVBuffers
 from .lent_pool import LentPool
-from .ownership import (CeilingExceeded, ChunkPool, FloorViolation, Owner, OwnershipError, PoolError,
-                        PoolExhausted)
+from .ownership import CeilingExceeded, ChunkPool, FloorViolation, Owner, OwnershipError, PoolError, PoolExhausted
 from .unmapper import AsyncUnmapper
 
-__all__ = ["ActivationBlock", "ActivationETensor", "Arbiter", "ArbiterClient", "ArbiterDenied",
-           "ArbiterError", "AsyncUnmapper", "CeilingExceeded", "ChunkPool", "FloorViolation",
-           "KVETensor", "LayeredKVBuffers", "LentPool", "Owner", "OwnershipError", "PoolError", "PoolExhausted"]
+__all__ = [
+    "ActivationBlock",
+    "ActivationETensor",
+    "Arbiter",
+    "ArbiterClient",
+    "ArbiterDenied",
+    "ArbiterError",
+    "AsyncUnmapper",
+    "CeilingExceeded",
+    "ChunkPool",
+    "FloorViolation",
+    "KVETensor",
+    "LayeredKVBuffers",
+    "LentPool",
+    "Owner",
+    "OwnershipError",
+    "PoolError",
+    "PoolExhausted",
+]

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -65,10 +65,10 @@ class ActivationETensor(SlotBackedTensor):
         self._slots = PooledSlots(pool, owner, self._num_slots)
         self._range = self._slots.vrange
         self._lock = threading.RLock()
-        self._free: Dict[int, int] = {0: self._num_slots}   # start -> length of each free extent
-        self._free_end: Dict[int, int] = {self._num_slots: 0}  # end -> start
-        self._blocks: Dict[int, ActivationBlock] = {}       # start -> live block
-        self._mapped = self._slots.mapped                   # slot -> chunk (owned by _slots)
+        self._free: dict[int, int] = {0: self._num_slots}  # start -> length of each free extent
+        self._free_end: dict[int, int] = {self._num_slots: 0}  # end -> start
+        self._blocks: dict[int, ActivationBlock] = {}  # start -> live block
+        self._mapped = self._slots.mapped  # slot -> chunk (owned by _slots)
         self._ids = itertools.count(1)
         self._closed = False
 
@@ -84,10 +84,13 @@ class ActivationETensor(SlotBackedTensor):
         """Mapped slots that no block uses (what ``shrink`` can give back)."""
         with self._lock:
             return len(self._mapped) - sum(
-                1 for b in self._blocks.values() for s in range(b.start_slot, b.start_slot + b.num_slots)
-                if s in self._mapped)
+                1
+                for b in self._blocks.values()
+                for s in range(b.start_slot, b.start_slot + b.num_slots)
+                if s in self._mapped
+            )
 
-    def free_extents(self) -> List[Tuple[int, int]]:
+    def free_extents(self) -> list[tuple[int, int]]:
         """``(start_slot, num_slots)`` of every free extent, by address."""
         with self._lock:
             return sorted(self._free.items())
@@ -122,14 +125,16 @@ class ActivationETensor(SlotBackedTensor):
         n = -(-nbytes // self._chunk_bytes)
         with self._lock:
             self._check_open()
-            best: Optional[Tuple[int, int]] = None
+            best: tuple[int, int] | None = None
             for start, length in self._free.items():
                 if length >= n and (best is None or (length, start) < (best[1], best[0])):
                     best = (start, length)
             if best is None:
                 largest = max(self._free.values(), default=0)
-                raise ValueError(f"nbytes {nbytes} needs {n} contiguous slot(s); the largest free extent "
-                                 f"has {largest} (of {self._num_slots})")
+                raise ValueError(
+                    f"nbytes {nbytes} needs {n} contiguous slot(s); the largest free extent "
+                    f"has {largest} (of {self._num_slots})"
+                )
             start, length = best
             self._slots.map_slots(range(start, start + n))
             self._take_extent(start, length, n)
@@ -147,20 +152,23 @@ class ActivationETensor(SlotBackedTensor):
             del self._blocks[block.start_slot]
             self._put_extent(block.start_slot, block.num_slots)
 
-    def shrink(self, n: Optional[int] = None) -> int:
+    def shrink(self, n: int | None = None) -> int:
         """Unmap up to ``n`` (default: all) idle mapped slots, highest first; release their chunks."""
         with self._lock:
             self._check_open()
-            idle = sorted((s for start, length in self._free.items() for s in range(start, start + length)
-                           if s in self._mapped), reverse=True)
+            idle = sorted(
+                (s for start, length in self._free.items() for s in range(start, start + length) if s in self._mapped),
+                reverse=True,
+            )
             if n is not None:
                 if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                     raise ValueError(f"n must be a non-negative int, got {n!r}")
                 idle = idle[:n]
             return self._slots.unmap_slots(idle)
 
-    def tensor(self, block: ActivationBlock, dtype: torch.dtype = torch.uint8,
-               shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+    def tensor(
+        self, block: ActivationBlock, dtype: torch.dtype = torch.uint8, shape: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """A zero-copy view of an allocated block: ``nbytes`` bytes (1-D) or ``shape``."""
         with self._lock:
             self._check_open()
@@ -208,7 +216,7 @@ class ActivationETensor(SlotBackedTensor):
             self._free, self._free_end = {0: self._num_slots}, {self._num_slots: 0}
             self._closed = True
 
-    def __enter__(self) -> "ActivationETensor":
+    def __enter__(self) -> ActivationETensor:
         return self
 
     def __exit__(self, *exc) -> None:

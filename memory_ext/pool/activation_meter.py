@@ -17,7 +17,6 @@ forwards, not every one.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,7 +28,7 @@ class _HostAllocations(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._held: Dict[int, List[int]] = {}  # storage pointer -> [bytes, tensors seen on it]
+        self._held: dict[int, list[int]] = {}  # storage pointer -> [bytes, tensors seen on it]
 
     def _forget(self, ptr: int) -> None:
         entry = self._held.get(ptr)
@@ -68,7 +67,7 @@ class PeakMeter:
         self._mode = None
         self._base = 0
 
-    def __enter__(self) -> "PeakMeter":
+    def __enter__(self) -> PeakMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._base = torch.cuda.memory_allocated(self.device)

@@ -57,7 +57,6 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
 
 from ..vmm.base import PhysicalChunk, VmmBackend
 from ..vmm.ipc import MAX_FDS, listen_unix, send_chunks
@@ -75,9 +74,9 @@ class _Client:
     cid: int
     sock: socket.socket
     peer_pid: int
-    name: Optional[str] = None
-    pid: Optional[int] = None
-    held: Dict[int, str] = field(default_factory=dict)  # arbiter chunk id -> owner label
+    name: str | None = None
+    pid: int | None = None
+    held: dict[int, str] = field(default_factory=dict)  # arbiter chunk id -> owner label
     asked: int = 0  # outstanding RECLAIM chunks not yet returned
 
 
@@ -101,8 +100,16 @@ def _close_fds(fds) -> None:
 class Arbiter:
     """Lends a device's chunks to client processes. See the module docstring."""
 
-    def __init__(self, socket_path, backend: VmmBackend, budget_chunks: int, *,
-                 floor_per_client: int = 0, reclaim_timeout: float = 2.0, send_timeout: float = 5.0):
+    def __init__(
+        self,
+        socket_path,
+        backend: VmmBackend,
+        budget_chunks: int,
+        *,
+        floor_per_client: int = 0,
+        reclaim_timeout: float = 2.0,
+        send_timeout: float = 5.0,
+    ):
         if not isinstance(backend, VmmBackend):
             raise TypeError(f"backend must be a VmmBackend, got {type(backend).__name__}")
         for name, v in (("budget_chunks", budget_chunks), ("floor_per_client", floor_per_client)):
@@ -117,20 +124,21 @@ class Arbiter:
         self.reclaim_timeout = float(reclaim_timeout)
         self.send_timeout = float(send_timeout)
         self._lock = threading.RLock()
-        self._chunks: Dict[int, PhysicalChunk] = {}  # every chunk created, by handle id
-        self._free: List[int] = []  # LIFO: most recently returned first
-        self._holder: Dict[int, int] = {}  # chunk id -> client id
-        self._clients: Dict[int, _Client] = {}
-        self._pending: List[_Pending] = []
+        self._chunks: dict[int, PhysicalChunk] = {}  # every chunk created, by handle id
+        self._free: list[int] = []  # LIFO: most recently returned first
+        self._holder: dict[int, int] = {}  # chunk id -> client id
+        self._clients: dict[int, _Client] = {}
+        self._pending: list[_Pending] = []
         self._next_cid = 1
-        self._listen: Optional[socket.socket] = None
-        self._sel: Optional[selectors.BaseSelector] = None
+        self._listen: socket.socket | None = None
+        self._sel: selectors.BaseSelector | None = None
         self._wake_r = self._wake_w = None
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._stopping = False
         self._started = False
-        self.stats = dict.fromkeys(("granted", "denied", "returned", "reclaim_sent", "errors",
-                                    "clients_dropped", "chunks_freed_on_drop"), 0)
+        self.stats = dict.fromkeys(
+            ("granted", "denied", "returned", "reclaim_sent", "errors", "clients_dropped", "chunks_freed_on_drop"), 0
+        )
 
     # ------------------------------------------------------------ lifecycle
     def _open(self) -> None:
@@ -145,7 +153,7 @@ class Arbiter:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._started = True
 
-    def start(self) -> "Arbiter":
+    def start(self) -> Arbiter:
         """Listen and serve in a daemon thread."""
         self._open()
         self._thread = threading.Thread(target=self._run, name="memx-arbiter", daemon=True)
@@ -196,7 +204,7 @@ class Arbiter:
             self._holder.clear()
             self._started = False
 
-    def __enter__(self) -> "Arbiter":
+    def __enter__(self) -> Arbiter:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -211,13 +219,28 @@ class Arbiter:
     def _status_locked(self) -> dict:
         clients = []
         for c in sorted(self._clients.values(), key=lambda c: c.cid):
-            by_owner: Dict[str, int] = {}
+            by_owner: dict[str, int] = {}
             for o in c.held.values():
                 by_owner[o] = by_owner.get(o, 0) + 1
-            clients.append({"client_id": c.cid, "name": c.name, "pid": c.pid, "peer_pid": c.peer_pid,
-                            "held": len(c.held), "by_owner": by_owner, "asked": c.asked})
-        return {"budget": self.budget, "created": len(self._chunks), "free": len(self._free),
-                "floor": self.floor, "pending": len(self._pending), "clients": clients}
+            clients.append(
+                {
+                    "client_id": c.cid,
+                    "name": c.name,
+                    "pid": c.pid,
+                    "peer_pid": c.peer_pid,
+                    "held": len(c.held),
+                    "by_owner": by_owner,
+                    "asked": c.asked,
+                }
+            )
+        return {
+            "budget": self.budget,
+            "created": len(self._chunks),
+            "free": len(self._free),
+            "floor": self.floor,
+            "pending": len(self._pending),
+            "clients": clients,
+        }
 
     def check_invariants(self) -> None:
         with self._lock:
@@ -239,7 +262,8 @@ class Arbiter:
                 raise ArbiterInvariantError(f"chunks neither free nor held: {sorted(set(self._chunks) - seen)}")
             if held + len(self._free) != len(self._chunks) or len(self._chunks) > self.budget:
                 raise ArbiterInvariantError(
-                    f"held {held} + free {len(self._free)} != created {len(self._chunks)} (budget {self.budget})")
+                    f"held {held} + free {len(self._free)} != created {len(self._chunks)} (budget {self.budget})"
+                )
             live = {c.handle_id for c in self.backend.live_chunks()}
             if not set(self._chunks) <= live:
                 raise ArbiterInvariantError("a pooled chunk was destroyed in the backend")
@@ -279,8 +303,7 @@ class Arbiter:
         except (BlockingIOError, InterruptedError):
             return
         try:
-            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                      struct.calcsize("3i")))[0]
+            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
         except OSError:
             pid = 0
         sock.settimeout(self.send_timeout)
@@ -292,7 +315,7 @@ class Arbiter:
     def _on_readable(self, client: _Client) -> None:
         try:
             data, fds, flags, _ = socket.recv_fds(client.sock, proto.MAX_MESSAGE_BYTES + 1, MAX_FDS)
-        except (BlockingIOError, InterruptedError, socket.timeout):
+        except (TimeoutError, BlockingIOError, InterruptedError):
             return
         except OSError as exc:  # ECONNRESET and friends
             self._drop(client, f"recv failed: {exc}")
@@ -318,9 +341,17 @@ class Arbiter:
                 self._error(client, msg["req_id"], "type", "HELLO already received on this connection")
                 return
             client.name, client.pid = msg["name"], msg["pid"]
-            self._send(client, {"type": "WELCOME", "req_id": msg["req_id"], "client_id": client.cid,
-                                "granularity": self.backend.granularity, "budget": self.budget,
-                                "floor": self.floor})
+            self._send(
+                client,
+                {
+                    "type": "WELCOME",
+                    "req_id": msg["req_id"],
+                    "client_id": client.cid,
+                    "granularity": self.backend.granularity,
+                    "budget": self.budget,
+                    "floor": self.floor,
+                },
+            )
             return
         if client.name is None:
             self._error(client, msg["req_id"], "type", f"expected HELLO first, got {kind}")
@@ -344,11 +375,9 @@ class Arbiter:
         others = [c for c in self._clients.values() if c is not client and c.name is not None]
         possible = self._available_now() + sum(max(0, len(c.held) - self.floor) for c in others)
         if n > possible:
-            self._deny(client, req_id, f"{n} chunk(s) requested, at most {possible} could be reclaimed",
-                       possible)
+            self._deny(client, req_id, f"{n} chunk(s) requested, at most {possible} could be reclaimed", possible)
             return
-        self._pending.append(_Pending(client, req_id, n, msg["owner"],
-                                      time.monotonic() + self.reclaim_timeout))
+        self._pending.append(_Pending(client, req_id, n, msg["owner"], time.monotonic() + self.reclaim_timeout))
         demand = sum(p.n for p in self._pending)
         shortfall = demand - self._available_now() - sum(c.asked for c in self._clients.values())
         # Largest holder first; each gives at most what it holds above its floor, minus what it owes.
@@ -368,8 +397,7 @@ class Arbiter:
         ids = msg["chunks"]
         for i, cid in enumerate(ids):
             if client.held.get(cid) is None:
-                self._error(client, msg["req_id"], f"chunks[{i}]",
-                            f"chunk {cid} is not held by client {client.cid}")
+                self._error(client, msg["req_id"], f"chunks[{i}]", f"chunk {cid} is not held by client {client.cid}")
                 return
         for cid in ids:
             del client.held[cid], self._holder[cid]
@@ -381,7 +409,7 @@ class Arbiter:
 
     def _grant(self, client: _Client, req_id: int, n: int, owner: str) -> None:
         taken = [self._free.pop() for _ in range(min(n, len(self._free)))]
-        created: List[PhysicalChunk] = []
+        created: list[PhysicalChunk] = []
         try:
             while len(taken) + len(created) < n:
                 created.append(self.backend.create_chunk())
@@ -408,7 +436,7 @@ class Arbiter:
         self.stats["denied"] += 1
         self._send(client, {"type": "DENY", "req_id": req_id, "reason": reason, "available": available})
 
-    def _error(self, client: _Client, req_id: Optional[int], field_: str, message: str) -> None:
+    def _error(self, client: _Client, req_id: int | None, field_: str, message: str) -> None:
         self.stats["errors"] += 1
         self._send(client, {"type": "ERROR", "req_id": req_id, "field": field_, "message": message[:4096]})
 
@@ -437,15 +465,25 @@ class Arbiter:
         self._pending = [p for p in self._pending if p.deadline > now]
         for p in expired:
             if p.client.cid in self._clients:
-                self._deny(p.client, p.req_id, f"reclaim did not free enough chunks within "
-                           f"{self.reclaim_timeout:g} s", self._available_now())
+                self._deny(
+                    p.client,
+                    p.req_id,
+                    f"reclaim did not free enough chunks within {self.reclaim_timeout:g} s",
+                    self._available_now(),
+                )
         self._serve_pending()
 
     def _drop(self, client: _Client, why: str, *, serve: bool = True) -> None:
         if self._clients.pop(client.cid, None) is None:
             return
-        log.info("arbiter: client %d (%s, pid %s) gone: %s; %d chunk(s) back to FREE",
-                 client.cid, client.name, client.pid, why, len(client.held))
+        log.info(
+            "arbiter: client %d (%s, pid %s) gone: %s; %d chunk(s) back to FREE",
+            client.cid,
+            client.name,
+            client.pid,
+            why,
+            len(client.held),
+        )
         try:
             self._sel.unregister(client.sock)
         except (KeyError, ValueError, OSError):
@@ -466,8 +504,10 @@ class Arbiter:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m memory_ext.pool.arbiter",
-                                 description="Per-device chunk arbiter shared by several engine processes.")
+    ap = argparse.ArgumentParser(
+        prog="python -m memory_ext.pool.arbiter",
+        description="Per-device chunk arbiter shared by several engine processes.",
+    )
     ap.add_argument("--socket", required=True, help="Unix socket path to create (mode 0600)")
     ap.add_argument("--budget-chunks", type=int, required=True)
     size = ap.add_mutually_exclusive_group()
@@ -480,10 +520,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from ..vmm import host_backend
+
     granularity = (args.granularity_kib << 10) if args.granularity_kib else ((args.granularity_mib or 2) << 20)
     backend = host_backend(granularity, name="memx-arbiter")
-    arb = Arbiter(args.socket, backend, args.budget_chunks, floor_per_client=args.floor_per_client,
-                  reclaim_timeout=args.reclaim_timeout)
+    arb = Arbiter(
+        args.socket,
+        backend,
+        args.budget_chunks,
+        floor_per_client=args.floor_per_client,
+        reclaim_timeout=args.reclaim_timeout,
+    )
 
     def _stop(signum, frame):
         arb._stopping = True
@@ -495,8 +541,7 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    log.info("arbiter: serving %s, budget %d chunk(s) of %d KiB", args.socket, args.budget_chunks,
-             granularity >> 10)
+    log.info("arbiter: serving %s, budget %d chunk(s) of %d KiB", args.socket, args.budget_chunks, granularity >> 10)
     if args.pid_file:
         with open(args.pid_file, "w") as f:
             f.write(f"{os.getpid()}\n")

@@ -25,7 +25,7 @@ import os
 import queue
 import socket
 import threading
-from typing import Callable, Dict, List, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from ..vmm.base import PhysicalChunk, VmmBackend
 from ..vmm.ipc import MAX_FDS, connect_unix, recv_chunks
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class ArbiterError(RuntimeError):
     """The arbiter answered with ERROR (``field`` names the culprit) or went away."""
 
-    def __init__(self, message: str, field: Optional[str] = None):
+    def __init__(self, message: str, field: str | None = None):
         self.field = field
         super().__init__(message)
 
@@ -55,17 +55,23 @@ class _Waiter:
 
     def __init__(self):
         self.event = threading.Event()
-        self.reply: Optional[dict] = None
-        self.chunks: List[PhysicalChunk] = []
+        self.reply: dict | None = None
+        self.chunks: list[PhysicalChunk] = []
 
 
 class ArbiterClient:
     """A connection to an ``Arbiter``. See the module docstring."""
 
-    def __init__(self, socket_path, name: str, backend: VmmBackend,
-                 on_reclaim: Optional[Callable[[int], Sequence[PhysicalChunk]]] = None, *,
-                 timeout: float = 30.0,
-                 on_late_reply: Optional[Callable[[dict, List[PhysicalChunk]], bool]] = None):
+    def __init__(
+        self,
+        socket_path,
+        name: str,
+        backend: VmmBackend,
+        on_reclaim: Callable[[int], Sequence[PhysicalChunk]] | None = None,
+        *,
+        timeout: float = 30.0,
+        on_late_reply: Callable[[dict, list[PhysicalChunk]], bool] | None = None,
+    ):
         if not isinstance(backend, VmmBackend):
             raise TypeError(f"backend must be a VmmBackend, got {type(backend).__name__}")
         self.backend = backend
@@ -74,26 +80,28 @@ class ArbiterClient:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._next_req = 1
-        self._waiters: Dict[int, _Waiter] = {}
-        self._held: Dict[int, PhysicalChunk] = {}  # arbiter chunk id -> local import
+        self._waiters: dict[int, _Waiter] = {}
+        self._held: dict[int, PhysicalChunk] = {}  # arbiter chunk id -> local import
         self._closed = False
-        self._dead: Optional[str] = None
-        self.reclaim_requests: List[int] = []
-        self._reclaims: "queue.Queue[Optional[int]]" = queue.Queue()
+        self._dead: str | None = None
+        self.reclaim_requests: list[int] = []
+        self._reclaims: queue.Queue[int | None] = queue.Queue()
         self._sock = connect_unix(socket_path)
         self._reader = threading.Thread(target=self._read_loop, name=f"memx-arbiter-client-{name}", daemon=True)
-        self._worker = threading.Thread(target=self._reclaim_loop, name=f"memx-arbiter-reclaim-{name}",
-                                        daemon=True)
+        self._worker = threading.Thread(target=self._reclaim_loop, name=f"memx-arbiter-reclaim-{name}", daemon=True)
         self._reader.start()
         self._worker.start()
         try:
-            welcome = self._request({"type": "HELLO", "version": proto.PROTOCOL_VERSION, "name": name,
-                                     "pid": os.getpid()}).reply
+            welcome = self._request(
+                {"type": "HELLO", "version": proto.PROTOCOL_VERSION, "name": name, "pid": os.getpid()}
+            ).reply
             if welcome["type"] != "WELCOME":
                 raise ArbiterError(f"expected WELCOME, got {welcome['type']}")
             if welcome["granularity"] != backend.granularity:
-                raise ArbiterError(f"arbiter granularity {welcome['granularity']} differs from the backend's "
-                                   f"{backend.granularity}", "granularity")
+                raise ArbiterError(
+                    f"arbiter granularity {welcome['granularity']} differs from the backend's {backend.granularity}",
+                    "granularity",
+                )
         except BaseException:
             self._shutdown()
             raise
@@ -103,7 +111,7 @@ class ArbiterClient:
         self.floor: int = welcome["floor"]
 
     # ------------------------------------------------------------------- API
-    def borrow(self, n: int, owner: str = "kv", timeout: Optional[float] = None) -> List[PhysicalChunk]:
+    def borrow(self, n: int, owner: str = "kv", timeout: float | None = None) -> list[PhysicalChunk]:
         """Borrow ``n`` chunks (all or nothing); raises ArbiterDenied if refused.
 
         ``timeout`` (default: the client's) bounds the wait for each reply; on expiry
@@ -112,12 +120,13 @@ class ArbiterClient:
         """
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"n must be a positive int, got {n!r}")
-        got: List[PhysicalChunk] = []
+        got: list[PhysicalChunk] = []
         try:
             while len(got) < n:
                 k = min(n - len(got), proto.MAX_CHUNKS_PER_MESSAGE)
-                w = self._request({"type": "BORROW", "n": k, "owner": owner},
-                                  timeout=self.timeout if timeout is None else timeout)
+                w = self._request(
+                    {"type": "BORROW", "n": k, "owner": owner}, timeout=self.timeout if timeout is None else timeout
+                )
                 if w.reply["type"] == "DENY":
                     raise ArbiterDenied(w.reply["reason"], w.reply["available"])
                 if w.reply["type"] != "GRANT":
@@ -152,7 +161,7 @@ class ArbiterClient:
                 del self._held[sid]
         try:
             for start in range(0, len(ids), proto.MAX_RETURN_IDS):
-                self._request({"type": "RETURN", "chunks": ids[start:start + proto.MAX_RETURN_IDS]})
+                self._request({"type": "RETURN", "chunks": ids[start : start + proto.MAX_RETURN_IDS]})
         except ArbiterError as exc:
             if exc.field is not None:  # the arbiter refused: we still hold them
                 with self._lock:
@@ -167,7 +176,7 @@ class ArbiterClient:
         reply = self._request({"type": "STATUS"}).reply
         return {k: v for k, v in reply.items() if k not in ("type", "req_id")}
 
-    def held(self) -> List[PhysicalChunk]:
+    def held(self) -> list[PhysicalChunk]:
         with self._lock:
             return list(self._held.values())
 
@@ -184,8 +193,10 @@ class ArbiterClient:
             held = list(self._held.values())
         mapped = [c for c in held if self.backend.mappings_of(c)]
         if mapped and not force:
-            raise ValueError(f"chunks {', '.join(map(str, mapped))} are still mapped; unmap them "
-                             f"(the arbiter will lend them to others) or close(force=True)")
+            raise ValueError(
+                f"chunks {', '.join(map(str, mapped))} are still mapped; unmap them "
+                f"(the arbiter will lend them to others) or close(force=True)"
+            )
         self._shutdown()
         with self._lock:
             self._held.clear()
@@ -193,7 +204,7 @@ class ArbiterClient:
             if c not in mapped:
                 self.backend.destroy_chunk(c)
 
-    def __enter__(self) -> "ArbiterClient":
+    def __enter__(self) -> ArbiterClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -213,7 +224,7 @@ class ArbiterClient:
             self._worker.join(10)
         self._sock.close()
 
-    def _request(self, msg: dict, timeout: Optional[float] = None) -> _Waiter:
+    def _request(self, msg: dict, timeout: float | None = None) -> _Waiter:
         w = _Waiter()
         with self._lock:
             if self._dead is not None or self._closed:
@@ -233,8 +244,9 @@ class ArbiterClient:
         if w.reply is None:
             raise ArbiterError(f"connection lost while waiting for {msg['type']} ({self._dead})")
         if w.reply["type"] == "ERROR":
-            raise ArbiterError(f"arbiter rejected {msg['type']}: {w.reply['field']}: {w.reply['message']}",
-                               w.reply["field"])
+            raise ArbiterError(
+                f"arbiter rejected {msg['type']}: {w.reply['field']}: {w.reply['message']}", w.reply["field"]
+            )
         return w
 
     def _read_loop(self) -> None:
@@ -288,7 +300,7 @@ class ArbiterClient:
             for w in waiters.values():
                 w.event.set()  # reply None: connection lost
 
-    def _deliver(self, msg: dict, chunks: List[PhysicalChunk]) -> None:
+    def _deliver(self, msg: dict, chunks: list[PhysicalChunk]) -> None:
         with self._lock:
             w = self._waiters.pop(msg["req_id"], None)
             for c in chunks:
@@ -339,8 +351,11 @@ def query_arbiter_status(socket_path, timeout: float = 2.0, name: str = "status-
     try:
         try:
             sock.connect(os.fspath(socket_path))
-            sock.send(proto.encode({"type": "HELLO", "version": proto.PROTOCOL_VERSION, "name": name,
-                                    "pid": os.getpid(), "req_id": 1}))
+            sock.send(
+                proto.encode(
+                    {"type": "HELLO", "version": proto.PROTOCOL_VERSION, "name": name, "pid": os.getpid(), "req_id": 1}
+                )
+            )
             welcome = proto.decode_server(sock.recv(proto.MAX_MESSAGE_BYTES + 1))
             sock.send(proto.encode({"type": "STATUS", "req_id": 2}))
             reply = proto.decode_server(sock.recv(proto.MAX_MESSAGE_BYTES + 1))

@@ -36,7 +36,8 @@ raises ``ProtocolError(field, message)``; the arbiter answers it with ERROR.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Dict, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .ownership import Owner
 
@@ -51,7 +52,7 @@ OWNERS = tuple(o.value for o in Owner if o is not Owner.FREE)
 class ProtocolError(ValueError):
     """A message that does not follow the schema; ``field`` names the culprit."""
 
-    def __init__(self, field: str, message: str, req_id: Optional[int] = None):
+    def __init__(self, field: str, message: str, req_id: int | None = None):
         self.field, self.req_id = field, req_id
         super().__init__(f"{field}: {message}")
         self.detail = message
@@ -60,7 +61,7 @@ class ProtocolError(ValueError):
 Validator = Callable[[str, Any], None]
 
 
-def _int(lo: Optional[int] = None, hi: Optional[int] = None) -> Validator:
+def _int(lo: int | None = None, hi: int | None = None) -> Validator:
     def check(field: str, v: Any) -> None:
         if isinstance(v, bool) or not isinstance(v, int):
             raise ProtocolError(field, f"expected an int, got {type(v).__name__}")
@@ -68,6 +69,7 @@ def _int(lo: Optional[int] = None, hi: Optional[int] = None) -> Validator:
             raise ProtocolError(field, f"expected >= {lo}, got {v}")
         if hi is not None and v > hi:
             raise ProtocolError(field, f"expected <= {hi}, got {v}")
+
     return check
 
 
@@ -77,6 +79,7 @@ def _str(max_len: int = 1024, min_len: int = 0) -> Validator:
             raise ProtocolError(field, f"expected a string, got {type(v).__name__}")
         if not min_len <= len(v) <= max_len:
             raise ProtocolError(field, f"expected {min_len}..{max_len} characters, got {len(v)}")
+
     return check
 
 
@@ -95,6 +98,7 @@ def _ids(max_len: int, min_len: int = 1) -> Validator:
             _int(0)(f"{field}[{i}]", x)
         if len(set(v)) != len(v):
             raise ProtocolError(field, "duplicate chunk ids")
+
     return check
 
 
@@ -117,27 +121,33 @@ def _clients(field: str, v: Any) -> None:
 _REQ = _int(0)
 _COUNT = _int(0)
 
-CLIENT_SCHEMAS: Dict[str, Dict[str, Validator]] = {
+CLIENT_SCHEMAS: dict[str, dict[str, Validator]] = {
     "HELLO": {"req_id": _REQ, "version": _version, "name": _str(MAX_NAME_LEN, 1), "pid": _int(1)},
     "BORROW": {"req_id": _REQ, "n": _int(1, MAX_CHUNKS_PER_MESSAGE), "owner": _owner},
     "RETURN": {"req_id": _REQ, "chunks": _ids(MAX_RETURN_IDS)},
     "STATUS": {"req_id": _REQ},
 }
 
-SERVER_SCHEMAS: Dict[str, Dict[str, Validator]] = {
-    "WELCOME": {"req_id": _REQ, "client_id": _int(1), "granularity": _int(1), "budget": _COUNT,
-                "floor": _COUNT},
+SERVER_SCHEMAS: dict[str, dict[str, Validator]] = {
+    "WELCOME": {"req_id": _REQ, "client_id": _int(1), "granularity": _int(1), "budget": _COUNT, "floor": _COUNT},
     "GRANT": {"req_id": _REQ, "owner": _owner, "chunks": _ids(MAX_CHUNKS_PER_MESSAGE)},
     "DENY": {"req_id": _REQ, "reason": _str(), "available": _COUNT},
     "ACK": {"req_id": _REQ, "returned": _COUNT},
-    "STATUS": {"req_id": _REQ, "budget": _COUNT, "created": _COUNT, "free": _COUNT, "floor": _COUNT,
-               "pending": _COUNT, "clients": _clients},
+    "STATUS": {
+        "req_id": _REQ,
+        "budget": _COUNT,
+        "created": _COUNT,
+        "free": _COUNT,
+        "floor": _COUNT,
+        "pending": _COUNT,
+        "clients": _clients,
+    },
     "RECLAIM": {"n": _int(1)},
     "ERROR": {"req_id": _opt_req_id, "field": _str(), "message": _str(4096)},
 }
 
 
-def _best_req_id(obj: Any) -> Optional[int]:
+def _best_req_id(obj: Any) -> int | None:
     if isinstance(obj, dict):
         r = obj.get("req_id")
         if isinstance(r, int) and not isinstance(r, bool) and r >= 0:
@@ -154,8 +164,7 @@ def validate(obj: Any, schemas: Mapping[str, Mapping[str, Validator]]) -> dict:
         raise ProtocolError("type", "missing field", req_id)
     kind = obj["type"]
     if not isinstance(kind, str) or kind not in schemas:
-        raise ProtocolError("type", f"unknown message type {kind!r:.40}; expected one of {sorted(schemas)}",
-                            req_id)
+        raise ProtocolError("type", f"unknown message type {kind!r:.40}; expected one of {sorted(schemas)}", req_id)
     schema = schemas[kind]
     for name in schema:
         if name not in obj:

@@ -19,16 +19,16 @@ The copies themselves (device -> host and back) are the caller's: rows are
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
 
 import torch
 
 
 @dataclass
 class ParkedKV:
-    tokens: List[int]
-    rows: List[torch.Tensor]  # one [n, ...] host tensor per KV buffer
+    tokens: list[int]
+    rows: list[torch.Tensor]  # one [n, ...] host tensor per KV buffer
 
     @property
     def nbytes(self) -> int:
@@ -39,16 +39,25 @@ class ParkedKV:
 
 
 class HostKVBuffer:
-    def __init__(self, capacity_bytes: int, logical_bytes: Optional[int] = None):
+    def __init__(self, capacity_bytes: int, logical_bytes: int | None = None):
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self._logical = capacity_bytes
-        self._entries: Dict[str, ParkedKV] = {}
+        self._entries: dict[str, ParkedKV] = {}
         self._lock = threading.Lock()
         self.used_bytes = 0
-        self.stats = {"parked": 0, "restored": 0, "dropped": 0, "refused": 0, "parked_tokens": 0,
-                      "restored_tokens": 0, "fetched": 0, "fetched_tokens": 0, "peak_used_bytes": 0}
+        self.stats = {
+            "parked": 0,
+            "restored": 0,
+            "dropped": 0,
+            "refused": 0,
+            "parked_tokens": 0,
+            "restored_tokens": 0,
+            "fetched": 0,
+            "fetched_tokens": 0,
+            "peak_used_bytes": 0,
+        }
         if logical_bytes is not None:
             self.set_logical_bytes(logical_bytes)
 
@@ -90,7 +99,7 @@ class HostKVBuffer:
             self.stats["peak_used_bytes"] = max(self.stats["peak_used_bytes"], self.used_bytes)
             return True
 
-    def peek(self, key: str) -> Optional[ParkedKV]:
+    def peek(self, key: str) -> ParkedKV | None:
         return self._entries.get(key)
 
     def record_fetch(self, key: str) -> None:
@@ -102,7 +111,7 @@ class HostKVBuffer:
             self.stats["fetched"] += 1
             self.stats["fetched_tokens"] += len(entry)
 
-    def take(self, key: str) -> Optional[ParkedKV]:
+    def take(self, key: str) -> ParkedKV | None:
         """Remove and return ``key``'s entry (its request resumed from it), or None."""
         with self._lock:
             entry = self._entries.pop(key, None)
@@ -122,9 +131,14 @@ class HostKVBuffer:
             self.stats["dropped"] += 1
             return True
 
-    def keys(self) -> List[str]:
+    def keys(self) -> list[str]:
         return list(self._entries)
 
     def status(self) -> dict:
-        return {"capacity_bytes": self.capacity_bytes, "logical_bytes": self._logical,
-                "used_bytes": self.used_bytes, "requests": len(self._entries), **self.stats}
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "logical_bytes": self._logical,
+            "used_bytes": self.used_bytes,
+            "requests": len(self._entries),
+            **self.stats,
+        }

@@ -85,7 +85,7 @@ and queue the old slot's unmap.
 from __future__ import annotations
 
 import threading
-from typing import Dict, Iterable, List, Optional, Sequence, Set
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -109,10 +109,18 @@ def _itemsize(dtype: torch.dtype) -> int:
 class KVETensor(SlotBackedTensor):
     """A paged buffer over one virtual range, backed chunk by chunk. See the module docstring."""
 
-    def __init__(self, pool: ChunkPool, page_bytes: int, num_pages: int,
-                 dtype: torch.dtype = torch.uint8, owner: Owner = Owner.KV, *,
-                 headroom_slots: int = 0, async_unmap: bool = False,
-                 unmapper: Optional[AsyncUnmapper] = None):
+    def __init__(
+        self,
+        pool: ChunkPool,
+        page_bytes: int,
+        num_pages: int,
+        dtype: torch.dtype = torch.uint8,
+        owner: Owner = Owner.KV,
+        *,
+        headroom_slots: int = 0,
+        async_unmap: bool = False,
+        unmapper: AsyncUnmapper | None = None,
+    ):
         if not isinstance(pool, ChunkPool):
             raise TypeError(f"pool must be a ChunkPool, got {type(pool).__name__}")
         for name, value in (("page_bytes", page_bytes), ("num_pages", num_pages)):
@@ -142,13 +150,13 @@ class KVETensor(SlotBackedTensor):
         self._slots = PooledSlots(pool, owner, self._num_slots)
         self._range = self._slots.vrange
         self._lock = threading.RLock()
-        self._live = bytearray(num_pages)          # 1 where the page is live
-        self._slot_live = [0] * self._num_slots    # live pages per slot
-        self._slot_chunk = self._slots.mapped       # slot index -> mapped chunk (owned by _slots)
+        self._live = bytearray(num_pages)  # 1 where the page is live
+        self._slot_live = [0] * self._num_slots  # live pages per slot
+        self._slot_chunk = self._slots.mapped  # slot index -> mapped chunk (owned by _slots)
         self._closed = False
         self._headroom = headroom_slots
-        self._spare: Set[int] = set()               # mapped, no live page, kept ready
-        self._retiring: Dict[int, object] = {}      # mapped, no live page, unmap queued: slot -> ticket
+        self._spare: set[int] = set()  # mapped, no live page, kept ready
+        self._retiring: dict[int, object] = {}  # mapped, no live page, unmap queued: slot -> ticket
         self._own_unmapper = unmapper is None and async_unmap
         self._unmapper = AsyncUnmapper() if self._own_unmapper else unmapper
         self._stats = {"cancelled_retirements": 0, "retired_async": 0, "spares_used": 0}
@@ -227,19 +235,19 @@ class KVETensor(SlotBackedTensor):
                 return "retiring"
             return "live" if slot in self._slot_chunk else "free"
 
-    def stats(self) -> Dict[str, int]:
+    def stats(self) -> dict[str, int]:
         """Counters: cancelled_retirements, retired_async (jobs that unmapped), spares_used."""
         with self._lock:
             return dict(self._stats)
 
-    def suggest_pages(self, n: int, exclude: Iterable[int] = ()) -> List[int]:
+    def suggest_pages(self, n: int, exclude: Iterable[int] = ()) -> list[int]:
         """Up to ``n`` free page ids, cheapest first: partly live slots, spares, retiring, unmapped.
 
         A helper for the caller's page allocator (this class picks no pages
         itself). Costs O(mapped slots * pages_per_slot + unmapped slots scanned).
         """
         skip = set(exclude)
-        out: List[int] = []
+        out: list[int] = []
         pps = self._pages_per_slot
         with self._lock:
             partly = sorted(s for s in self._slot_chunk if self._slot_live[s])
@@ -271,7 +279,7 @@ class KVETensor(SlotBackedTensor):
             elif self._retiring.pop(slot, None) is not None:
                 self._stats["cancelled_retirements"] += 1
 
-    def _give_back_idle(self, keep: Iterable[int] = (), limit: Optional[int] = None) -> int:
+    def _give_back_idle(self, keep: Iterable[int] = (), limit: int | None = None) -> int:
         """Under the lock: unmap + release RETIRING then SPARE slots not in ``keep`` (sync)."""
         keep = set(keep)
         victims = [s for s in sorted(self._retiring) if s not in keep]
@@ -279,11 +287,11 @@ class KVETensor(SlotBackedTensor):
         if limit is not None:
             victims = victims[:limit]
         for s in victims:
-            self._retiring.pop(s, None)   # the worker's job for it becomes a no-op
+            self._retiring.pop(s, None)  # the worker's job for it becomes a no-op
             self._spare.discard(s)
         return self._slots.unmap_slots(victims)
 
-    def _map_needed(self, slots: List[int]) -> int:
+    def _map_needed(self, slots: list[int]) -> int:
         """Under the lock: map every listed slot not mapped yet, all or nothing, easing pool pressure."""
         try:
             return self._slots.map_slots(slots)
@@ -363,7 +371,7 @@ class KVETensor(SlotBackedTensor):
             try:
                 self._slots.unmap_slots([slot])
             except BaseException:
-                if slot in self._slot_chunk:   # still mapped: keep it as a spare, not lost
+                if slot in self._slot_chunk:  # still mapped: keep it as a spare, not lost
                     self._spare.add(slot)
                 raise
             self._stats["retired_async"] += 1
@@ -432,7 +440,7 @@ class KVETensor(SlotBackedTensor):
                 self._spare.discard(s)
             return self._slots.unmap_slots(victims)
 
-    def flush(self, timeout: Optional[float] = None) -> None:
+    def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued unmap has run; re-raise a worker failure. No-op when sync.
 
         Must not be called with this tensor's lock held by the caller (the
@@ -491,15 +499,16 @@ class KVETensor(SlotBackedTensor):
             if self._spare & self._retiring.keys():
                 raise AssertionError(f"slots both spare and retiring: {sorted(self._spare & self._retiring.keys())}")
             for slot in range(self._num_slots):
-                live = sum(self._live[slot * pps:(slot + 1) * pps])
+                live = sum(self._live[slot * pps : (slot + 1) * pps])
                 if live != self._slot_live[slot]:
                     raise AssertionError(f"slot {slot}: {live} live pages but count says {self._slot_live[slot]}")
                 idle = slot in self._spare or slot in self._retiring
                 if live and idle:
                     raise AssertionError(f"slot {slot}: {live} live pages but marked spare/retiring")
                 if (live > 0 or idle) != (slot in self._slot_chunk):
-                    raise AssertionError(f"slot {slot}: {live} live pages, idle={idle}, "
-                                         f"mapped={slot in self._slot_chunk}")
+                    raise AssertionError(
+                        f"slot {slot}: {live} live pages, idle={idle}, mapped={slot in self._slot_chunk}"
+                    )
             if self._closed:
                 return
             self._slots.check_invariants()
@@ -517,7 +526,7 @@ class KVETensor(SlotBackedTensor):
                 error = exc
         with self._lock:
             if not self._closed:
-                self._retiring.clear()   # jobs still queued (another thread freed pages) become no-ops
+                self._retiring.clear()  # jobs still queued (another thread freed pages) become no-ops
                 self._spare.clear()
                 self._slots.close()
                 self._live = bytearray(self._num_pages)
@@ -528,7 +537,7 @@ class KVETensor(SlotBackedTensor):
         if error is not None:
             raise error
 
-    def __enter__(self) -> "KVETensor":
+    def __enter__(self) -> KVETensor:
         return self
 
     def __exit__(self, *exc) -> None:

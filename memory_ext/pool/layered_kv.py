@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Iterable, List, Sequence, Set
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -55,8 +55,9 @@ def group_rows_for(row_bytes: Sequence[int], chunk_bytes: int, rows_multiple: in
 class LayeredKVBuffers:
     """``N`` row buffers over reserved ranges, mapped group by group. See the module docstring."""
 
-    def __init__(self, pool: ChunkPool, row_bytes: Sequence[int], num_rows: int,
-                 rows_multiple: int = 1, owner: Owner = Owner.KV):
+    def __init__(
+        self, pool: ChunkPool, row_bytes: Sequence[int], num_rows: int, rows_multiple: int = 1, owner: Owner = Owner.KV
+    ):
         if not isinstance(pool, ChunkPool):
             raise TypeError(f"pool must be a ChunkPool, got {type(pool).__name__}")
         row_bytes = [int(_positive_int(f"row_bytes[{i}]", rb)) for i, rb in enumerate(row_bytes)]
@@ -74,7 +75,7 @@ class LayeredKVBuffers:
         self._num_rows = num_rows
         self._chunks_per_group = [self._group_rows * rb // self._chunk_bytes for rb in row_bytes]
         self._lock = threading.RLock()
-        self._buffers: List[PooledSlots] = []
+        self._buffers: list[PooledSlots] = []
         try:
             for cpg in self._chunks_per_group:
                 self._buffers.append(PooledSlots(pool, owner, self._num_groups * cpg))
@@ -82,7 +83,7 @@ class LayeredKVBuffers:
             for b in self._buffers:
                 b.close()
             raise
-        self._mapped: Set[int] = set()
+        self._mapped: set[int] = set()
         self._closed = False
         self.map_calls = 0
         self.unmap_calls = 0
@@ -117,7 +118,7 @@ class LayeredKVBuffers:
     def pool(self) -> ChunkPool:
         return self._pool
 
-    def mapped_groups(self) -> List[int]:
+    def mapped_groups(self) -> list[int]:
         with self._lock:
             return sorted(self._mapped)
 
@@ -141,7 +142,7 @@ class LayeredKVBuffers:
             raise ValueError(f"group {g} is outside [0, {self._num_groups})")
         return g
 
-    def _slots_of(self, i: int, groups: Iterable[int]) -> List[int]:
+    def _slots_of(self, i: int, groups: Iterable[int]) -> list[int]:
         cpg = self._chunks_per_group[i]
         return [g * cpg + k for g in groups for k in range(cpg)]
 
@@ -158,7 +159,7 @@ class LayeredKVBuffers:
             needed = [g for g in groups if g not in self._mapped]
             if not needed:
                 return 0
-            done: List[int] = []
+            done: list[int] = []
             try:
                 for i, buf in enumerate(self._buffers):
                     buf.map_slots(self._slots_of(i, needed))
@@ -211,8 +212,10 @@ class LayeredKVBuffers:
                 buf.check_invariants()
                 expect = set(self._slots_of(i, self._mapped))
                 if set(buf.mapped) != expect:
-                    raise AssertionError(f"buffer {i}: mapped slots {sorted(buf.mapped)} differ from "
-                                         f"the mapped groups' slots {sorted(expect)}")
+                    raise AssertionError(
+                        f"buffer {i}: mapped slots {sorted(buf.mapped)} differ from "
+                        f"the mapped groups' slots {sorted(expect)}"
+                    )
 
     def close(self) -> None:
         """Unmap every group, release the chunks and the ranges (views become invalid)."""

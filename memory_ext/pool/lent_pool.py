@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import List, Optional
 
 from ..vmm.base import PhysicalChunk, VmmBackend
 from .arbiter_client import ArbiterClient, ArbiterDenied, ArbiterError
@@ -49,8 +48,9 @@ class LentPool:
         self.last_denied_available = 0  # what the arbiter said it could lend at its last refusal
         self.late_grants = 0
         self._outstanding = 0  # borrows whose reply had not come when we stopped waiting
-        self.client = ArbiterClient(socket_path, name, backend, on_reclaim=self._on_reclaim, timeout=timeout,
-                                    on_late_reply=self._on_late_reply)
+        self.client = ArbiterClient(
+            socket_path, name, backend, on_reclaim=self._on_reclaim, timeout=timeout, on_late_reply=self._on_late_reply
+        )
         self.pool = ChunkPool(backend, self.client.budget, create_chunks=False)
 
     @property
@@ -65,7 +65,7 @@ class LentPool:
             return 0
         return st["free"] + st["budget"] - st["created"]
 
-    def borrow(self, n: int, wait: Optional[float] = None) -> int:
+    def borrow(self, n: int, wait: float | None = None) -> int:
         """Borrow ``n`` chunks into FREE; return ``n``, or 0 if refused, not granted within
         ``wait`` seconds (default: the client's timeout), or a borrow is still outstanding."""
         if n <= 0:
@@ -96,7 +96,7 @@ class LentPool:
             self.borrowed_total += n
         return n
 
-    def _on_late_reply(self, msg: dict, chunks: List[PhysicalChunk]) -> bool:
+    def _on_late_reply(self, msg: dict, chunks: list[PhysicalChunk]) -> bool:
         with self._lock:
             if msg["type"] not in ("GRANT", "DENY") or self._outstanding == 0:
                 return False
@@ -115,7 +115,7 @@ class LentPool:
             self.late_grants += 1
         return True
 
-    def give_back(self, max_chunks: Optional[int] = None) -> int:
+    def give_back(self, max_chunks: int | None = None) -> int:
         """Return up to ``max_chunks`` (default: all) FREE chunks to the arbiter; return how many."""
         chunks = self.pool.disown(max_chunks)
         if chunks:
@@ -124,7 +124,7 @@ class LentPool:
                 self.returned_total += len(chunks)
         return len(chunks)
 
-    def _on_reclaim(self, n: int) -> List[PhysicalChunk]:
+    def _on_reclaim(self, n: int) -> list[PhysicalChunk]:
         with self._lock:
             self.reclaim_requests += 1
             self._pending_reclaim += n
@@ -138,11 +138,18 @@ class LentPool:
 
     def status(self) -> dict:
         with self._lock:
-            return {"budget_chunks": self.client.budget, "borrowed_total": self.borrowed_total,
-                    "returned_total": self.returned_total, "denied_total": self.denied_total,
-                    "reclaim_requests": self.reclaim_requests, "pending_reclaim": self._pending_reclaim,
-                    "late_grants": self.late_grants, "outstanding": self._outstanding,
-                    "held_chunks": len(self.client.held()), "client_id": self.client.client_id}
+            return {
+                "budget_chunks": self.client.budget,
+                "borrowed_total": self.borrowed_total,
+                "returned_total": self.returned_total,
+                "denied_total": self.denied_total,
+                "reclaim_requests": self.reclaim_requests,
+                "pending_reclaim": self._pending_reclaim,
+                "late_grants": self.late_grants,
+                "outstanding": self._outstanding,
+                "held_chunks": len(self.client.held()),
+                "client_id": self.client.client_id,
+            }
 
     def close(self) -> None:
         """Give every FREE chunk back and disconnect (mapped chunks return when the socket closes)."""

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Dict, Iterable, List, Mapping, Optional
+from collections.abc import Iterable, Mapping
 
 from ..vmm.base import PhysicalChunk, VmmBackend
 
@@ -70,7 +70,8 @@ class PoolExhausted(PoolError):
         self.reserved, self.capacity = reserved, capacity
         super().__init__(
             f"pool exhausted: owner {owner} requested {requested} chunk(s), {available} available "
-            f"({reserved} more held back for other owners' floors; capacity {capacity})")
+            f"({reserved} more held back for other owners' floors; capacity {capacity})"
+        )
 
 
 class CeilingExceeded(PoolError):
@@ -79,8 +80,8 @@ class CeilingExceeded(PoolError):
     def __init__(self, owner: Owner, requested: int, held: int, ceiling: int):
         self.owner, self.requested, self.held, self.ceiling = owner, requested, held, ceiling
         super().__init__(
-            f"ceiling exceeded: owner {owner} holds {held} chunk(s), requested {requested} more, "
-            f"ceiling {ceiling}")
+            f"ceiling exceeded: owner {owner} holds {held} chunk(s), requested {requested} more, ceiling {ceiling}"
+        )
 
 
 class FloorViolation(PoolError):
@@ -90,7 +91,8 @@ class FloorViolation(PoolError):
         self.owner, self.requested, self.held, self.floor = owner, requested, held, floor
         super().__init__(
             f"floor violation: owner {owner} holds {held} chunk(s), transfer of {requested} would "
-            f"leave it below its floor {floor}")
+            f"leave it below its floor {floor}"
+        )
 
 
 class OwnershipError(PoolError, ValueError):
@@ -116,16 +118,21 @@ def _check_count(name: str, value: object) -> int:
 class ChunkPool:
     """The ledger of a backend's chunks: who owns each one. See the module docstring."""
 
-    def __init__(self, backend: VmmBackend, capacity_chunks: int,
-                 floors: Optional[Mapping[Owner, int]] = None,
-                 ceilings: Optional[Mapping[Owner, int]] = None, *,
-                 create_chunks: bool = True):
+    def __init__(
+        self,
+        backend: VmmBackend,
+        capacity_chunks: int,
+        floors: Mapping[Owner, int] | None = None,
+        ceilings: Mapping[Owner, int] | None = None,
+        *,
+        create_chunks: bool = True,
+    ):
         if not isinstance(backend, VmmBackend):
             raise TypeError(f"backend must be a VmmBackend, got {type(backend).__name__}")
         self._backend = backend
         self._capacity = _check_count("capacity_chunks", capacity_chunks)
-        self._floors: Dict[Owner, int] = {}
-        self._ceilings: Dict[Owner, int] = {}
+        self._floors: dict[Owner, int] = {}
+        self._ceilings: dict[Owner, int] = {}
         for label, given, into in (("floors", floors, self._floors), ("ceilings", ceilings, self._ceilings)):
             for owner, n in (given or {}).items():
                 _check_owner(f"{label} key", owner)
@@ -137,8 +144,8 @@ class ChunkPool:
         if sum(self._floors.values()) > self._capacity:
             raise ValueError(f"floors sum to {sum(self._floors.values())}, above capacity_chunks {self._capacity}")
         self._lock = threading.RLock()
-        self._held: Dict[Owner, Dict[int, PhysicalChunk]] = {o: {} for o in Owner}
-        self._owner_of: Dict[int, Owner] = {}
+        self._held: dict[Owner, dict[int, PhysicalChunk]] = {o: {} for o in Owner}
+        self._owner_of: dict[int, Owner] = {}
         self._created = 0
         self._destroyed = 0
         self._creates = bool(create_chunks)
@@ -159,10 +166,10 @@ class ChunkPool:
     def floor(self, owner: Owner) -> int:
         return self._floors.get(owner, 0)
 
-    def ceiling(self, owner: Owner) -> Optional[int]:
+    def ceiling(self, owner: Owner) -> int | None:
         return self._ceilings.get(owner)
 
-    def usage(self) -> Dict[Owner, int]:
+    def usage(self) -> dict[Owner, int]:
         """Chunks held by each owner (FREE: created and idle). Every owner is listed."""
         with self._lock:
             return {o: len(h) for o, h in self._held.items()}
@@ -191,7 +198,7 @@ class ChunkPool:
                 raise OwnershipError(f"{chunk} does not belong to this pool")
             return owner
 
-    def chunks_of(self, owner: Owner) -> List[PhysicalChunk]:
+    def chunks_of(self, owner: Owner) -> list[PhysicalChunk]:
         with self._lock:
             return list(self._held[_check_owner("owner", owner, allow_free=True)].values())
 
@@ -199,7 +206,7 @@ class ChunkPool:
         return sum(max(0, f - len(self._held[o])) for o, f in self._floors.items() if o is not owner)
 
     # ------------------------------------------------------------ mutations
-    def acquire(self, owner: Owner, n: int) -> List[PhysicalChunk]:
+    def acquire(self, owner: Owner, n: int) -> list[PhysicalChunk]:
         """Give ``n`` chunks from FREE (creating them if needed) to ``owner``. All or nothing."""
         _check_owner("owner", owner)
         _check_count("n", n)
@@ -227,7 +234,7 @@ class ChunkPool:
                 taken.append(chunk)
             return taken
 
-    def _check_held(self, chunks: List[PhysicalChunk], owner: Owner) -> None:
+    def _check_held(self, chunks: list[PhysicalChunk], owner: Owner) -> None:
         seen = set()
         for chunk in chunks:
             if not isinstance(chunk, PhysicalChunk):
@@ -299,14 +306,16 @@ class ChunkPool:
                     raise OwnershipError(f"{chunk} is not alive in this pool's backend")
                 seen.add(chunk.handle_id)
             if len(self._owner_of) + len(chunks) > self._capacity:
-                raise PoolError(f"adopting {len(chunks)} chunk(s) would exceed capacity_chunks "
-                                f"{self._capacity} ({len(self._owner_of)} in the pool)")
+                raise PoolError(
+                    f"adopting {len(chunks)} chunk(s) would exceed capacity_chunks "
+                    f"{self._capacity} ({len(self._owner_of)} in the pool)"
+                )
             for chunk in chunks:
                 self._held[Owner.FREE][chunk.handle_id] = chunk
                 self._owner_of[chunk.handle_id] = Owner.FREE
                 self._created += 1
 
-    def disown(self, max_chunks: Optional[int] = None) -> List[PhysicalChunk]:
+    def disown(self, max_chunks: int | None = None) -> list[PhysicalChunk]:
         """Take up to ``max_chunks`` (default: all) FREE chunks out of the ledger, undestroyed.
 
         The caller now owns them (to hand back to their lender). Coldest first.
@@ -322,7 +331,7 @@ class ChunkPool:
                 out.append(chunk)
             return out
 
-    def trim(self, max_chunks: Optional[int] = None) -> int:
+    def trim(self, max_chunks: int | None = None) -> int:
         """Destroy up to ``max_chunks`` (default: all) FREE chunks; return how many."""
         with self._lock:
             free = self._held[Owner.FREE]
@@ -352,15 +361,17 @@ class ChunkPool:
             if not (total == len(self._owner_of) == live):
                 raise AssertionError(
                     f"conservation: owners hold {total} chunk(s), ledger has {len(self._owner_of)}, "
-                    f"created - destroyed = {live}")
+                    f"created - destroyed = {live}"
+                )
             if live > self._capacity:
                 raise AssertionError(f"conservation: {live} live chunks above capacity {self._capacity}")
             backend_live = {c.handle_id for c in self._backend.live_chunks()}
             for owner, held in self._held.items():
                 for hid, chunk in held.items():
                     if self._owner_of.get(hid) is not owner:
-                        raise AssertionError(f"exclusive ownership: {chunk} in {owner}'s set but ledger "
-                                             f"says {self._owner_of.get(hid)}")
+                        raise AssertionError(
+                            f"exclusive ownership: {chunk} in {owner}'s set but ledger says {self._owner_of.get(hid)}"
+                        )
                     if hid not in backend_live:
                         raise AssertionError(f"{chunk} held by {owner} was destroyed in the backend")
                     if owner is Owner.FREE and self._backend.mappings_of(chunk):

@@ -40,21 +40,31 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
 
 from ..vmm import PhysicalChunk, VmmBackend
 
 SOURCE = Path(__file__).with_name("segment_arena.c")
 ALLOC_SYMBOL = "memx_arena_alloc"
 FREE_SYMBOL = "memx_arena_free"
-STAT_NAMES = ("allocs", "frees", "live_segments", "live_bytes", "overflow_allocs", "overflow_live_bytes",
-              "failed_allocs", "bad_frees", "peak_bytes", "syncs")
+STAT_NAMES = (
+    "allocs",
+    "frees",
+    "live_segments",
+    "live_bytes",
+    "overflow_allocs",
+    "overflow_live_bytes",
+    "failed_allocs",
+    "bad_frees",
+    "peak_bytes",
+    "syncs",
+)
 MAX_SEGMENTS = 1 << 16
 
-_library: Optional[ctypes.CDLL] = None
+_library: ctypes.CDLL | None = None
 _library_lock = threading.Lock()
-_open_arena: Optional["SegmentArena"] = None
+_open_arena: SegmentArena | None = None
 
 
 class ArenaBuildError(OSError):
@@ -111,23 +121,36 @@ def load_library() -> ctypes.CDLL:
         return _library
 
 
-def cuda_driver_hooks() -> Dict[str, int]:
+def cuda_driver_hooks() -> dict[str, int]:
     """Addresses of ``cuMemAlloc_v2``, ``cuMemFree_v2`` and ``cuCtxSynchronize`` in libcuda."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
         raise ArenaBuildError(f"libcuda.so.1 cannot be loaded: {exc}") from None
-    return {name: ctypes.cast(getattr(cuda, sym), ctypes.c_void_p).value
-            for name, sym in (("overflow_alloc", "cuMemAlloc_v2"), ("overflow_free", "cuMemFree_v2"),
-                              ("sync", "cuCtxSynchronize"))}
+    return {
+        name: ctypes.cast(getattr(cuda, sym), ctypes.c_void_p).value
+        for name, sym in (
+            ("overflow_alloc", "cuMemAlloc_v2"),
+            ("overflow_free", "cuMemFree_v2"),
+            ("sync", "cuCtxSynchronize"),
+        )
+    }
 
 
 class SegmentArena:
     """See the module docstring. ``grow``/``shrink`` are serialised by a Python lock."""
 
-    def __init__(self, backend: VmmBackend, capacity_chunks: int, *, overflow_alloc: Optional[int] = None,
-                 overflow_free: Optional[int] = None, sync: Optional[int] = None, align: int = 512,
-                 release_interval_s: float = 1.0):
+    def __init__(
+        self,
+        backend: VmmBackend,
+        capacity_chunks: int,
+        *,
+        overflow_alloc: int | None = None,
+        overflow_free: int | None = None,
+        sync: int | None = None,
+        align: int = 512,
+        release_interval_s: float = 1.0,
+    ):
         global _open_arena
         if isinstance(capacity_chunks, bool) or not isinstance(capacity_chunks, int) or capacity_chunks <= 0:
             raise ValueError(f"capacity_chunks must be a positive int, got {capacity_chunks!r}")
@@ -138,22 +161,28 @@ class SegmentArena:
         self.chunk_bytes = backend.granularity
         self.capacity_chunks = capacity_chunks
         self._lock = threading.Lock()
-        self._chunks: List[PhysicalChunk] = []  # chunk mapped at slot i
+        self._chunks: list[PhysicalChunk] = []  # chunk mapped at slot i
         self._sync = ctypes.CFUNCTYPE(ctypes.c_int)(sync) if sync else None
         self.release_interval_s = release_interval_s
         self._last_release = float("-inf")
         self.releases = 0
         with _library_lock:
             if _open_arena is not None:
-                raise RuntimeError("a SegmentArena is already open in this process (the C allocator state "
-                                   "is per process); close it first")
+                raise RuntimeError(
+                    "a SegmentArena is already open in this process (the C allocator state "
+                    "is per process); close it first"
+                )
             self.vrange = backend.reserve(capacity_chunks * self.chunk_bytes)
-            rc = self._lib.memx_arena_init(self.vrange.base, self.vrange.size, align, MAX_SEGMENTS,
-                                           overflow_alloc, overflow_free, sync)
+            rc = self._lib.memx_arena_init(
+                self.vrange.base, self.vrange.size, align, MAX_SEGMENTS, overflow_alloc, overflow_free, sync
+            )
             if rc != 0:
                 backend.release(self.vrange)
-                raise RuntimeError("memx_arena_init refused: segments of a previous arena are still live"
-                                   if rc == -1 else f"memx_arena_init: bad arguments (align {align})")
+                raise RuntimeError(
+                    "memx_arena_init refused: segments of a previous arena are still live"
+                    if rc == -1
+                    else f"memx_arena_init: bad arguments (align {align})"
+                )
             _open_arena = self
         self._closed = False
 
@@ -170,7 +199,7 @@ class SegmentArena:
         """Chunks under the highest live segment: what ``shrink`` cannot take now."""
         return -(-int(self._lib.memx_arena_high_water()) // self.chunk_bytes)
 
-    def stats(self) -> Dict[str, int]:
+    def stats(self) -> dict[str, int]:
         raw = (ctypes.c_uint64 * 16)()
         n = self._lib.memx_arena_stats(raw)
         return {name: int(raw[i]) for i, name in enumerate(STAT_NAMES[:n])}
@@ -185,8 +214,10 @@ class SegmentArena:
             self._check_open()
             chunks = list(chunks)
             if len(self._chunks) + len(chunks) > self.capacity_chunks:
-                raise ValueError(f"grow by {len(chunks)} chunk(s) exceeds the arena's capacity "
-                                 f"({len(self._chunks)} of {self.capacity_chunks} mapped)")
+                raise ValueError(
+                    f"grow by {len(chunks)} chunk(s) exceeds the arena's capacity "
+                    f"({len(self._chunks)} of {self.capacity_chunks} mapped)"
+                )
             done = 0
             try:
                 for chunk in chunks:
@@ -200,7 +231,7 @@ class SegmentArena:
             if self._lib.memx_arena_set_limit(self.limit_bytes) < 0:  # cannot happen: the limit only rises
                 raise RuntimeError("memx_arena_set_limit refused to raise the limit")
 
-    def shrink(self, n: int, release_cached: Optional[Callable[[], None]] = None) -> List[PhysicalChunk]:
+    def shrink(self, n: int, release_cached: Callable[[], None] | None = None) -> list[PhysicalChunk]:
         """Unmap up to ``n`` chunks from the top, never under a live segment; return them.
 
         ``release_cached`` (``ArenaMemPool.release_cached`` on CUDA) runs first when the
@@ -215,8 +246,11 @@ class SegmentArena:
             if n == 0 or not self._chunks:
                 return []
             now = time.monotonic()
-            if (release_cached is not None and len(self._chunks) - self.pinned_chunks() < n
-                    and now - self._last_release >= self.release_interval_s):
+            if (
+                release_cached is not None
+                and len(self._chunks) - self.pinned_chunks() < n
+                and now - self._last_release >= self.release_interval_s
+            ):
                 self._last_release = now
                 self.releases += 1
                 frees = self.stats()["frees"]
@@ -234,7 +268,7 @@ class SegmentArena:
             give, self._chunks = self._chunks[keep:], self._chunks[:keep]
             return give
 
-    def close(self) -> List[PhysicalChunk]:
+    def close(self) -> list[PhysicalChunk]:
         """Unmap every chunk and release the range; return the chunks. Refused while segments are live."""
         global _open_arena
         with self._lock:
@@ -242,9 +276,11 @@ class SegmentArena:
                 return []
             stats = self.stats()
             if stats["live_segments"] or stats["overflow_live_bytes"]:
-                raise RuntimeError(f"{stats['live_segments']} arena segment(s) and "
-                                   f"{stats['overflow_live_bytes']} overflow byte(s) are still live; "
-                                   f"free them (torch.cuda.empty_cache) before closing")
+                raise RuntimeError(
+                    f"{stats['live_segments']} arena segment(s) and "
+                    f"{stats['overflow_live_bytes']} overflow byte(s) are still live; "
+                    f"free them (torch.cuda.empty_cache) before closing"
+                )
             self._lib.memx_arena_set_limit(0)
             for slot in range(len(self._chunks) - 1, -1, -1):
                 self.backend.unmap(self.vrange, slot * self.chunk_bytes)
@@ -259,7 +295,6 @@ class SegmentArena:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("SegmentArena is closed")
-
 
 
 class ArenaMemPool:

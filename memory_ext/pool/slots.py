@@ -12,7 +12,7 @@ Not locked: the owning eTensor serialises calls under its own lock.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List
+from collections.abc import Iterable
 
 from ..vmm import PhysicalChunk
 from .ownership import ChunkPool, Owner
@@ -26,7 +26,7 @@ class PooledSlots:
         self.chunk_bytes = pool.chunk_bytes
         self.num_slots = num_slots
         self.vrange = self.backend.reserve(num_slots * self.chunk_bytes)
-        self.mapped: Dict[int, PhysicalChunk] = {}
+        self.mapped: dict[int, PhysicalChunk] = {}
 
     def offset(self, slot: int) -> int:
         return slot * self.chunk_bytes
@@ -37,7 +37,7 @@ class PooledSlots:
         if not needed:
             return 0
         chunks = self.pool.acquire(self.owner, len(needed))
-        done: List[int] = []
+        done: list[int] = []
         try:
             for slot, chunk in zip(needed, chunks):
                 self.backend.map(self.vrange, self.offset(slot), chunk)

@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable, List, Optional
+from typing import Any
 
 _STOP = object()
 
 
 class AsyncUnmapper:
     def __init__(self, name: str = "memx-unmapper"):
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._pending: List[Future] = []
+        self._pending: list[Future] = []
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -69,7 +70,7 @@ class AsyncUnmapper:
             self._queue.put((fut, fn, args, kwargs))
         return fut
 
-    def flush(self, timeout: Optional[float] = None) -> int:
+    def flush(self, timeout: float | None = None) -> int:
         """Wait for every job submitted before this call; return how many were waited on.
 
         Raises the first exception raised by any of them (``TimeoutError`` if
@@ -109,7 +110,7 @@ class AsyncUnmapper:
             self._queue.put(_STOP)
             self._thread.join()
 
-    def __enter__(self) -> "AsyncUnmapper":
+    def __enter__(self) -> AsyncUnmapper:
         return self
 
     def __exit__(self, *exc) -> None:

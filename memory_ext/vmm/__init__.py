@@ -24,7 +24,19 @@ def host_backend(granularity: int = DEFAULT_GRANULARITY, **kwargs) -> HostVmmBac
 
 
 __all__ = [
-    "COUNTER_NAMES", "CudaVmmBackend", "DEFAULT_GRANULARITY", "HostVmmBackend", "PhysicalChunk",
-    "ReceivedChunk", "VirtualRange", "VmmBackend", "connect_unix", "cuda_available", "cuda_backend",
-    "host_backend", "listen_unix", "recv_chunks", "send_chunks",
+    "COUNTER_NAMES",
+    "CudaVmmBackend",
+    "DEFAULT_GRANULARITY",
+    "HostVmmBackend",
+    "PhysicalChunk",
+    "ReceivedChunk",
+    "VirtualRange",
+    "VmmBackend",
+    "connect_unix",
+    "cuda_available",
+    "cuda_backend",
+    "host_backend",
+    "listen_unix",
+    "recv_chunks",
+    "send_chunks",
 ]

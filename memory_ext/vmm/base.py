@@ -61,12 +61,13 @@ import itertools
 import math
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any
 
 import torch
 
-ShapeLike = Union[int, Sequence[int], torch.Size]
+ShapeLike = int | Sequence[int] | torch.Size
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class PhysicalChunk:
 
     handle_id: int
     size: int
-    source_id: Optional[int] = None
+    source_id: int | None = None
     owner: Any = field(default=None, repr=False, compare=False)
     handle: Any = field(default=None, repr=False, compare=False)
 
@@ -109,7 +110,7 @@ class PhysicalChunk:
 class _Slot:
     chunk: PhysicalChunk
     generation: int
-    views: List[weakref.ref] = field(default_factory=list)
+    views: list[weakref.ref] = field(default_factory=list)
 
     def live_views(self) -> int:
         self.views = [r for r in self.views if r() is not None]
@@ -117,8 +118,14 @@ class _Slot:
 
 
 COUNTER_NAMES = (
-    "reserve_calls", "release_calls", "map_calls", "unmap_calls",
-    "chunks_created", "chunks_imported", "chunks_destroyed", "chunks_exported",
+    "reserve_calls",
+    "release_calls",
+    "map_calls",
+    "unmap_calls",
+    "chunks_created",
+    "chunks_imported",
+    "chunks_destroyed",
+    "chunks_exported",
     "views_made",
 )
 
@@ -144,10 +151,10 @@ class VmmBackend(abc.ABC):
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._generations = itertools.count(1)
-        self._ranges: Dict[int, VirtualRange] = {}
-        self._slots: Dict[int, Dict[int, _Slot]] = {}
-        self._chunks: Dict[int, PhysicalChunk] = {}
-        self._mappings: Dict[int, List[Tuple[VirtualRange, int]]] = {}
+        self._ranges: dict[int, VirtualRange] = {}
+        self._slots: dict[int, dict[int, _Slot]] = {}
+        self._chunks: dict[int, PhysicalChunk] = {}
+        self._mappings: dict[int, list[tuple[VirtualRange, int]]] = {}
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
         self._closed = False
 
@@ -201,7 +208,7 @@ class VmmBackend(abc.ABC):
     def unmap_calls(self) -> int:
         return self._counters["unmap_calls"]
 
-    def counters(self) -> Dict[str, int]:
+    def counters(self) -> dict[str, int]:
         """A copy of the call/chunk counters (for benchmarks)."""
         with self._lock:
             return dict(self._counters)
@@ -268,7 +275,7 @@ class VmmBackend(abc.ABC):
             del self._ranges[vrange.range_id], self._slots[vrange.range_id]
             self._counters["release_calls"] += 1
 
-    def ranges(self) -> List[VirtualRange]:
+    def ranges(self) -> list[VirtualRange]:
         with self._lock:
             return list(self._ranges.values())
 
@@ -299,7 +306,7 @@ class VmmBackend(abc.ABC):
             del self._chunks[chunk.handle_id], self._mappings[chunk.handle_id]
             self._counters["chunks_destroyed"] += 1
 
-    def live_chunks(self) -> List[PhysicalChunk]:
+    def live_chunks(self) -> list[PhysicalChunk]:
         with self._lock:
             return list(self._chunks.values())
 
@@ -311,7 +318,7 @@ class VmmBackend(abc.ABC):
             self._counters["chunks_exported"] += 1
             return fd
 
-    def import_chunk(self, fd: int, size: int, *, source_id: Optional[int] = None) -> PhysicalChunk:
+    def import_chunk(self, fd: int, size: int, *, source_id: int | None = None) -> PhysicalChunk:
         """Adopt a chunk exported by another backend (maybe in another process).
 
         ``size`` must equal this backend's granularity. ``fd`` is not consumed:
@@ -339,7 +346,8 @@ class VmmBackend(abc.ABC):
             slots = self._slots[vrange.range_id]
             if offset in slots:
                 raise ValueError(
-                    f"offset {offset:#x} in {vrange} is already mapped to {slots[offset].chunk}; unmap it first")
+                    f"offset {offset:#x} in {vrange} is already mapped to {slots[offset].chunk}; unmap it first"
+                )
             address = vrange.base + offset
             self._os_map(address, chunk.handle)
             slots[offset] = _Slot(chunk, next(self._generations))
@@ -362,28 +370,30 @@ class VmmBackend(abc.ABC):
                 raise ValueError(f"offset {offset:#x} in {vrange} is not mapped")
             if strict and slot.live_views():
                 raise ValueError(
-                    f"offset {offset:#x} in {vrange}: {slot.live_views()} live tensor view(s) still cover it")
+                    f"offset {offset:#x} in {vrange}: {slot.live_views()} live tensor view(s) still cover it"
+                )
             self._os_unmap(vrange.base + offset)
             del slots[offset]
             self._mappings[slot.chunk.handle_id].remove((vrange, offset))
             self._counters["unmap_calls"] += 1
             return slot.chunk
 
-    def mapped_slots(self, vrange: VirtualRange) -> Dict[int, PhysicalChunk]:
+    def mapped_slots(self, vrange: VirtualRange) -> dict[int, PhysicalChunk]:
         """``{offset: chunk}`` for every mapped slot of the range, by offset."""
         with self._lock:
             self._check_range(vrange)
             return {o: s.chunk for o, s in sorted(self._slots[vrange.range_id].items())}
 
-    def mappings_of(self, chunk: PhysicalChunk) -> List[Tuple[VirtualRange, int]]:
+    def mappings_of(self, chunk: PhysicalChunk) -> list[tuple[VirtualRange, int]]:
         """Every ``(range, offset)`` the chunk is mapped at."""
         with self._lock:
             self._check_chunk(chunk)
             return list(self._mappings[chunk.handle_id])
 
     # ----------------------------------------------------------------- views
-    def tensor_view(self, vrange: VirtualRange, offset: int, nbytes_or_shape: ShapeLike,
-                    dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    def tensor_view(
+        self, vrange: VirtualRange, offset: int, nbytes_or_shape: ShapeLike, dtype: torch.dtype = torch.uint8
+    ) -> torch.Tensor:
         """A zero-copy tensor over ``[base + offset, base + offset + nbytes)``.
 
         ``nbytes_or_shape``: an int is a byte count (1-D result); a sequence is
@@ -470,7 +480,7 @@ class VmmBackend(abc.ABC):
                 self.destroy_chunk(chunk)
             self._closed = True
 
-    def __enter__(self) -> "VmmBackend":
+    def __enter__(self) -> VmmBackend:
         return self
 
     def __exit__(self, *exc) -> None:

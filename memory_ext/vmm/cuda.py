@@ -54,7 +54,7 @@ call ``cuCtxSynchronize`` first so that the common case is safe.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -127,8 +127,7 @@ def _is_pow2(n: int) -> bool:
 class CudaVmmBackend(VmmBackend):
     """Virtual-memory backend over CUDA device memory (cuMem* driver API)."""
 
-    def __init__(self, device: int = 0, granularity: Optional[int] = None, *,
-                 sync_on_unmap: bool = True):
+    def __init__(self, device: int = 0, granularity: int | None = None, *, sync_on_unmap: bool = True):
         if isinstance(device, torch.device):
             if device.type != "cuda":
                 raise ValueError(f"device must be a CUDA device, got {device}")
@@ -151,8 +150,15 @@ class CudaVmmBackend(VmmBackend):
             prop.requestedHandleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
             prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
             prop.location.id = device
-            minimum = int(_call(d, "cuMemGetAllocationGranularity", d.cuMemGetAllocationGranularity,
-                                prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+            minimum = int(
+                _call(
+                    d,
+                    "cuMemGetAllocationGranularity",
+                    d.cuMemGetAllocationGranularity,
+                    prop,
+                    d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                )
+            )
             if granularity is None:
                 granularity = minimum
             if isinstance(granularity, bool) or not isinstance(granularity, int):
@@ -160,7 +166,8 @@ class CudaVmmBackend(VmmBackend):
             if granularity <= 0 or granularity % minimum:
                 raise ValueError(
                     f"granularity {granularity} is not a positive multiple of the device's minimum "
-                    f"allocation granularity {minimum}")
+                    f"allocation granularity {minimum}"
+                )
             super().__init__(granularity)
         except BaseException:
             self._release_ctx()
@@ -177,7 +184,7 @@ class CudaVmmBackend(VmmBackend):
         self._access = [access]
         self._fd_type = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         # aligned base -> (driver pointer, driver size) for over-reserved ranges
-        self._raw: Dict[int, Tuple[int, int]] = {}
+        self._raw: dict[int, tuple[int, int]] = {}
 
     # ------------------------------------------------------------ helpers
     def _current(self) -> None:
@@ -196,8 +203,7 @@ class CudaVmmBackend(VmmBackend):
             ptr = _call(d, "cuMemAddressReserve", d.cuMemAddressReserve, size, g, 0, 0)
             return int(ptr)
         raw_size = size + g
-        ptr = int(_call(d, "cuMemAddressReserve", d.cuMemAddressReserve,
-                        raw_size, self.min_granularity, 0, 0))
+        ptr = int(_call(d, "cuMemAddressReserve", d.cuMemAddressReserve, raw_size, self.min_granularity, 0, 0))
         base = -(-ptr // g) * g
         self._raw[base] = (ptr, raw_size)
         return base
@@ -239,8 +245,7 @@ class CudaVmmBackend(VmmBackend):
     def _os_export(self, handle: Any) -> int:
         d = self._drv
         self._current()
-        fd = int(_call(d, "cuMemExportToShareableHandle", d.cuMemExportToShareableHandle,
-                       handle, self._fd_type, 0))
+        fd = int(_call(d, "cuMemExportToShareableHandle", d.cuMemExportToShareableHandle, handle, self._fd_type, 0))
         try:
             os.set_inheritable(fd, False)
         except OSError:
@@ -264,7 +269,8 @@ class CudaVmmBackend(VmmBackend):
         if raw.device != self.device or raw.data_ptr() != address or raw.numel() != nbytes:
             raise RuntimeError(
                 f"torch.as_tensor made a copy or a wrong view of {nbytes} bytes at {address:#x} "
-                f"({raw.device}, {raw.data_ptr():#x}, {raw.numel()})")
+                f"({raw.device}, {raw.data_ptr():#x}, {raw.numel()})"
+            )
         tensor = raw if dtype == torch.uint8 else raw.view(dtype)
         tensor._memx_cuda_span = span  # describes the address only; see the lifetime rule
         return tensor
@@ -291,6 +297,6 @@ def cuda_available(device: int = 0) -> bool:
         return False
 
 
-def cuda_backend(device: int = 0, granularity: Optional[int] = None, **kwargs) -> CudaVmmBackend:
+def cuda_backend(device: int = 0, granularity: int | None = None, **kwargs) -> CudaVmmBackend:
     """A new CUDA device-memory backend (cuMemCreate chunks mapped into cuMemAddressReserve ranges)."""
     return CudaVmmBackend(device, granularity, **kwargs)

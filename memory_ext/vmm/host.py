@@ -49,8 +49,7 @@ _RESERVE_FLAGS = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
 def _load_libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.restype = ctypes.c_int
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return libc
@@ -126,12 +125,17 @@ class HostVmmBackend(VmmBackend):
         os.close(handle)
 
     def _os_map(self, address: int, handle: int) -> None:
-        self._mmap("mmap(MAP_FIXED|MAP_SHARED)", address, self._granularity,
-                   PROT_READ | PROT_WRITE, MAP_FIXED | MAP_SHARED, handle)
+        self._mmap(
+            "mmap(MAP_FIXED|MAP_SHARED)",
+            address,
+            self._granularity,
+            PROT_READ | PROT_WRITE,
+            MAP_FIXED | MAP_SHARED,
+            handle,
+        )
 
     def _os_unmap(self, address: int) -> None:
-        self._mmap("mmap(MAP_FIXED PROT_NONE unmap)", address, self._granularity,
-                   PROT_NONE, MAP_FIXED | _RESERVE_FLAGS)
+        self._mmap("mmap(MAP_FIXED PROT_NONE unmap)", address, self._granularity, PROT_NONE, MAP_FIXED | _RESERVE_FLAGS)
 
     def _os_export(self, handle: int) -> int:
         return os.dup(handle)  # os.dup makes the new fd non-inheritable (O_CLOEXEC)

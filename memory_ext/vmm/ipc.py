@@ -25,8 +25,9 @@ import os
 import socket
 import stat
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any
 
 from .base import PhysicalChunk, VmmBackend
 
@@ -54,8 +55,7 @@ def _close_all(fds: Sequence[int]) -> None:
             pass
 
 
-def send_chunks(sock: socket.socket, chunks: Sequence[PhysicalChunk],
-                meta: Optional[Dict[str, Any]] = None) -> None:
+def send_chunks(sock: socket.socket, chunks: Sequence[PhysicalChunk], meta: dict[str, Any] | None = None) -> None:
     """Send ``chunks`` (exported by the backend that owns each) in one message."""
     chunks = list(chunks)
     if not chunks:
@@ -65,14 +65,18 @@ def send_chunks(sock: socket.socket, chunks: Sequence[PhysicalChunk],
     for c in chunks:
         if not isinstance(c, PhysicalChunk) or not isinstance(c.owner, VmmBackend):
             raise ValueError(f"chunks: {c!r} is not a chunk owned by a VmmBackend")
-    header = {"version": VERSION, "kind": KIND, "count": len(chunks),
-              "chunks": [{"id": c.handle_id, "size": c.size} for c in chunks]}
+    header = {
+        "version": VERSION,
+        "kind": KIND,
+        "count": len(chunks),
+        "chunks": [{"id": c.handle_id, "size": c.size} for c in chunks],
+    }
     if meta is not None:
         header["meta"] = meta
     body = json.dumps(header, separators=(",", ":")).encode()
     if len(body) > MAX_HEADER_BYTES:
         raise ValueError(f"meta: header of {len(body)} bytes exceeds {MAX_HEADER_BYTES}")
-    fds: List[int] = []
+    fds: list[int] = []
     try:
         for c in chunks:
             fds.append(c.owner.export_chunk(c))
@@ -122,7 +126,7 @@ def _recv_message(sock: socket.socket):
     except BaseException:
         _close_all(fds)
         raise
-    return data[_LEN.size:], fds
+    return data[_LEN.size :], fds
 
 
 def _check_flags(flags: int) -> None:
@@ -168,8 +172,7 @@ def _parse_header(body: bytes, nfds: int) -> dict:
     return header
 
 
-def recv_chunks(sock: socket.socket, backend: Optional[VmmBackend] = None, *,
-                with_meta: bool = False) -> Union[list, tuple]:
+def recv_chunks(sock: socket.socket, backend: VmmBackend | None = None, *, with_meta: bool = False) -> list | tuple:
     """Receive one message from ``send_chunks``.
 
     With ``backend``: the chunks are imported into it (the backend checks that
@@ -181,7 +184,7 @@ def recv_chunks(sock: socket.socket, backend: Optional[VmmBackend] = None, *,
     released before the exception propagates.
     """
     body, fds = _recv_message(sock)
-    imported: List[PhysicalChunk] = []
+    imported: list[PhysicalChunk] = []
     try:
         header = _parse_header(body, len(fds))
         entries = header["chunks"]
@@ -200,8 +203,7 @@ def recv_chunks(sock: socket.socket, backend: Optional[VmmBackend] = None, *,
     return (out, header.get("meta", {})) if with_meta else out
 
 
-def listen_unix(path: Union[str, os.PathLike], *, type: int = socket.SOCK_SEQPACKET,
-                backlog: int = 8) -> socket.socket:
+def listen_unix(path: str | os.PathLike, *, type: int = socket.SOCK_SEQPACKET, backlog: int = 8) -> socket.socket:
     """A listening Unix socket at ``path`` whose file has mode 0600 (verified)."""
     path = os.fspath(path)
     if os.path.lexists(path):
@@ -230,7 +232,7 @@ def listen_unix(path: Union[str, os.PathLike], *, type: int = socket.SOCK_SEQPAC
     return sock
 
 
-def connect_unix(path: Union[str, os.PathLike], *, type: int = socket.SOCK_SEQPACKET) -> socket.socket:
+def connect_unix(path: str | os.PathLike, *, type: int = socket.SOCK_SEQPACKET) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, type)
     try:
         sock.connect(os.fspath(path))

@@ -1,12 +1,12 @@
 """``sglang-memx`` command line.
 
-    sglang-memx models prepare [--force]     convert the embedded SmolLM2 once, print its path
-    sglang-memx models path                  print where the embedded model lives
-    sglang-memx models tiny --out DIR ...    write a deterministic tiny random model
-    sglang-memx status [--url URL]           print a running server's /memx/status
-    sglang-memx top [--once] [--url URL ...] live view of every pool and server on this machine
-    sglang-memx pool list | stop NAME        shared pools (arbiters) on this machine
-    sglang-memx version                      plugin and upstream versions
+sglang-memx models prepare [--force]     convert the embedded SmolLM2 once, print its path
+sglang-memx models path                  print where the embedded model lives
+sglang-memx models tiny --out DIR ...    write a deterministic tiny random model
+sglang-memx status [--url URL]           print a running server's /memx/status
+sglang-memx top [--once] [--url URL ...] live view of every pool and server on this machine
+sglang-memx pool list | stop NAME        shared pools (arbiters) on this machine
+sglang-memx version                      plugin and upstream versions
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import urllib.request
 def _cmd_models_prepare(args) -> int:
     from sglang_memx.models.embedded import EmbeddedModelError, prepare_embedded_model
 
-    log = (lambda *a, **k: print(*a, file=sys.stderr, **k))
+    log = lambda *a, **k: print(*a, file=sys.stderr, **k)
     try:
         path = prepare_embedded_model(args.cache_root, force=args.force, log=log)
     except EmbeddedModelError as exc:
@@ -41,10 +41,17 @@ def _cmd_models_path(args) -> int:
 def _cmd_models_tiny(args) -> int:
     from sglang_memx.models.tiny import TinyModelSpec, generate_tiny_model
 
-    spec = TinyModelSpec(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
-                         num_heads=args.heads, num_kv_heads=args.kv_heads,
-                         head_dim=args.head_dim, intermediate_size=args.intermediate,
-                         vocab_size=args.vocab, seed=args.seed)
+    spec = TinyModelSpec(
+        arch=args.arch,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate,
+        vocab_size=args.vocab,
+        seed=args.seed,
+    )
     try:
         spec.validate()
     except ValueError as exc:
@@ -91,8 +98,10 @@ def _cmd_pool_list(args) -> int:
             print(f"{p['name']}\tunreachable\t{p['socket']}")
         else:
             held = sum(c["held"] for c in p["clients"])
-            print(f"{p['name']}\t{held}/{p['budget']} chunks of {p['granularity']} B lent\t"
-                  f"{len(p['clients']) - 1} client(s)\t{p['socket']}")
+            print(
+                f"{p['name']}\t{held}/{p['budget']} chunks of {p['granularity']} B lent\t"
+                f"{len(p['clients']) - 1} client(s)\t{p['socket']}"
+            )
     return 0
 
 
@@ -126,8 +135,9 @@ def _cmd_version(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sglang-memx", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="sglang-memx", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     models = sub.add_parser("models", help="embedded and tiny models")

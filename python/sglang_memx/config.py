@@ -14,17 +14,33 @@ import argparse
 import dataclasses
 import math
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 GROUP_TITLE = "sglang-memx (integrated memory subsystem)"
 
 # Upstream routes that a memx endpoint must never shadow.
-RESERVED_HTTP_PATHS = frozenset({
-    "/", "/health", "/health_generate", "/generate", "/encode", "/metrics",
-    "/server_info", "/get_server_info", "/model_info", "/get_model_info",
-    "/flush_cache", "/v1/models", "/v1/chat/completions", "/v1/completions",
-    "/v1/embeddings", "/docs", "/openapi.json",
-})
+RESERVED_HTTP_PATHS = frozenset(
+    {
+        "/",
+        "/health",
+        "/health_generate",
+        "/generate",
+        "/encode",
+        "/metrics",
+        "/server_info",
+        "/get_server_info",
+        "/model_info",
+        "/get_model_info",
+        "/flush_cache",
+        "/v1/models",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/docs",
+        "/openapi.json",
+    }
+)
 
 
 class MemxConfigError(ValueError):
@@ -48,8 +64,7 @@ class MemxFlag:
     metavar: str | None = None
 
     def add_to(self, group) -> None:
-        kwargs: dict[str, Any] = {"dest": f"memx_{self.dest}", "default": self.default,
-                                  "help": self.help}
+        kwargs: dict[str, Any] = {"dest": f"memx_{self.dest}", "default": self.default, "help": self.help}
         if self.action:
             kwargs["action"] = self.action
         else:
@@ -60,67 +75,106 @@ class MemxFlag:
 
 MEMX_FLAGS: tuple[MemxFlag, ...] = (
     MemxFlag(
-        "--memx-disable", "disabled", action="store_true", default=False,
+        "--memx-disable",
+        "disabled",
+        action="store_true",
+        default=False,
         help="Load the plugin but leave every memx behaviour off (stock SGLang "
-             "behaviour; the status endpoint is not served). Contradicts any "
-             "other --memx-* flag.",
+        "behaviour; the status endpoint is not served). Contradicts any "
+        "other --memx-* flag.",
     ),
     MemxFlag(
-        "--memx-status-path", "status_path", type=str, default="/memx/status",
+        "--memx-status-path",
+        "status_path",
+        type=str,
+        default="/memx/status",
         metavar="PATH",
         help="HTTP path of the JSON status endpoint (default: /memx/status).",
     ),
     MemxFlag(
-        "--memx-elastic-kv", "elastic_kv", action="store_true", default=False,
+        "--memx-elastic-kv",
+        "elastic_kv",
+        action="store_true",
+        default=False,
         help="Back the MHA/GQA KV cache with a memory pool: the logical capacity "
-             "(--max-total-tokens) is only reserved address space; physical chunks are "
-             "mapped for pages in use and returned when pages are freed or evicted.",
+        "(--max-total-tokens) is only reserved address space; physical chunks are "
+        "mapped for pages in use and returned when pages are freed or evicted.",
     ),
     MemxFlag(
-        "--memx-pool", "pool", type=str, default=None, metavar="NAME",
+        "--memx-pool",
+        "pool",
+        type=str,
+        default=None,
+        metavar="NAME",
         help="Share one device budget with every server started with the same NAME "
-             "(a per-device arbiter process is started by the first one). Needs "
-             "--memx-elastic-kv.",
+        "(a per-device arbiter process is started by the first one). Needs "
+        "--memx-elastic-kv.",
     ),
     MemxFlag(
-        "--memx-pool-budget-gb", "pool_budget_gb", type=float, default=None, metavar="GB",
+        "--memx-pool-budget-gb",
+        "pool_budget_gb",
+        type=float,
+        default=None,
+        metavar="GB",
         help="Physical memory budget of the KV pool in GB: of this server alone, or of "
-             "the shared pool when --memx-pool starts its arbiter (default: the KV "
-             "logical capacity; required to start a shared pool).",
+        "the shared pool when --memx-pool starts its arbiter (default: the KV "
+        "logical capacity; required to start a shared pool).",
     ),
     MemxFlag(
-        "--memx-pool-dir", "pool_dir", type=str, default=None, metavar="DIR",
-        help="Directory of the shared pools' sockets (default: $XDG_RUNTIME_DIR/sglang-memx "
-             "or /tmp/sglang-memx-$UID).",
+        "--memx-pool-dir",
+        "pool_dir",
+        type=str,
+        default=None,
+        metavar="DIR",
+        help="Directory of the shared pools' sockets (default: $XDG_RUNTIME_DIR/sglang-memx or /tmp/sglang-memx-$UID).",
     ),
     MemxFlag(
-        "--memx-chunk-kb", "chunk_kb", type=int, default=64, metavar="KB",
+        "--memx-chunk-kb",
+        "chunk_kb",
+        type=int,
+        default=64,
+        metavar="KB",
         help="Physical chunk size of the host (CPU) backend in KiB, a power of two "
-             ">= 4 (default 64). CUDA uses the device's granularity (2 MiB).",
+        ">= 4 (default 64). CUDA uses the device's granularity (2 MiB).",
     ),
     MemxFlag(
-        "--memx-torch-activations", "torch_activations", action="store_true", default=False,
+        "--memx-torch-activations",
+        "torch_activations",
+        action="store_true",
+        default=False,
         help="On CUDA, leave the forward's activation tensors to torch's own allocator "
-             "(they are then counted against the pool and also allocated by torch) instead of "
-             "the pool's activation arena behind torch.cuda.MemPool. No effect on CPU, where "
-             "activations are accounting only. Needs --memx-elastic-kv.",
+        "(they are then counted against the pool and also allocated by torch) instead of "
+        "the pool's activation arena behind torch.cuda.MemPool. No effect on CPU, where "
+        "activations are accounting only. Needs --memx-elastic-kv.",
     ),
     MemxFlag(
-        "--memx-host-buffer-gb", "host_buffer_gb", type=float, default=None, metavar="GB",
+        "--memx-host-buffer-gb",
+        "host_buffer_gb",
+        type=float,
+        default=None,
+        metavar="GB",
         help="CPU elastic buffer (eLLM E3), up to GB of host memory: a new request refused "
-             "for want of KV reservation prefills anyway and its KV waits here until it can "
-             "decode; a retracted request's KV waits here instead of being recomputed. Both "
-             "are fetched back before their decode. Needs --memx-elastic-kv and the radix cache.",
+        "for want of KV reservation prefills anyway and its KV waits here until it can "
+        "decode; a retracted request's KV waits here instead of being recomputed. Both "
+        "are fetched back before their decode. Needs --memx-elastic-kv and the radix cache.",
     ),
     MemxFlag(
-        "--memx-ttft-slo-ms", "ttft_slo_ms", type=float, default=None, metavar="MS",
+        "--memx-ttft-slo-ms",
+        "ttft_slo_ms",
+        type=float,
+        default=None,
+        metavar="MS",
         help="TTFT SLO driving the host buffer's logical size (eLLM Alg. 2: TTFT "
-             "violations grow it). Needs --memx-host-buffer-gb and --memx-tpot-slo-ms.",
+        "violations grow it). Needs --memx-host-buffer-gb and --memx-tpot-slo-ms.",
     ),
     MemxFlag(
-        "--memx-tpot-slo-ms", "tpot_slo_ms", type=float, default=None, metavar="MS",
+        "--memx-tpot-slo-ms",
+        "tpot_slo_ms",
+        type=float,
+        default=None,
+        metavar="MS",
         help="TPOT SLO driving the host buffer's logical size (eLLM Alg. 2: TPOT "
-             "violations shrink it, first). Needs --memx-host-buffer-gb and --memx-ttft-slo-ms.",
+        "violations shrink it, first). Needs --memx-host-buffer-gb and --memx-ttft-slo-ms.",
     ),
 )
 
@@ -141,34 +195,34 @@ class MemxConfig:
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
 
-    def validate(self) -> "MemxConfig":
+    def validate(self) -> MemxConfig:
         path = self.status_path
         if not isinstance(path, str) or not path.startswith("/") or len(path) < 2:
-            raise MemxConfigError("--memx-status-path",
-                                  f"must be an absolute URL path like /memx/status, got {path!r}")
+            raise MemxConfigError("--memx-status-path", f"must be an absolute URL path like /memx/status, got {path!r}")
         if any(c.isspace() or c in "?#{}" for c in path):
-            raise MemxConfigError("--memx-status-path",
-                                  f"must not contain spaces, '?', '#' or braces, got {path!r}")
+            raise MemxConfigError("--memx-status-path", f"must not contain spaces, '?', '#' or braces, got {path!r}")
         if path.rstrip("/") == "/memx/metrics":
-            raise MemxConfigError("--memx-status-path", "/memx/metrics is the memx Prometheus endpoint; "
-                                  "choose another path")
+            raise MemxConfigError(
+                "--memx-status-path", "/memx/metrics is the memx Prometheus endpoint; choose another path"
+            )
         if path.rstrip("/") in RESERVED_HTTP_PATHS or path in RESERVED_HTTP_PATHS:
-            raise MemxConfigError("--memx-status-path",
-                                  f"{path!r} is an upstream SGLang route; choose another path")
+            raise MemxConfigError("--memx-status-path", f"{path!r} is an upstream SGLang route; choose another path")
         self._validate_pool()
         self._validate_host_buffer()
         if self.disabled:
             for flag in MEMX_FLAGS:
                 if flag.dest != "disabled" and getattr(self, flag.dest) != flag.default:
-                    raise MemxConfigError(
-                        "--memx-disable", f"contradicts {flag.option}; drop one of the two")
+                    raise MemxConfigError("--memx-disable", f"contradicts {flag.option}; drop one of the two")
         return self
 
     def _validate_pool(self) -> None:
         if self.pool is not None:
             if not isinstance(self.pool, str) or not _POOL_NAME.fullmatch(self.pool):
-                raise MemxConfigError("--memx-pool", "must be 1-64 letters, digits, '_', '.' or '-' "
-                                      f"(starting with a letter or digit), got {self.pool!r}")
+                raise MemxConfigError(
+                    "--memx-pool",
+                    "must be 1-64 letters, digits, '_', '.' or '-' "
+                    f"(starting with a letter or digit), got {self.pool!r}",
+                )
         if self.pool_budget_gb is not None:
             b = self.pool_budget_gb
             if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
@@ -181,8 +235,11 @@ class MemxConfig:
         if c > 1 << 20:
             raise MemxConfigError("--memx-chunk-kb", f"must be at most 1048576 (1 GiB), got {c}")
         if not self.elastic_kv:
-            for option, value in (("--memx-pool", self.pool), ("--memx-pool-budget-gb", self.pool_budget_gb),
-                                  ("--memx-pool-dir", self.pool_dir)):
+            for option, value in (
+                ("--memx-pool", self.pool),
+                ("--memx-pool-budget-gb", self.pool_budget_gb),
+                ("--memx-pool-dir", self.pool_dir),
+            ):
                 if value is not None:
                     raise MemxConfigError(option, "needs --memx-elastic-kv (the pool backs the KV cache)")
             if c != 64:
@@ -191,10 +248,14 @@ class MemxConfig:
                 raise MemxConfigError("--memx-torch-activations", "needs --memx-elastic-kv")
 
     def _validate_host_buffer(self) -> None:
-        for option, value in (("--memx-host-buffer-gb", self.host_buffer_gb),
-                              ("--memx-ttft-slo-ms", self.ttft_slo_ms), ("--memx-tpot-slo-ms", self.tpot_slo_ms)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value <= 0):
+        for option, value in (
+            ("--memx-host-buffer-gb", self.host_buffer_gb),
+            ("--memx-ttft-slo-ms", self.ttft_slo_ms),
+            ("--memx-tpot-slo-ms", self.tpot_slo_ms),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0
+            ):
                 raise MemxConfigError(option, f"must be a positive number, got {value!r}")
         if self.host_buffer_gb is not None and not self.elastic_kv:
             raise MemxConfigError("--memx-host-buffer-gb", "needs --memx-elastic-kv")
@@ -210,22 +271,28 @@ class MemxConfig:
     def check_server_args(self, disable_radix_cache: bool) -> None:
         """Checks that need upstream's own flags too (run at parse time and again at pool build)."""
         if self.host_buffer_gb is not None and disable_radix_cache:
-            raise MemxConfigError("--memx-host-buffer-gb", "needs the radix cache (parked KV is restored "
-                                  "through it); drop --disable-radix-cache or the host buffer")
+            raise MemxConfigError(
+                "--memx-host-buffer-gb",
+                "needs the radix cache (parked KV is restored "
+                "through it); drop --disable-radix-cache or the host buffer",
+            )
 
     @property
     def features(self) -> dict[str, bool]:
         """Which memx features are on in this process (names are stable API)."""
         on = not self.disabled
-        return {"status_endpoint": on, "elastic_kv": on and self.elastic_kv,
-                "shared_pool": on and self.pool is not None,
-                "host_buffer": on and self.host_buffer_gb is not None}
+        return {
+            "status_endpoint": on,
+            "elastic_kv": on and self.elastic_kv,
+            "shared_pool": on and self.pool is not None,
+            "host_buffer": on and self.host_buffer_gb is not None,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "MemxConfig":
+    def from_dict(cls, data: dict[str, Any]) -> MemxConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
@@ -233,7 +300,7 @@ class MemxConfig:
         return cls(**data).validate()
 
     @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> "MemxConfig":
+    def from_namespace(cls, ns: argparse.Namespace) -> MemxConfig:
         values = {flag.dest: getattr(ns, f"memx_{flag.dest}", flag.default) for flag in MEMX_FLAGS}
         return cls(**values).validate()
 

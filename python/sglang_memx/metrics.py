@@ -9,7 +9,8 @@ Names follow Prometheus conventions: ``_bytes`` / ``_tokens`` gauges,
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Tuple
+from collections.abc import Iterable
+from typing import Any
 
 METRICS_PATH = "/memx/metrics"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -39,8 +40,10 @@ _HELP = {
     "memx_activation_chunks_lent_to_kv_total": ("counter", "Idle activation chunks KV took (inflation)."),
     "memx_activation_deferred_requests_total": ("counter", "Admissions deferred: the activation did not fit."),
     "memx_activation_arena_live_bytes": ("gauge", "CUDA: bytes of torch segments live in the activation arena."),
-    "memx_activation_arena_overflow_allocs_total": ("counter", "CUDA: segments that did not fit the arena "
-                                                    "and came from plain device memory."),
+    "memx_activation_arena_overflow_allocs_total": (
+        "counter",
+        "CUDA: segments that did not fit the arena and came from plain device memory.",
+    ),
     "memx_host_buffer_used_bytes": ("gauge", "Host bytes holding parked KV."),
     "memx_host_buffer_logical_bytes": ("gauge", "Host buffer size the SLO rule allows now."),
     "memx_host_buffer_parked_total": ("counter", "Requests whose KV was parked on the host."),
@@ -59,22 +62,27 @@ _HELP = {
 }
 
 
-def _fmt_labels(labels: Dict[str, Any]) -> str:
+def _fmt_labels(labels: dict[str, Any]) -> str:
     if not labels:
         return ""
-    body = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                    for k, v in sorted(labels.items()))
+    body = ",".join(
+        f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+        for k, v in sorted(labels.items())
+    )
     return "{" + body + "}"
 
 
-def _samples(rank: Dict[str, Any]) -> Iterable[Tuple[str, Dict[str, Any], float]]:
+def _samples(rank: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any], float]]:
     base = {"dp_rank": rank.get("dp_rank", 0)}
     if rank.get("pool_name"):
         base["pool"] = rank["pool_name"]
     kv = rank.get("kv_pool", {})
-    for key, name in (("capacity_tokens", "memx_kv_capacity_tokens"), ("used_tokens", "memx_kv_used_tokens"),
-                      ("available_tokens", "memx_kv_available_tokens"),
-                      ("evictable_tokens", "memx_kv_evictable_tokens")):
+    for key, name in (
+        ("capacity_tokens", "memx_kv_capacity_tokens"),
+        ("used_tokens", "memx_kv_used_tokens"),
+        ("available_tokens", "memx_kv_available_tokens"),
+        ("evictable_tokens", "memx_kv_evictable_tokens"),
+    ):
         if key in kv:
             yield name, base, kv[key]
     req = rank.get("requests", {})
@@ -130,13 +138,13 @@ def _samples(rank: Dict[str, Any]) -> Iterable[Tuple[str, Dict[str, Any], float]
         yield "memx_shared_pool_budget_bytes", base, shared["budget_chunks"] * chunk
 
 
-def render_prometheus(doc: Dict[str, Any]) -> str:
+def render_prometheus(doc: dict[str, Any]) -> str:
     """The status document as Prometheus text format 0.0.4 (one HELP/TYPE block per metric)."""
-    by_name: Dict[str, List[str]] = {}
+    by_name: dict[str, list[str]] = {}
     for rank in doc.get("schedulers", []):
         for name, labels, value in _samples(rank):
             by_name.setdefault(name, []).append(f"{name}{_fmt_labels(labels)} {float(value):.17g}")
-    out: List[str] = []
+    out: list[str] = []
     for name in _HELP:
         if name not in by_name:
             continue

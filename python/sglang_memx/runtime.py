@@ -38,8 +38,7 @@ def upstream_version() -> str:
 def startup_line(config: MemxConfig) -> str:
     on = [name for name, enabled in config.features.items() if enabled]
     state = "disabled (--memx-disable)" if config.disabled else "active"
-    return (f"sglang-memx {__version__} {state} on sglang {upstream_version()}; "
-            f"features on: {', '.join(on) or 'none'}")
+    return f"sglang-memx {__version__} {state} on sglang {upstream_version()}; features on: {', '.join(on) or 'none'}"
 
 
 def log_startup_line(config: MemxConfig) -> None:

@@ -27,7 +27,7 @@ def kv_buffer_bytes(kvcache) -> int:
         buffers = getattr(kvcache, name, None)
         if buffers is None:
             continue
-        for t in (buffers if isinstance(buffers, (list, tuple)) else [buffers]):
+        for t in buffers if isinstance(buffers, (list, tuple)) else [buffers]:
             total += t.numel() * t.element_size()
     if total:
         return total

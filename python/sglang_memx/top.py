@@ -15,7 +15,7 @@ import os
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 BAR = 24
 
@@ -42,7 +42,7 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def collect(pool_dir: Path, urls: List[str], timeout: float = 2.0) -> Dict[str, Any]:
+def collect(pool_dir: Path, urls: list[str], timeout: float = 2.0) -> dict[str, Any]:
     """One snapshot: ``{"pools": [...], "servers": [...]}``; unreachable things carry ``error``."""
     from memory_ext.pool.arbiter_client import ArbiterError, query_arbiter_status
 
@@ -50,7 +50,7 @@ def collect(pool_dir: Path, urls: List[str], timeout: float = 2.0) -> Dict[str, 
     known = {u.rstrip("/"): None for u in urls}
     if pool_dir.is_dir():
         for sock in sorted(pool_dir.glob("*.sock")):
-            entry: Dict[str, Any] = {"name": sock.stem, "socket": str(sock)}
+            entry: dict[str, Any] = {"name": sock.stem, "socket": str(sock)}
             try:
                 entry.update(query_arbiter_status(sock, timeout=timeout, name="sglang-memx-top"))
             except ArbiterError as exc:
@@ -74,9 +74,12 @@ def collect(pool_dir: Path, urls: List[str], timeout: float = 2.0) -> Dict[str, 
     return {"time": time.time(), "pools": pools, "servers": servers}
 
 
-def render(snap: Dict[str, Any]) -> str:
-    lines = [f"sglang-memx top   {time.strftime('%H:%M:%S', time.localtime(snap['time']))}   "
-             f"{len(snap['pools'])} pool(s), {len(snap['servers'])} server(s)", ""]
+def render(snap: dict[str, Any]) -> str:
+    lines = [
+        f"sglang-memx top   {time.strftime('%H:%M:%S', time.localtime(snap['time']))}   "
+        f"{len(snap['pools'])} pool(s), {len(snap['servers'])} server(s)",
+        "",
+    ]
     lines.append("POOLS")
     if not snap["pools"]:
         lines.append("  (none)")
@@ -86,13 +89,17 @@ def render(snap: Dict[str, Any]) -> str:
             continue
         g = p["granularity"]
         held = sum(c["held"] for c in p["clients"])
-        lines.append(f"  {p['name']:<16} {_bar(held, p['budget'])} {_gib(held * g)} lent of {_gib(p['budget'] * g)}"
-                     f"  free {_gib(p['free'] * g)}  waiting {p['pending']}")
+        lines.append(
+            f"  {p['name']:<16} {_bar(held, p['budget'])} {_gib(held * g)} lent of {_gib(p['budget'] * g)}"
+            f"  free {_gib(p['free'] * g)}  waiting {p['pending']}"
+        )
         for c in p["clients"]:
             if c["name"] == "sglang-memx-top":
                 continue
-            lines.append(f"    {c['name']:<22} pid {c['pid']:<8} {_bar(c['held'], p['budget'], 16)} "
-                         f"{_gib(c['held'] * g)}  reclaim asked {c['asked']}")
+            lines.append(
+                f"    {c['name']:<22} pid {c['pid']:<8} {_bar(c['held'], p['budget'], 16)} "
+                f"{_gib(c['held'] * g)}  reclaim asked {c['asked']}"
+            )
     lines += ["", "SERVERS"]
     if not snap["servers"]:
         lines.append("  (none; servers that join a pool are found automatically, others with --url)")
@@ -105,16 +112,18 @@ def render(snap: Dict[str, Any]) -> str:
             head = f"  {s['url']:<28} {kv['used_tokens']:>7}/{kv['capacity_tokens']:<7} tok"
             head += f"  run {req['running']:>3} wait {req['waiting']:>3}"
             if el:
-                head += (f"  KV {_bar(el['mapped_bytes'], el['logical_bytes'], 16)} {_gib(el['mapped_bytes'])}"
-                         f" / {_gib(el['logical_bytes'])}  map {el['groups_mapped_total']} unmap "
-                         f"{el['groups_unmapped_total']}")
+                head += (
+                    f"  KV {_bar(el['mapped_bytes'], el['logical_bytes'], 16)} {_gib(el['mapped_bytes'])}"
+                    f" / {_gib(el['logical_bytes'])}  map {el['groups_mapped_total']} unmap "
+                    f"{el['groups_unmapped_total']}"
+                )
             else:
                 head += f"  KV static {_gib(kv['bytes'])}"
             lines.append(head + (f"  pool {rank['pool_name']}" if rank.get("pool_name") else ""))
     return "\n".join(lines)
 
 
-def run(pool_dir: Path, urls: List[str], interval: float, once: bool, frames: Optional[int] = None) -> int:
+def run(pool_dir: Path, urls: list[str], interval: float, once: bool, frames: int | None = None) -> int:
     shown = 0
     while True:
         frame = render(collect(pool_dir, urls))

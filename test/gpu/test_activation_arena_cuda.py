@@ -88,8 +88,7 @@ def test_balloon_reserve_and_lend_on_cuda(setup):
     from sglang_memx.elastic.activation import ActivationBalloon
 
     backend, pool, arena, mempool = setup
-    balloon = ActivationBalloon(pool, ActivationProfile(per_token_bytes=64 << 10), arena=arena,
-                                mempool=mempool)
+    balloon = ActivationBalloon(pool, ActivationProfile(per_token_bytes=64 << 10), arena=arena, mempool=mempool)
     assert balloon.reserve(256, 1, lambda: 0, lambda n: 0)  # 16 MiB -> 8 chunks mapped
     assert arena.mapped_chunks == balloon.held == 8
     with mempool.use():

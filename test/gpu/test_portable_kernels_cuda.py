@@ -21,12 +21,12 @@ def test_norm_and_activation_match_cpu(sgl_kernel):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 256, generator=gen).to(torch.bfloat16)
     w = torch.randn(256, generator=gen).to(torch.bfloat16)
-    for fn in (lambda t, w: sgl_kernel.rmsnorm(t, w, 1e-6),
-               lambda t, w: sgl_kernel.gemma_rmsnorm(t, w, 1e-6)):
+    for fn in (lambda t, w: sgl_kernel.rmsnorm(t, w, 1e-6), lambda t, w: sgl_kernel.gemma_rmsnorm(t, w, 1e-6)):
         torch.testing.assert_close(fn(x.cuda(), w.cuda()).cpu(), fn(x, w), rtol=1e-2, atol=1e-2)
     gate = torch.randn(64, 512, generator=gen).to(torch.bfloat16)
-    torch.testing.assert_close(sgl_kernel.silu_and_mul(gate.cuda()).cpu(),
-                               sgl_kernel.silu_and_mul(gate), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        sgl_kernel.silu_and_mul(gate.cuda()).cpu(), sgl_kernel.silu_and_mul(gate), rtol=1e-2, atol=1e-2
+    )
 
 
 def test_kv_transfer_host_to_device_and_back(sgl_kernel):

@@ -55,8 +55,9 @@ def test_child_process_writes_into_a_cuda_chunk_we_read(short_dir):
     path = short_dir / "vmm.sock"
     server = listen_unix(path)
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     try:
         server.settimeout(120)
         conn, _ = server.accept()

@@ -38,21 +38,32 @@ def pool(tmp_path_factory, tiny_model_root):
     model = tiny_model(SPEC, tiny_model_root)
     pool_dir = tmp_path_factory.mktemp("pools")
     name = f"t{os.getpid()}"
-    args = DTYPE + ["--memx-elastic-kv", "--memx-pool", name, "--memx-pool-budget-gb", BUDGET_GB,
-            "--memx-pool-dir", str(pool_dir), "--memx-chunk-kb", "4"]
+    args = DTYPE + [
+        "--memx-elastic-kv",
+        "--memx-pool",
+        name,
+        "--memx-pool-budget-gb",
+        BUDGET_GB,
+        "--memx-pool-dir",
+        str(pool_dir),
+        "--memx-chunk-kb",
+        "4",
+    ]
     servers = [SGLangServer(model, name=f"colo-{x}", max_total_tokens=4096, extra_args=args) for x in "abc"]
     start_all(servers)
     sock = pool_dir / f"{name}.sock"
     yield {"servers": servers, "sock": sock, "dir": pool_dir, "name": name}
     for s in servers:
         s.stop()
-    subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir", str(pool_dir)],
-                   check=False)
+    subprocess.run(
+        [sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir", str(pool_dir)], check=False
+    )
 
 
 def _gen(server, texts, n):
-    return server.request("/generate", {"text": texts, "sampling_params": {
-        "max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+    return server.request(
+        "/generate", {"text": texts, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    )
 
 
 def _held(sock):
@@ -89,7 +100,7 @@ def test_memory_flows_from_idle_to_busy_server(pool):
     texts = [f"load {i} " + " ".join(f"q{i}_{j}" for j in range(30)) for i in range(6)]
     out_a = _gen(a, texts, 80)  # 6 x ~115 tokens: more than the 21 KV groups left beside activations
     held, _ = _held(pool["sock"])
-    a_pid, b_pid = _scheduler_pid(a), _scheduler_pid(b)
+    a_pid, _b_pid = _scheduler_pid(a), _scheduler_pid(b)
     assert held[a_pid] > 4 * CHUNKS_PER_GROUP, held  # a borrowed well beyond its group 0
     # a is idle now, its KV sits in its prefix cache; b needs nearly the whole budget
     out_b = _gen(b, texts, 80)
@@ -119,8 +130,11 @@ def test_killing_a_server_returns_its_memory_and_spares_the_others(pool):
         except Exception:
             pass  # c dies mid-request
 
-    threads = [threading.Thread(target=load, args=(a, "a")), threading.Thread(target=load, args=(b, "b")),
-               threading.Thread(target=doomed)]
+    threads = [
+        threading.Thread(target=load, args=(a, "a")),
+        threading.Thread(target=load, args=(b, "b")),
+        threading.Thread(target=doomed),
+    ]
     for t in threads:
         t.start()
     time.sleep(3)
@@ -140,8 +154,12 @@ def test_killing_a_server_returns_its_memory_and_spares_the_others(pool):
 
 def test_top_and_metrics_show_the_pool(pool):
     a = pool["servers"][0]
-    frame = subprocess.run([sys.executable, "-m", "sglang_memx.cli", "top", "--once", "--pool-dir",
-                            str(pool["dir"])], capture_output=True, text=True, timeout=60)
+    frame = subprocess.run(
+        [sys.executable, "-m", "sglang_memx.cli", "top", "--once", "--pool-dir", str(pool["dir"])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert frame.returncode == 0, frame.stderr
     assert pool["name"] in frame.stdout and a.url in frame.stdout
     metrics = a.request_text("/memx/metrics")

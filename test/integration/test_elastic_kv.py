@@ -10,7 +10,6 @@ retraction under memory pressure and prefills offloaded to the host buffer,
 and the KV memory must go back to the pool when the requests are gone.
 """
 
-
 import pytest
 
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
@@ -23,32 +22,72 @@ SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, he
 # are so flat that bf16 rounding differences between batch shapes could flip an argmax.
 COMMON = ["--chunked-prefill-size", "16", "--dtype", "float32"]
 TIGHT_BUDGET_GB = "0.0004"  # 104 chunks of 4 KiB: a 16-token prefill's activation (12) + 23 KV groups of 32 tokens
-PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three four five",
-           "Elastic memory for serving"]
+PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three four five", "Elastic memory for serving"]
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_root):
     model = tiny_model(SPEC, tiny_model_root)
     stock = SGLangServer(model, name="ekv-stock", stock=True, max_total_tokens=4096, extra_args=COMMON)
-    tight = SGLangServer(model, name="ekv-tight", max_total_tokens=4096,
-                         extra_args=COMMON + ["--memx-elastic-kv", "--memx-chunk-kb", "4",
-                                              "--memx-pool-budget-gb", TIGHT_BUDGET_GB,
-                                              "--schedule-conservativeness", "0.05"])
-    paged = SGLangServer(model, name="ekv-paged", max_total_tokens=4096,
-                         extra_args=COMMON + ["--memx-elastic-kv", "--memx-chunk-kb", "4", "--page-size", "4"])
+    tight = SGLangServer(
+        model,
+        name="ekv-tight",
+        max_total_tokens=4096,
+        extra_args=COMMON
+        + [
+            "--memx-elastic-kv",
+            "--memx-chunk-kb",
+            "4",
+            "--memx-pool-budget-gb",
+            TIGHT_BUDGET_GB,
+            "--schedule-conservativeness",
+            "0.05",
+        ],
+    )
+    paged = SGLangServer(
+        model,
+        name="ekv-paged",
+        max_total_tokens=4096,
+        extra_args=COMMON + ["--memx-elastic-kv", "--memx-chunk-kb", "4", "--page-size", "4"],
+    )
     # the tight server plus a CPU elastic buffer: retracted requests' KV waits on the host
-    parked = SGLangServer(model, name="ekv-parked", max_total_tokens=4096,
-                          extra_args=COMMON + ["--memx-elastic-kv", "--memx-chunk-kb", "4",
-                                               "--memx-pool-budget-gb", TIGHT_BUDGET_GB,
-                                               "--schedule-conservativeness", "0.05",
-                                               "--memx-host-buffer-gb", "0.01"])
+    parked = SGLangServer(
+        model,
+        name="ekv-parked",
+        max_total_tokens=4096,
+        extra_args=COMMON
+        + [
+            "--memx-elastic-kv",
+            "--memx-chunk-kb",
+            "4",
+            "--memx-pool-budget-gb",
+            TIGHT_BUDGET_GB,
+            "--schedule-conservativeness",
+            "0.05",
+            "--memx-host-buffer-gb",
+            "0.01",
+        ],
+    )
     # ... with Alg. 2 sizing it: a TTFT SLO every request misses, a TPOT SLO none does
-    slo = SGLangServer(model, name="ekv-slo", max_total_tokens=4096,
-                       extra_args=COMMON + ["--memx-elastic-kv", "--memx-chunk-kb", "4",
-                                            "--memx-pool-budget-gb", TIGHT_BUDGET_GB,
-                                            "--memx-host-buffer-gb", "0.01",
-                                            "--memx-ttft-slo-ms", "1", "--memx-tpot-slo-ms", "100000"])
+    slo = SGLangServer(
+        model,
+        name="ekv-slo",
+        max_total_tokens=4096,
+        extra_args=COMMON
+        + [
+            "--memx-elastic-kv",
+            "--memx-chunk-kb",
+            "4",
+            "--memx-pool-budget-gb",
+            TIGHT_BUDGET_GB,
+            "--memx-host-buffer-gb",
+            "0.01",
+            "--memx-ttft-slo-ms",
+            "1",
+            "--memx-tpot-slo-ms",
+            "100000",
+        ],
+    )
     everyone = [stock, tight, paged, parked, slo]
     start_all(everyone)
     yield {"stock": stock, "tight": tight, "paged": paged, "parked": parked, "slo": slo}
@@ -57,8 +96,10 @@ def servers(tiny_model_root):
 
 
 def _gen(server, text, n=24, ignore_eos=True):
-    return server.request("/generate", {"text": text, "sampling_params": {
-        "max_new_tokens": n, "temperature": 0, "ignore_eos": ignore_eos}})
+    return server.request(
+        "/generate",
+        {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": ignore_eos}},
+    )
 
 
 def _elastic(server):

@@ -86,8 +86,7 @@ def test_tokenizer_keeps_chat_template_and_stops_at_im_end(prepared):
     gen = GenerationConfig.from_pretrained(str(path))
     eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
     assert end_id in eos
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                   tokenize=False)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert "<|im_start|>user\nhi<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
 
@@ -129,11 +128,15 @@ def test_greedy_generation_answers_paris(prepared):
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     model.eval()
-    inputs = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=12)
-    answer = tok.decode(out[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0][inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     print(f"answer: {answer!r}")
     assert "Paris" in answer
 

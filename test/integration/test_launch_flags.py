@@ -20,23 +20,37 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 BAD_CASES = [
     (["--memx-status-path", "relative"], "--memx-status-path", "absolute URL path"),
     (["--memx-status-path", "/generate"], "--memx-status-path", "upstream SGLang route"),
-    (["--memx-disable", "--memx-status-path", "/x"], "--memx-disable",
-     "contradicts --memx-status-path"),
+    (["--memx-disable", "--memx-status-path", "/x"], "--memx-disable", "contradicts --memx-status-path"),
     (["--memx-no-such-flag", "1"], None, "unrecognized arguments: --memx-no-such-flag"),
     (["--memx-pool", "gpu0"], "--memx-pool", "needs --memx-elastic-kv"),
     (["--memx-elastic-kv", "--memx-chunk-kb", "6"], "--memx-chunk-kb", "power of two"),
     (["--memx-elastic-kv", "--memx-pool-budget-gb", "-1"], "--memx-pool-budget-gb", "positive number"),
     (["--memx-host-buffer-gb", "1"], "--memx-host-buffer-gb", "needs --memx-elastic-kv"),
     (["--memx-torch-activations"], "--memx-torch-activations", "needs --memx-elastic-kv"),
-    (["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--memx-tpot-slo-ms", "50"], "--memx-ttft-slo-ms",
-     "together with --memx-tpot-slo-ms"),
-    (["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--disable-radix-cache"], "--memx-host-buffer-gb",
-     "needs the radix cache"),
+    (
+        ["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--memx-tpot-slo-ms", "50"],
+        "--memx-ttft-slo-ms",
+        "together with --memx-tpot-slo-ms",
+    ),
+    (
+        ["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--disable-radix-cache"],
+        "--memx-host-buffer-gb",
+        "needs the radix cache",
+    ),
 ]
-DEFAULTS = {"disabled": False, "status_path": "/memx/status", "elastic_kv": False, "pool": None,
-            "pool_budget_gb": None, "pool_dir": None, "chunk_kb": 64, "torch_activations": False,
-            "host_buffer_gb": None,
-            "ttft_slo_ms": None, "tpot_slo_ms": None}
+DEFAULTS = {
+    "disabled": False,
+    "status_path": "/memx/status",
+    "elastic_kv": False,
+    "pool": None,
+    "pool_budget_gb": None,
+    "pool_dir": None,
+    "chunk_kb": 64,
+    "torch_activations": False,
+    "host_buffer_gb": None,
+    "ttft_slo_ms": None,
+    "tpot_slo_ms": None,
+}
 
 PARSE_SCRIPT = r"""
 import contextlib, io, json, pickle, sys
@@ -66,19 +80,34 @@ def _env(**extra):
 def runs():
     cases = [argv for argv, _, _ in BAD_CASES] + [["--memx-status-path", "/ops/memx"], []]
     procs = {
-        "help": subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--help"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env=_env()),
-        "help_stock": subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--help"],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       env=_env(SGLANG_PLUGINS=plugins_without_memx())),
-        "bad": subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path",
-                                 "unused", "--memx-status-path", "relative"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=_env()),
-        "parse": subprocess.Popen([sys.executable, "-c", PARSE_SCRIPT, json.dumps(cases)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=_env()),
+        "help": subprocess.Popen(
+            [sys.executable, "-m", "sglang.launch_server", "--help"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        ),
+        "help_stock": subprocess.Popen(
+            [sys.executable, "-m", "sglang.launch_server", "--help"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(SGLANG_PLUGINS=plugins_without_memx()),
+        ),
+        "bad": subprocess.Popen(
+            [sys.executable, "-m", "sglang.launch_server", "--model-path", "unused", "--memx-status-path", "relative"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        ),
+        "parse": subprocess.Popen(
+            [sys.executable, "-c", PARSE_SCRIPT, json.dumps(cases)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        ),
     }
     out = {}
     for name, p in procs.items():
@@ -114,7 +143,7 @@ def test_bad_memx_values_exit_2_naming_the_flag(runs, index):
 
 
 def test_config_reaches_server_args_and_survives_pickling(runs):
-    good, default = runs["cases"][len(BAD_CASES):]
+    good, default = runs["cases"][len(BAD_CASES) :]
     assert good["code"] == 0 and good["config"] == dict(DEFAULTS, status_path="/ops/memx")
     assert default["config"] == DEFAULTS
     assert "sglang-memx 0.1.0 active on sglang 0.5.23" in good["stderr"]

@@ -21,8 +21,7 @@ def servers():
     model = prepare_embedded_model()
     extra = ["--served-model-name", NAME]
     memx = SGLangServer(model, name="smollm2-memx", max_total_tokens=8192, extra_args=extra)
-    stock = SGLangServer(model, name="smollm2-stock", stock=True, max_total_tokens=8192,
-                         extra_args=extra)
+    stock = SGLangServer(model, name="smollm2-stock", stock=True, max_total_tokens=8192, extra_args=extra)
     start_all([memx, stock])
     yield memx, stock
     memx.stop()
@@ -33,8 +32,7 @@ def _chat(server, **kw):
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-    return client.chat.completions.create(model=NAME, messages=CHAT, temperature=0,
-                                          max_tokens=24, **kw)
+    return client.chat.completions.create(model=NAME, messages=CHAT, temperature=0, max_tokens=24, **kw)
 
 
 def test_chat_answers_paris_and_stops(servers):

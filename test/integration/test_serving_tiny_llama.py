@@ -32,11 +32,11 @@ MAX_TOTAL_TOKENS = 4096
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_root):
-    model = tiny_model(TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2,
-                                     head_dim=16), tiny_model_root)
+    model = tiny_model(
+        TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16), tiny_model_root
+    )
     memx = SGLangServer(model, name="tiny-llama-memx", max_total_tokens=MAX_TOTAL_TOKENS)
-    stock = SGLangServer(model, name="tiny-llama-stock", stock=True,
-                         max_total_tokens=MAX_TOTAL_TOKENS)
+    stock = SGLangServer(model, name="tiny-llama-stock", stock=True, max_total_tokens=MAX_TOTAL_TOKENS)
     start_all([memx, stock])
     yield memx, stock
     memx.stop()
@@ -65,10 +65,8 @@ def test_greedy_generate_matches_stock(servers):
 
 def test_batched_generate_matches_stock(servers):
     memx, stock = servers
-    a = memx.request("/generate", {"text": PROMPTS, "sampling_params":
-                                   {"max_new_tokens": 12, "temperature": 0}})
-    b = stock.request("/generate", {"text": PROMPTS, "sampling_params":
-                                    {"max_new_tokens": 12, "temperature": 0}})
+    a = memx.request("/generate", {"text": PROMPTS, "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
+    b = stock.request("/generate", {"text": PROMPTS, "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
     assert [x["output_ids"] for x in a] == [x["output_ids"] for x in b]
     # Batched greedy equals one-by-one greedy on the same server.
     assert a[0]["output_ids"][:12] == _greedy(memx, PROMPTS[0], 12)["output_ids"]
@@ -81,8 +79,7 @@ def test_sampled_generate_respects_sampling_params(servers):
         # top_k=1 leaves one candidate per step: sampling must reproduce greedy.
         top1 = server.generate(PROMPTS[1], max_new_tokens=16, temperature=1.0, top_k=1)
         assert top1["output_ids"] == greedy
-    samples = [memx.generate(PROMPTS[1], max_new_tokens=16, temperature=1.5, top_p=0.95)
-               for _ in range(4)]
+    samples = [memx.generate(PROMPTS[1], max_new_tokens=16, temperature=1.5, top_p=0.95) for _ in range(4)]
     assert all(len(x["output_ids"]) == x["meta_info"]["completion_tokens"] for x in samples)
     assert len({tuple(x["output_ids"]) for x in samples}) >= 2, "sampling looks greedy"
 
@@ -91,9 +88,11 @@ def test_streaming_matches_non_streaming(servers):
     memx, _ = servers
     req = urllib.request.Request(
         memx.url + "/generate",
-        data=json.dumps({"text": PROMPTS[0], "stream": True,
-                         "sampling_params": {"max_new_tokens": 16, "temperature": 0}}).encode(),
-        headers={"Content-Type": "application/json"})
+        data=json.dumps(
+            {"text": PROMPTS[0], "stream": True, "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     chunks = []
     with urllib.request.urlopen(req, timeout=120) as r:
         for raw in r:
@@ -113,8 +112,8 @@ def test_openai_chat_completions_match_stock(servers):
     for server in (memx, stock):
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
         resp = client.chat.completions.create(
-            model="default", messages=[{"role": "user", "content": "What is the pool?"}],
-            max_tokens=12, temperature=0)
+            model="default", messages=[{"role": "user", "content": "What is the pool?"}], max_tokens=12, temperature=0
+        )
         assert resp.choices[0].message.role == "assistant"
         assert resp.usage.completion_tokens > 0
         answers.append(resp.choices[0].message.content)
@@ -128,8 +127,7 @@ def test_openai_completions_match_stock(servers):
     texts = []
     for server in (memx, stock):
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-        resp = client.completions.create(model="default", prompt=PROMPTS[2], max_tokens=10,
-                                         temperature=0)
+        resp = client.completions.create(model="default", prompt=PROMPTS[2], max_tokens=10, temperature=0)
         texts.append(resp.choices[0].text)
         assert resp.usage.completion_tokens == 10
     assert texts[0] == texts[1]
@@ -150,8 +148,7 @@ def test_frontend_program_fork_and_run_batch(servers):
     results = {}
     for server in servers:
         backend = sgl.RuntimeEndpoint(server.url)
-        states = two_continuations.run_batch(
-            [{"topic": "memory"}, {"topic": "cache"}], backend=backend)
+        states = two_continuations.run_batch([{"topic": "memory"}, {"topic": "cache"}], backend=backend)
         results[server.name] = [st["summary"] for st in states]
         assert all(isinstance(x, str) for x in results[server.name])
         single = two_continuations.run(topic="memory", backend=backend)
@@ -174,8 +171,7 @@ def test_memx_status_reports_live_pool(servers):
     # K and V, 2 layers, 2 KV heads x 16 dims, bf16, capacity (+ upstream's padding slots).
     per_token = 2 * 2 * 2 * 16 * 2
     assert MAX_TOTAL_TOKENS * per_token <= pool["bytes"] <= (MAX_TOTAL_TOKENS + 1024) * per_token
-    assert pool["used_tokens"] + pool["available_tokens"] + pool["evictable_tokens"] \
-        == pool["capacity_tokens"]
+    assert pool["used_tokens"] + pool["available_tokens"] + pool["evictable_tokens"] == pool["capacity_tokens"]
     assert rank["pid"] != memx.proc.pid  # read from the scheduler process, not the HTTP one
     # The radix cache keeps finished prompts: evictable tokens are visible.
     assert pool["evictable_tokens"] > 0
@@ -190,8 +186,7 @@ def test_memx_status_sees_running_request(servers):
 
     def long_request():
         try:
-            memx.generate("Keep going: " * 20, max_new_tokens=400, temperature=0,
-                          ignore_eos=True)
+            memx.generate("Keep going: " * 20, max_new_tokens=400, temperature=0, ignore_eos=True)
         finally:
             done.set()
 
@@ -215,7 +210,11 @@ def test_cli_status_prints_the_document(servers):
     import sys
 
     memx, _ = servers
-    out = subprocess.run([sys.executable, "-m", "sglang_memx.cli", "status", "--url", memx.url],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_memx.cli", "status", "--url", memx.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["schedulers"][0]["kv_pool"]["capacity_tokens"] == MAX_TOTAL_TOKENS

@@ -9,10 +9,8 @@ from support.server import SGLangServer, start_all
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 SPECS = {
-    "qwen3-mha": TinyModelSpec(arch="qwen3", num_layers=3, num_heads=4, num_kv_heads=4,
-                               head_dim=32, seed=1),
-    "qwen2-gqa": TinyModelSpec(arch="qwen2", num_layers=2, num_heads=4, num_kv_heads=1,
-                               head_dim=16, seed=2),
+    "qwen3-mha": TinyModelSpec(arch="qwen3", num_layers=3, num_heads=4, num_kv_heads=4, head_dim=32, seed=1),
+    "qwen2-gqa": TinyModelSpec(arch="qwen2", num_layers=2, num_heads=4, num_kv_heads=1, head_dim=16, seed=2),
 }
 PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three four"]
 
@@ -20,8 +18,9 @@ PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three fou
 @pytest.fixture(scope="module", params=sorted(SPECS))
 def servers(request, tiny_model_root):
     model = tiny_model(SPECS[request.param], tiny_model_root)
-    memx = SGLangServer(model, name=f"{request.param}-memx", max_total_tokens=2048,
-                        extra_args=["--memx-status-path", "/ops/memx"])
+    memx = SGLangServer(
+        model, name=f"{request.param}-memx", max_total_tokens=2048, extra_args=["--memx-status-path", "/ops/memx"]
+    )
     stock = SGLangServer(model, name=f"{request.param}-stock", stock=True, max_total_tokens=2048)
     start_all([memx, stock])
     yield request.param, memx, stock
@@ -31,10 +30,8 @@ def servers(request, tiny_model_root):
 
 def test_greedy_matches_stock(servers):
     _, memx, stock = servers
-    a = memx.request("/generate", {"text": PROMPTS, "sampling_params":
-                                   {"max_new_tokens": 16, "temperature": 0}})
-    b = stock.request("/generate", {"text": PROMPTS, "sampling_params":
-                                    {"max_new_tokens": 16, "temperature": 0}})
+    a = memx.request("/generate", {"text": PROMPTS, "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+    b = stock.request("/generate", {"text": PROMPTS, "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
     assert [x["output_ids"] for x in a] == [x["output_ids"] for x in b]
     assert all(len(x["output_ids"]) == 16 for x in a)
 

@@ -24,8 +24,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 LOG_DIR = REPO / "test-logs"
 
-CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native",
-            "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+CPU_ARGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--cuda-graph-backend-decode",
+    "disabled",
+    "--cuda-graph-backend-prefill",
+    "disabled",
+]
 
 
 def free_port() -> int:
@@ -41,18 +49,38 @@ def plugins_without_memx() -> str:
 
 
 class SGLangServer:
-    def __init__(self, model_path, *, name: str, stock: bool = False,
-                 max_total_tokens: int = 4096, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        model_path,
+        *,
+        name: str,
+        stock: bool = False,
+        max_total_tokens: int = 4096,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.model_path = str(model_path)
         self.name = name
         self.stock = stock
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
-                     "--host", "127.0.0.1", "--port", str(self.port), *CPU_ARGS,
-                     "--max-total-tokens", str(max_total_tokens), "--random-seed", "0",
-                     *(extra_args or [])]
+        self.args = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *CPU_ARGS,
+            "--max-total-tokens",
+            str(max_total_tokens),
+            "--random-seed",
+            "0",
+            *(extra_args or []),
+        ]
         self.env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", PYTHONUNBUFFERED="1")
         if stock:
             self.env["SGLANG_PLUGINS"] = plugins_without_memx()
@@ -63,11 +91,12 @@ class SGLangServer:
         self.startup_s: float | None = None
 
     # ----------------------------------------------------------------- process
-    def start(self) -> "SGLangServer":
+    def start(self) -> SGLangServer:
         self._log = open(self.log_path, "w")
         self._t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
         return self
 
     def _port_taken(self) -> bool:
@@ -85,7 +114,7 @@ class SGLangServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.start()
 
-    def wait_ready(self, timeout: float = 420.0) -> "SGLangServer":
+    def wait_ready(self, timeout: float = 420.0) -> SGLangServer:
         deadline = time.monotonic() + timeout
         retried = False
         while time.monotonic() < deadline:
@@ -93,8 +122,9 @@ class SGLangServer:
                 retried = True
                 self._restart_on_new_port()
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.name} exited with {self.proc.returncode}; "
-                                   f"log tail:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"server {self.name} exited with {self.proc.returncode}; log tail:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -104,8 +134,7 @@ class SGLangServer:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise TimeoutError(f"server {self.name} not healthy after {timeout}s; log tail:\n"
-                           f"{self.log_tail()}")
+        raise TimeoutError(f"server {self.name} not healthy after {timeout}s; log tail:\n{self.log_tail()}")
 
     def stop(self) -> None:
         if self.proc is None:
@@ -132,8 +161,7 @@ class SGLangServer:
     # ---------------------------------------------------------------- requests
     def request(self, path: str, payload: dict | None = None, timeout: float = 300.0):
         data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(self.url + path, data=data,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.load(r)
 
@@ -152,7 +180,7 @@ def pin_to_cores(servers: list[SGLangServer]) -> None:
     ordered = sorted(cores)
     per = max(1, len(ordered) // len(servers))
     for i, server in enumerate(servers):
-        mine = ordered[(i * per) % len(ordered):][:per] or ordered[:per]
+        mine = ordered[(i * per) % len(ordered) :][:per] or ordered[:per]
         server.env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
         server.env.setdefault("OMP_NUM_THREADS", str(len(mine)))
 

@@ -9,12 +9,12 @@ def test_host_meter_sees_the_live_peak_of_new_tensors_only():
     w = torch.randn(512, 2048)
     x = torch.randn(100, 512)
     with PeakMeter("cpu") as meter:
-        h = x @ w                    # 100 x 2048 floats = 819,200 B
+        h = x @ w  # 100 x 2048 floats = 819,200 B
         g = torch.nn.functional.gelu(h)  # another 819,200 B while h is alive
         del h
-        v = g[:10]                   # a view: nothing new
-        g.mul_(2)                    # in place: nothing new
-        out = g.sum()                # 4 B
+        v = g[:10]  # a view: nothing new
+        g.mul_(2)  # in place: nothing new
+        out = g.sum()  # 4 B
         del g, v
     assert meter.peak_bytes == 2 * 819_200  # h and g together; the 4-byte sum came after h was gone
     assert out.item() != 0

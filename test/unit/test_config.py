@@ -5,8 +5,7 @@ import pickle
 
 import pytest
 
-from sglang_memx.config import (GROUP_TITLE, MEMX_FLAGS, MemxConfig, MemxConfigError,
-                                add_memx_arguments)
+from sglang_memx.config import GROUP_TITLE, MEMX_FLAGS, MemxConfig, MemxConfigError, add_memx_arguments
 
 
 def _parse(argv):
@@ -33,16 +32,19 @@ def test_every_flag_is_in_one_group_once():
     assert all(o.startswith("--memx-") for o in options)
 
 
-@pytest.mark.parametrize("path, fragment", [
-    ("memx", "absolute URL path"),
-    ("/", "absolute URL path"),
-    ("/a b", "must not contain"),
-    ("/x?y", "must not contain"),
-    ("/generate", "upstream SGLang route"),
-    ("/v1/chat/completions", "upstream SGLang route"),
-    ("/health/", "upstream SGLang route"),
-    ("/memx/metrics", "Prometheus endpoint"),
-])
+@pytest.mark.parametrize(
+    "path, fragment",
+    [
+        ("memx", "absolute URL path"),
+        ("/", "absolute URL path"),
+        ("/a b", "must not contain"),
+        ("/x?y", "must not contain"),
+        ("/generate", "upstream SGLang route"),
+        ("/v1/chat/completions", "upstream SGLang route"),
+        ("/health/", "upstream SGLang route"),
+        ("/memx/metrics", "Prometheus endpoint"),
+    ],
+)
 def test_bad_status_path_names_the_flag(path, fragment):
     with pytest.raises(MemxConfigError) as err:
         _parse(["--memx-status-path", path])
@@ -76,36 +78,64 @@ def test_from_dict_rejects_unknown_and_invalid_settings():
 
 
 def test_elastic_kv_flags_parse_and_turn_features_on():
-    cfg = _parse(["--memx-elastic-kv", "--memx-pool", "gpu0", "--memx-pool-budget-gb", "1.5",
-                  "--memx-pool-dir", "/tmp/p", "--memx-chunk-kb", "2048"])
+    cfg = _parse(
+        [
+            "--memx-elastic-kv",
+            "--memx-pool",
+            "gpu0",
+            "--memx-pool-budget-gb",
+            "1.5",
+            "--memx-pool-dir",
+            "/tmp/p",
+            "--memx-chunk-kb",
+            "2048",
+        ]
+    )
     assert (cfg.elastic_kv, cfg.pool, cfg.pool_budget_gb, cfg.pool_dir, cfg.chunk_kb) == (
-        True, "gpu0", 1.5, "/tmp/p", 2048)
+        True,
+        "gpu0",
+        1.5,
+        "/tmp/p",
+        2048,
+    )
     assert cfg.features == {"status_endpoint": True, "elastic_kv": True, "shared_pool": True, "host_buffer": False}
     assert MemxConfig.from_dict(cfg.to_dict()) == cfg
 
 
-@pytest.mark.parametrize("argv, flag, fragment", [
-    (["--memx-pool", "gpu0"], "--memx-pool", "needs --memx-elastic-kv"),
-    (["--memx-pool-budget-gb", "2"], "--memx-pool-budget-gb", "needs --memx-elastic-kv"),
-    (["--memx-pool-dir", "/tmp/x"], "--memx-pool-dir", "needs --memx-elastic-kv"),
-    (["--memx-chunk-kb", "8"], "--memx-chunk-kb", "needs --memx-elastic-kv"),
-    (["--memx-torch-activations"], "--memx-torch-activations", "needs --memx-elastic-kv"),
-    (["--memx-elastic-kv", "--memx-pool", "bad name"], "--memx-pool", "letters, digits"),
-    (["--memx-elastic-kv", "--memx-pool", "../up"], "--memx-pool", "letters, digits"),
-    (["--memx-elastic-kv", "--memx-pool-budget-gb", "0"], "--memx-pool-budget-gb", "positive"),
-    (["--memx-elastic-kv", "--memx-pool-budget-gb", "nan"], "--memx-pool-budget-gb", "positive"),
-    (["--memx-elastic-kv", "--memx-chunk-kb", "6"], "--memx-chunk-kb", "power of two"),
-    (["--memx-elastic-kv", "--memx-chunk-kb", "2"], "--memx-chunk-kb", "power of two"),
-    (["--memx-disable", "--memx-elastic-kv"], "--memx-disable", "--memx-elastic-kv"),
-    (["--memx-host-buffer-gb", "1"], "--memx-host-buffer-gb", "needs --memx-elastic-kv"),
-    (["--memx-elastic-kv", "--memx-host-buffer-gb", "-1"], "--memx-host-buffer-gb", "positive"),
-    (["--memx-elastic-kv", "--memx-ttft-slo-ms", "500", "--memx-tpot-slo-ms", "50"], "--memx-ttft-slo-ms",
-     "needs --memx-host-buffer-gb"),
-    (["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--memx-ttft-slo-ms", "500"], "--memx-tpot-slo-ms",
-     "together with --memx-ttft-slo-ms"),
-    (["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--memx-ttft-slo-ms", "0", "--memx-tpot-slo-ms", "5"],
-     "--memx-ttft-slo-ms", "positive"),
-])
+@pytest.mark.parametrize(
+    "argv, flag, fragment",
+    [
+        (["--memx-pool", "gpu0"], "--memx-pool", "needs --memx-elastic-kv"),
+        (["--memx-pool-budget-gb", "2"], "--memx-pool-budget-gb", "needs --memx-elastic-kv"),
+        (["--memx-pool-dir", "/tmp/x"], "--memx-pool-dir", "needs --memx-elastic-kv"),
+        (["--memx-chunk-kb", "8"], "--memx-chunk-kb", "needs --memx-elastic-kv"),
+        (["--memx-torch-activations"], "--memx-torch-activations", "needs --memx-elastic-kv"),
+        (["--memx-elastic-kv", "--memx-pool", "bad name"], "--memx-pool", "letters, digits"),
+        (["--memx-elastic-kv", "--memx-pool", "../up"], "--memx-pool", "letters, digits"),
+        (["--memx-elastic-kv", "--memx-pool-budget-gb", "0"], "--memx-pool-budget-gb", "positive"),
+        (["--memx-elastic-kv", "--memx-pool-budget-gb", "nan"], "--memx-pool-budget-gb", "positive"),
+        (["--memx-elastic-kv", "--memx-chunk-kb", "6"], "--memx-chunk-kb", "power of two"),
+        (["--memx-elastic-kv", "--memx-chunk-kb", "2"], "--memx-chunk-kb", "power of two"),
+        (["--memx-disable", "--memx-elastic-kv"], "--memx-disable", "--memx-elastic-kv"),
+        (["--memx-host-buffer-gb", "1"], "--memx-host-buffer-gb", "needs --memx-elastic-kv"),
+        (["--memx-elastic-kv", "--memx-host-buffer-gb", "-1"], "--memx-host-buffer-gb", "positive"),
+        (
+            ["--memx-elastic-kv", "--memx-ttft-slo-ms", "500", "--memx-tpot-slo-ms", "50"],
+            "--memx-ttft-slo-ms",
+            "needs --memx-host-buffer-gb",
+        ),
+        (
+            ["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--memx-ttft-slo-ms", "500"],
+            "--memx-tpot-slo-ms",
+            "together with --memx-ttft-slo-ms",
+        ),
+        (
+            ["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--memx-ttft-slo-ms", "0", "--memx-tpot-slo-ms", "5"],
+            "--memx-ttft-slo-ms",
+            "positive",
+        ),
+    ],
+)
 def test_bad_elastic_flags_name_the_flag(argv, flag, fragment):
     with pytest.raises(MemxConfigError) as err:
         _parse(argv)
@@ -114,7 +144,8 @@ def test_bad_elastic_flags_name_the_flag(argv, flag, fragment):
 
 
 def test_host_buffer_flags_parse():
-    cfg = _parse(["--memx-elastic-kv", "--memx-host-buffer-gb", "0.5", "--memx-ttft-slo-ms", "800",
-                  "--memx-tpot-slo-ms", "60"])
+    cfg = _parse(
+        ["--memx-elastic-kv", "--memx-host-buffer-gb", "0.5", "--memx-ttft-slo-ms", "800", "--memx-tpot-slo-ms", "60"]
+    )
     assert (cfg.host_buffer_gb, cfg.ttft_slo_ms, cfg.tpot_slo_ms) == (0.5, 800.0, 60.0)
     assert cfg.features["host_buffer"] is True

@@ -131,12 +131,12 @@ def test_activation_takes_free_chunks_and_kv_inflates_into_idle_ones():
     from sglang_memx.elastic.driver import reserve_activation
 
     kv, alloc, pool = _with_balloon(CHUNK, capacity_chunks=4 * 4)  # group 0 + 12 free chunks
-    assert reserve_activation(kv, alloc, None, tokens=8, seqs=1)   # 8 chunks
+    assert reserve_activation(kv, alloc, None, tokens=8, seqs=1)  # 8 chunks
     assert pool.usage()[Owner.ACTIVATION] == 8 and kv.activation.live == 8
     assert kv.growable_pages() == 64  # 4 FREE chunks = one group; the live 8 are not KV's
-    kv.activation.end_iteration()     # the forward is over: the 8 chunks are idle
+    kv.activation.end_iteration()  # the forward is over: the 8 chunks are idle
     assert kv.growable_pages() == 3 * 64
-    kv.grow(alloc, 63 + 3 * 64)       # inflation: KV maps into idle activation memory
+    kv.grow(alloc, 63 + 3 * 64)  # inflation: KV maps into idle activation memory
     assert kv.buffers.num_mapped == 4 and pool.usage()[Owner.ACTIVATION] == 0
     assert kv.activation.stats["chunks_lent_to_kv"] == 8
     kv.check(alloc)
@@ -146,8 +146,8 @@ def test_activation_deflates_free_kv_lazily_and_refuses_what_cannot_fit():
     from sglang_memx.elastic.driver import reserve_activation
 
     kv, alloc, pool = _with_balloon(CHUNK, capacity_chunks=4 * 4)
-    kv.grow(alloc, 63 + 3 * 64)                       # KV maps everything
-    held = alloc.alloc(63 + 64)                       # groups 0 and 1 in use, 2 and 3 free
+    kv.grow(alloc, 63 + 3 * 64)  # KV maps everything
+    held = alloc.alloc(63 + 64)  # groups 0 and 1 in use, 2 and 3 free
     assert pool.available() == 0
     assert reserve_activation(kv, alloc, None, tokens=5, seqs=1)  # deflates 2 groups (only 5 needed)
     assert kv.buffers.num_mapped == 2 and pool.usage()[Owner.ACTIVATION] == 5
@@ -182,14 +182,23 @@ def test_demand_counts_the_rest_of_a_chunked_prompt():
     from sglang_memx.elastic.driver import head_prefill_tokens, running_demand_tokens
 
     def req(prompt, out, max_new, allocated):
-        return types.SimpleNamespace(origin_input_ids=[1] * prompt, output_ids=[2] * out,
-                                     sampling_params=types.SimpleNamespace(max_new_tokens=max_new),
-                                     kv=types.SimpleNamespace(kv_allocated_len=allocated), finished=lambda: False)
+        return types.SimpleNamespace(
+            origin_input_ids=[1] * prompt,
+            output_ids=[2] * out,
+            sampling_params=types.SimpleNamespace(max_new_tokens=max_new),
+            kv=types.SimpleNamespace(kv_allocated_len=allocated),
+            finished=lambda: False,
+        )
 
     decoding = req(100, 10, 64, 110)
     chunked = req(180, 0, 64, 128)
-    sched = types.SimpleNamespace(running_batch=types.SimpleNamespace(reqs=[decoding]), last_batch=None,
-                                  chunked_req=chunked, waiting_queue=[], chunked_prefill_size=64)
+    sched = types.SimpleNamespace(
+        running_batch=types.SimpleNamespace(reqs=[decoding]),
+        last_batch=None,
+        chunked_req=chunked,
+        waiting_queue=[],
+        chunked_prefill_size=64,
+    )
     assert running_demand_tokens(sched) == (64 - 10) + (180 - 128 + 64)
     assert head_prefill_tokens(sched) == 52  # the chunked request's last chunk comes before any waiting one
 
@@ -218,15 +227,16 @@ def test_balloon_with_arena_maps_what_it_holds_and_lends_only_unpinned_chunks():
     kv, alloc, pool, backend = _make(1, capacity_chunks=4 * 4)  # groups of 4 chunks
     arena = SegmentArena(backend, pool.capacity_chunks)
     cached, live = [], []
-    kv.activation = ActivationBalloon(pool, ActivationProfile(per_token_bytes=CHUNK), arena=arena,
-                                      mempool=_FakeMemPool(lib, cached))
+    kv.activation = ActivationBalloon(
+        pool, ActivationProfile(per_token_bytes=CHUNK), arena=arena, mempool=_FakeMemPool(lib, cached)
+    )
     try:
         assert reserve_activation(kv, alloc, None, tokens=8, seqs=1)
         assert arena.mapped_chunks == kv.activation.held == 8 == pool.usage()[Owner.ACTIVATION]
         # the forward: torch's caching allocator takes two segments from the arena
-        keep = lib.memx_arena_alloc(2 * CHUNK, 0, None)      # outlives the forward (chunks 0-1)
+        keep = lib.memx_arena_alloc(2 * CHUNK, 0, None)  # outlives the forward (chunks 0-1)
         live.append((keep, 2 * CHUNK))
-        scratch = lib.memx_arena_alloc(4 * CHUNK, 0, None)   # freed by the forward, cached by torch (2-5)
+        scratch = lib.memx_arena_alloc(4 * CHUNK, 0, None)  # freed by the forward, cached by torch (2-5)
         cached.append((scratch, 4 * CHUNK))
         assert arena.contains(keep) and arena.contains(scratch)
         kv.activation.end_iteration()
@@ -263,6 +273,7 @@ def test_activation_arena_is_cuda_only_optional_and_degrades_with_a_warning(capl
     cuda_like = types.SimpleNamespace(device=torch.device("cuda", 0), granularity=CHUNK)
     off = MemxConfig(elastic_kv=True, torch_activations=True)
     assert activation_arena(off, cuda_like, pool) == (None, None)
+
     def no_driver():
         raise segment_arena.ArenaBuildError("libcuda.so.1 cannot be loaded: not found")
 

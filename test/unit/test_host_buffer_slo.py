@@ -65,7 +65,7 @@ def test_sparse_first_tokens_still_count_as_a_violation():
     window counts samples, so 3 slow first tokens spread over 30 iterations are a TTFT violation."""
     kv = _state()
     t, fast = 0.0, _req(1)
-    for i in range(3):
+    for _i in range(3):
         r = _req()
         observe_slos(kv, _scheduler(waiting=[r], running=[fast]), now=t)
         for _ in range(10):  # fast decode steps in between: 1 ms per token, no first token

@@ -7,24 +7,58 @@ from sglang_memx.metrics import render_prometheus
 from sglang_memx.top import render
 
 RANK = {
-    "dp_rank": 0, "pool_name": "gpu0",
-    "kv_pool": {"capacity_tokens": 4096, "used_tokens": 100, "available_tokens": 300, "evictable_tokens": 50,
-                "bytes": 65536},
+    "dp_rank": 0,
+    "pool_name": "gpu0",
+    "kv_pool": {
+        "capacity_tokens": 4096,
+        "used_tokens": 100,
+        "available_tokens": 300,
+        "evictable_tokens": 50,
+        "bytes": 65536,
+    },
     "requests": {"running": 2, "waiting": 1},
-    "elastic_kv": {"mapped_bytes": 65536, "logical_bytes": 1 << 20, "groups_mapped": 4,
-                   "pool_capacity_bytes": 1 << 19, "owners_bytes": {"kv": 65536, "free": 4096},
-                   "groups_mapped_total": 9, "groups_unmapped_total": 5, "grow_refused": 1,
-                   "map_seconds": 0.002, "unmap_seconds": 0.001, "max_map_seconds": 0.0005,
-                   "max_unmap_seconds": 0.0002, "chunk_bytes": 4096,
-                   "backend": {"map_calls": 36, "unmap_calls": 20},
-                   "activation": {"held_bytes": 8192, "peak_held": 45, "chunks_from_kv": 4, "chunks_lent_to_kv": 30,
-                                  "deferred_requests": 2,
-                                  "allocator": {"kind": "memx arena", "live_bytes": 6 << 20, "overflow_allocs": 1}},
-                   "host_buffer": {"used_bytes": 1000, "logical_bytes": 4096, "parked": 3, "restored": 2,
-                                   "dropped": 0, "fetched": 4, "prefill_offloads": 5},
-                   "shared_pool": {"borrowed_total": 40, "returned_total": 20, "denied_total": 2,
-                                   "reclaim_requests": 3, "held_chunks": 17, "budget_chunks": 52,
-                                   "chunk_bytes": 4096}},
+    "elastic_kv": {
+        "mapped_bytes": 65536,
+        "logical_bytes": 1 << 20,
+        "groups_mapped": 4,
+        "pool_capacity_bytes": 1 << 19,
+        "owners_bytes": {"kv": 65536, "free": 4096},
+        "groups_mapped_total": 9,
+        "groups_unmapped_total": 5,
+        "grow_refused": 1,
+        "map_seconds": 0.002,
+        "unmap_seconds": 0.001,
+        "max_map_seconds": 0.0005,
+        "max_unmap_seconds": 0.0002,
+        "chunk_bytes": 4096,
+        "backend": {"map_calls": 36, "unmap_calls": 20},
+        "activation": {
+            "held_bytes": 8192,
+            "peak_held": 45,
+            "chunks_from_kv": 4,
+            "chunks_lent_to_kv": 30,
+            "deferred_requests": 2,
+            "allocator": {"kind": "memx arena", "live_bytes": 6 << 20, "overflow_allocs": 1},
+        },
+        "host_buffer": {
+            "used_bytes": 1000,
+            "logical_bytes": 4096,
+            "parked": 3,
+            "restored": 2,
+            "dropped": 0,
+            "fetched": 4,
+            "prefill_offloads": 5,
+        },
+        "shared_pool": {
+            "borrowed_total": 40,
+            "returned_total": 20,
+            "denied_total": 2,
+            "reclaim_requests": 3,
+            "held_chunks": 17,
+            "budget_chunks": 52,
+            "chunk_bytes": 4096,
+        },
+    },
 }
 DOC = {"schedulers": [RANK]}
 
@@ -43,7 +77,7 @@ def test_prometheus_text_has_help_type_and_labelled_samples():
     assert 'memx_activation_arena_live_bytes{dp_rank="0",pool="gpu0"} 6291456' in text
     assert 'memx_activation_arena_overflow_allocs_total{dp_rank="0",pool="gpu0"} 1' in text
     assert 'memx_host_buffer_prefill_offloads_total{dp_rank="0",pool="gpu0"} 5' in text
-    sample = re.compile(r'^[a-z_]+(\{[^}]*\})? -?[0-9.e+-]+$')
+    sample = re.compile(r"^[a-z_]+(\{[^}]*\})? -?[0-9.e+-]+$")
     for line in text.splitlines():
         assert line.startswith("# ") or sample.match(line), line
     names = [l.split()[2] for l in text.splitlines() if l.startswith("# TYPE")]
@@ -58,14 +92,30 @@ def test_prometheus_without_elastic_kv_has_only_token_gauges():
 
 
 def test_top_frame_shows_pools_clients_and_servers():
-    snap = {"time": time.time(),
-            "pools": [{"name": "gpu0", "socket": "/x/gpu0.sock", "budget": 52, "created": 20, "free": 3,
-                       "floor": 0, "pending": 0, "granularity": 4096,
-                       "clients": [{"name": "sglang-11", "pid": 11, "held": 17, "asked": 1},
-                                   {"name": "sglang-memx-top", "pid": 99, "held": 0, "asked": 0}]},
-                      {"name": "dead", "socket": "/x/dead.sock", "error": "no answer"}],
-            "servers": [{"url": "http://127.0.0.1:30001", "pool": "gpu0", "status": DOC},
-                        {"url": "http://127.0.0.1:30002", "error": "refused"}]}
+    snap = {
+        "time": time.time(),
+        "pools": [
+            {
+                "name": "gpu0",
+                "socket": "/x/gpu0.sock",
+                "budget": 52,
+                "created": 20,
+                "free": 3,
+                "floor": 0,
+                "pending": 0,
+                "granularity": 4096,
+                "clients": [
+                    {"name": "sglang-11", "pid": 11, "held": 17, "asked": 1},
+                    {"name": "sglang-memx-top", "pid": 99, "held": 0, "asked": 0},
+                ],
+            },
+            {"name": "dead", "socket": "/x/dead.sock", "error": "no answer"},
+        ],
+        "servers": [
+            {"url": "http://127.0.0.1:30001", "pool": "gpu0", "status": DOC},
+            {"url": "http://127.0.0.1:30002", "error": "refused"},
+        ],
+    }
     frame = render(snap)
     assert "gpu0" in frame and "68.00 KiB lent of 208.00 KiB" in frame
     assert "sglang-11" in frame and "sglang-memx-top" not in frame

@@ -6,8 +6,9 @@ from memory_ext.policy.activation import ActivationProfile, BalloonStep, plan_ac
 
 
 def test_profile_from_model_dims_counts_one_layer_per_token_and_logits_per_sequence():
-    p = ActivationProfile.from_model_dims(hidden=64, intermediate=128, num_heads=4, num_kv_heads=2,
-                                          head_dim=16, vocab=512, itemsize=4)
+    p = ActivationProfile.from_model_dims(
+        hidden=64, intermediate=128, num_heads=4, num_kv_heads=2, head_dim=16, vocab=512, itemsize=4
+    )
     # 4 B * (2*64 + (2*4 + 2*2)*16 + 3*128) = 2816 B per token; 2 * 512 * 4 B per sequence
     assert p.per_token_bytes == 2816 and p.per_seq_bytes == 4096
     assert p.bytes_for(0, 0) == 0
@@ -19,17 +20,20 @@ def test_profile_from_model_dims_counts_one_layer_per_token_and_logits_per_seque
 
 def test_observe_only_raises_the_profile():
     p = ActivationProfile(per_token_bytes=100, per_seq_bytes=50, fixed_bytes=10)
-    assert not p.observe(10, 1, 500)            # below the prediction (1060): unchanged
+    assert not p.observe(10, 1, 500)  # below the prediction (1060): unchanged
     assert p.per_token_bytes == 100 and p.source == "given"
-    assert p.observe(10, 1, 2060)               # 2060 - 10 - 50 = 2000 over 10 tokens
+    assert p.observe(10, 1, 2060)  # 2060 - 10 - 50 = 2000 over 10 tokens
     assert p.per_token_bytes == 200 and p.source == "measured" and p.observations == 2
     assert p.bytes_for(10, 1) >= 2060
 
 
-@pytest.mark.parametrize("field,kwargs", [
-    ("per_token_bytes", dict(per_token_bytes=-1)),
-    ("per_seq_bytes", dict(per_token_bytes=1, per_seq_bytes=1.5)),
-])
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("per_token_bytes", dict(per_token_bytes=-1)),
+        ("per_seq_bytes", dict(per_token_bytes=1, per_seq_bytes=1.5)),
+    ],
+)
 def test_profile_rejects_bad_fields(field, kwargs):
     with pytest.raises(ValueError, match=field):
         ActivationProfile(**kwargs)

@@ -5,8 +5,7 @@ import random
 
 import pytest
 
-from memory_ext.policy.arbiter import (DEFAULT_TIERS, AccountKey, Kind, MemoryArbiter, PriorityViolation, Take,
-                                       Tier)
+from memory_ext.policy.arbiter import DEFAULT_TIERS, AccountKey, Kind, MemoryArbiter, PriorityViolation, Take, Tier
 
 
 def _node():
@@ -57,7 +56,7 @@ def test_borrowed_idle_memory_returns_first_and_busy_peers_are_never_taken():
     arb.report(k["bk"], 200)
     arb.request(k["ak"], 120)  # as above: A holds 120 of B's / free memory
     arb.set_busy(0, "B", True)  # B wakes up and needs KV again
-    arb.report(k["ak"], 50)     # A uses 270 of its 320
+    arb.report(k["ak"], 50)  # A uses 270 of its 320
     g = arb.request(k["bk"], 100)
     # free 10; RETURN from A: min(idle 50, excess 120) = 50; A is busy: no IDLE_PEER.
     # pool 60 -> 60 granted (3 blocks of 20), partial
@@ -264,9 +263,13 @@ def test_random_operations_conserve_every_budget():
     before = {g: arb.allocated(g) for g in budgets}
     assert all(before[g] <= budgets[g] for g in budgets)
     tiers = list(Tier)
-    shapes = {Tier.OWN: [(Kind.ACTIVATION, Kind.KV), (Kind.KV, Kind.ACTIVATION)],
-              Tier.OFFLOAD: [(Kind.WEIGHTS, Kind.KV)], Tier.REMAP: [(Kind.WEIGHTS, Kind.KV)],
-              Tier.LEND: [(Kind.KV, Kind.PEER)], Tier.RECLAIM: [(Kind.PEER, Kind.KV)]}
+    shapes = {
+        Tier.OWN: [(Kind.ACTIVATION, Kind.KV), (Kind.KV, Kind.ACTIVATION)],
+        Tier.OFFLOAD: [(Kind.WEIGHTS, Kind.KV)],
+        Tier.REMAP: [(Kind.WEIGHTS, Kind.KV)],
+        Tier.LEND: [(Kind.KV, Kind.PEER)],
+        Tier.RECLAIM: [(Kind.PEER, Kind.KV)],
+    }
     for _ in range(3000):
         for key in keys:
             if key.kind in (Kind.KV, Kind.ACTIVATION):

@@ -8,8 +8,14 @@ import random
 
 import pytest
 
-from memory_ext.policy.ellm import (DECODE, PREFILL, DecodeRequest, ElasticAdmissionPolicy, LogicalBufferScaler,
-                                    PrefillRequest)
+from memory_ext.policy.ellm import (
+    DECODE,
+    PREFILL,
+    DecodeRequest,
+    ElasticAdmissionPolicy,
+    LogicalBufferScaler,
+    PrefillRequest,
+)
 
 
 def per512(tokens):  # one activation chunk per 512 batch tokens
@@ -30,8 +36,12 @@ def test_prefill_inflation_then_break():
     # C: act(3584)=7, 7+8+7=22 > 13; offload 7+7=14 > 13 -> break (R3), D never looked at.
     # M_act=act(1536)=3; P_kv 4 < 7 and P_act 10 > 3 -> I = 7-4 = 3 (inflation).
     pol = ElasticAdmissionPolicy(per512, threshold_chunks=1)
-    q = [PrefillRequest("A", 1024, 3), PrefillRequest("B", 512, 4), PrefillRequest("C", 2048, 8),
-         PrefillRequest("D", 1, 0)]
+    q = [
+        PrefillRequest("A", 1024, 3),
+        PrefillRequest("B", 512, 4),
+        PrefillRequest("C", 2048, 8),
+        PrefillRequest("D", 1, 0),
+    ]
     d = pol.decide(4, 10, prefills=q, cpu_buffer_free_chunks=100)
     assert d.phase == PREFILL
     assert d.admitted == ("A", "B") and d.deferred == ("C", "D") and d.offloaded == ()
@@ -46,8 +56,12 @@ def test_prefill_offload_to_cpu_buffer():
     # D: act(3072)=6, 7+1+6=14 > 13; 7+6=13 <= 13 but 1 > P_B=0 -> break.
     # M_kv=7, M_act=5, I=3; act idle after = 10-3-5 = 2.
     pol = ElasticAdmissionPolicy(per512, threshold_chunks=1)
-    q = [PrefillRequest("A", 1024, 3), PrefillRequest("B", 512, 4), PrefillRequest("C", 1024, 8),
-         PrefillRequest("D", 512, 1)]
+    q = [
+        PrefillRequest("A", 1024, 3),
+        PrefillRequest("B", 512, 4),
+        PrefillRequest("C", 1024, 8),
+        PrefillRequest("D", 512, 1),
+    ]
     d = pol.decide(4, 10, prefills=q, cpu_buffer_free_chunks=8)
     assert d.admitted == ("A", "B", "C") and d.offloaded == ("C",) and d.deferred == ("D",)
     assert (d.kv_chunks, d.act_chunks, d.offload_chunks) == (7, 5, 8)
@@ -98,8 +112,12 @@ def test_decode_fetch_and_lazy_deflation():
     # d3: act(3)=2, 5+1+2=8 -> M_kv=6
     # d4: act(4)=2, 6+5+2=13 > 11 -> break
     # M_act=2 > P_act=1 and P_kv=10 > 6 -> I = 1-2 = -1 (deflate one chunk).
-    q = [DecodeRequest("d1", 1), DecodeRequest("d2", 1, offloaded_chunks=3), DecodeRequest("d3", 1),
-         DecodeRequest("d4", 5)]
+    q = [
+        DecodeRequest("d1", 1),
+        DecodeRequest("d2", 1, offloaded_chunks=3),
+        DecodeRequest("d3", 1),
+        DecodeRequest("d4", 5),
+    ]
     d = ElasticAdmissionPolicy(per2).decide(10, 1, decodes=q)
     assert d.phase == DECODE
     assert d.admitted == ("d1", "d2", "d3") and d.deferred == ("d4",)
@@ -164,12 +182,15 @@ def test_random_invariants():
     for case in range(3000):
         per = rng.randint(1, 600)
         base = rng.randint(0, 2)
-        pol = ElasticAdmissionPolicy(lambda t, per=per, base=base: base + math.ceil(t / per),
-                                     threshold_chunks=rng.randint(0, 3))
+        pol = ElasticAdmissionPolicy(
+            lambda t, per=per, base=base: base + math.ceil(t / per), threshold_chunks=rng.randint(0, 3)
+        )
         p_kv, p_act, p_b = rng.randint(0, 30), rng.randint(0, 30), rng.randint(0, 20)
         prefills = [PrefillRequest(f"p{i}", rng.randint(1, 2000), rng.randint(0, 12)) for i in range(rng.randint(0, 6))]
-        decodes = [DecodeRequest(f"d{i}", rng.randint(0, 3), rng.choice([0, 0, rng.randint(1, 6)]))
-                   for i in range(rng.randint(0, 8))]
+        decodes = [
+            DecodeRequest(f"d{i}", rng.randint(0, 3), rng.choice([0, 0, rng.randint(1, 6)]))
+            for i in range(rng.randint(0, 8))
+        ]
         d = pol.decide(p_kv, p_act, prefills, decodes, p_b)
         budget = p_kv + p_act - pol.threshold_chunks
         if d.admitted:
@@ -302,46 +323,54 @@ def test_available_buffer_never_evicts():
 # ---------------------------------------------------------------- bad inputs
 
 
-@pytest.mark.parametrize("call, field", [
-    (lambda p: p.decide(-1, 0), "free_kv_chunks"),
-    (lambda p: p.decide(0, "3"), "idle_act_chunks"),
-    (lambda p: p.decide(0, True), "idle_act_chunks"),
-    (lambda p: p.decide(0, 0, cpu_buffer_free_chunks=-2), "cpu_buffer_free_chunks"),
-    (lambda p: p.decide(0, 0, phase="mixed"), "phase"),
-    (lambda p: p.decide(0, 0, prefills=[DecodeRequest("d")]), "prefills"),
-    (lambda p: p.decide(0, 0, decodes=[PrefillRequest("p", 1, 1)]), "decodes"),
-    (lambda p: p.decide(0, 0, [PrefillRequest("x", 1, 1)], [DecodeRequest("x")]), "rid"),
-])
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (lambda p: p.decide(-1, 0), "free_kv_chunks"),
+        (lambda p: p.decide(0, "3"), "idle_act_chunks"),
+        (lambda p: p.decide(0, True), "idle_act_chunks"),
+        (lambda p: p.decide(0, 0, cpu_buffer_free_chunks=-2), "cpu_buffer_free_chunks"),
+        (lambda p: p.decide(0, 0, phase="mixed"), "phase"),
+        (lambda p: p.decide(0, 0, prefills=[DecodeRequest("d")]), "prefills"),
+        (lambda p: p.decide(0, 0, decodes=[PrefillRequest("p", 1, 1)]), "decodes"),
+        (lambda p: p.decide(0, 0, [PrefillRequest("x", 1, 1)], [DecodeRequest("x")]), "rid"),
+    ],
+)
 def test_admission_bad_inputs(call, field):
     with pytest.raises(ValueError, match=field):
         call(ElasticAdmissionPolicy(per2))
 
 
-@pytest.mark.parametrize("make, field", [
-    (lambda: PrefillRequest("p", 0, 1), "tokens"),
-    (lambda: PrefillRequest("p", 1, -1), "kv_chunks"),
-    (lambda: PrefillRequest("", 1, 1), "rid"),
-    (lambda: DecodeRequest("d", offloaded_chunks=-1), "offloaded_chunks"),
-    (lambda: DecodeRequest("d", kv_chunks=1.5), "kv_chunks"),
-    (lambda: ElasticAdmissionPolicy(per2, threshold_chunks=-1), "threshold_chunks"),
-    (lambda: ElasticAdmissionPolicy(None), "act_chunks_for_tokens"),
-    (lambda: ElasticAdmissionPolicy(lambda t: -1).decide(5, 5, [PrefillRequest("p", 1, 1)]),
-     "act_chunks_for_tokens"),
-    (lambda: LogicalBufferScaler(max_chunks=0), "max_chunks"),
-    (lambda: LogicalBufferScaler(max_chunks=4, min_chunks=0), "min_chunks"),
-    (lambda: LogicalBufferScaler(max_chunks=4, min_chunks=5), "max_chunks"),
-    (lambda: LogicalBufferScaler(max_chunks=4, alpha=1), "alpha"),
-    (lambda: LogicalBufferScaler(max_chunks=4, alpha=float("inf")), "alpha"),
-    (lambda: LogicalBufferScaler(max_chunks=4, window=0), "window"),
-    (lambda: LogicalBufferScaler(max_chunks=4, misses_to_violate=6), "misses_to_violate"),
-    (lambda: LogicalBufferScaler(max_chunks=4, initial_chunks=5), "initial_chunks"),
-    (lambda: LogicalBufferScaler(max_chunks=4, ttft_slo=0), "ttft_slo"),
-    (lambda: LogicalBufferScaler(max_chunks=4).update(ttft_missed=1), "ttft_missed"),
-    (lambda: LogicalBufferScaler(max_chunks=4).update(tpot_missed=None), "tpot_missed"),
-    (lambda: LogicalBufferScaler(max_chunks=4).observe(ttft=1.0), "ttft_slo"),
-    (lambda: LogicalBufferScaler(max_chunks=4, tpot_slo=1.0).observe(tpot=-1.0), "tpot"),
-    (lambda: LogicalBufferScaler(max_chunks=4).available(-1), "used_chunks"),
-])
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: PrefillRequest("p", 0, 1), "tokens"),
+        (lambda: PrefillRequest("p", 1, -1), "kv_chunks"),
+        (lambda: PrefillRequest("", 1, 1), "rid"),
+        (lambda: DecodeRequest("d", offloaded_chunks=-1), "offloaded_chunks"),
+        (lambda: DecodeRequest("d", kv_chunks=1.5), "kv_chunks"),
+        (lambda: ElasticAdmissionPolicy(per2, threshold_chunks=-1), "threshold_chunks"),
+        (lambda: ElasticAdmissionPolicy(None), "act_chunks_for_tokens"),
+        (
+            lambda: ElasticAdmissionPolicy(lambda t: -1).decide(5, 5, [PrefillRequest("p", 1, 1)]),
+            "act_chunks_for_tokens",
+        ),
+        (lambda: LogicalBufferScaler(max_chunks=0), "max_chunks"),
+        (lambda: LogicalBufferScaler(max_chunks=4, min_chunks=0), "min_chunks"),
+        (lambda: LogicalBufferScaler(max_chunks=4, min_chunks=5), "max_chunks"),
+        (lambda: LogicalBufferScaler(max_chunks=4, alpha=1), "alpha"),
+        (lambda: LogicalBufferScaler(max_chunks=4, alpha=float("inf")), "alpha"),
+        (lambda: LogicalBufferScaler(max_chunks=4, window=0), "window"),
+        (lambda: LogicalBufferScaler(max_chunks=4, misses_to_violate=6), "misses_to_violate"),
+        (lambda: LogicalBufferScaler(max_chunks=4, initial_chunks=5), "initial_chunks"),
+        (lambda: LogicalBufferScaler(max_chunks=4, ttft_slo=0), "ttft_slo"),
+        (lambda: LogicalBufferScaler(max_chunks=4).update(ttft_missed=1), "ttft_missed"),
+        (lambda: LogicalBufferScaler(max_chunks=4).update(tpot_missed=None), "tpot_missed"),
+        (lambda: LogicalBufferScaler(max_chunks=4).observe(ttft=1.0), "ttft_slo"),
+        (lambda: LogicalBufferScaler(max_chunks=4, tpot_slo=1.0).observe(tpot=-1.0), "tpot"),
+        (lambda: LogicalBufferScaler(max_chunks=4).available(-1), "used_chunks"),
+    ],
+)
 def test_construction_bad_inputs(make, field):
     with pytest.raises(ValueError, match=field):
         make()

@@ -8,10 +8,29 @@ import math
 import pytest
 
 from memory_ext.policy.fineserve import (
-    BF16, FP8, FP16, INT4, ChunkedPrefillModel, GpuCandidate, KVLayout, KVPrecision,
-    ModelDemand, PlacementInfeasible, Request, adaptive_batch, blocks_per_slab,
-    engine_block_id, kv_block_bytes, place_models, placement_score, precision_by_name,
-    slab_bytes, split_engine_block_id, token_kv_bytes, token_qparam_bytes)
+    BF16,
+    FP8,
+    FP16,
+    INT4,
+    ChunkedPrefillModel,
+    GpuCandidate,
+    KVLayout,
+    KVPrecision,
+    ModelDemand,
+    PlacementInfeasible,
+    Request,
+    adaptive_batch,
+    blocks_per_slab,
+    engine_block_id,
+    kv_block_bytes,
+    place_models,
+    placement_score,
+    precision_by_name,
+    slab_bytes,
+    split_engine_block_id,
+    token_kv_bytes,
+    token_qparam_bytes,
+)
 
 # Llama-3-8B: 32 layers, 32 query heads but 8 KV heads (GQA), head_dim 128.
 LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128)
@@ -20,12 +39,13 @@ MiB = 1 << 20
 
 # ------------------------------------------------------------------ F2
 
+
 def test_llama3_8b_token_sizes_fp16_fp8_int4():
     fp16 = KVLayout(**LLAMA3_8B, precision=FP16)
     fp8 = KVLayout(**LLAMA3_8B, precision=FP8)
     int4 = KVLayout(**LLAMA3_8B, precision=INT4)
     # 8 heads x 128 x 2 (K,V) x bytes
-    assert token_kv_bytes(fp16) == 8 * 128 * 2 * 2 == 4096          # per layer
+    assert token_kv_bytes(fp16) == 8 * 128 * 2 * 2 == 4096  # per layer
     assert token_kv_bytes(fp16, per_layer=False) == 4096 * 32 == 128 * 1024
     assert token_kv_bytes(fp8) == 2048
     assert token_kv_bytes(fp8, per_layer=False) == 64 * 1024
@@ -60,6 +80,7 @@ def test_tp_splits_heads_and_replicates_beyond_kv_heads():
 
 # ------------------------------------------------------------------ F1
 
+
 def test_slab_is_smallest_lcm_multiple_above_minimum():
     assert slab_bytes([6, 4]) == 12
     assert slab_bytes([6, 4], 13) == 24
@@ -82,7 +103,7 @@ def test_engine_block_id_round_trip():
     assert engine_block_id(1, 2, 4) == 6
     assert split_engine_block_id(6, 4) == (1, 2)
     for bps in (1, 3, 32, 128):
-        for bid in range(0, 5 * bps):
+        for bid in range(5 * bps):
             assert engine_block_id(*split_engine_block_id(bid, bps), bps) == bid
     with pytest.raises(ValueError, match="local_id"):
         engine_block_id(0, 4, 4)
@@ -90,14 +111,19 @@ def test_engine_block_id_round_trip():
 
 # ------------------------------------------------------------------ F3
 
+
 def test_placement_worked_example():
     # Two 80 GB GPUs. Order by F_M: A(40) B(30) C(20) D(10).
     #  A: g0 1.0*(80-40)=40, g1 40      -> tie, first candidate g0
     #  B: g0 mean(1,2)=1.5*(80-70)=15, g1 2*(80-30)=100          -> g1
     #  C: g0 mean(1,3)=2*(80-60)=40, g1 mean(2,3)=2.5*(80-50)=75 -> g1
     #  D: g0 mean(1,1)=1*(80-50)=30, g1 mean(2,3,1)=2*(80-60)=40 -> g1
-    models = [ModelDemand("D", 10, 1.0), ModelDemand("B", 30, 2.0),
-              ModelDemand("A", 40, 1.0), ModelDemand("C", 20, 3.0)]
+    models = [
+        ModelDemand("D", 10, 1.0),
+        ModelDemand("B", 30, 2.0),
+        ModelDemand("A", 40, 1.0),
+        ModelDemand("C", 20, 3.0),
+    ]
     gpus = [GpuCandidate("g0", 80), GpuCandidate("g1", 80)]
     res = place_models(models, gpus)
     assert res.order == ("A", "B", "C", "D")
@@ -135,8 +161,7 @@ def test_mu_fn_sees_the_candidate_group():
         seen.append((name, group))
         return 1.0
 
-    place_models([ModelDemand("a", 20, 9.0), ModelDemand("b", 10, 9.0)],
-                 [GpuCandidate("g0", 80)], mu_fn=mu_fn)
+    place_models([ModelDemand("a", 20, 9.0), ModelDemand("b", 10, 9.0)], [GpuCandidate("g0", 80)], mu_fn=mu_fn)
     assert ("a", ("a",)) in seen and ("a", ("a", "b")) in seen and ("b", ("a", "b")) in seen
 
 
@@ -147,8 +172,7 @@ PRED = ChunkedPrefillModel(chunk_tokens=100, per_chunk_s=1.0, per_token_s=0.0)
 
 
 def test_predictor_linear_per_chunk():
-    p = ChunkedPrefillModel(chunk_tokens=256, per_chunk_s=0.002, per_token_s=1e-5,
-                            per_request_s=0.001)
+    p = ChunkedPrefillModel(chunk_tokens=256, per_chunk_s=0.002, per_token_s=1e-5, per_request_s=0.001)
     reqs = [Request("x", 0, 300), Request("y", 0, 300)]
     # 600 tokens -> 3 chunks
     assert p.ttft(reqs) == pytest.approx(3 * 0.002 + 600e-5 + 2 * 0.001)
@@ -156,26 +180,27 @@ def test_predictor_linear_per_chunk():
 
 
 def test_drop_requests_that_cannot_make_it_alone():
-    reqs = [Request("late", -9.5, 50),   # d=0.5, alone 1 s -> drop
-            Request("edge", -9.0, 50),   # d=1.0, 0+1 < 1 false (strict) -> drop
-            Request("ok", -5.0, 50)]     # d=5
+    reqs = [
+        Request("late", -9.5, 50),  # d=0.5, alone 1 s -> drop
+        Request("edge", -9.0, 50),  # d=1.0, 0+1 < 1 false (strict) -> drop
+        Request("ok", -5.0, 50),
+    ]  # d=5
     dec = adaptive_batch(reqs, now=0.0, slo=10.0, n_max=8, t_max=10_000, predictor=PRED)
     assert [r.rid for r in dec.dropped] == ["late", "edge"]
     assert [r.rid for r in dec.batch] == ["ok"]
     assert dec.remaining == () and dec.predicted_finish == 1.0
 
 
-QUEUE = [Request("c", 2.0, 300), Request("a", 0.0, 100),
-         Request("d", 3.0, 200), Request("b", 1.0, 500)]
+QUEUE = [Request("c", 2.0, 300), Request("a", 0.0, 100), Request("d", 3.0, 200), Request("b", 1.0, 500)]
 
 
 def test_remove_longest_until_anchor_deadline_met():
     # deadlines a=10 b=11 c=12 d=13; all 1100 tokens -> 11 s >= 10: remove b
     # (500) -> 600 tokens -> 6 s < 10
     dec = adaptive_batch(QUEUE, now=0.0, slo=10.0, n_max=8, t_max=10_000, predictor=PRED)
-    assert [r.rid for r in dec.batch] == ["a", "c", "d"]   # EDF order
+    assert [r.rid for r in dec.batch] == ["a", "c", "d"]  # EDF order
     assert [r.rid for r in dec.removed_longest] == ["b"]
-    assert [r.rid for r in dec.remaining] == ["b"]         # b stays waiting
+    assert [r.rid for r in dec.remaining] == ["b"]  # b stays waiting
     assert dec.dropped == () and dec.predicted_finish == 6.0
     assert dec.deadlines == {"a": 10.0, "b": 11.0, "c": 12.0, "d": 13.0}
 
@@ -207,35 +232,38 @@ def test_empty_queue():
 
 # ------------------------------------------------------------ bad inputs
 
-@pytest.mark.parametrize("build, field", [
-    (lambda: KVLayout(num_layers=32, num_kv_heads=8, head_dim=0), "head_dim"),
-    (lambda: KVLayout(num_layers=0, num_kv_heads=8, head_dim=128), "num_layers"),
-    (lambda: KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, tp=True), "tp"),
-    (lambda: KVPrecision("x", 0), "bytes_per_elem"),
-    (lambda: KVPrecision("x", 1, scale_bytes=-1), "scale_bytes"),
-    (lambda: precision_by_name("fp7"), "precision"),
-    (lambda: kv_block_bytes(KVLayout(**LLAMA3_8B), 0), "tokens_per_block"),
-    (lambda: slab_bytes([]), "block_sizes"),
-    (lambda: slab_bytes([64, 0]), r"block_sizes\[1\]"),
-    (lambda: slab_bytes([64], -1), "min_slab_bytes"),
-    (lambda: split_engine_block_id(-1, 4), "block_id"),
-    (lambda: engine_block_id(0, 0, 0), "blocks_per_slab"),
-    (lambda: ModelDemand("m", -1, 1.0), "base_footprint"),
-    (lambda: ModelDemand("m", 1, float("nan")), "mu"),
-    (lambda: GpuCandidate("g", 0), "total_memory"),
-    (lambda: place_models([], []), "gpus"),
-    (lambda: place_models([ModelDemand("m", 1, 1), ModelDemand("m", 2, 1)],
-                          [GpuCandidate("g", 8)]), "models"),
-    (lambda: Request("r", 0.0, 0), "prompt_tokens"),
-    (lambda: Request("", 0.0, 1), "rid"),
-    (lambda: ChunkedPrefillModel(0, 1.0, 0.0), "chunk_tokens"),
-    (lambda: ChunkedPrefillModel(10, -1.0, 0.0), "per_chunk_s"),
-    (lambda: adaptive_batch([], 0.0, 0.0, 1, 1, PRED), "slo"),
-    (lambda: adaptive_batch([], 0.0, 1.0, 0, 1, PRED), "n_max"),
-    (lambda: adaptive_batch([], 0.0, 1.0, 1, 0, PRED), "t_max"),
-    (lambda: adaptive_batch([], float("inf"), 1.0, 1, 1, PRED), "now"),
-    (lambda: adaptive_batch([Request("r", 0, 1)] * 2, 0.0, 1.0, 1, 1, PRED), "rid"),
-])
+
+@pytest.mark.parametrize(
+    "build, field",
+    [
+        (lambda: KVLayout(num_layers=32, num_kv_heads=8, head_dim=0), "head_dim"),
+        (lambda: KVLayout(num_layers=0, num_kv_heads=8, head_dim=128), "num_layers"),
+        (lambda: KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, tp=True), "tp"),
+        (lambda: KVPrecision("x", 0), "bytes_per_elem"),
+        (lambda: KVPrecision("x", 1, scale_bytes=-1), "scale_bytes"),
+        (lambda: precision_by_name("fp7"), "precision"),
+        (lambda: kv_block_bytes(KVLayout(**LLAMA3_8B), 0), "tokens_per_block"),
+        (lambda: slab_bytes([]), "block_sizes"),
+        (lambda: slab_bytes([64, 0]), r"block_sizes\[1\]"),
+        (lambda: slab_bytes([64], -1), "min_slab_bytes"),
+        (lambda: split_engine_block_id(-1, 4), "block_id"),
+        (lambda: engine_block_id(0, 0, 0), "blocks_per_slab"),
+        (lambda: ModelDemand("m", -1, 1.0), "base_footprint"),
+        (lambda: ModelDemand("m", 1, float("nan")), "mu"),
+        (lambda: GpuCandidate("g", 0), "total_memory"),
+        (lambda: place_models([], []), "gpus"),
+        (lambda: place_models([ModelDemand("m", 1, 1), ModelDemand("m", 2, 1)], [GpuCandidate("g", 8)]), "models"),
+        (lambda: Request("r", 0.0, 0), "prompt_tokens"),
+        (lambda: Request("", 0.0, 1), "rid"),
+        (lambda: ChunkedPrefillModel(0, 1.0, 0.0), "chunk_tokens"),
+        (lambda: ChunkedPrefillModel(10, -1.0, 0.0), "per_chunk_s"),
+        (lambda: adaptive_batch([], 0.0, 0.0, 1, 1, PRED), "slo"),
+        (lambda: adaptive_batch([], 0.0, 1.0, 0, 1, PRED), "n_max"),
+        (lambda: adaptive_batch([], 0.0, 1.0, 1, 0, PRED), "t_max"),
+        (lambda: adaptive_batch([], float("inf"), 1.0, 1, 1, PRED), "now"),
+        (lambda: adaptive_batch([Request("r", 0, 1)] * 2, 0.0, 1.0, 1, 1, PRED), "rid"),
+    ],
+)
 def test_bad_inputs_raise_value_error_naming_field(build, field):
     with pytest.raises(ValueError, match=field):
         build()

@@ -134,8 +134,7 @@ def test_o3_phase2_lowest_priority_inactive_first():
 
 
 def test_o3_no_priorities_mru():
-    models = [_model("X", last_activated=5), _model("Y", last_activated=9),
-              _model("Z", active=True, last_activated=12)]
+    models = [_model("X", last_activated=5), _model("Y", last_activated=9), _model("Z", active=True, last_activated=12)]
     assert remap_order(models) == ["Y", "X", "Z"]
     # all active (spatial sharing): MRU among all
     act = [_model("P", active=True, last_activated=1), _model("Q", active=True, last_activated=2)]
@@ -163,8 +162,11 @@ def _run_to_hold(ctrl, free, models, max_steps=100):
 
 def test_controller_phase2_order_and_caps():
     # Pool stays exhausted (free 0): C to its cap, then B, then active A.
-    models = [_model("A", active=True, priority=5, cap=2, compute_s=80.0),
-              _model("B", priority=3, cap=2), _model("C", priority=1, cap=3)]
+    models = [
+        _model("A", active=True, priority=5, cap=2, compute_s=80.0),
+        _model("B", priority=3, cap=2),
+        _model("C", priority=1, cap=3),
+    ]
     ctrl = OneirosController(low_watermark=4, high_watermark=16)
     seq, last, final = _run_to_hold(ctrl, 0, models)
     assert [s[1] for s in seq] == ["C"] * 3 + ["B"] * 2 + ["A"] * 2
@@ -174,8 +176,10 @@ def test_controller_phase2_order_and_caps():
 
 
 def test_controller_restores_in_reverse_order_and_stops():
-    models = [_model("A", active=True, priority=5, remapped=1, blocks_per_layer=10),
-              _model("C", priority=1, remapped=2, blocks_per_layer=10)]
+    models = [
+        _model("A", active=True, priority=5, remapped=1, blocks_per_layer=10),
+        _model("C", priority=1, remapped=2, blocks_per_layer=10),
+    ]
     ctrl = OneirosController(low_watermark=4, high_watermark=16)
     seq, last, final = _run_to_hold(ctrl, 100, models)
     assert seq == [("restore", "A", 0), ("restore", "C", 1), ("restore", "C", 0)]
@@ -194,8 +198,7 @@ def test_controller_hysteresis_holds_between_watermarks():
 def test_controller_infeasible_gives_no_remap_with_reason():
     # T_T = 10 per layer, decode step 1: no layer can be hidden
     ctrl = OneirosController(low_watermark=4, high_watermark=4)
-    ctrl.observe(0, [_model("A", active=True, layer_transfer_s=10.0, compute_s=1.0),
-                     _model("B", compute_s=None)])
+    ctrl.observe(0, [_model("A", active=True, layer_transfer_s=10.0, compute_s=1.0), _model("B", compute_s=None)])
     d = ctrl.decide()
     assert d.action is Action.HOLD and d.plan is None
     assert "no model can remap further" in d.reason

@@ -40,8 +40,9 @@ def table1_timing(batch, seq):
 
 
 def table1_record():
-    return sn.analyze(L, table1_timing, [TABLE1_DELTA], TABLE1_BATCH, TABLE1_SEQ,
-                      phase=Phase.PREFILL, slo_kind=SloKind.SLOWDOWN)
+    return sn.analyze(
+        L, table1_timing, [TABLE1_DELTA], TABLE1_BATCH, TABLE1_SEQ, phase=Phase.PREFILL, slo_kind=SloKind.SLOWDOWN
+    )
 
 
 # ----------------------------------------------------------------------------- S1 model
@@ -102,9 +103,9 @@ def test_table1_lookups_exact_cells():
 def test_table1_lookups_conservative_between_cells():
     rec = table1_record()
     # SLOWDOWN reading: more compute only helps hide copies, so batch/seq round DOWN
-    assert rec.lookup(TABLE1_DELTA, 6, 200) == 5      # -> (4, 128)
-    assert rec.lookup(TABLE1_DELTA, 8, 300) == 3      # -> (8, 256)
-    assert rec.lookup(TABLE1_DELTA, 20, 1000) == 1    # -> (16, 512)
+    assert rec.lookup(TABLE1_DELTA, 6, 200) == 5  # -> (4, 128)
+    assert rec.lookup(TABLE1_DELTA, 8, 300) == 3  # -> (8, 256)
+    assert rec.lookup(TABLE1_DELTA, 20, 1000) == 1  # -> (16, 512)
     # larger than the grid: the paper omits these because the interval is one
     assert rec.lookup(TABLE1_DELTA, 128, 4096) == 1
     # smaller than the grid: no conservative cell -> None (reject)
@@ -124,20 +125,20 @@ def _abs_timing(batch, seq):
 
 
 def _abs_record(phase=Phase.DECODE, timing=_abs_timing, slos=(0.02, 0.03, 0.05, 0.1)):
-    return sn.analyze(L, timing, slos, (1, 2, 4, 8, 16, 32), (128, 256, 512, 1024, 2048),
-                      phase=phase, slo_kind=SloKind.ABSOLUTE)
+    return sn.analyze(
+        L, timing, slos, (1, 2, 4, 8, 16, 32), (128, 256, 512, 1024, 2048), phase=phase, slo_kind=SloKind.ABSOLUTE
+    )
 
 
 def test_absolute_lookup_rounds_batch_seq_up_and_slo_down():
     rec = _abs_record()
     assert rec.conservative_key(0.04, 3, 300) == (0.03, 4, 512)
     assert rec.lookup(0.04, 3, 300) == rec.cell(0.03, 4, 512)
-    assert rec.lookup(0.04, 64, 128) is None          # above the batch grid
-    assert rec.lookup(0.01, 4, 128) is None           # tighter than every SLO
+    assert rec.lookup(0.04, 64, 128) is None  # above the batch grid
+    assert rec.lookup(0.01, 4, 128) is None  # tighter than every SLO
     assert rec.conservative_key(0.05, 1, 1) == (0.05, 1, 128)  # below grid rounds up
     # conservative: the chosen interval meets the request's own SLO in the model
-    for slo, b, s in itertools.product([0.025, 0.04, 0.07, 0.2], [1, 3, 5, 9, 17, 31],
-                                       [100, 129, 300, 700, 1500]):
+    for slo, b, s in itertools.product([0.025, 0.04, 0.07, 0.2], [1, 3, 5, 9, 17, 31], [100, 129, 300, 700, 1500]):
         i = rec.lookup(slo, b, s)
         if i is not None:
             assert sn.meets_slo(L, i, _abs_timing(b, s), slo, SloKind.ABSOLUTE)
@@ -173,8 +174,7 @@ def test_separate_prefill_and_decode_records():
     def decode(b, s):  # one token per sequence: little compute to hide copies
         return LayerTiming(compute_s=5e-6 * b + 1e-5, transfer_s=T_TR)
 
-    recs = sn.analyze_phases(L, prefill, decode, [0.25], (1, 4, 16), (256, 1024),
-                             slo_kind=SloKind.SLOWDOWN)
+    recs = sn.analyze_phases(L, prefill, decode, [0.25], (1, 4, 16), (256, 1024), slo_kind=SloKind.SLOWDOWN)
     assert recs.prefill.phase is Phase.PREFILL and recs.decode.phase is Phase.DECODE
     for b, s in itertools.product((1, 4, 16), (256, 1024)):
         p = recs.lookup(Phase.PREFILL, 0.25, b, s)
@@ -209,7 +209,8 @@ def test_coordinator_joint_choice_maximises_host_bytes_under_bandwidth():
     # brute-force optimum over every valid interval pair
     best = max(
         (a.offloaded_bytes(i) + b.offloaded_bytes(j))
-        for i in range(2, L + 2) for j in range(4, L + 2)
+        for i in range(2, L + 2)
+        for j in range(4, L + 2)
         if a.transfer_rate(i) + b.transfer_rate(j) <= bw
     )
     assert d.host_bytes == best
@@ -266,10 +267,10 @@ def test_coordinator_rejects_when_link_cannot_carry_forced_offload():
 
 def test_max_interval_for_capacity():
     lb = 100
-    assert sn.max_interval_for_capacity(L, lb, L * lb) is None      # fits: unbounded
+    assert sn.max_interval_for_capacity(L, lb, L * lb) is None  # fits: unbounded
     # 24 layers fit: need >= 8 offloaded + 1 staging -> L - L//i + 1 <= 24 -> L//i >= 9 -> i <= 3
     assert sn.max_interval_for_capacity(L, lb, 24 * lb) == 3
-    assert sn.max_interval_for_capacity(L, lb, 0) == 0               # nothing fits
+    assert sn.max_interval_for_capacity(L, lb, 0) == 0  # nothing fits
 
 
 def test_record_to_coordinator_end_to_end():
@@ -283,31 +284,34 @@ def test_record_to_coordinator_end_to_end():
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("call,field", [
-    (lambda: LayerTiming(0, 1), "compute_s"),
-    (lambda: LayerTiming(1, -1), "transfer_s"),
-    (lambda: LayerTiming(float("nan"), 1), "compute_s"),
-    (lambda: sn.iteration_latency(0, 1, LayerTiming(1, 1)), "num_layers"),
-    (lambda: sn.iteration_latency(4, 0, LayerTiming(1, 1)), "interval"),
-    (lambda: sn.meets_slo(4, 1, LayerTiming(1, 1), 0), "slo"),
-    (lambda: sn.analyze(L, table1_timing, [0.5], (3, 4), (128,)), "batch_sizes"),
-    (lambda: sn.analyze(L, table1_timing, [0.5], (4,), (100,)), "seq_lens"),
-    (lambda: sn.analyze(L, table1_timing, [], (4,), (128,)), "slos"),
-    (lambda: sn.analyze(L, table1_timing, [-1], (4,), (128,)), "slos"),
-    (lambda: sn.analyze(L, table1_timing, [0.5], (), (128,)), "batch_sizes"),
-    (lambda: sn.analyze(L, lambda b, s: 1.0, [0.5], (4,), (128,)), "timing_fn"),
-    (lambda: table1_record().lookup(0.5, 0, 128), "batch"),
-    (lambda: table1_record().lookup(0.5, 4, -1), "seq"),
-    (lambda: table1_record().lookup(-0.5, 4, 128), "slo"),
-    (lambda: LinkCoordinator(0), "bandwidth_bytes_per_s"),
-    (lambda: GpuDemand("", L, 1, 1.0, 1), "name"),
-    (lambda: GpuDemand("a", L, 0, 1.0, 1), "layer_bytes"),
-    (lambda: GpuDemand("a", L, 1, 0.0, 1), "iter_time_s"),
-    (lambda: GpuDemand("a", L, 1, 1.0, 0), "min_interval"),
-    (lambda: GpuDemand("a", L, 1, 1.0, 1, -1), "max_interval"),
-    (lambda: LinkCoordinator(1.0).decide(_gpu("a", 1), [_gpu("a", 1)]), "name"),
-    (lambda: sn.max_interval_for_capacity(L, 0, 10), "layer_bytes"),
-])
+@pytest.mark.parametrize(
+    "call,field",
+    [
+        (lambda: LayerTiming(0, 1), "compute_s"),
+        (lambda: LayerTiming(1, -1), "transfer_s"),
+        (lambda: LayerTiming(float("nan"), 1), "compute_s"),
+        (lambda: sn.iteration_latency(0, 1, LayerTiming(1, 1)), "num_layers"),
+        (lambda: sn.iteration_latency(4, 0, LayerTiming(1, 1)), "interval"),
+        (lambda: sn.meets_slo(4, 1, LayerTiming(1, 1), 0), "slo"),
+        (lambda: sn.analyze(L, table1_timing, [0.5], (3, 4), (128,)), "batch_sizes"),
+        (lambda: sn.analyze(L, table1_timing, [0.5], (4,), (100,)), "seq_lens"),
+        (lambda: sn.analyze(L, table1_timing, [], (4,), (128,)), "slos"),
+        (lambda: sn.analyze(L, table1_timing, [-1], (4,), (128,)), "slos"),
+        (lambda: sn.analyze(L, table1_timing, [0.5], (), (128,)), "batch_sizes"),
+        (lambda: sn.analyze(L, lambda b, s: 1.0, [0.5], (4,), (128,)), "timing_fn"),
+        (lambda: table1_record().lookup(0.5, 0, 128), "batch"),
+        (lambda: table1_record().lookup(0.5, 4, -1), "seq"),
+        (lambda: table1_record().lookup(-0.5, 4, 128), "slo"),
+        (lambda: LinkCoordinator(0), "bandwidth_bytes_per_s"),
+        (lambda: GpuDemand("", L, 1, 1.0, 1), "name"),
+        (lambda: GpuDemand("a", L, 0, 1.0, 1), "layer_bytes"),
+        (lambda: GpuDemand("a", L, 1, 0.0, 1), "iter_time_s"),
+        (lambda: GpuDemand("a", L, 1, 1.0, 0), "min_interval"),
+        (lambda: GpuDemand("a", L, 1, 1.0, 1, -1), "max_interval"),
+        (lambda: LinkCoordinator(1.0).decide(_gpu("a", 1), [_gpu("a", 1)]), "name"),
+        (lambda: sn.max_interval_for_capacity(L, 0, 10), "layer_bytes"),
+    ],
+)
 def test_bad_inputs_raise_value_error_naming_field(call, field):
     with pytest.raises(ValueError, match=field):
         call()

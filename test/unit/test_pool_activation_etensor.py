@@ -26,21 +26,21 @@ def test_best_fit_and_coalescing(vmm):
     pool = ChunkPool(vmm, 16)
     arena = ActivationETensor(pool, 10 * G)
     a = arena.alloc(2 * G)
-    b = arena.alloc(G + 1)       # rounds up to 2 slots
+    b = arena.alloc(G + 1)  # rounds up to 2 slots
     c = arena.alloc(G)
     d = arena.alloc(3 * G)
     assert [x.start_slot for x in (a, b, c, d)] == [0, 2, 4, 5]
-    arena.free(a)                # extent (0, 2)
-    arena.free(c)                # extent (4, 1); plus the tail (8, 2)
+    arena.free(a)  # extent (0, 2)
+    arena.free(c)  # extent (4, 1); plus the tail (8, 2)
     assert arena.free_extents() == [(0, 2), (4, 1), (8, 2)]
-    e = arena.alloc(1)           # best fit: the 1-slot hole
+    e = arena.alloc(1)  # best fit: the 1-slot hole
     assert e.start_slot == 4
-    f = arena.alloc(2 * G)       # two 2-slot holes: lowest address wins
+    f = arena.alloc(2 * G)  # two 2-slot holes: lowest address wins
     assert f.start_slot == 0
     arena.free(b)
-    arena.free(e)                # 2,3 + 4 coalesce into (2, 3)
+    arena.free(e)  # 2,3 + 4 coalesce into (2, 3)
     assert arena.free_extents() == [(2, 3), (8, 2)]
-    arena.free(d)                # 2..7 + 8..9 coalesce
+    arena.free(d)  # 2..7 + 8..9 coalesce
     assert arena.free_extents() == [(2, 8)]
     with pytest.raises(ValueError, match=r"needs 9 contiguous slot\(s\); the largest free extent has 8"):
         arena.alloc(9 * G)
@@ -60,10 +60,10 @@ def test_freed_slots_stay_mapped_and_shrink_returns_them(vmm):
     arena.free(a)
     assert arena.mapped_chunks == 3 and arena.idle_mapped_chunks == 3
     assert pool.usage()[Owner.ACTIVATION] == 3
-    b = arena.alloc(2 * G)       # reuses mapped slots: no map call, no pool traffic
+    b = arena.alloc(2 * G)  # reuses mapped slots: no map call, no pool traffic
     assert vmm.counters()["map_calls"] == maps and pool.usage()[Owner.ACTIVATION] == 3
     assert arena.idle_mapped_chunks == 1
-    assert arena.shrink() == 1   # only slot 2 is idle
+    assert arena.shrink() == 1  # only slot 2 is idle
     assert pool.usage()[Owner.ACTIVATION] == 2 and pool.usage()[Owner.FREE] == 1
     arena.free(b)
     assert arena.shrink(1) == 1 and arena.mapped_chunks == 1
@@ -82,7 +82,7 @@ def test_exhaustion_is_all_or_nothing(vmm):
         arena.alloc(2 * G)
     assert arena.free_extents() == [(2, 6)] and arena.mapped_chunks == 2
     arena.free(a)
-    b = arena.alloc(3 * G)        # two mapped + one new
+    b = arena.alloc(3 * G)  # two mapped + one new
     assert b.start_slot == 0 and pool.usage()[Owner.ACTIVATION] == 3
     arena.check_invariants()
     pool.check_invariants()
@@ -100,7 +100,7 @@ class ArenaMachine(RuleBasedStateMachine):
         self.vmm = host_backend(G)
         self.pool = ChunkPool(self.vmm, 10)
         self.arena = ActivationETensor(self.pool, 12 * G)
-        self.blocks = {}   # block_id -> (block, stamp)
+        self.blocks = {}  # block_id -> (block, stamp)
         self.stamp = 0
 
     def teardown(self):
@@ -149,6 +149,7 @@ class ArenaMachine(RuleBasedStateMachine):
             assert torch.all(self.arena.tensor(block) == stamp)
 
 
-ArenaMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
-                                          suppress_health_check=list(HealthCheck))
+ArenaMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
+)
 test_arena_machine = ArenaMachine.TestCase

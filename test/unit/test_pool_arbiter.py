@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -169,8 +168,9 @@ def test_child_killed_chunks_return_to_free_without_fd_leak(sock_path):
     fds_base = _nfds()
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    child = subprocess.Popen([sys.executable, "-c", CHILD, sock_path, str(G), str(n_child)],
-                             stdout=subprocess.PIPE, env=env, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, sock_path, str(G), str(n_child)], stdout=subprocess.PIPE, env=env, text=True
+    )
     try:
         line = child.stdout.readline()  # the child blocks until it has borrowed and written
         assert line.startswith("READY"), line
@@ -242,7 +242,7 @@ AFTER_HELLO = [
     ({"type": "BORROW", "req_id": 4, "n": -2, "owner": "kv"}, "n"),
     ({"type": "BORROW", "req_id": 4, "n": True, "owner": "kv"}, "n"),
     ({"type": "BORROW", "req_id": 4, "n": 1.5, "owner": "kv"}, "n"),
-    ({"type": "BORROW", "req_id": 4, "n": 10 ** 6, "owner": "kv"}, "n"),
+    ({"type": "BORROW", "req_id": 4, "n": 10**6, "owner": "kv"}, "n"),
     ({"type": "BORROW", "req_id": 4, "n": 1, "owner": "free"}, "owner"),
     ({"type": "BORROW", "req_id": 4, "n": 1}, "owner"),
     ({"type": "BORROW", "req_id": -1, "n": 1, "owner": "kv"}, "req_id"),
@@ -316,9 +316,21 @@ def test_client_reports_arbiter_errors_and_disconnect(sock_path):
 
 def test_arbiter_runs_as_its_own_process(sock_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "memory_ext.pool.arbiter", "--socket", sock_path,
-                             "--budget-chunks", "3", "--granularity-mib", "2"], env=env,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "memory_ext.pool.arbiter",
+            "--socket",
+            sock_path,
+            "--budget-chunks",
+            "3",
+            "--granularity-mib",
+            "2",
+        ],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait(lambda: os.path.exists(sock_path), what="the arbiter process to listen")
         vmm = host_backend(2 << 20)
@@ -335,15 +347,29 @@ def test_arbiter_runs_as_its_own_process(sock_path):
             proc.wait(10)
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers(-5, 300) | st.text(max_size=5),
-                     lambda s: st.lists(s, max_size=3) | st.dictionaries(st.text(max_size=6), s, max_size=4),
-                     max_leaves=8)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 300) | st.text(max_size=5),
+    lambda s: st.lists(s, max_size=3) | st.dictionaries(st.text(max_size=6), s, max_size=4),
+    max_leaves=8,
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.fixed_dictionaries({"type": st.sampled_from(sorted(proto.CLIENT_SCHEMAS) + ["X"])},
-                             optional={"req_id": _json, "n": _json, "owner": _json, "chunks": _json,
-                                       "name": _json, "pid": _json, "version": _json, "junk": _json}))
+@given(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(sorted(proto.CLIENT_SCHEMAS) + ["X"])},
+        optional={
+            "req_id": _json,
+            "n": _json,
+            "owner": _json,
+            "chunks": _json,
+            "name": _json,
+            "pid": _json,
+            "version": _json,
+            "junk": _json,
+        },
+    )
+)
 def test_protocol_decoder_accepts_or_names_a_field(msg):
     try:
         out = proto.decode_client(json.dumps(msg).encode())
@@ -383,8 +409,12 @@ def test_reclaim_across_processes_then_peer_killed(sock_path):
         parent_vmm = host_backend(G)
         parent = ArbiterClient(sock_path, "parent", parent_vmm)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        child = subprocess.Popen([sys.executable, "-c", RECLAIMING_CHILD, sock_path, str(G),
-                                  str(budget)], stdout=subprocess.PIPE, env=env, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", RECLAIMING_CHILD, sock_path, str(G), str(budget)],
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
         try:
             line = child.stdout.readline()
             assert line.startswith("READY"), line

@@ -23,12 +23,12 @@ def test_park_take_round_trip_keeps_rows_and_accounts_bytes():
 
 def test_logical_size_limits_new_entries_but_never_evicts():
     buf = HostKVBuffer(4096, logical_bytes=300)
-    assert buf.park("a", range(4), _rows(4))          # 256 B
-    assert not buf.park("b", range(4), _rows(4))      # 512 > 300: refused, nothing kept
+    assert buf.park("a", range(4), _rows(4))  # 256 B
+    assert not buf.park("b", range(4), _rows(4))  # 512 > 300: refused, nothing kept
     assert buf.stats["refused"] == 1 and "b" not in buf
-    buf.set_logical_bytes(100)                        # shrinking keeps "a"
+    buf.set_logical_bytes(100)  # shrinking keeps "a"
     assert "a" in buf and buf.room() == 0
-    buf.set_logical_bytes(1 << 20)                    # clamped to the capacity
+    buf.set_logical_bytes(1 << 20)  # clamped to the capacity
     assert buf.logical_bytes == 4096
     assert buf.drop("a") and not buf.drop("a") and buf.used_bytes == 0
 

@@ -13,8 +13,8 @@ from memory_ext.pool import ChunkPool, KVETensor, Owner, PoolExhausted
 from memory_ext.vmm import host_backend
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-G = 4 * PAGE           # chunk size
-PB = PAGE              # page size: 4 pages per slot
+G = 4 * PAGE  # chunk size
+PB = PAGE  # page size: 4 pages per slot
 
 
 @pytest.fixture
@@ -64,10 +64,10 @@ def test_map_on_demand_and_eager_slot_deflation(vmm):
     pool = ChunkPool(vmm, 8)
     kv = KVETensor(pool, PB, 12)
     assert kv.ensure_mapped([0, 1, 5]) == 2  # slots 0 and 1
-    assert kv.ensure_mapped([2, 3]) == 0     # slot 0 already mapped
+    assert kv.ensure_mapped([2, 3]) == 0  # slot 0 already mapped
     assert (kv.mapped_chunks, kv.live_pages, pool.usage()[Owner.KV]) == (2, 5, 2)
-    assert kv.free_pages([0, 1, 2]) == 0     # page 3 still live in slot 0
-    assert kv.free_pages([3]) == 1           # slot 0 empty -> unmapped, chunk back to FREE
+    assert kv.free_pages([0, 1, 2]) == 0  # page 3 still live in slot 0
+    assert kv.free_pages([3]) == 1  # slot 0 empty -> unmapped, chunk back to FREE
     assert kv.chunk_of_slot(0) is None and _perm(kv.vrange.base) == "---p"
     assert (kv.mapped_chunks, pool.usage()[Owner.KV], pool.usage()[Owner.FREE]) == (1, 1, 1)
     kv.check_invariants()
@@ -169,7 +169,7 @@ def test_threads_sharing_slots(vmm):
         mine = list(range(k, 32, 4))
         try:
             for i in range(60):
-                pages = mine[i % 8:] + mine[:i % 8][:2]
+                pages = mine[i % 8 :] + mine[: i % 8][:2]
                 kv.ensure_mapped(pages)
                 for p in pages:
                     kv.page_view(p).fill_(p)
@@ -203,9 +203,9 @@ class KVMachine(RuleBasedStateMachine):
         self.vmm = host_backend(G)
         self.pool = ChunkPool(self.vmm, 5)
         self.kv = KVETensor(self.pool, PB, NUM_PAGES, dtype=torch.int32)
-        self.stamps = {}      # live page -> its value
+        self.stamps = {}  # live page -> its value
         self.next_stamp = 1
-        self.other = []       # chunks held by another owner, to compete for the pool
+        self.other = []  # chunks held by another owner, to compete for the pool
 
     def teardown(self):
         self.kv.close()
@@ -269,6 +269,7 @@ class KVMachine(RuleBasedStateMachine):
             assert torch.all(full[p] == value)
 
 
-KVMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
-                                       suppress_health_check=list(HealthCheck))
+KVMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
+)
 test_kv_machine = KVMachine.TestCase

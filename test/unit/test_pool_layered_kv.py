@@ -23,10 +23,17 @@ def pool():
     backend.close()
 
 
-@pytest.mark.parametrize("row_bytes, multiple, expect", [
-    ([64, 64], 1, 64), ([384], 1, 32), ([384, 256], 1, 32), ([64], 128, 128), ([8192], 1, 1),
-    ([6000], 1, 256),
-])
+@pytest.mark.parametrize(
+    "row_bytes, multiple, expect",
+    [
+        ([64, 64], 1, 64),
+        ([384], 1, 32),
+        ([384, 256], 1, 32),
+        ([64], 128, 128),
+        ([8192], 1, 1),
+        ([6000], 1, 256),
+    ],
+)
 def test_group_rows_fill_whole_chunks(row_bytes, multiple, expect):
     rows = group_rows_for(row_bytes, CHUNK, multiple)
     assert rows == expect
@@ -39,13 +46,13 @@ def test_map_groups_backs_every_buffer_and_views_keep_data(pool):
     assert kv.map_groups([0, 3]) == 2 and kv.map_groups([3]) == 0
     views = [kv.view(0, torch.float16, (32,)), kv.view(1, torch.float16, (32,)), kv.view(2, torch.float32, (32,))]
     for i, v in enumerate(views):
-        v[3 * 64:4 * 64] = i + 1
+        v[3 * 64 : 4 * 64] = i + 1
         v[0:64] = -(i + 1)
     assert pool.usage()[Owner.KV] == 8
     kv.map_groups([5])  # other groups' churn never moves live rows
     kv.unmap_groups([5])
     for i, v in enumerate(views):
-        assert torch.all(v[3 * 64:4 * 64] == i + 1) and torch.all(v[0:64] == -(i + 1))
+        assert torch.all(v[3 * 64 : 4 * 64] == i + 1) and torch.all(v[0:64] == -(i + 1))
     kv.check_invariants()
     assert kv.unmap_groups([0, 3]) == 2 and pool.usage()[Owner.KV] == 0 and kv.num_mapped == 0
     with pytest.raises(ValueError, match="not mapped"):
@@ -64,10 +71,16 @@ def test_map_groups_is_all_or_nothing_across_buffers(pool):
     assert pool.usage()[Owner.KV] == 0
 
 
-@pytest.mark.parametrize("bad, err", [
-    (dict(row_bytes=[]), ValueError), (dict(row_bytes=[0]), ValueError), (dict(num_rows=0), ValueError),
-    (dict(rows_multiple=0), ValueError), (dict(owner=Owner.FREE), ValueError),
-])
+@pytest.mark.parametrize(
+    "bad, err",
+    [
+        (dict(row_bytes=[]), ValueError),
+        (dict(row_bytes=[0]), ValueError),
+        (dict(num_rows=0), ValueError),
+        (dict(rows_multiple=0), ValueError),
+        (dict(owner=Owner.FREE), ValueError),
+    ],
+)
 def test_bad_arguments_are_refused(pool, bad, err):
     args = dict(row_bytes=[64], num_rows=64, rows_multiple=1)
     args.update(bad)

@@ -8,8 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from memory_ext.pool import (CeilingExceeded, ChunkPool, FloorViolation, Owner, OwnershipError, PoolError,
-                             PoolExhausted)
+from memory_ext.pool import CeilingExceeded, ChunkPool, FloorViolation, Owner, OwnershipError, PoolError, PoolExhausted
 from memory_ext.vmm import host_backend
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -265,6 +264,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert sum(use.values()) == self.pool.chunks_created == len(self.vmm.live_chunks())
 
 
-PoolMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
-                                         suppress_health_check=list(HealthCheck))
+PoolMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
+)
 test_pool_machine = PoolMachine.TestCase

@@ -5,7 +5,6 @@ import random
 import threading
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -15,8 +14,8 @@ from memory_ext.pool.unmapper import AsyncUnmapper
 from memory_ext.vmm import host_backend
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-G = 4 * PAGE           # chunk size
-PB = PAGE              # page size: 4 pages per slot
+G = 4 * PAGE  # chunk size
+PB = PAGE  # page size: 4 pages per slot
 
 
 class ThreadCalls:
@@ -34,6 +33,7 @@ class ThreadCalls:
                     key = (threading.get_ident(), _name)
                     self.calls[key] = self.calls.get(key, 0) + 1
                 return out
+
             setattr(vmm, name, wrapped)
 
     def here(self):
@@ -72,14 +72,14 @@ def test_headroom_argument_checks(vmm):
 def test_premap_then_ensure_mapped_makes_no_map_call(vmm):
     pool = ChunkPool(vmm, 8)
     kv = KVETensor(pool, PB, 16)
-    assert kv.premap([0, 5, 6]) == 2               # slots 0 and 1 as spares, pages stay free
+    assert kv.premap([0, 5, 6]) == 2  # slots 0 and 1 as spares, pages stay free
     assert kv.live_pages == 0 and kv.spare_slots == 2 and pool.usage()[Owner.KV] == 2
     assert kv.slot_state(0) == "spare" and kv.slot_state(2) == "free"
     kv.check_invariants()
     before = vmm.map_calls
     assert kv.ensure_mapped([0, 1, 4]) == 0
     assert vmm.map_calls == before and kv.spare_slots == 0 and kv.slot_state(1) == "live"
-    assert kv.trim_headroom() == 0                 # no spares left
+    assert kv.trim_headroom() == 0  # no spares left
     kv.close()
     pool.check_invariants()
     assert pool.usage()[Owner.KV] == 0
@@ -89,10 +89,10 @@ def test_refill_keeps_k_spares_and_trim_gives_them_back(vmm):
     pool = ChunkPool(vmm, 8)
     kv = KVETensor(pool, PB, 32, headroom_slots=3)
     assert kv.refill() == 3 and kv.spare_slots == 3 and kv.refill() == 0
-    assert pool.usage()[Owner.KV] == 3             # spares are KV-owned in the ledger
-    kv.ensure_mapped([0])                          # uses spare slot 0
+    assert pool.usage()[Owner.KV] == 3  # spares are KV-owned in the ledger
+    kv.ensure_mapped([0])  # uses spare slot 0
     assert kv.spare_slots == 2 and kv.refill() == 1
-    kv.free_pages([0])                             # 4 spares > K: slot 0 is unmapped (sync)
+    kv.free_pages([0])  # 4 spares > K: slot 0 is unmapped (sync)
     assert kv.slot_state(0) == "free" and kv.spare_slots == 3
     kv.headroom_slots = 1
     assert kv.trim_headroom(keep=1) == 2 and kv.spare_slots == 1
@@ -112,10 +112,10 @@ def test_refill_stops_quietly_when_pool_is_short(vmm):
 def test_pool_pressure_gives_back_spares_and_retiring(vmm):
     pool = ChunkPool(vmm, 3)
     kv = KVETensor(pool, PB, 32, headroom_slots=2)
-    kv.refill()                                    # slots 0, 1 spare
-    kv.ensure_mapped([8])                          # slot 2: pool now full
+    kv.refill()  # slots 0, 1 spare
+    kv.ensure_mapped([8])  # slot 2: pool now full
     assert pool.available() == 0
-    assert kv.ensure_mapped([12, 16]) == 2         # slots 3, 4: needs both spares' chunks
+    assert kv.ensure_mapped([12, 16]) == 2  # slots 3, 4: needs both spares' chunks
     assert kv.spare_slots == 0 and pool.usage()[Owner.KV] == 3
     kv.check_invariants()
     pool.check_invariants()
@@ -132,13 +132,13 @@ def test_async_unmap_and_cancelled_retirement(vmm):
         _fill(kv, p, p + 1)
     chunk1 = kv.chunk_of_slot(1)
     gate = threading.Event()
-    unmapper.submit(gate.wait, 10)                 # stall the worker deterministically
+    unmapper.submit(gate.wait, 10)  # stall the worker deterministically
     n0 = calls.here()
-    assert kv.free_pages([4]) == 1                 # slot 1 -> RETIRING, returns at once
+    assert kv.free_pages([4]) == 1  # slot 1 -> RETIRING, returns at once
     assert kv.slot_state(1) == "retiring" and kv.chunk_of_slot(1) is chunk1
-    kv.free_pages([8])                             # slot 2 -> RETIRING, stays so
-    assert kv.ensure_mapped([5]) == 0              # slot 1 needed again: retirement cancelled
-    assert calls.here() == n0                      # zero map/unmap calls on this thread
+    kv.free_pages([8])  # slot 2 -> RETIRING, stays so
+    assert kv.ensure_mapped([5]) == 0  # slot 1 needed again: retirement cancelled
+    assert calls.here() == n0  # zero map/unmap calls on this thread
     assert kv.slot_state(1) == "live" and kv.chunk_of_slot(1) is chunk1
     assert kv.stats()["cancelled_retirements"] == 1
     gate.set()
@@ -149,7 +149,7 @@ def test_async_unmap_and_cancelled_retirement(vmm):
     _check(kv, 0, 1), _check(kv, 1, 2), _check(kv, 5, 77)
     kv.check_invariants()
     pool.check_invariants()
-    assert pool.usage()[Owner.KV] == 1 + 1         # slots 0 and 1
+    assert pool.usage()[Owner.KV] == 1 + 1  # slots 0 and 1
     kv.close()
     unmapper.close()
     assert pool.usage()[Owner.KV] == 0
@@ -163,15 +163,16 @@ def test_worker_failure_surfaces_on_flush(vmm):
 
     def boom(*a, **k):
         raise OSError(5, "injected unmap failure")
+
     vmm.unmap = boom
     kv.free_pages([0])
     with pytest.raises(OSError, match="injected"):
         kv.flush()
     vmm.unmap = orig
-    assert kv.slot_state(0) == "spare"             # still mapped and accounted, not lost
+    assert kv.slot_state(0) == "spare"  # still mapped and accounted, not lost
     kv.check_invariants()
     pool.check_invariants()
-    kv.flush()                                     # error reported once
+    kv.flush()  # error reported once
     kv.close()
     assert pool.usage()[Owner.KV] == 0
 
@@ -203,14 +204,14 @@ def test_steady_state_decode_hot_path_makes_no_map_calls(vmm, async_unmap):
     pool = ChunkPool(vmm, 64)
     kv = KVETensor(pool, PB, NUM_PAGES, headroom_slots=K, async_unmap=async_unmap)
     calls = ThreadCalls(vmm)
-    reqs = {}                                      # req id -> [pages]
+    reqs = {}  # req id -> [pages]
     tags = {}
     next_id = 0
     hot_calls = hot_ops = 0
     warmup = 20
     hot_unmaps_sync = [0]
     for step in range(200):
-        kv.refill()                                # off the hot path (a background worker's job)
+        kv.refill()  # off the hot path (a background worker's job)
         if step % 7 == 0:
             kv.flush()
         while len(reqs) < R:
@@ -227,7 +228,7 @@ def test_steady_state_decode_hot_path_makes_no_map_calls(vmm, async_unmap):
         # ---- end of hot path
         if step >= warmup:
             c1 = vmm.counters()
-            assert c1["map_calls"] == c0["map_calls"], step   # the worker never maps either
+            assert c1["map_calls"] == c0["map_calls"], step  # the worker never maps either
             hot_calls += calls.here() - b0
             hot_ops += 1
             hot_unmaps_sync[0] += c1["unmap_calls"] - c0["unmap_calls"]
@@ -243,8 +244,8 @@ def test_steady_state_decode_hot_path_makes_no_map_calls(vmm, async_unmap):
                 _check(kv, p, t)
     assert hot_ops == 180
     if async_unmap:
-        assert hot_calls == 0                      # neither map nor unmap on the caller's thread
-        assert kv.stats()["retired_async"] > 0     # the worker did unmap (off the hot path)
+        assert hot_calls == 0  # neither map nor unmap on the caller's thread
+        assert kv.stats()["retired_async"] > 0  # the worker did unmap (off the hot path)
     else:
         assert hot_calls == hot_unmaps_sync[0] > 0  # only the documented sync unmaps
     kv.flush()
@@ -259,7 +260,7 @@ def test_steady_state_decode_hot_path_makes_no_map_calls(vmm, async_unmap):
 
 
 class PremapMachine(RuleBasedStateMachine):
-    NUM_PAGES = 24   # 6 slots
+    NUM_PAGES = 24  # 6 slots
 
     def __init__(self):
         super().__init__()
@@ -356,5 +357,6 @@ class PremapMachine(RuleBasedStateMachine):
 
 
 TestPremapMachine = PremapMachine.TestCase
-TestPremapMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
-                                      suppress_health_check=[HealthCheck.too_slow])
+TestPremapMachine.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

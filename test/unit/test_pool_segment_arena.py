@@ -78,7 +78,7 @@ def test_best_fit_prefers_the_smallest_hole(pool, lib, open_arena):
     base = arena.vrange.base
     a, b, c, d = (alloc(lib, n * G) for n in (2, 1, 1, 3))
     free(lib, a, 2 * G)  # hole of 2 at 0
-    free(lib, c, G)      # hole of 1 at 3
+    free(lib, c, G)  # hole of 1 at 3
     e = alloc(lib, G)
     assert e == base + 3 * G  # the 1-chunk hole, not the first one that fits
     f = alloc(lib, 2 * G)
@@ -101,7 +101,7 @@ def test_shrink_never_unmaps_under_a_live_segment(pool, lib, open_arena):
     assert released == [1] and len(got) == 3 and arena.mapped_chunks == 1
     pool.release(Owner.ACTIVATION, got)
     assert alloc(lib, 2 * G) == 0  # nothing above the limit is handed out
-    ctypes.memset(low, 1, G)        # the chunk under the live segment is still mapped
+    ctypes.memset(low, 1, G)  # the chunk under the live segment is still mapped
     free(lib, low, G)
     pool.check_invariants()
 
@@ -121,18 +121,17 @@ def test_overflow_allocator_serves_what_does_not_fit_and_gets_it_back(pool, lib,
         return 0
 
     @FREE
-    def fake_free(ptr):         # plays cuMemFree_v2
+    def fake_free(ptr):  # plays cuMemFree_v2
         held.pop(ptr)
         return 0
 
     @SYNC
-    def fake_sync():            # plays cuCtxSynchronize
+    def fake_sync():  # plays cuCtxSynchronize
         syncs.append(1)
         return 0
 
     addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value
-    arena = open_arena(4, overflow_alloc=addr(fake_alloc), overflow_free=addr(fake_free),
-                       sync=addr(fake_sync))
+    arena = open_arena(4, overflow_alloc=addr(fake_alloc), overflow_free=addr(fake_free), sync=addr(fake_sync))
     grown(pool, 1, arena)
     a = alloc(lib, G)
     big = alloc(lib, 2 * G)
@@ -148,7 +147,7 @@ def test_overflow_allocator_serves_what_does_not_fit_and_gets_it_back(pool, lib,
     again = alloc(lib, G)  # reusing freed memory waits for queued work first, as cudaFree would
     assert again == a and syncs == [1]
     free(lib, again, G)
-    free(lib, 12345, 64)   # a pointer nobody handed out: counted, ignored
+    free(lib, 12345, 64)  # a pointer nobody handed out: counted, ignored
     assert arena.stats()["bad_frees"] == 1
 
 
@@ -218,7 +217,7 @@ def test_shrink_synchronises_once_after_torch_hands_segments_back(pool, lib, ope
     got = arena.shrink(2, release_cached=lambda: free(lib, b, 3 * G))
     assert len(got) == 2 and syncs == [1]  # synchronised here, between forwards
     pool.release(Owner.ACTIVATION, got)
-    c = alloc(lib, G)                      # so this alloc (inside a forward) does not
+    c = alloc(lib, G)  # so this alloc (inside a forward) does not
     assert c == a + G and syncs == [1]
     assert arena.shrink(1, release_cached=lambda: None) == [] and syncs == [1]  # nothing freed
     free(lib, a, G)

@@ -192,9 +192,7 @@ def test_rotary_embedding_strided_views_and_no_key():
     exp_k = _ref_rope(k.double(), positions, head_size, cache.double(), True)
     sgl_kernel.rotary_embedding(positions, q, k, head_size, cache, True)
     torch.testing.assert_close(qkv[:, : heads * head_size].double(), exp_q, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(
-        qkv[:, heads * head_size : 2 * heads * head_size].double(), exp_k, atol=1e-5, rtol=1e-5
-    )
+    torch.testing.assert_close(qkv[:, heads * head_size : 2 * heads * head_size].double(), exp_k, atol=1e-5, rtol=1e-5)
 
     q2 = torch.randn(n, heads * head_size)
     exp_q2 = _ref_rope(q2.double(), positions, head_size, cache.double(), False)
@@ -412,17 +410,13 @@ def test_kv_layer_first_round_trip(index_dtype, table):
     host_v = [host[1, i] for i in range(LAYERS)]
     dev_idx, host_idx = _indices(index_dtype)
     wrap = _ptrs if table == "pointers" else list
-    sgl_kernel.transfer_kv_all_layer(
-        wrap(k), wrap(host_k), wrap(v), wrap(host_v), dev_idx, host_idx, item, LAYERS
-    )
+    sgl_kernel.transfer_kv_all_layer(wrap(k), wrap(host_k), wrap(v), wrap(host_v), dev_idx, host_idx, item, LAYERS)
     _assert_rows_equal(host_k + host_v, host_idx, k + v, dev_idx)
 
     k2, v2 = _empty_like_pool(k), _empty_like_pool(v)
     new_dev = torch.randperm(DEVICE_TOKENS)[: dev_idx.numel()].to(index_dtype)
     for layer in range(LAYERS):
-        sgl_kernel.transfer_kv_per_layer(
-            host_k[layer], k2[layer], host_v[layer], v2[layer], host_idx, new_dev, item
-        )
+        sgl_kernel.transfer_kv_per_layer(host_k[layer], k2[layer], host_v[layer], v2[layer], host_idx, new_dev, item)
     _assert_rows_equal(k2 + v2, new_dev, k + v, dev_idx)
     _untouched(_empty_like_pool(k), k2, new_dev)
 
@@ -482,9 +476,7 @@ def test_kv_direct_layer_first_round_trip():
     _assert_rows_equal(host_layers, host_idx, k + v, dev_idx)
     k2, v2 = _empty_like_pool(k), _empty_like_pool(v)
     for layer in range(LAYERS):
-        kvcacheio.transfer_kv_direct(
-            [host[0, layer], host[1, layer]], [k2[layer], v2[layer]], host_idx, dev_idx, PAGE
-        )
+        kvcacheio.transfer_kv_direct([host[0, layer], host[1, layer]], [k2[layer], v2[layer]], host_idx, dev_idx, PAGE)
     _assert_rows_equal(k2 + v2, dev_idx, k + v, dev_idx)
 
 
@@ -521,14 +513,10 @@ def test_kv_mla_round_trip(host_layout):
             kvcacheio.transfer_kv_per_layer_mla(host[layer], dev2[layer], host_idx, dev_idx, item)
     else:
         host = torch.zeros(HOST_TOKENS, LAYERS, 1, kv_dim, dtype=torch.bfloat16)
-        kvcacheio.transfer_kv_all_layer_mla_lf_pf(
-            _ptrs(dev), host, dev_idx, host_idx, item, item * LAYERS, LAYERS
-        )
+        kvcacheio.transfer_kv_all_layer_mla_lf_pf(_ptrs(dev), host, dev_idx, host_idx, item, item * LAYERS, LAYERS)
         for layer in range(LAYERS):
             assert torch.equal(host[host_idx.long(), layer], dev[layer][dev_idx.long()])
-            kvcacheio.transfer_kv_per_layer_mla_pf_lf(
-                host, dev2[layer], host_idx, dev_idx, layer, item, item * LAYERS
-            )
+            kvcacheio.transfer_kv_per_layer_mla_pf_lf(host, dev2[layer], host_idx, dev_idx, layer, item, item * LAYERS)
     _assert_rows_equal(dev2, dev_idx, dev, dev_idx)
 
 
@@ -549,9 +537,7 @@ def test_kv_pointer_table_must_be_on_cpu():
     k, v = _device_pool()
     table = torch.empty(LAYERS, dtype=torch.uint64, device="meta")
     with pytest.raises(NotImplementedError, match="host"):
-        sgl_kernel.transfer_kv_all_layer(
-            table, table, table, table, torch.tensor([0]), torch.tensor([0]), 32, LAYERS
-        )
+        sgl_kernel.transfer_kv_all_layer(table, table, table, table, torch.tensor([0]), torch.tensor([0]), 32, LAYERS)
 
 
 def test_transfer_embedding_ranges_direct():
@@ -675,9 +661,7 @@ def _unsupported_names():
     return [(m, name) for m in modules for name in m.UNSUPPORTED]
 
 
-@pytest.mark.parametrize(
-    "module,name", _unsupported_names(), ids=lambda x: getattr(x, "__name__", x)
-)
+@pytest.mark.parametrize("module,name", _unsupported_names(), ids=lambda x: getattr(x, "__name__", x))
 def test_unsupported_ops_raise(module, name):
     with pytest.raises(NotImplementedError, match=name):
         getattr(module, name)(torch.zeros(1), 1, key="value")

@@ -27,7 +27,7 @@ class _Conservation:
         self.sim = sim
         self.arb: SimArbiter = sim.arbiter
         self.steps = 0
-        self.max_allocated = {g: 0 for g in self.arb.policy.budget}
+        self.max_allocated = dict.fromkeys(self.arb.policy.budget, 0)
 
     def before_iteration(self, inst, plan, now):
         pass
@@ -81,8 +81,10 @@ def runs():
     wl = list(spec.workloads)
     wl[0] = replace(wl[0], idle=((0.0, 20.0),))
     wl[1] = replace(wl[1], arrival=replace(wl[1].arrival, kind="poisson", rate=100.0))
-    return {"combined": _run(replace(spec, duration_s=40.0, drain_s=60.0)),
-            "stress": _run(replace(spec, duration_s=30.0, drain_s=30.0, workloads=tuple(wl)))}
+    return {
+        "combined": _run(replace(spec, duration_s=40.0, drain_s=60.0)),
+        "stress": _run(replace(spec, duration_s=30.0, drain_s=30.0, workloads=tuple(wl))),
+    }
 
 
 def test_variants_and_the_combined_spec():
@@ -144,12 +146,22 @@ def test_arbiter_lends_an_idle_models_kv_and_it_comes_back():
     from benchmark.sim.request import FINISHED
     from benchmark.sim.scenario import parse_scenario
 
-    d = {"name": "t", "duration_s": 60, "drain_s": 600, "seed": 2, "node": {"gpu": "H100-SXM"},
-         "models": [{"name": "a", "model": "Mistral-7B", "max_running": 2048},
-                    {"name": "b", "model": "Mistral-7B", "max_running": 2048}],
-         "workloads": [{"model": "a", "arrival": {"kind": "poisson", "rate": 80}, "end_s": 40},
-                       {"model": "b", "arrival": {"kind": "poisson", "rate": 80}, "start_s": 30}],
-         "arbiter": {}}
+    d = {
+        "name": "t",
+        "duration_s": 60,
+        "drain_s": 600,
+        "seed": 2,
+        "node": {"gpu": "H100-SXM"},
+        "models": [
+            {"name": "a", "model": "Mistral-7B", "max_running": 2048},
+            {"name": "b", "model": "Mistral-7B", "max_running": 2048},
+        ],
+        "workloads": [
+            {"model": "a", "arrival": {"kind": "poisson", "rate": 80}, "end_s": 40},
+            {"model": "b", "arrival": {"kind": "poisson", "rate": 80}, "start_s": 30},
+        ],
+        "arbiter": {},
+    }
     sim = build_simulation(parse_scenario(d, "<t>"))
     chk = _Conservation(sim)
     for inst in sim.instances:

@@ -14,14 +14,30 @@ from benchmark.sim.runner import run_spec  # noqa: E402
 from benchmark.sim.scenario import ScenarioError, load_scenario, parse_scenario  # noqa: E402
 
 BASE = {
-    "name": "ellm_small", "duration_s": 5, "drain_s": 600,
+    "name": "ellm_small",
+    "duration_s": 5,
+    "drain_s": 600,
     "node": {"gpu": "A100-80G"},
-    "models": [{"name": "m", "model": "Llama-3-8B", "kv_memory_gb": 1.2, "activation_tokens": 4096,
-                "max_batched_tokens": 4096, "prefix_caching": False,
-                "slo": {"ttft_s": 0.5, "tpot_s": 0.5},
-                "scheduler": {"kind": "ellm_elastic", "options": {"cpu_buffer_gb": 8, "buffer_scaling": False}}}],
-    "workloads": [{"model": "m", "arrival": {"kind": "batch", "count": 24},
-                   "input": {"kind": "fixed", "value": 1024}, "output": {"kind": "fixed", "value": 64}}],
+    "models": [
+        {
+            "name": "m",
+            "model": "Llama-3-8B",
+            "kv_memory_gb": 1.2,
+            "activation_tokens": 4096,
+            "max_batched_tokens": 4096,
+            "prefix_caching": False,
+            "slo": {"ttft_s": 0.5, "tpot_s": 0.5},
+            "scheduler": {"kind": "ellm_elastic", "options": {"cpu_buffer_gb": 8, "buffer_scaling": False}},
+        }
+    ],
+    "workloads": [
+        {
+            "model": "m",
+            "arrival": {"kind": "batch", "count": 24},
+            "input": {"kind": "fixed", "value": 1024},
+            "output": {"kind": "fixed", "value": 64},
+        }
+    ],
 }
 
 
@@ -65,6 +81,7 @@ def test_alg2_shrinks_on_tpot_violations():
     def tight(d):
         d["models"][0]["scheduler"]["options"].update(buffer_scaling=True)
         d["models"][0]["slo"]["tpot_s"] = 1e-4  # every projected TPOT misses
+
     r, s = _run(tight)
     _, grow = _run(lambda d: d["models"][0]["scheduler"]["options"].update(buffer_scaling=True))
     assert s.events["tpot"] > 0

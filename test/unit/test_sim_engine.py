@@ -3,8 +3,6 @@
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmark.sim.metrics import weighted_percentile  # noqa: E402
@@ -18,8 +16,16 @@ def _spec(**over):
     model.update(over.pop("model", {}))
     wl = {"model": "m", "arrival": {"kind": "poisson", "rate": 4.0}}
     wl.update(over.pop("workload", {}))
-    d = {"name": "t", "duration_s": 60, "drain_s": 3000, "seed": 1, "sample_period_s": 0.5,
-         "node": {"gpu": "H100-SXM"}, "models": [model], "workloads": [wl]}
+    d = {
+        "name": "t",
+        "duration_s": 60,
+        "drain_s": 3000,
+        "seed": 1,
+        "sample_period_s": 0.5,
+        "node": {"gpu": "H100-SXM"},
+        "models": [model],
+        "workloads": [wl],
+    }
     d.update(over)
     return parse_scenario(d, "<test>")
 
@@ -74,16 +80,22 @@ def test_preemption_under_kv_pressure_and_requests_still_finish():
 
 
 def test_rejects_requests_that_can_never_fit():
-    sim, _ = _run_checked(_spec(model={"kv_memory_gb": 0.02},
-                                workload={"input": {"kind": "fixed", "value": 200},
-                                          "output": {"kind": "fixed", "value": 100}}))
+    sim, _ = _run_checked(
+        _spec(
+            model={"kv_memory_gb": 0.02},
+            workload={"input": {"kind": "fixed", "value": 200}, "output": {"kind": "fixed", "value": 100}},
+        )
+    )
     # 0.02 GB / 2 MiB blocks = 9 blocks = 144 tokens < 300
     assert len(sim.rejected) == len(sim.requests) > 0
 
 
 def test_prefix_cache_hits_reduce_prefill_work_and_ttft():
-    sess = {"sessions": {"turns_mean": 4, "think_s": 2}, "system_prompt_tokens": 512,
-            "arrival": {"kind": "poisson", "rate": 1.0}}
+    sess = {
+        "sessions": {"turns_mean": 4, "think_s": 2},
+        "system_prompt_tokens": 512,
+        "arrival": {"kind": "poisson", "rate": 1.0},
+    }
     on = run_spec(_spec(workload=sess))
     off = run_spec(_spec(workload=sess, model={"prefix_caching": False}))
     assert on.sim.instances[0].prefill_tokens < 0.5 * off.sim.instances[0].prefill_tokens
@@ -96,9 +108,14 @@ def test_prefix_hit_fraction_counts_each_request_once_despite_preemptions():
     """Regression: ``Instance.admit`` used to add a request's hit on every
     admission, so recomputation after a preemption (re-hitting the request's
     own published prompt + generated blocks) pushed the fraction far above 1."""
-    r = run_spec(_spec(duration_s=20, model={"kv_memory_gb": 1.0},
-                       workload={"system_prompt_tokens": 256, "sessions": {"turns_mean": 3, "think_s": 1}},
-                       seed=3))
+    r = run_spec(
+        _spec(
+            duration_s=20,
+            model={"kv_memory_gb": 1.0},
+            workload={"system_prompt_tokens": 256, "sessions": {"turns_mean": 3, "think_s": 1}},
+            seed=3,
+        )
+    )
     o = r.summary["overall"]
     assert o["preemptions"] > 0
     done = [q for q in r.sim.requests if q.finish_t is not None]
@@ -120,12 +137,22 @@ def test_same_seed_same_result_other_seed_differs():
 
 def test_time_slicing_two_models_on_one_gpu_is_slower_than_two_gpus():
     def two(count, gpu1):
-        d = {"name": "t", "duration_s": 60, "seed": 1, "node": {"gpu": "H100-SXM", "count": count},
-             "models": [{"name": "a", "model": "Llama-3.1-8B", "gpu": 0},
-                        {"name": "b", "model": "Mistral-7B", "gpu": gpu1}],
-             "workloads": [{"model": "a", "arrival": {"kind": "poisson", "rate": 3.0}},
-                           {"model": "b", "arrival": {"kind": "poisson", "rate": 3.0}}]}
+        d = {
+            "name": "t",
+            "duration_s": 60,
+            "seed": 1,
+            "node": {"gpu": "H100-SXM", "count": count},
+            "models": [
+                {"name": "a", "model": "Llama-3.1-8B", "gpu": 0},
+                {"name": "b", "model": "Mistral-7B", "gpu": gpu1},
+            ],
+            "workloads": [
+                {"model": "a", "arrival": {"kind": "poisson", "rate": 3.0}},
+                {"model": "b", "arrival": {"kind": "poisson", "rate": 3.0}},
+            ],
+        }
         return run_spec(parse_scenario(d, "<t>")).summary["overall"]
+
     shared, apart = two(1, 0), two(2, 1)
     assert shared["finished"] == apart["finished"]
     assert shared["tbt_s"]["p50"] > 1.3 * apart["tbt_s"]["p50"]
@@ -153,12 +180,18 @@ def test_layer_streaming_hook_adds_kv_and_uses_the_host_link():
 
 
 def test_ellm_admission_inflates_kv_and_beats_static_under_pressure():
-    common = {"model": {"activation_tokens": 131072, "max_batched_tokens": 8192, "kv_memory_gb": 4.0},
-              "workload": {"arrival": {"kind": "poisson", "rate": 6.0},
-                           "input": {"kind": "fixed", "value": 2048}, "output": {"kind": "fixed", "value": 256}}}
+    common = {
+        "model": {"activation_tokens": 131072, "max_batched_tokens": 8192, "kv_memory_gb": 4.0},
+        "workload": {
+            "arrival": {"kind": "poisson", "rate": 6.0},
+            "input": {"kind": "fixed", "value": 2048},
+            "output": {"kind": "fixed", "value": 256},
+        },
+    }
     static = run_spec(_spec(**common))
-    el = parse_scenario({**_raw(common), "models": [{**_raw(common)["models"][0], "scheduler": {"kind": "ellm"}}]},
-                        "<t>")
+    el = parse_scenario(
+        {**_raw(common), "models": [{**_raw(common)["models"][0], "scheduler": {"kind": "ellm"}}]}, "<t>"
+    )
     ellm = run_spec(el)
     sched = ellm.sim.instances[0].scheduler
     assert sched.decisions > 0 and sched.max_lent > 0
@@ -170,5 +203,12 @@ def test_ellm_admission_inflates_kv_and_beats_static_under_pressure():
 def _raw(common):
     model = {"name": "m", "model": "Llama-3.1-8B", "gpu": 0, **common["model"]}
     wl = {"model": "m", **common["workload"]}
-    return {"name": "t", "duration_s": 60, "drain_s": 3000, "seed": 1, "node": {"gpu": "H100-SXM"},
-            "models": [model], "workloads": [wl]}
+    return {
+        "name": "t",
+        "duration_s": 60,
+        "drain_s": 3000,
+        "seed": 1,
+        "node": {"gpu": "H100-SXM"},
+        "models": [model],
+        "workloads": [wl],
+    }

@@ -100,6 +100,7 @@ def test_edf_drops_hopeless_requests_and_meets_more_slos():
 
 def test_bad_options_rejected():
     from benchmark.sim.scenario import ScenarioError
+
     spec = VARIANTS["fineserve"]
     m = replace(spec.models[0], scheduler_options={"batching": "lifo"})
     with pytest.raises(ScenarioError, match="batching"):

@@ -14,14 +14,23 @@ from memory_ext.policy.oneiros import model_limit  # noqa: E402
 
 # one busy model with a small static KV, one idle model that can lend layers
 BASE = {
-    "name": "t", "duration_s": 20, "drain_s": 300, "seed": 1,
+    "name": "t",
+    "duration_s": 20,
+    "drain_s": 300,
+    "seed": 1,
     "node": {"gpu": "GH200"},
     "models": [
         {"name": "busy", "model": "OPT-13B", "kv_memory_gb": 1.0, "prefix_caching": False},
         {"name": "idle", "model": "OPT-6.7B", "kv_memory_gb": 0.5, "prefix_caching": False},
     ],
-    "workloads": [{"model": "busy", "arrival": {"kind": "poisson", "rate": 6.0},
-                   "input": {"kind": "fixed", "value": 200}, "output": {"kind": "fixed", "value": 300}}],
+    "workloads": [
+        {
+            "model": "busy",
+            "arrival": {"kind": "poisson", "rate": 6.0},
+            "input": {"kind": "fixed", "value": 200},
+            "output": {"kind": "fixed", "value": 300},
+        }
+    ],
 }
 
 
@@ -88,6 +97,7 @@ def test_oneiros_beats_static_on_small_case():
 
 def test_hook_options_validated():
     import pytest
+
     sim = build_simulation(_spec(False))
     with pytest.raises(ValueError):
         OneirosHook(sim.instances[0], low_watermark_frac=0.5, high_watermark_frac=0.1)

@@ -8,7 +8,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmark.sim.hardware import GPUS, gpu_spec  # noqa: E402
-from benchmark.sim.models import MODELS, model_spec  # noqa: E402
+from benchmark.sim.models import model_spec  # noqa: E402
 from benchmark.sim.roofline import BatchShape, Roofline  # noqa: E402
 
 
@@ -23,9 +23,19 @@ def test_every_gpu_states_a_datasheet_source_and_sane_numbers():
         GPUS["A100-80G"].flops("fp8")
 
 
-@pytest.mark.parametrize("name,billions", [("Llama-3.1-8B", 8.03), ("Llama-2-7B", 6.74), ("Llama-2-13B", 13.0),
-                                           ("Llama-3-70B", 70.6), ("Qwen2.5-7B", 7.6), ("OPT-13B", 13.1),
-                                           ("OPT-30B", 30.3), ("Mistral-7B", 7.24)])
+@pytest.mark.parametrize(
+    "name,billions",
+    [
+        ("Llama-3.1-8B", 8.03),
+        ("Llama-2-7B", 6.74),
+        ("Llama-2-13B", 13.0),
+        ("Llama-3-70B", 70.6),
+        ("Qwen2.5-7B", 7.6),
+        ("OPT-13B", 13.1),
+        ("OPT-30B", 30.3),
+        ("Mistral-7B", 7.24),
+    ],
+)
 def test_parameter_counts_match_published_sizes(name, billions):
     assert model_spec(name).params / 1e9 == pytest.approx(billions, rel=0.02)
 

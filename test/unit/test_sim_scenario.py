@@ -2,7 +2,6 @@
 
 import copy
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,9 +15,13 @@ from benchmark.sim.runner import build_simulation  # noqa: E402
 from benchmark.sim.scenario import ScenarioError, load_scenario  # noqa: E402
 
 GOOD = {
-    "name": "ok", "duration_s": 10, "node": {"gpu": "H100-SXM", "count": 2},
-    "models": [{"name": "a", "model": "Llama-3.1-8B", "gpu": 0},
-               {"name": "b", "model": "Qwen2.5-7B", "gpu": 1, "scheduler": {"kind": "ellm"}}],
+    "name": "ok",
+    "duration_s": 10,
+    "node": {"gpu": "H100-SXM", "count": 2},
+    "models": [
+        {"name": "a", "model": "Llama-3.1-8B", "gpu": 0},
+        {"name": "b", "model": "Qwen2.5-7B", "gpu": 1, "scheduler": {"kind": "ellm"}},
+    ],
     "workloads": [{"model": "a", "arrival": {"kind": "poisson", "rate": 1}, "input": "alpaca_input"}],
     "variants": [{"name": "v", "set": {"models[*].block_size": 32}}],
 }
@@ -48,33 +51,53 @@ def test_good_file_loads_with_variants(tmp_path):
     assert sc.base.models[0].block_size == 16
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (lambda d: d["models"][1].__setitem__("gpu", "x"), "models[1].gpu: expected int >= 0 and <= 1, got 'x'"),
-    (lambda d: d["models"][1].__setitem__("gpu", 2), "models[1].gpu: expected int >= 0 and <= 1, got 2"),
-    (lambda d: d["models"][0].__setitem__("colour", 1), "models[0].colour: unknown field"),
-    (lambda d: d.__delitem__("duration_s"), "duration_s: required field is missing"),
-    (lambda d: d.__setitem__("duration_s", -5), "duration_s: expected finite number > 0, got -5"),
-    (lambda d: d["node"].__setitem__("gpu", "V100"), "node.gpu: expected one of"),
-    (lambda d: d["models"][0].__setitem__("model", "GPT-5"), "models[0].model: expected one of"),
-    (lambda d: d["models"][0].__setitem__("prefix_caching", "yes"), "models[0].prefix_caching: expected true or false"),
-    (lambda d: d["workloads"][0]["arrival"].__setitem__("kind", "zipf"), "workloads[0].arrival.kind: expected one of"),
-    (lambda d: d["workloads"][0].__setitem__("model", "c"), "workloads[0].model: expected one of a, b, got 'c'"),
-    (lambda d: d["workloads"][0].__setitem__("input", "wiki"), "workloads[0].input: expected one of sharegpt_input"),
-    (lambda d: d["workloads"][0].__setitem__("input", {"kind": "fixed"}), "workloads[0].input.value: required"),
-    (lambda d: d["workloads"][0].__setitem__("idle", [[5, 1]]), "workloads[0].idle[0]: expected [start_s, end_s]"),
-    (lambda d: d["models"][1].__setitem__("name", "a"), "models[1].name: expected a unique name"),
-    (lambda d: d["models"][0].__setitem__("scheduler", {"kind": "magic"}), "models[0].scheduler.kind: expected one of"),
-    (lambda d: d.__setitem__("models", []), "models: expected a non-empty list"),
-    (lambda d: d["variants"][0]["set"].__setitem__("models[9].gpu", 0), "cannot set this path (index 9 out of range"),
-    (lambda d: d["variants"][0]["set"].__setitem__("models[*].gpu", "z"), "models[0].gpu: expected int"),
-    (lambda d: d.__setitem__("sweep", {"rate_scale": [1, 0]}), "sweep.rate_scale[1]: expected number > 0"),
-    (lambda d: d.__setitem__("arbiter", {"share_kv": 1}), "arbiter.share_kv: expected true or false"),
-    (lambda d: d.__setitem__("arbiter", {"floor_fraction": 2}), "arbiter.floor_fraction: expected finite number"),
-    (lambda d: d.__setitem__("arbiter", {"low_watermark_frac": 0.5, "high_watermark_frac": 0.1}),
-     "arbiter.high_watermark_frac: expected number >= low_watermark_frac"),
-    (lambda d: d.__setitem__("arbiter", {"budget": 1}), "arbiter.budget: unknown field"),
-    (lambda d: d.__setitem__("arbiter", True), "arbiter: expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda d: d["models"][1].__setitem__("gpu", "x"), "models[1].gpu: expected int >= 0 and <= 1, got 'x'"),
+        (lambda d: d["models"][1].__setitem__("gpu", 2), "models[1].gpu: expected int >= 0 and <= 1, got 2"),
+        (lambda d: d["models"][0].__setitem__("colour", 1), "models[0].colour: unknown field"),
+        (lambda d: d.__delitem__("duration_s"), "duration_s: required field is missing"),
+        (lambda d: d.__setitem__("duration_s", -5), "duration_s: expected finite number > 0, got -5"),
+        (lambda d: d["node"].__setitem__("gpu", "V100"), "node.gpu: expected one of"),
+        (lambda d: d["models"][0].__setitem__("model", "GPT-5"), "models[0].model: expected one of"),
+        (
+            lambda d: d["models"][0].__setitem__("prefix_caching", "yes"),
+            "models[0].prefix_caching: expected true or false",
+        ),
+        (
+            lambda d: d["workloads"][0]["arrival"].__setitem__("kind", "zipf"),
+            "workloads[0].arrival.kind: expected one of",
+        ),
+        (lambda d: d["workloads"][0].__setitem__("model", "c"), "workloads[0].model: expected one of a, b, got 'c'"),
+        (
+            lambda d: d["workloads"][0].__setitem__("input", "wiki"),
+            "workloads[0].input: expected one of sharegpt_input",
+        ),
+        (lambda d: d["workloads"][0].__setitem__("input", {"kind": "fixed"}), "workloads[0].input.value: required"),
+        (lambda d: d["workloads"][0].__setitem__("idle", [[5, 1]]), "workloads[0].idle[0]: expected [start_s, end_s]"),
+        (lambda d: d["models"][1].__setitem__("name", "a"), "models[1].name: expected a unique name"),
+        (
+            lambda d: d["models"][0].__setitem__("scheduler", {"kind": "magic"}),
+            "models[0].scheduler.kind: expected one of",
+        ),
+        (lambda d: d.__setitem__("models", []), "models: expected a non-empty list"),
+        (
+            lambda d: d["variants"][0]["set"].__setitem__("models[9].gpu", 0),
+            "cannot set this path (index 9 out of range",
+        ),
+        (lambda d: d["variants"][0]["set"].__setitem__("models[*].gpu", "z"), "models[0].gpu: expected int"),
+        (lambda d: d.__setitem__("sweep", {"rate_scale": [1, 0]}), "sweep.rate_scale[1]: expected number > 0"),
+        (lambda d: d.__setitem__("arbiter", {"share_kv": 1}), "arbiter.share_kv: expected true or false"),
+        (lambda d: d.__setitem__("arbiter", {"floor_fraction": 2}), "arbiter.floor_fraction: expected finite number"),
+        (
+            lambda d: d.__setitem__("arbiter", {"low_watermark_frac": 0.5, "high_watermark_frac": 0.1}),
+            "arbiter.high_watermark_frac: expected number >= low_watermark_frac",
+        ),
+        (lambda d: d.__setitem__("arbiter", {"budget": 1}), "arbiter.budget: unknown field"),
+        (lambda d: d.__setitem__("arbiter", True), "arbiter: expected a mapping"),
+    ],
+)
 def test_malformed_fields_name_file_and_path(tmp_path, mutate, expect):
     assert expect in _bad(tmp_path, mutate)
 
@@ -88,8 +111,13 @@ def test_bad_json_yaml_and_missing_file(tmp_path):
         load_scenario(_write(tmp_path, "a", "x.txt"))
     pytest.importorskip("yaml")
     with pytest.raises(ScenarioError, match=r"x.yaml: models\[0\].gpu: expected int"):
-        load_scenario(_write(tmp_path, "name: y\nduration_s: 1\nnode: {gpu: A10}\n"
-                                       "models:\n  - {name: a, model: Mistral-7B, gpu: x}\n", "x.yaml"))
+        load_scenario(
+            _write(
+                tmp_path,
+                "name: y\nduration_s: 1\nnode: {gpu: A10}\nmodels:\n  - {name: a, model: Mistral-7B, gpu: x}\n",
+                "x.yaml",
+            )
+        )
 
 
 def test_model_that_does_not_fit_is_a_scenario_error(tmp_path):
@@ -147,10 +175,14 @@ def test_shipped_scenarios_load():
 
 def test_simulator_imports_neither_torch_nor_sglang():
     import ast
+
     bad = []
     for path in (REPO / "benchmark" / "sim").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            )
             bad += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("torch", "sglang", "sglang_memx")]
     assert bad == []

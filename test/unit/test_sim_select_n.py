@@ -11,17 +11,25 @@ sys.path.insert(0, str(REPO))
 
 from benchmark.sim.runner import build_simulation, run_spec  # noqa: E402
 from benchmark.sim.scenario import load_scenario, parse_scenario  # noqa: E402
-from benchmark.sim.select_n_hook import (FlexGenStaticHook, SelectNHook, decode_layer_time,  # noqa: E402
-                                         prefill_layer_time)
+from benchmark.sim.select_n_hook import FlexGenStaticHook, SelectNHook, decode_layer_time, prefill_layer_time  # noqa: E402
 from memory_ext.policy.select_n import LayerTiming, SloKind, offloaded_layers, optimal_interval  # noqa: E402
 
 BASE = {
-    "name": "t", "duration_s": 1, "drain_s": 300,
+    "name": "t",
+    "duration_s": 1,
+    "drain_s": 300,
     "node": {"gpu": "A10"},
-    "models": [{"name": "m", "model": "OPT-6.7B", "max_running": 128, "max_batched_tokens": 8192,
-                "prefix_caching": False}],
-    "workloads": [{"model": "m", "arrival": {"kind": "batch", "count": 128},
-                   "input": {"kind": "fixed", "value": 64}, "output": {"kind": "fixed", "value": 24}}],
+    "models": [
+        {"name": "m", "model": "OPT-6.7B", "max_running": 128, "max_batched_tokens": 8192, "prefix_caching": False}
+    ],
+    "workloads": [
+        {
+            "model": "m",
+            "arrival": {"kind": "batch", "count": 128},
+            "input": {"kind": "fixed", "value": 64},
+            "output": {"kind": "fixed", "value": 24},
+        }
+    ],
 }
 
 
@@ -42,13 +50,11 @@ def test_interval_is_policy_answer():
     t_tr = inst.cfg.model.layer_weight_bytes() / (rf.gpu.host_gbps * 1e9)
     for slo in (0.2, 0.5):
         h = SelectNHook(inst, slo_slowdown=slo, set_tpot_slo=False)
-        want = optimal_interval(rf.layers, LayerTiming(decode_layer_time(rf, 128, 64), t_tr), slo,
-                                SloKind.SLOWDOWN)
+        want = optimal_interval(rf.layers, LayerTiming(decode_layer_time(rf, 128, 64), t_tr), slo, SloKind.SLOWDOWN)
         assert h.record_interval == want
         # the coordinator may widen it only without changing the host memory (same L // i)
         assert offloaded_layers(rf.layers, h.interval) == offloaded_layers(rf.layers, want)
-        pre = optimal_interval(rf.layers, LayerTiming(prefill_layer_time(rf, 16, 64), t_tr), slo,
-                               SloKind.SLOWDOWN)
+        pre = optimal_interval(rf.layers, LayerTiming(prefill_layer_time(rf, 16, 64), t_tr), slo, SloKind.SLOWDOWN)
         assert h.interval_table()["prefill b=16 s=64"][f"{slo:g}"] == pre
 
 
@@ -85,6 +91,7 @@ def test_select_n_meets_slo_and_interval_one_does_not():
     h.interval, h.n_off = 1, h.L
     sim.run()
     from benchmark.sim.metrics import summarize
+
     assert summarize(sim)["instances"]["m"]["slo"]["attainment"] < 0.5
 
 

@@ -8,6 +8,7 @@ SC = "benchmark/sim/scenarios/swiftcache.yaml"
 
 def _run(variant, duration=60.0):
     from dataclasses import replace
+
     sc = load_scenario(SC)
     spec = dict(sc.variants)[variant]
     # a small master KV pool (24 GB = 46K tokens) so that prefixes spill within seconds

@@ -8,12 +8,22 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmark.sim.workload import (LENGTH_PRESETS, ArrivalSpec, LengthDist, SessionSpec,  # noqa: E402
-                                    WorkloadSpec, arrival_times, generate, sample_lengths)
+from benchmark.sim.workload import (  # noqa: E402
+    LENGTH_PRESETS,
+    ArrivalSpec,
+    LengthDist,
+    SessionSpec,
+    WorkloadSpec,
+    arrival_times,
+    generate,
+    sample_lengths,
+)
 
 
-@pytest.mark.parametrize("preset,mean", [("sharegpt_input", 161.31), ("sharegpt_output", 337.99),
-                                         ("alpaca_input", 19.31), ("alpaca_output", 58.45)])
+@pytest.mark.parametrize(
+    "preset,mean",
+    [("sharegpt_input", 161.31), ("sharegpt_output", 337.99), ("alpaca_input", 19.31), ("alpaca_output", 58.45)],
+)
 def test_length_presets_have_the_published_means(preset, mean):
     x = sample_lengths(LENGTH_PRESETS[preset], 200_000, np.random.default_rng(1))
     assert x.mean() == pytest.approx(mean, rel=0.03)
@@ -56,9 +66,15 @@ def test_onoff_mean_rate_is_on_fraction_of_rate():
 
 
 def test_sessions_share_a_growing_prefix_and_idle_windows_are_empty():
-    spec = WorkloadSpec("m", ArrivalSpec("poisson", rate=2.0), LENGTH_PRESETS["sharegpt_input"],
-                        LENGTH_PRESETS["sharegpt_output"], SessionSpec(turns_mean=4, think_s=5),
-                        system_prompt_tokens=64, idle=((100.0, 200.0),))
+    spec = WorkloadSpec(
+        "m",
+        ArrivalSpec("poisson", rate=2.0),
+        LENGTH_PRESETS["sharegpt_input"],
+        LENGTH_PRESETS["sharegpt_output"],
+        SessionSpec(turns_mean=4, think_s=5),
+        system_prompt_tokens=64,
+        idle=((100.0, 200.0),),
+    )
     wl = generate([spec], {"m": 0}, 600, seed=7)
     firsts = [wl.requests[i] for i in wl.initial]
     assert not any(100 <= r.arrival < 200 for r in firsts)

@@ -23,16 +23,23 @@ class FakeAllocator:
 
 
 def fake_scheduler(capacity=1000, available=600, evictable=150, running=2, waiting=3):
-    kv = SimpleNamespace(dtype=torch.bfloat16, store_dtype=torch.bfloat16, device="cpu",
-                         layer_num=2,
-                         k_buffer=[torch.zeros(capacity + 1, 2, 8, dtype=torch.bfloat16)] * 2,
-                         v_buffer=[torch.zeros(capacity + 1, 2, 8, dtype=torch.bfloat16)] * 2)
+    kv = SimpleNamespace(
+        dtype=torch.bfloat16,
+        store_dtype=torch.bfloat16,
+        device="cpu",
+        layer_num=2,
+        k_buffer=[torch.zeros(capacity + 1, 2, 8, dtype=torch.bfloat16)] * 2,
+        v_buffer=[torch.zeros(capacity + 1, 2, 8, dtype=torch.bfloat16)] * 2,
+    )
     return SimpleNamespace(
-        max_total_num_tokens=capacity, page_size=16,
+        max_total_num_tokens=capacity,
+        page_size=16,
         token_to_kv_pool_allocator=FakeAllocator(kv, available),
         tree_cache=SimpleNamespace(evictable_size=lambda: evictable),
         running_batch=SimpleNamespace(reqs=[object()] * running),
-        waiting_queue=[object()] * waiting, server_args=None)
+        waiting_queue=[object()] * waiting,
+        server_args=None,
+    )
 
 
 def test_kv_pool_numbers_follow_upstream_formula():

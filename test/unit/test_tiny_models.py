@@ -11,16 +11,19 @@ from sglang_memx.models.tiny import TinyModelSpec, generate_tiny_model, tiny_mod
 
 
 def _digest(path):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.iterdir()) if p.is_file()}
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir()) if p.is_file()}
 
 
-@pytest.mark.parametrize("spec", [
-    TinyModelSpec(arch="llama", num_heads=4, num_kv_heads=2, head_dim=16),
-    TinyModelSpec(arch="llama", num_heads=4, num_kv_heads=4, head_dim=32, num_layers=3),
-    TinyModelSpec(arch="qwen3", num_heads=4, num_kv_heads=1, head_dim=64, num_layers=1),
-    TinyModelSpec(arch="qwen2", num_heads=2, num_kv_heads=2, head_dim=16, num_layers=2),
-], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TinyModelSpec(arch="llama", num_heads=4, num_kv_heads=2, head_dim=16),
+        TinyModelSpec(arch="llama", num_heads=4, num_kv_heads=4, head_dim=32, num_layers=3),
+        TinyModelSpec(arch="qwen3", num_heads=4, num_kv_heads=1, head_dim=64, num_layers=1),
+        TinyModelSpec(arch="qwen2", num_heads=2, num_kv_heads=2, head_dim=16, num_layers=2),
+    ],
+    ids=lambda s: s.name,
+)
 def test_generation_is_fast_complete_and_loadable(spec, tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
@@ -34,8 +37,7 @@ def test_generation_is_fast_complete_and_loadable(spec, tmp_path):
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok("The capital of France is")["input_ids"]
     assert 0 < len(ids) < 20 and tok.decode(ids) == "The capital of France is"
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with safe_open(out / "model.safetensors", "pt") as f:
         keys = set(f.keys())
@@ -75,11 +77,16 @@ def test_cache_reuses_the_directory(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
-@pytest.mark.parametrize("field, value, fragment", [
-    ("arch", "gpt2", "arch"), ("num_kv_heads", 3, "num_kv_heads"),
-    ("head_dim", 15, "head_dim"), ("num_layers", 0, "num_layers"),
-    ("vocab_size", 100, "vocab_size"),
-])
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("arch", "gpt2", "arch"),
+        ("num_kv_heads", 3, "num_kv_heads"),
+        ("head_dim", 15, "head_dim"),
+        ("num_layers", 0, "num_layers"),
+        ("vocab_size", 100, "vocab_size"),
+    ],
+)
 def test_bad_spec_names_the_field(field, value, fragment, tmp_path):
     import dataclasses
 

@@ -12,8 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from memory_ext.vmm import COUNTER_NAMES, PhysicalChunk, VirtualRange, VmmBackend, host_backend
 
@@ -27,6 +26,7 @@ def _make(kind, granularity=None) -> VmmBackend:
     if kind == "host":
         return host_backend(HOST_G if granularity is None else granularity)
     from memory_ext.vmm import cuda_backend
+
     return cuda_backend(0, granularity)
 
 
@@ -278,8 +278,17 @@ def test_counters_count_calls_and_chunks(kind):
         finally:
             os.close(fd)
         vmm.destroy_chunk(imported)
-        want = dict(reserve_calls=1, release_calls=0, map_calls=2, unmap_calls=1, chunks_created=2,
-                    chunks_imported=1, chunks_destroyed=1, chunks_exported=1, views_made=1)
+        want = dict(
+            reserve_calls=1,
+            release_calls=0,
+            map_calls=2,
+            unmap_calls=1,
+            chunks_created=2,
+            chunks_imported=1,
+            chunks_destroyed=1,
+            chunks_exported=1,
+            views_made=1,
+        )
         assert vmm.counters() == want
         assert vmm.map_calls == 2 and vmm.unmap_calls == 1
         c = vmm.counters()
@@ -331,9 +340,9 @@ class _VmmMachine(RuleBasedStateMachine):
         self.vmm = _make(self.KIND)
         self.G = self.vmm.granularity
         self.range = self.vmm.reserve(self.SLOTS * self.G)
-        self.chunks = []      # live chunks, in creation order
-        self.value = {}       # handle_id -> byte value filling the chunk (None: never written)
-        self.slots = {}       # offset -> chunk
+        self.chunks = []  # live chunks, in creation order
+        self.value = {}  # handle_id -> byte value filling the chunk (None: never written)
+        self.slots = {}  # offset -> chunk
         self.created = self.destroyed = 0
 
     def teardown(self):
@@ -424,6 +433,9 @@ class _VmmMachine(RuleBasedStateMachine):
 
 def test_state_machine_against_model(kind):
     machine = type(f"VmmMachine_{kind}", (_VmmMachine,), {"KIND": kind})
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=20, stateful_step_count=15, deadline=None,
-        suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=20, stateful_step_count=15, deadline=None, suppress_health_check=list(HealthCheck)
+        ),
+    )

@@ -9,8 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, invariant, precondition,
-                                 rule)
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 from memory_ext.vmm import HostVmmBackend, PhysicalChunk, VirtualRange, VmmBackend, host_backend
 
@@ -82,11 +81,14 @@ def test_one_tib_reservation_costs_nothing(vmm):
     assert int(_bytes(vmm, r, (1 << 40) - G).sum()) == 3 * G
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(granularity=PAGE + 1), "granularity"),
-    (dict(granularity=0), "granularity"),
-    (dict(granularity=-PAGE), "granularity"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(granularity=PAGE + 1), "granularity"),
+        (dict(granularity=0), "granularity"),
+        (dict(granularity=-PAGE), "granularity"),
+    ],
+)
 def test_bad_granularity_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         HostVmmBackend(**kwargs)
@@ -267,8 +269,8 @@ class VmmMachine(RuleBasedStateMachine):
         super().__init__()
         self.vmm = host_backend(PAGE)
         self.range = self.vmm.reserve(SLOTS * PAGE)
-        self.model_slots = {}     # offset -> chunk
-        self.model_bytes = {}     # handle_id -> byte value written into the whole chunk
+        self.model_slots = {}  # offset -> chunk
+        self.model_bytes = {}  # handle_id -> byte value written into the whole chunk
         self.created = self.destroyed = 0
 
     def teardown(self):
@@ -354,5 +356,6 @@ class VmmMachine(RuleBasedStateMachine):
 
 
 TestVmmProperties = VmmMachine.TestCase
-TestVmmProperties.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
-                                      suppress_health_check=[HealthCheck.too_slow])
+TestVmmProperties.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

@@ -61,8 +61,9 @@ def test_child_process_writes_through_a_received_chunk(short_dir):
     vmm = host_backend(G)
     server = listen_unix(path)
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(G)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path), str(G)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     try:
         server.settimeout(60)
         conn, _ = server.accept()
@@ -143,8 +144,7 @@ def _raw_message(header, nfds, *, length_delta=0):
 
 
 def _good(n=2, size=G):
-    return {"version": VERSION, "kind": KIND, "count": n,
-            "chunks": [{"id": i + 1, "size": size} for i in range(n)]}
+    return {"version": VERSION, "kind": KIND, "count": n, "chunks": [{"id": i + 1, "size": size} for i in range(n)]}
 
 
 def _with(**changes):
@@ -153,21 +153,24 @@ def _with(**changes):
     return h
 
 
-@pytest.mark.parametrize("header, nfds, field", [
-    (_with(version=2), 2, "version"),
-    ({k: v for k, v in _good().items() if k != "version"}, 2, "version"),
-    (_with(kind="other"), 2, "kind"),
-    (_good(), 1, "count"),
-    (_good(), 3, "count"),
-    (_with(count=0), 2, "count"),
-    (_with(count=3), 2, "chunks"),
-    (_good(size=0), 2, r"chunks\[0\]\.size"),
-    (_good(size=-G), 2, r"chunks\[0\]\.size"),
-    (_with(chunks=[{"id": 1, "size": G}, {"id": "x", "size": G}]), 2, r"chunks\[1\]\.id"),
-    (_with(extra=1), 2, "header: unknown field"),
-    (b"{not json", 2, "header: not valid JSON"),
-    (b"[1, 2]", 2, "header: expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "header, nfds, field",
+    [
+        (_with(version=2), 2, "version"),
+        ({k: v for k, v in _good().items() if k != "version"}, 2, "version"),
+        (_with(kind="other"), 2, "kind"),
+        (_good(), 1, "count"),
+        (_good(), 3, "count"),
+        (_with(count=0), 2, "count"),
+        (_with(count=3), 2, "chunks"),
+        (_good(size=0), 2, r"chunks\[0\]\.size"),
+        (_good(size=-G), 2, r"chunks\[0\]\.size"),
+        (_with(chunks=[{"id": 1, "size": G}, {"id": "x", "size": G}]), 2, r"chunks\[1\]\.id"),
+        (_with(extra=1), 2, "header: unknown field"),
+        (b"{not json", 2, "header: not valid JSON"),
+        (b"[1, 2]", 2, "header: expected a JSON object"),
+    ],
+)
 def test_malformed_header_is_rejected_and_fds_are_closed(header, nfds, field):
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     vmm = host_backend(G)

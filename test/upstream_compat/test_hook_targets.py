@@ -51,7 +51,8 @@ def test_target_exists_with_expected_parameters(spec):
     assert callable(fn)
     params = list(inspect.signature(fn).parameters)
     assert params[: len(spec.expects)] == list(spec.expects), (
-        f"{spec.target} now takes {params}, hook expects leading {spec.expects}")
+        f"{spec.target} now takes {params}, hook expects leading {spec.expects}"
+    )
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.target)
@@ -72,10 +73,18 @@ def test_scheduler_state_read_by_status_is_assigned_upstream():
     from sglang.srt.managers.scheduler_components import pool_stats_observer
 
     src = Path(sched_mod.__file__).read_text()
-    for attr in ("server_args", "page_size", "max_total_num_tokens", "token_to_kv_pool_allocator",
-                 "tree_cache", "running_batch", "waiting_queue"):
-        assigned = re.search(rf"self\.{attr}\s*(:[^=\n]+)?=[^=]", src) or \
-            re.search(rf"\(\s*self\.{attr},", src)  # tuple-unpacking assignment
+    for attr in (
+        "server_args",
+        "page_size",
+        "max_total_num_tokens",
+        "token_to_kv_pool_allocator",
+        "tree_cache",
+        "running_batch",
+        "waiting_queue",
+    ):
+        assigned = re.search(rf"self\.{attr}\s*(:[^=\n]+)?=[^=]", src) or re.search(
+            rf"\(\s*self\.{attr},", src
+        )  # tuple-unpacking assignment
         assert assigned, f"Scheduler.{attr} no longer assigned"
     # Upstream's own usage formula, which kv_pool_status reproduces.
     obs = Path(pool_stats_observer.__file__).read_text()
@@ -84,8 +93,7 @@ def test_scheduler_state_read_by_status_is_assigned_upstream():
 
 def test_internal_state_plumbing_exists():
     from sglang.srt.managers.io_struct import GetInternalStateReqOutput
-    from sglang.srt.managers.scheduler_components.internal_state import (
-        SchedulerInternalStateController)
+    from sglang.srt.managers.scheduler_components.internal_state import SchedulerInternalStateController
     from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin
 
     assert GetInternalStateReqOutput(internal_state={"a": 1}).internal_state == {"a": 1}
@@ -135,13 +143,25 @@ def test_host_buffer_offload_relies_on_these_upstream_internals():
     from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 
     budget = _source(PrefillBudget)
-    for line in ("self.total_offset +=", "self.current_offset +=", "- self.total_offset",
-                 "- self.current_offset", "total_tokens < self.remaining_total"):
+    for line in (
+        "self.total_offset +=",
+        "self.current_offset +=",
+        "- self.total_offset",
+        "- self.current_offset",
+        "total_tokens < self.remaining_total",
+    ):
         assert line in budget, line
     assert "PrefillBudget(" in _source(BaseTokenToKVPoolAllocator.create_prefill_budget)
     params = inspect.signature(schedule_batch.release_req).parameters
-    assert {"req", "remaing_req_count", "req_to_token_pool", "token_to_kv_pool_allocator", "tree_cache",
-            "hisparse_coordinator", "offload_kv"} <= set(params)
+    assert {
+        "req",
+        "remaing_req_count",
+        "req_to_token_pool",
+        "token_to_kv_pool_allocator",
+        "tree_cache",
+        "hisparse_coordinator",
+        "offload_kv",
+    } <= set(params)
     assert list(inspect.signature(Scheduler._add_request_to_queue).parameters) == ["self", "req", "is_retracted"]
     assert isinstance(schedule_policy.CLIP_MAX_NEW_TOKENS, int)
     from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -151,6 +171,13 @@ def test_host_buffer_offload_relies_on_these_upstream_internals():
     assert issubclass(RadixCache, BasePrefixCache)
     assert "key" in MatchPrefixParams.__dataclass_fields__ and "value" in InsertParams.__dataclass_fields__
     adder = _source(schedule_policy.PrefillAdder)
-    for attr in ("self.memory_budget =", "self.can_run_list", "self.rem_input_tokens", "self.rem_chunk_tokens",
-                 "self.running_batch", "self.page_size", "self.tree_cache"):
+    for attr in (
+        "self.memory_budget =",
+        "self.can_run_list",
+        "self.rem_input_tokens",
+        "self.rem_chunk_tokens",
+        "self.running_batch",
+        "self.page_size",
+        "self.tree_cache",
+    ):
         assert attr in adder, attr

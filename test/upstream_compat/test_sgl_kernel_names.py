@@ -54,11 +54,7 @@ def scan_sgl_kernel_uses(root: Path) -> dict[str, set[str]]:
                     if _is_ours(alias.name) and alias.name != PACKAGE:
                         parent, _, child = alias.name.rpartition(".")
                         uses[parent].add(child)
-            elif (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id == PACKAGE
-            ):
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == PACKAGE:
                 uses[PACKAGE].add(node.attr)
     return dict(uses)
 

@@ -30,29 +30,38 @@ allocator / ``MemPool`` (``mempool``, used by the model-runner hook). Then:
 
 from __future__ import annotations
 
-from typing import Callable, List
+from collections.abc import Callable
 
-from memory_ext.pool import Owner
 from memory_ext.policy.activation import ActivationProfile, plan_activation
+from memory_ext.pool import Owner
 
 
 class ActivationBalloon:
-    MEASURE_FIRST = 3   # forwards measured after start-up whatever their size
-    MEASURE_LIMIT = 8   # measured forwards in all (later ones only if larger than any before)
+    MEASURE_FIRST = 3  # forwards measured after start-up whatever their size
+    MEASURE_LIMIT = 8  # measured forwards in all (later ones only if larger than any before)
 
     def __init__(self, pool, profile: ActivationProfile, max_batch_tokens: int = 0, arena=None, mempool=None):
         self.pool = pool
-        self.arena = arena      # SegmentArena whose mapped chunks are exactly ``chunks`` (CUDA), or None
+        self.arena = arena  # SegmentArena whose mapped chunks are exactly ``chunks`` (CUDA), or None
         self.mempool = mempool  # ArenaMemPool the forward allocates from, or None
         self.profile = profile
-        self.measurements: List[tuple] = []  # (tokens, seqs, peak bytes) of measured forwards
+        self.measurements: list[tuple] = []  # (tokens, seqs, peak bytes) of measured forwards
         self._measuring = True
         self.max_batch_tokens = max_batch_tokens  # the largest prefill batch (chunked-prefill size)
-        self.chunks: List = []
+        self.chunks: list = []
         self.live = 0
-        self.stats = {"reserves": 0, "refused": 0, "chunks_from_free": 0, "chunks_from_kv": 0,
-                      "chunks_lent_to_kv": 0, "peak_held": 0, "peak_need": 0, "deferred_requests": 0,
-                      "overcommitted_chunks": 0, "profile_raised": 0}
+        self.stats = {
+            "reserves": 0,
+            "refused": 0,
+            "chunks_from_free": 0,
+            "chunks_from_kv": 0,
+            "chunks_lent_to_kv": 0,
+            "peak_held": 0,
+            "peak_need": 0,
+            "deferred_requests": 0,
+            "overcommitted_chunks": 0,
+            "profile_raised": 0,
+        }
 
     @property
     def held(self) -> int:
@@ -64,8 +73,9 @@ class ActivationBalloon:
     def need_chunks(self, tokens: int, seqs: int) -> int:
         return self.profile.chunks_for(tokens, seqs, self.pool.chunk_bytes)
 
-    def reserve(self, tokens: int, seqs: int, kv_idle_chunks: Callable[[], int],
-                deflate_kv: Callable[[int], int]) -> bool:
+    def reserve(
+        self, tokens: int, seqs: int, kv_idle_chunks: Callable[[], int], deflate_kv: Callable[[int], int]
+    ) -> bool:
         """Make sure a batch of ``tokens`` tokens / ``seqs`` sequences has its activation chunks.
 
         ``kv_idle_chunks()``: chunks KV could give up now (free groups, evictable cache);
@@ -143,13 +153,33 @@ class ActivationBalloon:
 
     def status(self) -> dict:
         p = self.profile
-        allocator = {"kind": "torch"} if self.arena is None else {
-            "kind": "memx arena", "mapped_chunks": self.arena.mapped_chunks,
-            "pinned_chunks": self.arena.pinned_chunks(),
-            "cache_releases": self.arena.releases, **self.arena.stats()}
-        return {"held_chunks": self.held, "allocator": allocator, "max_batch_tokens": self.max_batch_tokens, "live_chunks": self.live, "held_bytes": self.held * self.pool.chunk_bytes,
-                "profile": {"per_token_bytes": p.per_token_bytes, "per_seq_bytes": p.per_seq_bytes,
-                            "fixed_bytes": p.fixed_bytes, "source": p.source, "observations": p.observations},
-                "measurements": [{"tokens": t, "seqs": q, "peak_bytes": b, "profile_bytes": p.bytes_for(t, q)}
-                                 for t, q, b in self.measurements],
-                **self.stats}
+        allocator = (
+            {"kind": "torch"}
+            if self.arena is None
+            else {
+                "kind": "memx arena",
+                "mapped_chunks": self.arena.mapped_chunks,
+                "pinned_chunks": self.arena.pinned_chunks(),
+                "cache_releases": self.arena.releases,
+                **self.arena.stats(),
+            }
+        )
+        return {
+            "held_chunks": self.held,
+            "allocator": allocator,
+            "max_batch_tokens": self.max_batch_tokens,
+            "live_chunks": self.live,
+            "held_bytes": self.held * self.pool.chunk_bytes,
+            "profile": {
+                "per_token_bytes": p.per_token_bytes,
+                "per_seq_bytes": p.per_seq_bytes,
+                "fixed_bytes": p.fixed_bytes,
+                "source": p.source,
+                "observations": p.observations,
+            },
+            "measurements": [
+                {"tokens": t, "seqs": q, "peak_bytes": b, "profile_bytes": p.bytes_for(t, q)}
+                for t, q, b in self.measurements
+            ],
+            **self.stats,
+        }

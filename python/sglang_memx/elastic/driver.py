@@ -35,8 +35,8 @@ logger = logging.getLogger("sglang_memx")
 
 BORROW_BACKOFF_S = 0.5
 BORROW_BACKOFF_MAX_S = 1.0
-QUEUE_WAIT_S = 0.02   # longest a scheduler iteration waits for a grant for its queue
-URGENT_WAIT_S = 0.5   # ... for a decode step that would otherwise retract
+QUEUE_WAIT_S = 0.02  # longest a scheduler iteration waits for a grant for its queue
+URGENT_WAIT_S = 0.5  # ... for a decode step that would otherwise retract
 MAX_NEW_CLIP = 4096  # upstream's default SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 
 
@@ -62,8 +62,9 @@ def _admitted_requests(scheduler) -> list:
     and a request whose chunked prefill is under way."""
     seen, out = set(), []
     chunked = getattr(scheduler, "chunked_req", None)
-    groups = [list(getattr(getattr(scheduler, name, None), "reqs", None) or [])
-              for name in ("running_batch", "last_batch")] + [[chunked] if chunked is not None else []]
+    groups = [
+        list(getattr(getattr(scheduler, name, None), "reqs", None) or []) for name in ("running_batch", "last_batch")
+    ] + [[chunked] if chunked is not None else []]
     for reqs in groups:
         for req in reqs:
             finished = getattr(req, "finished", None)
@@ -102,16 +103,22 @@ def decode_reserve_tokens(scheduler) -> float:
     batch = getattr(scheduler, "running_batch", None)
     tracker = getattr(scheduler, "new_token_ratio_tracker", None)
     ratio = float(getattr(tracker, "current", 1.0))
-    return sum(remaining_new_tokens(req) * (1.0 if getattr(req.sampling_params, "ignore_eos", False) else ratio)
-               for req in list(getattr(batch, "reqs", None) or []))
+    return sum(
+        remaining_new_tokens(req) * (1.0 if getattr(req.sampling_params, "ignore_eos", False) else ratio)
+        for req in list(getattr(batch, "reqs", None) or [])
+    )
 
 
 def reopen_admission_for_offload(kv, scheduler) -> None:
     """Upstream stops trying to admit after a refusal until a running request leaves
     (``batch_is_full``); with room in the host buffer a new request may still prefill there."""
     batch = getattr(scheduler, "running_batch", None)
-    if (batch is not None and batch.batch_is_full and kv.host.offload_room() > 0
-            and any(offload_eligible(r) for r in getattr(scheduler, "waiting_queue", []))):
+    if (
+        batch is not None
+        and batch.batch_is_full
+        and kv.host.offload_room() > 0
+        and any(offload_eligible(r) for r in getattr(scheduler, "waiting_queue", []))
+    ):
         batch.batch_is_full = False
 
 
@@ -147,8 +154,12 @@ def queue_demand_tokens(scheduler) -> int:
         max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None) or 0
         # upstream admits a request only if input + max_new (clipped) + one page is strictly
         # below what is free and evictable; ask for exactly that much
-        demand += (len(getattr(req, "origin_input_ids", ()) or ()) + min(int(max_new), MAX_NEW_CLIP)
-                   + int(getattr(scheduler, "page_size", 1)) + 1)
+        demand += (
+            len(getattr(req, "origin_input_ids", ()) or ())
+            + min(int(max_new), MAX_NEW_CLIP)
+            + int(getattr(scheduler, "page_size", 1))
+            + 1
+        )
     return demand + running_demand_tokens(scheduler)
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from typing import Optional
 
 import torch
 
@@ -62,7 +61,7 @@ class HostBufferState:
     within the logical size.
     """
 
-    def __init__(self, buffer: HostKVBuffer, unit_bytes: int, scaler: Optional[LogicalBufferScaler] = None):
+    def __init__(self, buffer: HostKVBuffer, unit_bytes: int, scaler: LogicalBufferScaler | None = None):
         self.buffer = buffer
         self.unit_bytes = unit_bytes
         self.scaler = scaler
@@ -79,12 +78,24 @@ class HostBufferState:
 
     def status(self) -> dict:
         out = self.buffer.status()
-        out.update(self.offload, offload_pending=len(self.limbo), offload_pending_bytes=self.pending_bytes,
-                   pinned=len(self.pins))
-        out["slo_scaling"] = None if self.scaler is None else {
-            "logical_units": self.scaler.logical_chunks, "unit_bytes": self.unit_bytes,
-            "ttft_slo_s": self.scaler.ttft_slo, "tpot_slo_s": self.scaler.tpot_slo,
-            "ttft_events": self.events["ttft"], "tpot_events": self.events["tpot"]}
+        out.update(
+            self.offload,
+            offload_pending=len(self.limbo),
+            offload_pending_bytes=self.pending_bytes,
+            pinned=len(self.pins),
+        )
+        out["slo_scaling"] = (
+            None
+            if self.scaler is None
+            else {
+                "logical_units": self.scaler.logical_chunks,
+                "unit_bytes": self.unit_bytes,
+                "ttft_slo_s": self.scaler.ttft_slo,
+                "tpot_slo_s": self.scaler.tpot_slo,
+                "ttft_events": self.events["ttft"],
+                "tpot_events": self.events["tpot"],
+            }
+        )
         return out
 
 
@@ -92,8 +103,12 @@ def build_host_buffer(config, group_bytes: int) -> HostBufferState:
     capacity = int(config.host_buffer_gb * (1 << 30))
     scaler = None
     if config.ttft_slo_ms is not None:
-        scaler = LogicalBufferScaler(max_chunks=max(1, capacity // group_bytes), ttft_slo=config.ttft_slo_ms / 1e3,
-                                     tpot_slo=config.tpot_slo_ms / 1e3, per_sample=True)
+        scaler = LogicalBufferScaler(
+            max_chunks=max(1, capacity // group_bytes),
+            ttft_slo=config.ttft_slo_ms / 1e3,
+            tpot_slo=config.tpot_slo_ms / 1e3,
+            per_sample=True,
+        )
     return HostBufferState(HostKVBuffer(capacity), group_bytes, scaler)
 
 
@@ -110,11 +125,18 @@ def kv_row_bytes(allocator) -> int:
 def offload_eligible(req) -> bool:
     """A new plain text request: no output yet, nothing parked, no logprobs, grammar, embeddings,
     images, session, beam group or LoRA (their resume paths are not exercised here)."""
-    return (len(req.output_ids) == 0 and not getattr(req, "is_retracted", False)
-            and not getattr(req, "return_logprob", False) and getattr(req, "grammar", None) is None
-            and getattr(req, "input_embeds", None) is None and getattr(req, "multimodal_inputs", None) is None
-            and getattr(req, "session", None) is None and getattr(req, "beam_group", None) is None
-            and getattr(req, "lora_id", None) is None and not req.finished())
+    return (
+        len(req.output_ids) == 0
+        and not getattr(req, "is_retracted", False)
+        and not getattr(req, "return_logprob", False)
+        and getattr(req, "grammar", None) is None
+        and getattr(req, "input_embeds", None) is None
+        and getattr(req, "multimodal_inputs", None) is None
+        and getattr(req, "session", None) is None
+        and getattr(req, "beam_group", None) is None
+        and getattr(req, "lora_id", None) is None
+        and not req.finished()
+    )
 
 
 def offload_bytes(req, allocator) -> int:
@@ -135,7 +157,7 @@ def park_kv(kv, req, req_to_token_pool, allocator) -> bool:
         return False
     if not req.kv.holds_kv or req.kv.req_pool_idx is None:
         return False
-    tokens = (list(req.origin_input_ids) + list(req.output_ids))[:req.owned_kv_len()]
+    tokens = (list(req.origin_input_ids) + list(req.output_ids))[: req.owned_kv_len()]
     n = len(tokens) - len(tokens) % allocator.page_size
     if n <= 0:
         return False
@@ -174,8 +196,7 @@ def park_offloaded_prefills(kv, scheduler) -> int:
     if host is None:
         return 0
     last = getattr(scheduler, "last_batch", None)
-    if (last is not None and last is not getattr(scheduler, "running_batch", None)
-            and last.forward_mode.is_extend()):
+    if last is not None and last is not getattr(scheduler, "running_batch", None) and last.forward_mode.is_extend():
         chunked = getattr(scheduler, "chunked_req", None)
         done = [r for r in last.reqs if getattr(r, "_memx_offload_bytes", 0) and r is not chunked]
         if done:
@@ -200,9 +221,15 @@ def park_offloaded_prefills(kv, scheduler) -> int:
         except Exception:  # it is recomputed when it resumes, as a retracted request would be
             logger.exception("memx: could not park the KV of offloaded prefill %s", req.rid)
             kept = False
-        release_req(req=req, remaing_req_count=0, req_to_token_pool=scheduler.req_to_token_pool,
-                    token_to_kv_pool_allocator=allocator, tree_cache=scheduler.tree_cache,
-                    hisparse_coordinator=getattr(scheduler, "hisparse_coordinator", None), offload_kv=False)
+        release_req(
+            req=req,
+            remaing_req_count=0,
+            req_to_token_pool=scheduler.req_to_token_pool,
+            token_to_kv_pool_allocator=allocator,
+            tree_cache=scheduler.tree_cache,
+            hisparse_coordinator=getattr(scheduler, "hisparse_coordinator", None),
+            offload_kv=False,
+        )
         _requeue_ahead(scheduler, req)
         if kept:
             parked += 1
@@ -258,6 +285,7 @@ def fetch_parked(kv, scheduler, decode_reserve_tokens: int = 0) -> bool:
     if host is None or not len(host.buffer):
         return False
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
     from sglang_memx.elastic.driver import _evict, remaining_new_tokens
 
     waiting = list(getattr(scheduler, "waiting_queue", []))
@@ -310,7 +338,7 @@ def fetch_parked(kv, scheduler, decode_reserve_tokens: int = 0) -> bool:
     return True
 
 
-def _tpot_sample(scheduler, now: float) -> Optional[float]:
+def _tpot_sample(scheduler, now: float) -> float | None:
     """Mean over running requests that produced tokens since the last tick of their time per token."""
     samples = []
     batch = getattr(scheduler, "running_batch", None)
@@ -323,7 +351,7 @@ def _tpot_sample(scheduler, now: float) -> Optional[float]:
     return sum(samples) / len(samples) if samples else None
 
 
-def observe_slos(kv, scheduler, now: Optional[float] = None) -> None:
+def observe_slos(kv, scheduler, now: float | None = None) -> None:
     """Alg. 2 steps from this iteration's TTFT samples (one per first token) and TPOT sample."""
     host = kv.host
     if host is None or host.scaler is None:
@@ -333,8 +361,11 @@ def observe_slos(kv, scheduler, now: Optional[float] = None) -> None:
         if getattr(req, "_memx_seen_at", None) is None:
             req._memx_seen_at = now
     ttfts, seen_ids = [], set()
-    candidates = [r for b in (getattr(scheduler, "running_batch", None), getattr(scheduler, "last_batch", None))
-                  for r in list(getattr(b, "reqs", None) or [])]
+    candidates = [
+        r
+        for b in (getattr(scheduler, "running_batch", None), getattr(scheduler, "last_batch", None))
+        for r in list(getattr(b, "reqs", None) or [])
+    ]
     # offloaded prefills get their first token out of every batch (limbo, then back in the queue)
     candidates += list(host.limbo) + list(getattr(scheduler, "waiting_queue", []))
     for req in candidates:

@@ -33,7 +33,6 @@ Not thread-safe: called from the scheduler thread only (the pool is).
 from __future__ import annotations
 
 import time
-from typing import List, Optional
 
 import torch
 
@@ -42,32 +41,47 @@ from memory_ext.pool.layered_kv import LayeredKVBuffers
 
 
 class ElasticKV:
-    def __init__(self, buffers: LayeredKVBuffers, page_size: int, num_pages: int, *,
-                 spare_groups: int = 0, lent=None, device="cpu"):
+    def __init__(
+        self,
+        buffers: LayeredKVBuffers,
+        page_size: int,
+        num_pages: int,
+        *,
+        spare_groups: int = 0,
+        lent=None,
+        device="cpu",
+    ):
         if buffers.group_rows % page_size:
             raise ValueError(f"group_rows {buffers.group_rows} is not a multiple of page_size {page_size}")
         self.buffers = buffers
         self.page_size = page_size
-        self.num_pages = num_pages              # logical pages 1..num_pages
+        self.num_pages = num_pages  # logical pages 1..num_pages
         self.group_pages = buffers.group_rows // page_size
         self.spare_groups = spare_groups
-        self.lent = lent                        # LentPool when the pool is shared, else None
-        self.activation = None                  # ActivationBalloon sharing the pool, or None
-        self.host = None                        # HostBufferState (--memx-host-buffer-gb), or None
+        self.lent = lent  # LentPool when the pool is shared, else None
+        self.activation = None  # ActivationBalloon sharing the pool, or None
+        self.host = None  # HostBufferState (--memx-host-buffer-gb), or None
         self.device = device
-        last_page = num_pages                   # highest logical page id
+        last_page = num_pages  # highest logical page id
         self.num_groups = last_page // self.group_pages + 1
         if self.num_groups > buffers.num_groups:
             raise ValueError(f"{self.num_groups} groups needed but the buffers have {buffers.num_groups}")
         self._last_group_pages = last_page - (self.num_groups - 1) * self.group_pages + 1
-        self.stats = {"grow_calls": 0, "groups_mapped_total": 0, "groups_unmapped_total": 0, "grow_refused": 0,
-                      "map_seconds": 0.0, "unmap_seconds": 0.0, "max_map_seconds": 0.0,
-                      "max_unmap_seconds": 0.0}
+        self.stats = {
+            "grow_calls": 0,
+            "groups_mapped_total": 0,
+            "groups_unmapped_total": 0,
+            "grow_refused": 0,
+            "map_seconds": 0.0,
+            "unmap_seconds": 0.0,
+            "max_map_seconds": 0.0,
+            "max_unmap_seconds": 0.0,
+        }
         # scheduler-side driver state (elastic.driver): borrow back-off, one-time length cap
         self.borrow_backoff_until = 0.0
         self.borrow_backoff_s = 0.0
         self.lengths_capped = False
-        buffers.map_groups([0])                 # the padded page 0 must always be writable
+        buffers.map_groups([0])  # the padded page 0 must always be writable
 
     # ----------------------------------------------------------- geometry
     def pages_of_group(self, g: int) -> torch.Tensor:
@@ -86,7 +100,7 @@ class ElasticKV:
         return self.group_pages
 
     # --------------------------------------------------------------- info
-    def unmapped_groups(self) -> List[int]:
+    def unmapped_groups(self) -> list[int]:
         mapped = set(self.buffers.mapped_groups())
         return [g for g in range(self.num_groups) if g not in mapped]
 
@@ -126,8 +140,8 @@ class ElasticKV:
     def restrict_free_list(self, allocator) -> None:
         """After the allocator's ``clear()`` (every page free): unmap what may go, keep mapped pages only."""
         victims = [g for g in self.buffers.mapped_groups() if g != 0]
-        keep = victims[:self.spare_groups]
-        victims = victims[self.spare_groups:]
+        keep = victims[: self.spare_groups]
+        victims = victims[self.spare_groups :]
         if victims:
             self.stats["groups_unmapped_total"] += self._timed("unmap", self.buffers.unmap_groups, victims)
         pages = [self.pages_of_group(g) for g in [0] + keep]
@@ -147,10 +161,10 @@ class ElasticKV:
                 break
             chosen.append(g)
             pages += self.usable_pages(g)
-        chosen = chosen[:self.affordable_groups()]
+        chosen = chosen[: self.affordable_groups()]
         if chosen and self.activation is not None:  # inflation: KV takes idle activation chunks
             self.activation.lend_to_kv(len(chosen) * self.buffers.chunks_per_group - self.buffers.pool.available())
-        mapped: List[int] = []
+        mapped: list[int] = []
         while chosen:
             try:
                 self._timed("map", self.buffers.map_groups, chosen)
@@ -165,13 +179,13 @@ class ElasticKV:
         allocator.free_pages = torch.cat([allocator.free_pages] + [self.pages_of_group(g) for g in mapped])
         return len(mapped)
 
-    def shrink(self, allocator, max_groups: Optional[int] = None, spare_groups: Optional[int] = None) -> int:
+    def shrink(self, allocator, max_groups: int | None = None, spare_groups: int | None = None) -> int:
         """Unmap mapped groups whose pages are all free (highest first), keeping spares; return how many."""
         spare = self.spare_groups if spare_groups is None else spare_groups
         if self.buffers.num_mapped <= 1 + spare:
             return 0
         empty = self.empty_groups(allocator)
-        victims = empty[:max(0, len(empty) - spare)]
+        victims = empty[: max(0, len(empty) - spare)]
         if max_groups is not None:
             victims = victims[:max_groups]
         if not victims:
@@ -183,13 +197,14 @@ class ElasticKV:
         self.stats["groups_unmapped_total"] += n
         return n
 
-    def empty_groups(self, allocator) -> List[int]:
+    def empty_groups(self, allocator) -> list[int]:
         """Mapped groups other than 0 whose pages are all free, highest first (merges staged frees).
 
         A group can only be empty if at least its usable pages are free: that skips the O(free pages) scan.
         """
-        if self.buffers.num_mapped <= 1 or self.free_page_count(allocator) < min(self.group_pages,
-                                                                                  self._last_group_pages):
+        if self.buffers.num_mapped <= 1 or self.free_page_count(allocator) < min(
+            self.group_pages, self._last_group_pages
+        ):
             return []
         allocator.merge_and_sort_free()
         counts = torch.bincount(allocator.free_pages // self.group_pages, minlength=self.num_groups).tolist()
@@ -216,10 +231,15 @@ class ElasticKV:
     def status(self) -> dict:
         b = self.buffers
         return {
-            "group_tokens": b.group_rows, "group_bytes": b.group_bytes, "groups_total": self.num_groups,
-            "groups_mapped": b.num_mapped, "mapped_bytes": b.mapped_bytes,
-            "logical_bytes": self.num_groups * b.group_bytes, "chunk_bytes": b.pool.chunk_bytes,
-            "chunks_per_group": b.chunks_per_group, "spare_groups": self.spare_groups,
+            "group_tokens": b.group_rows,
+            "group_bytes": b.group_bytes,
+            "groups_total": self.num_groups,
+            "groups_mapped": b.num_mapped,
+            "mapped_bytes": b.mapped_bytes,
+            "logical_bytes": self.num_groups * b.group_bytes,
+            "chunk_bytes": b.pool.chunk_bytes,
+            "chunks_per_group": b.chunks_per_group,
+            "spare_groups": self.spare_groups,
             **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()},
             "activation": self.activation.status() if self.activation is not None else None,
             "host_buffer": self.host.status() if self.host is not None else None,

@@ -19,15 +19,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
+from memory_ext.policy.activation import ActivationProfile
 from memory_ext.pool import ChunkPool
 from memory_ext.pool.arbiter_client import ArbiterError
 from memory_ext.pool.layered_kv import LayeredKVBuffers, group_rows_for
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.config import MemxConfig, MemxConfigError
-from memory_ext.policy.activation import ActivationProfile
 from sglang_memx.elastic.activation import ActivationBalloon
 from sglang_memx.elastic.kv import ElasticKV
 
@@ -43,7 +43,7 @@ def pool_dir(config: MemxConfig) -> Path:
     return Path(runtime) / "sglang-memx" if runtime else Path(f"/tmp/sglang-memx-{os.getuid()}")
 
 
-def pool_socket(config: MemxConfig, name: Optional[str] = None) -> Path:
+def pool_socket(config: MemxConfig, name: str | None = None) -> Path:
     return pool_dir(config) / f"{name or config.pool}.sock"
 
 
@@ -69,31 +69,51 @@ def ensure_arbiter(config: MemxConfig, chunk_bytes: int, timeout: float = 20.0) 
         if _answers(sock):
             return sock
         if config.pool_budget_gb is None:
-            raise MemxConfigError("--memx-pool-budget-gb",
-                                  f"pool {config.pool!r} is not running ({sock}); give its budget to start it")
+            raise MemxConfigError(
+                "--memx-pool-budget-gb", f"pool {config.pool!r} is not running ({sock}); give its budget to start it"
+            )
         budget = int(config.pool_budget_gb * GB) // chunk_bytes
         if budget < 1:
             raise MemxConfigError("--memx-pool-budget-gb", f"{config.pool_budget_gb} GB is less than one chunk")
         if sock.exists():
             sock.unlink()  # stale socket of a dead arbiter
         log = open(directory / f"{config.pool}.log", "ab")
-        cmd = [sys.executable, "-m", "memory_ext.pool.arbiter", "--socket", os.fspath(sock),
-               "--budget-chunks", str(budget), "--granularity-kib", str(chunk_bytes >> 10),
-               "--pid-file", os.fspath(directory / f"{config.pool}.pid")]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                close_fds=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "memory_ext.pool.arbiter",
+            "--socket",
+            os.fspath(sock),
+            "--budget-chunks",
+            str(budget),
+            "--granularity-kib",
+            str(chunk_bytes >> 10),
+            "--pid-file",
+            os.fspath(directory / f"{config.pool}.pid"),
+        ]
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while not _answers(sock):
             if proc.poll() is not None:
-                raise RuntimeError(f"the arbiter of pool {config.pool!r} exited with {proc.returncode}; "
-                                   f"see {directory / (config.pool + '.log')}")
+                raise RuntimeError(
+                    f"the arbiter of pool {config.pool!r} exited with {proc.returncode}; "
+                    f"see {directory / (config.pool + '.log')}"
+                )
             if time.monotonic() > deadline:
                 proc.kill()
                 raise RuntimeError(f"the arbiter of pool {config.pool!r} did not answer within {timeout:g} s")
             time.sleep(0.05)
-        logger.info("memx: started the arbiter of pool %r (pid %d, budget %d chunk(s) of %d KiB) at %s",
-                    config.pool, proc.pid, budget, chunk_bytes >> 10, sock)
+        logger.info(
+            "memx: started the arbiter of pool %r (pid %d, budget %d chunk(s) of %d KiB) at %s",
+            config.pool,
+            proc.pid,
+            budget,
+            chunk_bytes >> 10,
+            sock,
+        )
         return sock
 
 
@@ -114,19 +134,23 @@ def join_pool(config: MemxConfig, backend) -> LentPool:
         lent = LentPool(sock, f"sglang-{os.getpid()}", backend)
     except ArbiterError as exc:
         if exc.field == "granularity":
-            raise MemxConfigError("--memx-chunk-kb", f"differs from the chunk size of pool {config.pool!r}: {exc}")
+            raise MemxConfigError(
+                "--memx-chunk-kb", f"differs from the chunk size of pool {config.pool!r}: {exc}"
+            ) from exc
         raise
     if config.pool_budget_gb is not None:
         mine = int(config.pool_budget_gb * GB) // backend.granularity
         if mine != lent.budget_chunks:
             lent.close()
-            raise MemxConfigError("--memx-pool-budget-gb",
-                                  f"pool {config.pool!r} already runs with {lent.budget_chunks * backend.granularity / GB:g} GB; "
-                                  f"give the same budget or leave the flag out to join it")
+            raise MemxConfigError(
+                "--memx-pool-budget-gb",
+                f"pool {config.pool!r} already runs with {lent.budget_chunks * backend.granularity / GB:g} GB; "
+                f"give the same budget or leave the flag out to join it",
+            )
     return lent
 
 
-def register_server(config: MemxConfig, url: Optional[str]) -> Optional[Path]:
+def register_server(config: MemxConfig, url: str | None) -> Path | None:
     """Leave ``<pool dir>/<pool>.server.<pid>.json`` so ``sglang-memx top`` can find this server."""
     if not config.pool or not url:
         return None
@@ -137,17 +161,21 @@ def register_server(config: MemxConfig, url: Optional[str]) -> Optional[Path]:
     return path
 
 
-def activation_profile(model_config, dtype) -> Optional[ActivationProfile]:
+def activation_profile(model_config, dtype) -> ActivationProfile | None:
     """The activation profile of the served model from its shapes (None if they are not all known)."""
     hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
     try:
         heads = int(hf.num_attention_heads)
         hidden = int(hf.hidden_size)
         return ActivationProfile.from_model_dims(
-            hidden=hidden, intermediate=int(hf.intermediate_size), num_heads=heads,
+            hidden=hidden,
+            intermediate=int(hf.intermediate_size),
+            num_heads=heads,
             num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(hf, "head_dim", None) or hidden // heads), vocab=int(hf.vocab_size),
-            itemsize=int(getattr(dtype, "itemsize", 2)))
+            head_dim=int(getattr(hf, "head_dim", None) or hidden // heads),
+            vocab=int(hf.vocab_size),
+            itemsize=int(getattr(dtype, "itemsize", 2)),
+        )
     except (AttributeError, TypeError, ValueError):
         return None
 
@@ -176,14 +204,25 @@ def activation_arena(config: MemxConfig, backend, pool):
             arena.close()
             raise
     except Exception as exc:
-        logger.warning("memx: activation arena unavailable (%s); activations stay with torch's allocator "
-                       "and are counted against the pool as well", exc)
+        logger.warning(
+            "memx: activation arena unavailable (%s); activations stay with torch's allocator "
+            "and are counted against the pool as well",
+            exc,
+        )
         return None, None
 
 
-def build_elastic_kv(config: MemxConfig, row_bytes: Sequence[int], num_rows: int, page_size: int,
-                     num_pages: int, device, server_url: Optional[str] = None,
-                     profile: Optional[ActivationProfile] = None, batch_tokens: int = 0) -> ElasticKV:
+def build_elastic_kv(
+    config: MemxConfig,
+    row_bytes: Sequence[int],
+    num_rows: int,
+    page_size: int,
+    num_pages: int,
+    device,
+    server_url: str | None = None,
+    profile: ActivationProfile | None = None,
+    batch_tokens: int = 0,
+) -> ElasticKV:
     """Everything elastic KV needs; group 0 (the padded page) is mapped on return.
 
     With a ``profile``, activations share the pool (``ActivationBalloon``): an own pool
@@ -201,26 +240,32 @@ def build_elastic_kv(config: MemxConfig, row_bytes: Sequence[int], num_rows: int
         pool = lent.pool
         if lent.budget_chunks < chunks_per_group + act_chunks:
             lent.close()
-            raise MemxConfigError("--memx-pool-budget-gb",
-                                  f"pool {config.pool!r} ({lent.budget_chunks} chunks) cannot hold one KV group "
-                                  f"({chunks_per_group} chunks) plus the activation of a {batch_tokens}-token "
-                                  f"prefill batch ({act_chunks} chunks); raise the budget or lower "
-                                  f"--chunked-prefill-size")
+            raise MemxConfigError(
+                "--memx-pool-budget-gb",
+                f"pool {config.pool!r} ({lent.budget_chunks} chunks) cannot hold one KV group "
+                f"({chunks_per_group} chunks) plus the activation of a {batch_tokens}-token "
+                f"prefill batch ({act_chunks} chunks); raise the budget or lower "
+                f"--chunked-prefill-size",
+            )
         if lent.borrow(chunks_per_group) == 0:
             lent.close()
-            raise MemxConfigError("--memx-pool-budget-gb",
-                                  f"pool {config.pool!r} cannot lend even one KV group "
-                                  f"({chunks_per_group * backend.granularity / GB:.3f} GB)")
+            raise MemxConfigError(
+                "--memx-pool-budget-gb",
+                f"pool {config.pool!r} cannot lend even one KV group "
+                f"({chunks_per_group * backend.granularity / GB:.3f} GB)",
+            )
     else:
         if config.pool_budget_gb is not None:
             capacity = int(config.pool_budget_gb * GB) // backend.granularity
             if capacity < chunks_per_group + act_chunks:
-                raise MemxConfigError("--memx-pool-budget-gb",
-                                      f"{config.pool_budget_gb} GB is less than one KV group "
-                                      f"({chunks_per_group * backend.granularity / GB:.6f} GB) plus the "
-                                      f"activation of a {batch_tokens}-token prefill batch "
-                                      f"({act_chunks * backend.granularity / GB:.6f} GB); raise the budget "
-                                      f"or lower --chunked-prefill-size")
+                raise MemxConfigError(
+                    "--memx-pool-budget-gb",
+                    f"{config.pool_budget_gb} GB is less than one KV group "
+                    f"({chunks_per_group * backend.granularity / GB:.6f} GB) plus the "
+                    f"activation of a {batch_tokens}-token prefill batch "
+                    f"({act_chunks * backend.granularity / GB:.6f} GB); raise the budget "
+                    f"or lower --chunked-prefill-size",
+                )
         else:
             capacity = groups * chunks_per_group + act_chunks
         pool = ChunkPool(backend, capacity)
@@ -230,8 +275,13 @@ def build_elastic_kv(config: MemxConfig, row_bytes: Sequence[int], num_rows: int
         arena, mempool = activation_arena(config, backend, pool)
         kv.activation = ActivationBalloon(pool, profile, batch_tokens, arena=arena, mempool=mempool)
     register_server(config, server_url)
-    logger.info("memx: elastic KV on %s: %d token rows reserved in %d groups of %d tokens (%.1f MiB each); "
-                "pool %s", backend.__class__.__name__, num_rows, groups, group_rows,
-                buffers.group_bytes / (1 << 20),
-                f"{config.pool!r} (shared)" if lent else f"of {pool.capacity_chunks} chunks (own)")
+    logger.info(
+        "memx: elastic KV on %s: %d token rows reserved in %d groups of %d tokens (%.1f MiB each); pool %s",
+        backend.__class__.__name__,
+        num_rows,
+        groups,
+        group_rows,
+        buffers.group_bytes / (1 << 20),
+        f"{config.pool!r} (shared)" if lent else f"of {pool.capacity_chunks} chunks (own)",
+    )
     return kv

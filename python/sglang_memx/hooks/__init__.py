@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 HOOK_MODULES = (
     "sglang_memx.hooks.server_args",

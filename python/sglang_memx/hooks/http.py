@@ -14,8 +14,8 @@ import logging
 
 from sglang_memx.config import MemxConfig
 from sglang_memx.hooks import HookSpec
-from sglang_memx.runtime import config_of
 from sglang_memx.metrics import CONTENT_TYPE, METRICS_PATH, render_prometheus
+from sglang_memx.runtime import config_of
 from sglang_memx.status import status_document
 
 logger = logging.getLogger("sglang_memx")
@@ -50,12 +50,15 @@ def add_status_route(app, config: MemxConfig) -> bool:
         return False
     if any(getattr(r, "path", None) == config.status_path for r in app.router.routes):
         return False
-    app.add_api_route(config.status_path, make_status_handler(config), methods=["GET"],
-                      name="memx_status", include_in_schema=True)
+    app.add_api_route(
+        config.status_path, make_status_handler(config), methods=["GET"], name="memx_status", include_in_schema=True
+    )
     if METRICS_PATH != config.status_path and not any(
-            getattr(r, "path", None) == METRICS_PATH for r in app.router.routes):
-        app.add_api_route(METRICS_PATH, make_metrics_handler(config), methods=["GET"],
-                          name="memx_metrics", include_in_schema=True)
+        getattr(r, "path", None) == METRICS_PATH for r in app.router.routes
+    ):
+        app.add_api_route(
+            METRICS_PATH, make_metrics_handler(config), methods=["GET"], name="memx_metrics", include_in_schema=True
+        )
     logger.info("memx: serving GET %s and GET %s", config.status_path, METRICS_PATH)
     return True
 
@@ -68,7 +71,11 @@ def before_launch_server(server_args, *args, **kwargs):
 
 
 HOOKS = (
-    HookSpec("sglang.srt.entrypoints.http_server.launch_server", "before",
-             before_launch_server, expects=("server_args",),
-             why="serve the memx status endpoint"),
+    HookSpec(
+        "sglang.srt.entrypoints.http_server.launch_server",
+        "before",
+        before_launch_server,
+        expects=("server_args",),
+        why="serve the memx status endpoint",
+    ),
 )

@@ -46,8 +46,9 @@ def around_configure(original, configurator, *args, **kwargs):
 
     _build.config = config
     sa = configurator.server_args
-    _build.profile = activation_profile(getattr(configurator, "model_config", None),
-                                        getattr(configurator, "model_dtype", None))
+    _build.profile = activation_profile(
+        getattr(configurator, "model_config", None), getattr(configurator, "model_dtype", None)
+    )
     _build.batch_tokens = max_batch_tokens(sa)
     _build.server_url = f"http://{getattr(sa, 'host', '127.0.0.1')}:{getattr(sa, 'port', 0)}"
     try:
@@ -58,12 +59,16 @@ def around_configure(original, configurator, *args, **kwargs):
     kv = getattr(pool, "_memx_elastic", None)
     if kv is None:
         raise MemxConfigError(
-            "--memx-elastic-kv", "supports the MHA/GQA token-to-KV pool only (MHATokenToKVPool, "
-            f"unquantized KV, NHD layout); this model/configuration uses {type(pool).__name__}")
+            "--memx-elastic-kv",
+            "supports the MHA/GQA token-to-KV pool only (MHATokenToKVPool, "
+            f"unquantized KV, NHD layout); this model/configuration uses {type(pool).__name__}",
+        )
     if type(allocator).__name__ not in SUPPORTED_ALLOCATORS:
         raise MemxConfigError(
-            "--memx-elastic-kv", f"supports the {' and '.join(SUPPORTED_ALLOCATORS)} only; this "
-            f"configuration uses {type(allocator).__name__}")
+            "--memx-elastic-kv",
+            f"supports the {' and '.join(SUPPORTED_ALLOCATORS)} only; this "
+            f"configuration uses {type(allocator).__name__}",
+        )
     allocator._memx_elastic = kv
     kv.restrict_free_list(allocator)
     if config.host_buffer_gb is not None:  # also for servers built without the CLI parser
@@ -102,17 +107,30 @@ def around_create_buffers(original, pool, *args, **kwargs):
     k_row = pool.head_num * pool.head_dim * itemsize
     v_row = pool.head_num * pool.v_head_dim * itemsize
     layers = pool.layer_num
-    kv = build_elastic_kv(config, [k_row] * layers + [v_row] * layers, rows, pool.page_size,
-                          pool.size // pool.page_size, pool.device,
-                          server_url=getattr(_build, "server_url", None),
-                          profile=getattr(_build, "profile", None), batch_tokens=getattr(_build, "batch_tokens", 0))
-    for name in ("k_scale_buffer", "v_scale_buffer", "native_k_scale_buffer", "native_v_scale_buffer",
-                 "dq_k_buffer", "dq_v_buffer"):
+    kv = build_elastic_kv(
+        config,
+        [k_row] * layers + [v_row] * layers,
+        rows,
+        pool.page_size,
+        pool.size // pool.page_size,
+        pool.device,
+        server_url=getattr(_build, "server_url", None),
+        profile=getattr(_build, "profile", None),
+        batch_tokens=getattr(_build, "batch_tokens", 0),
+    )
+    for name in (
+        "k_scale_buffer",
+        "v_scale_buffer",
+        "native_k_scale_buffer",
+        "native_v_scale_buffer",
+        "dq_k_buffer",
+        "dq_v_buffer",
+    ):
         setattr(pool, name, None)
-    pool.k_buffer = [kv.buffers.view(i, pool.store_dtype, (pool.head_num, pool.head_dim))
-                     for i in range(layers)]
-    pool.v_buffer = [kv.buffers.view(layers + i, pool.store_dtype, (pool.head_num, pool.v_head_dim))
-                     for i in range(layers)]
+    pool.k_buffer = [kv.buffers.view(i, pool.store_dtype, (pool.head_num, pool.head_dim)) for i in range(layers)]
+    pool.v_buffer = [
+        kv.buffers.view(layers + i, pool.store_dtype, (pool.head_num, pool.v_head_dim)) for i in range(layers)
+    ]
     pool._memx_elastic = kv
     pool._kv_buffer_descs = pool._build_kv_buffer_descs()
     pool._init_data_ptrs_and_strides()
@@ -140,13 +158,24 @@ def around_alloc(original, allocator, need_size, *args, **kwargs):
     return original(allocator, need_size, *args, **kwargs)
 
 
-def around_alloc_extend(original, allocator, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
-                        last_loc, extend_num_tokens, *args, **kwargs):
+def around_alloc_extend(
+    original,
+    allocator,
+    prefix_lens,
+    prefix_lens_cpu,
+    seq_lens,
+    seq_lens_cpu,
+    last_loc,
+    extend_num_tokens,
+    *args,
+    **kwargs,
+):
     kv = _elastic_of(allocator)
     if kv is not None:  # upstream's own bound on the pages one extend can take
         kv.grow(allocator, int(extend_num_tokens) // allocator.page_size + len(prefix_lens) + 1)
-    return original(allocator, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
-                    extend_num_tokens, *args, **kwargs)
+    return original(
+        allocator, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, *args, **kwargs
+    )
 
 
 def around_alloc_decode(original, allocator, seq_lens, *args, **kwargs):
@@ -163,8 +192,9 @@ def around_check_decode_capacity(original, allocator, *args, **kwargs):
     from sglang_memx.elastic.driver import borrow_tokens, reserve_activation
 
     requests = kwargs.get("requests")
-    if requests is not None and not reserve_activation(kv, allocator, kwargs.get("tree_cache"),
-                                                       len(requests), len(requests), urgent=True):
+    if requests is not None and not reserve_activation(
+        kv, allocator, kwargs.get("tree_cache"), len(requests), len(requests), urgent=True
+    ):
         return False  # the step's activation does not fit: upstream retracts a request and asks again
     if kv.lent is None:
         return original(allocator, *args, **kwargs)
@@ -181,24 +211,42 @@ def around_check_decode_capacity(original, allocator, *args, **kwargs):
 
 _A = "sglang.srt.mem_cache.allocator."
 HOOKS = (
-    HookSpec("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure", "around",
-             around_configure, expects=("self",), why="scope elastic KV to the pool build; check the result"),
-    HookSpec("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers", "around",
-             around_create_buffers, expects=("self",), why="K/V buffers as views over pooled groups"),
+    HookSpec(
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
+        "around",
+        around_configure,
+        expects=("self",),
+        why="scope elastic KV to the pool build; check the result",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers",
+        "around",
+        around_create_buffers,
+        expects=("self",),
+        why="K/V buffers as views over pooled groups",
+    ),
     HookSpec(_A + "token.TokenToKVPoolAllocator.clear", "after", after_clear, expects=("self",)),
     HookSpec(_A + "paged.PagedTokenToKVPoolAllocator.clear", "after", after_clear, expects=("self",)),
-    HookSpec(_A + "token.TokenToKVPoolAllocator.available_size", "after", after_available_size,
-             expects=("self",)),
-    HookSpec(_A + "paged.PagedTokenToKVPoolAllocator.available_size", "after", after_available_size,
-             expects=("self",)),
+    HookSpec(_A + "token.TokenToKVPoolAllocator.available_size", "after", after_available_size, expects=("self",)),
+    HookSpec(_A + "paged.PagedTokenToKVPoolAllocator.available_size", "after", after_available_size, expects=("self",)),
     HookSpec(_A + "token.TokenToKVPoolAllocator.alloc", "around", around_alloc, expects=("self", "need_size")),
-    HookSpec(_A + "paged.PagedTokenToKVPoolAllocator.alloc", "around", around_alloc,
-             expects=("self", "need_size")),
-    HookSpec(_A + "paged.PagedTokenToKVPoolAllocator.alloc_extend", "around", around_alloc_extend,
-             expects=("self", "prefix_lens", "prefix_lens_cpu", "seq_lens", "seq_lens_cpu", "last_loc",
-                      "extend_num_tokens")),
-    HookSpec(_A + "paged.PagedTokenToKVPoolAllocator.alloc_decode", "around", around_alloc_decode,
-             expects=("self", "seq_lens")),
-    HookSpec(_A + "base.BaseTokenToKVPoolAllocator.check_decode_capacity", "around",
-             around_check_decode_capacity, expects=("self",)),
+    HookSpec(_A + "paged.PagedTokenToKVPoolAllocator.alloc", "around", around_alloc, expects=("self", "need_size")),
+    HookSpec(
+        _A + "paged.PagedTokenToKVPoolAllocator.alloc_extend",
+        "around",
+        around_alloc_extend,
+        expects=("self", "prefix_lens", "prefix_lens_cpu", "seq_lens", "seq_lens_cpu", "last_loc", "extend_num_tokens"),
+    ),
+    HookSpec(
+        _A + "paged.PagedTokenToKVPoolAllocator.alloc_decode",
+        "around",
+        around_alloc_decode,
+        expects=("self", "seq_lens"),
+    ),
+    HookSpec(
+        _A + "base.BaseTokenToKVPoolAllocator.check_decode_capacity",
+        "around",
+        around_check_decode_capacity,
+        expects=("self",),
+    ),
 )

@@ -54,7 +54,11 @@ def _measured_forward(original, balloon, runner, forward_batch, *args, **kwargs)
 
 
 HOOKS = (
-    HookSpec("sglang.srt.model_executor.model_runner.ModelRunner.forward", "around", around_forward,
-             expects=("self", "forward_batch"),
-             why="measure the activation profile on the first forwards (eLLM ballooning)"),
+    HookSpec(
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+        "around",
+        around_forward,
+        expects=("self", "forward_batch"),
+        why="measure the activation profile on the first forwards (eLLM ballooning)",
+    ),
 )

@@ -71,8 +71,9 @@ def after_get_token_info(result, observer, *args, **kwargs):
     capacity = result.full_num_used + result.full_available_size + result.full_evictable_size
     available = kv.logical_free_pages(allocator) * allocator.page_size
     used = capacity - available - result.full_evictable_size
-    return dataclasses.replace(result, full_available_size=available, full_num_used=used,
-                               full_token_usage=used / capacity if capacity else 0.0)
+    return dataclasses.replace(
+        result, full_available_size=available, full_num_used=used, full_token_usage=used / capacity if capacity else 0.0
+    )
 
 
 def _next_chunk_tokens(adder, req) -> int:
@@ -100,6 +101,7 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
     if kv is None or (kv.activation is None and kv.host is None):
         return original(adder, req, *args, **kwargs)
     from sglang.srt.managers.schedule_policy import AddReqResult
+
     from sglang_memx.elastic.driver import reserve_activation
 
     live_before = None
@@ -151,6 +153,7 @@ def _offload_at_admission(original, adder, req, kv, args, kwargs):
     """eLLM Alg. 1's CPU-buffer branch for a request upstream refused (``NO_TOKEN``)."""
     from sglang.srt.managers.schedule_policy import AddReqResult
     from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+
     from sglang_memx.elastic.driver import remaining_new_tokens
     from sglang_memx.elastic.host_buffer import mark_offloaded, offload_bytes, offload_eligible
 
@@ -222,25 +225,52 @@ def after_abort_request(result, scheduler, recv_req, *args, **kwargs):
 
 HOOKS = (
     HookSpec(
-        "sglang.srt.managers.scheduler_components.internal_state."
-        "SchedulerInternalStateController.get_internal_state",
-        "after", after_get_internal_state, expects=("self", "recv_req"),
-        why="report live KV pool numbers from the scheduler process"),
-    HookSpec("sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", "before",
-             before_get_next_batch_to_run, expects=("self",),
-             why="elastic KV: answer reclaims, deflate, borrow once per iteration"),
-    HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "around", around_add_one_req,
-             expects=("self", "req"), why="eLLM ballooning: admit a request only if KV and activation fit"),
-    HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req", "around",
-             around_add_chunked_req, expects=("self", "req"),
-             why="eLLM ballooning: a chunked prefill's next chunk holds its activation"),
-    HookSpec("sglang.srt.managers.scheduler.Scheduler.abort_request", "after", after_abort_request,
-             expects=("self", "recv_req"),
-             why="host buffer: an abort for an offloaded prefill between batches is replayed, not lost"),
-    HookSpec("sglang.srt.managers.schedule_batch.ScheduleBatch.release_req", "around", around_release_req,
-             expects=("self", "idx", "remaing_req_count", "offload_kv"),
-             why="host buffer: park a retracted request's KV before upstream frees it"),
-    HookSpec("sglang.srt.managers.scheduler_components.pool_stats_observer."
-             "SchedulerPoolStatsObserver._get_token_info", "after", after_get_token_info,
-             expects=("self",), why="count unmapped KV groups as free logical pages in pool stats"),
+        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
+        "after",
+        after_get_internal_state,
+        expects=("self", "recv_req"),
+        why="report live KV pool numbers from the scheduler process",
+    ),
+    HookSpec(
+        "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+        "before",
+        before_get_next_batch_to_run,
+        expects=("self",),
+        why="elastic KV: answer reclaims, deflate, borrow once per iteration",
+    ),
+    HookSpec(
+        "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+        "around",
+        around_add_one_req,
+        expects=("self", "req"),
+        why="eLLM ballooning: admit a request only if KV and activation fit",
+    ),
+    HookSpec(
+        "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
+        "around",
+        around_add_chunked_req,
+        expects=("self", "req"),
+        why="eLLM ballooning: a chunked prefill's next chunk holds its activation",
+    ),
+    HookSpec(
+        "sglang.srt.managers.scheduler.Scheduler.abort_request",
+        "after",
+        after_abort_request,
+        expects=("self", "recv_req"),
+        why="host buffer: an abort for an offloaded prefill between batches is replayed, not lost",
+    ),
+    HookSpec(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.release_req",
+        "around",
+        around_release_req,
+        expects=("self", "idx", "remaing_req_count", "offload_kv"),
+        why="host buffer: park a retracted request's KV before upstream frees it",
+    ),
+    HookSpec(
+        "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver._get_token_info",
+        "after",
+        after_get_token_info,
+        expects=("self",),
+        why="count unmapped KV groups as free logical pages in pool stats",
+    ),
 )

@@ -50,10 +50,18 @@ def around_from_cli_args(original, cls, args: argparse.Namespace, *rest, **kwarg
 
 
 HOOKS = (
-    HookSpec("sglang.srt.server_args.ServerArgs.add_cli_args", "after",
-             after_add_cli_args, expects=("parser",),
-             why="add and validate the --memx-* flags"),
-    HookSpec("sglang.srt.server_args.ServerArgs.from_cli_args", "around",
-             around_from_cli_args, expects=("cls", "args"),
-             why="carry the validated MemxConfig into every SGLang process"),
+    HookSpec(
+        "sglang.srt.server_args.ServerArgs.add_cli_args",
+        "after",
+        after_add_cli_args,
+        expects=("parser",),
+        why="add and validate the --memx-* flags",
+    ),
+    HookSpec(
+        "sglang.srt.server_args.ServerArgs.from_cli_args",
+        "around",
+        around_from_cli_args,
+        expects=("cls", "args"),
+        why="carry the validated MemxConfig into every SGLang process",
+    ),
 )

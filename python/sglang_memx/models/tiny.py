@@ -61,13 +61,19 @@ class TinyModelSpec:
     def validate(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"arch: {self.arch!r} is not one of {sorted(ARCHITECTURES)}")
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size", "max_position_embeddings"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads: {self.num_kv_heads} must divide num_heads {self.num_heads}")
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} must divide num_heads {self.num_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
         if self.vocab_size < 300:
@@ -76,8 +82,7 @@ class TinyModelSpec:
     @property
     def name(self) -> str:
         kind = "mha" if self.num_kv_heads == self.num_heads else "gqa"
-        return (f"tiny-{self.arch}-{kind}-l{self.num_layers}-h{self.hidden_size}"
-                f"-d{self.head_dim}-s{self.seed}")
+        return f"tiny-{self.arch}-{kind}-l{self.num_layers}-h{self.hidden_size}-d{self.head_dim}-s{self.seed}"
 
     def fingerprint(self) -> str:
         blob = json.dumps(dataclasses.asdict(self), sort_keys=True) + _GENERATOR_VERSION
@@ -177,7 +182,7 @@ def _weights(spec: TinyModelSpec, vocab_size: int) -> dict:
         w[p + "mlp.up_proj.weight"] = rand(inter, h)
         w[p + "mlp.down_proj.weight"] = rand(h, inter)
     w["model.norm.weight"] = norm(h)
-    w["lm_head.weight"] = rand(vocab_size, h, std=h ** -0.5 * 4)
+    w["lm_head.weight"] = rand(vocab_size, h, std=h**-0.5 * 4)
     return w
 
 
@@ -192,25 +197,31 @@ def generate_tiny_model(spec: TinyModelSpec, out_dir: str | os.PathLike) -> Path
     vocab_size = tok.get_vocab_size()
     eos_id = tok.token_to_id("<|im_end|>")
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": spec.max_position_embeddings,
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHATML_TEMPLATE,
-    }, indent=2))
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": spec.max_position_embeddings,
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": CHATML_TEMPLATE,
+            },
+            indent=2,
+        )
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2)
+    )
     (out / "config.json").write_text(json.dumps(_hf_config(spec, vocab_size, eos_id), indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": eos_id, "bos_token_id": eos_id}, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "bos_token_id": eos_id}, indent=2))
     # One metadata key only: safetensors writes a metadata map in hash order.
     save_file(_weights(spec, vocab_size), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "memx_tiny.json").write_text(json.dumps(
-        {"spec": dataclasses.asdict(spec), "fingerprint": spec.fingerprint()}, indent=2))
+    (out / "memx_tiny.json").write_text(
+        json.dumps({"spec": dataclasses.asdict(spec), "fingerprint": spec.fingerprint()}, indent=2)
+    )
     return out
 
 

@@ -36,42 +36,6 @@ from sgl_kernel import (  # noqa: F401  (submodules upstream reaches as attribut
 )
 from sgl_kernel._unsupported import UnsupportedOpError
 
-# ---------------------------------------------------------------- implemented
-from sgl_kernel.elementwise import (
-    copy_to_gpu_no_ce,
-    fused_add_rmsnorm,
-    gelu_and_mul,
-    gelu_quick,
-    gelu_tanh_and_mul,
-    gemma_fused_add_rmsnorm,
-    gemma_rmsnorm,
-    rmsnorm,
-    rotary_embedding,
-    silu_and_mul,
-)
-from sgl_kernel.kvcacheio import (
-    copy_all_layer_kv_cache_cpu,
-    transfer_kv_all_layer,
-    transfer_kv_all_layer_mla,
-    transfer_kv_per_layer,
-    transfer_kv_per_layer_mla,
-)
-from sgl_kernel.memory import weak_ref_tensor
-from sgl_kernel.sampling import (
-    min_p_sampling_from_probs,
-    top_k_renorm_prob,
-    top_k_top_p_sampling_from_probs,
-    top_p_renorm_prob,
-)
-from sgl_kernel.speculative import (
-    assign_draft_cache_locs_contiguous_cpu,
-    assign_extend_cache_locs_cpu,
-    assign_req_to_token_pool_cpu,
-    fill_accept_out_cache_loc_cpu,
-    fill_bonus_tokens_cpu,
-    rotate_input_ids_cpu,
-)
-
 # ---------------------------------------------------------------- unsupported
 from sgl_kernel.attention import (
     flash_compress4_decode,
@@ -102,17 +66,29 @@ from sgl_kernel.attention import (
     plan_compress_prefill,
     plan_compress_prefill_legacy,
 )
+
+# ---------------------------------------------------------------- implemented
 from sgl_kernel.elementwise import (
     compress_norm_rope_store,
     concat_mla_absorb_q,
     concat_mla_k,
+    copy_to_gpu_no_ce,
+    fused_add_rmsnorm,
     fused_inplace_qknorm_rope,
     fused_k_norm_rope_flashmla,
     fused_q_indexer_rope_hadamard_quant,
     fused_q_norm_rope,
     fused_qk_rope_with_cos_sin_cache_inplace,
+    gelu_and_mul,
+    gelu_quick,
+    gelu_tanh_and_mul,
+    gemma_fused_add_rmsnorm,
+    gemma_rmsnorm,
     hadamard_transform,
     multimodal_rotary_embedding,
+    rmsnorm,
+    rotary_embedding,
+    silu_and_mul,
     silu_and_mul_clamp,
 )
 from sgl_kernel.gemm import (
@@ -130,16 +106,22 @@ from sgl_kernel.gemm import (
     shuffle_rows,
 )
 from sgl_kernel.kvcacheio import (
+    copy_all_layer_kv_cache_cpu,
     load_cache_to_device_buffer_dsv4_mla,
     load_cache_to_device_buffer_mla,
     store_cache_xpu,
     transfer_cache_dsv4_mla,
+    transfer_kv_all_layer,
+    transfer_kv_all_layer_mla,
+    transfer_kv_per_layer,
+    transfer_kv_per_layer_mla,
 )
 from sgl_kernel.mamba import (
     causal_conv1d_fn_cpu,
     causal_conv1d_update_cpu,
     chunk_gated_delta_rule_cpu,
 )
+from sgl_kernel.memory import weak_ref_tensor
 from sgl_kernel.moe import (
     biased_topk,
     fast_topk_transform_fused,
@@ -162,12 +144,24 @@ from sgl_kernel.quantization import (
     ggml_mul_mat_a8,
     ggml_mul_mat_vec_a8,
 )
-from sgl_kernel.sampling import apply_token_bitmask_inplace_cuda
+from sgl_kernel.sampling import (
+    apply_token_bitmask_inplace_cuda,
+    min_p_sampling_from_probs,
+    top_k_renorm_prob,
+    top_k_top_p_sampling_from_probs,
+    top_p_renorm_prob,
+)
 from sgl_kernel.speculative import (
+    assign_draft_cache_locs_contiguous_cpu,
+    assign_extend_cache_locs_cpu,
+    assign_req_to_token_pool_cpu,
     build_draft_decode_metadata_cpu,
     build_tree_kernel_efficient,
     build_tree_kernel_efficient_cpu,
+    fill_accept_out_cache_loc_cpu,
+    fill_bonus_tokens_cpu,
     reconstruct_indices_from_tree_mask,
+    rotate_input_ids_cpu,
     tree_speculative_sampling_target_only,
     verify_tree_greedy,
     verify_tree_greedy_cpu,

@@ -6,7 +6,7 @@ so an import never fails but a call on an unsupported path is loud.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 
 class UnsupportedOpError(NotImplementedError):

@@ -9,8 +9,6 @@ Argument names and order follow the ops upstream SGLang calls; ``enable_pdl``
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from sgl_kernel._unsupported import define_unsupported
@@ -37,12 +35,10 @@ def _rms_scale(x32: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _check_norm_args(input: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.dim() != 1 or weight.shape[0] != input.shape[-1]:
-        raise ValueError(
-            f"weight must have shape ({input.shape[-1]},), got {tuple(weight.shape)}"
-        )
+        raise ValueError(f"weight must have shape ({input.shape[-1]},), got {tuple(weight.shape)}")
 
 
-def _write(result32: torch.Tensor, out: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+def _write(result32: torch.Tensor, out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     if out is None:
         return result32.to(like.dtype)
     if out.shape != like.shape:
@@ -61,9 +57,7 @@ def _norm(input, weight, eps, out, weight_offset: float):
 def _fused_add_norm(input, residual, weight, eps, weight_offset: float) -> None:
     _check_norm_args(input, weight)
     if residual.shape != input.shape:
-        raise ValueError(
-            f"residual has shape {tuple(residual.shape)}, input {tuple(input.shape)}"
-        )
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, input {tuple(input.shape)}")
     total = input.float() + residual.float()
     residual.copy_(total)
     w = weight.float() + weight_offset if weight_offset else weight.float()
@@ -74,8 +68,8 @@ def rmsnorm(
     input: torch.Tensor,
     weight: torch.Tensor,
     eps: float = 1e-6,
-    out: Optional[torch.Tensor] = None,
-    enable_pdl: Optional[bool] = None,
+    out: torch.Tensor | None = None,
+    enable_pdl: bool | None = None,
 ) -> torch.Tensor:
     """RMS normalisation over the last dimension.
 
@@ -92,7 +86,7 @@ def fused_add_rmsnorm(
     residual: torch.Tensor,
     weight: torch.Tensor,
     eps: float = 1e-6,
-    enable_pdl: Optional[bool] = None,
+    enable_pdl: bool | None = None,
 ) -> None:
     """Residual add followed by RMS normalisation, both in place.
 
@@ -108,8 +102,8 @@ def gemma_rmsnorm(
     input: torch.Tensor,
     weight: torch.Tensor,
     eps: float = 1e-6,
-    out: Optional[torch.Tensor] = None,
-    enable_pdl: Optional[bool] = None,
+    out: torch.Tensor | None = None,
+    enable_pdl: bool | None = None,
 ) -> torch.Tensor:
     """Gemma-style RMS normalisation: like :func:`rmsnorm` with ``weight + 1`` as the scale.
 
@@ -124,7 +118,7 @@ def gemma_fused_add_rmsnorm(
     residual: torch.Tensor,
     weight: torch.Tensor,
     eps: float = 1e-6,
-    enable_pdl: Optional[bool] = None,
+    enable_pdl: bool | None = None,
 ) -> None:
     """Gemma-style :func:`fused_add_rmsnorm`: ``residual += input`` then
     ``input = gemma_rmsnorm(residual)``, both in place. Returns ``None``."""
@@ -132,7 +126,7 @@ def gemma_fused_add_rmsnorm(
 
 
 # --------------------------------------------------------------- activations
-def _gated(input: torch.Tensor, out: Optional[torch.Tensor], act) -> torch.Tensor:
+def _gated(input: torch.Tensor, out: torch.Tensor | None, act) -> torch.Tensor:
     d = input.shape[-1] // 2
     if input.shape[-1] != 2 * d:
         raise ValueError(f"last dim of input must be even, got {input.shape[-1]}")
@@ -147,28 +141,28 @@ def _gated(input: torch.Tensor, out: Optional[torch.Tensor], act) -> torch.Tenso
     return out
 
 
-def silu_and_mul(input: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def silu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU gate: for ``input = [a | b]`` split in half on the last dim,
     returns ``silu(a) * b`` with ``silu(a) = a * sigmoid(a)``; shape ``(..., d)``
     for input ``(..., 2d)``. With ``out`` given it is written and returned."""
     return _gated(input, out, torch.nn.functional.silu)
 
 
-def gelu_and_mul(input: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gelu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """GeGLU gate with exact GELU: ``gelu(a) * b`` where
     ``gelu(a) = a * (1 + erf(a / sqrt(2))) / 2``; halves and ``out`` as in
     :func:`silu_and_mul`."""
     return _gated(input, out, lambda a: torch.nn.functional.gelu(a, approximate="none"))
 
 
-def gelu_tanh_and_mul(input: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gelu_tanh_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """GeGLU gate with the tanh GELU approximation:
     ``gelu(a) = a/2 * (1 + tanh(sqrt(2/pi) * (a + 0.044715 a^3)))``, times ``b``;
     halves and ``out`` as in :func:`silu_and_mul`."""
     return _gated(input, out, lambda a: torch.nn.functional.gelu(a, approximate="tanh"))
 
 
-def gelu_quick(input: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gelu_quick(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Quick GELU, element-wise: ``x * sigmoid(1.702 * x)``. Output has the
     input's shape and dtype; with ``out`` given (same shape) it is written and returned."""
     if out is not None and out.shape != input.shape:
@@ -219,7 +213,7 @@ def _rotate_inplace(
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
-    key: Optional[torch.Tensor],
+    key: torch.Tensor | None,
     head_size: int,
     cos_sin_cache: torch.Tensor,
     is_neox: bool = True,
@@ -254,9 +248,7 @@ def rotary_embedding(
         if x is None or x.numel() == 0:
             continue
         if x.numel() % (num_tokens * head_size):
-            raise ValueError(
-                f"tensor of shape {tuple(x.shape)} is not (tokens={num_tokens}, heads, {head_size})"
-            )
+            raise ValueError(f"tensor of shape {tuple(x.shape)} is not (tokens={num_tokens}, heads, {head_size})")
         _rotate_inplace(x, num_tokens, head_size, cos, sin, is_neox)
 
 
@@ -288,4 +280,3 @@ UNSUPPORTED = (
 )
 define_unsupported(globals(), __name__, UNSUPPORTED)
 __all__ += list(UNSUPPORTED)
-

@@ -38,7 +38,7 @@ Duplicate destination indices leave one of the candidate rows (unspecified which
 from __future__ import annotations
 
 import ctypes
-from typing import List, Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -63,8 +63,8 @@ __all__ = [
 ]
 
 # Where bytes live: a tensor (its storage, from its first element) or a raw host address.
-Memory = Union[torch.Tensor, int]
-LayerTable = Union[torch.Tensor, Sequence[torch.Tensor]]
+Memory = torch.Tensor | int
+LayerTable = torch.Tensor | Sequence[torch.Tensor]
 
 
 # ------------------------------------------------------------ byte addressing
@@ -88,9 +88,7 @@ def _byte_view(mem: Memory, offset: int, sizes: Sequence[int], strides: Sequence
                 f"{_span_bytes(mem)} bytes (shape {tuple(mem.shape)})"
             )
         storage = mem.untyped_storage()
-        flat = torch.empty(0, dtype=torch.uint8, device=mem.device).set_(
-            storage, 0, (storage.nbytes(),), (1,)
-        )
+        flat = torch.empty(0, dtype=torch.uint8, device=mem.device).set_(storage, 0, (storage.nbytes(),), (1,))
         start = mem.storage_offset() * mem.element_size() + offset
         return flat.as_strided(sizes, strides, start)
     if any(s == 0 for s in sizes):
@@ -116,9 +114,7 @@ def _extent(idx: torch.Tensor) -> int:
 
 def _check_pair(src_indices: torch.Tensor, dst_indices: torch.Tensor) -> None:
     if src_indices.numel() != dst_indices.numel():
-        raise ValueError(
-            f"src_indices has {src_indices.numel()} entries, dst_indices {dst_indices.numel()}"
-        )
+        raise ValueError(f"src_indices has {src_indices.numel()} entries, dst_indices {dst_indices.numel()}")
 
 
 def _copy_rows(dst: torch.Tensor, dst_indices, src: torch.Tensor, src_indices) -> None:
@@ -126,7 +122,7 @@ def _copy_rows(dst: torch.Tensor, dst_indices, src: torch.Tensor, src_indices) -
     dst.index_copy_(0, _long(dst_indices, dst.device), values)
 
 
-def _layers(table: LayerTable, num_layers: int) -> List[Memory]:
+def _layers(table: LayerTable, num_layers: int) -> list[Memory]:
     """Per-layer memory handles from a pointer table or a sequence of tensors."""
     if isinstance(table, torch.Tensor):
         if table.dim() != 1 or table.dtype not in (torch.uint64, torch.int64):
@@ -137,7 +133,7 @@ def _layers(table: LayerTable, num_layers: int) -> List[Memory]:
                 "memory; the portable kernels can only dereference host (CPU) addresses. "
                 "Pass per-layer tensors instead."
             )
-        handles: List[Memory] = [int(p) for p in table.tolist()]
+        handles: list[Memory] = [int(p) for p in table.tolist()]
     else:
         handles = list(table)
     if len(handles) < num_layers:
@@ -154,8 +150,9 @@ def _pf_rows(mem: Memory, idx: torch.Tensor, layer_id: int, item_size: int, layo
     return _rows(mem, _extent(idx), layout_dim, item_size, offset=layer_id * item_size)
 
 
-def _ph_view(mem: Memory, idx: torch.Tensor, layer_id: int, item_size: int, layout_dim: int,
-             page_size: int, head_num: int) -> torch.Tensor:
+def _ph_view(
+    mem: Memory, idx: torch.Tensor, layer_id: int, item_size: int, layout_dim: int, page_size: int, head_num: int
+) -> torch.Tensor:
     """(pages, page_size, head_num, head_bytes) view of one layer of a page_head buffer."""
     if item_size % head_num or layout_dim % item_size:
         raise ValueError("item_size must split into head_num heads and divide layout_dim")
@@ -176,8 +173,7 @@ def _page_slot(idx: torch.Tensor, page_size: int, device):
 
 
 def _copy_lf_to_lf(src: Memory, dst: Memory, src_indices, dst_indices, item_size: int) -> None:
-    _copy_rows(_lf_rows(dst, dst_indices, item_size), dst_indices,
-               _lf_rows(src, src_indices, item_size), src_indices)
+    _copy_rows(_lf_rows(dst, dst_indices, item_size), dst_indices, _lf_rows(src, src_indices, item_size), src_indices)
 
 
 # ------------------------------------------------------------ MHA, by bytes
@@ -216,8 +212,12 @@ def transfer_kv_per_layer_pf_lf(
     token rows ``src_layout_dim`` bytes apart) into a layer-first device layer."""
     _check_pair(src_indices, dst_indices)
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):
-        _copy_rows(_lf_rows(dst, dst_indices, item_size), dst_indices,
-                   _pf_rows(src, src_indices, layer_id, item_size, src_layout_dim), src_indices)
+        _copy_rows(
+            _lf_rows(dst, dst_indices, item_size),
+            dst_indices,
+            _pf_rows(src, src_indices, layer_id, item_size, src_layout_dim),
+            src_indices,
+        )
 
 
 def transfer_kv_per_layer_ph_lf(
@@ -285,8 +285,12 @@ def transfer_kv_all_layer_lf_pf(
     _check_pair(src_indices, dst_indices)
     for src_table, dst in ((src_k_layers, dst_k), (src_v_layers, dst_v)):
         for layer_id, src in enumerate(_layers(src_table, num_layers)):
-            _copy_rows(_pf_rows(dst, dst_indices, layer_id, item_size, dst_layout_dim), dst_indices,
-                       _lf_rows(src, src_indices, item_size), src_indices)
+            _copy_rows(
+                _pf_rows(dst, dst_indices, layer_id, item_size, dst_layout_dim),
+                dst_indices,
+                _lf_rows(src, src_indices, item_size),
+                src_indices,
+            )
 
 
 def transfer_kv_all_layer_lf_ph(
@@ -323,7 +327,7 @@ def transfer_kv_per_layer_mla(
     src_indices: torch.Tensor,
     dst_indices: torch.Tensor,
     item_size: int,
-    block_quota: Optional[int] = None,
+    block_quota: int | None = None,
     num_warps_per_block: int = 32,
 ) -> None:
     """One layer of a single-buffer (MLA-style) pool, layer-first to layer-first:
@@ -340,14 +344,18 @@ def transfer_kv_per_layer_mla_pf_lf(
     layer_id: int,
     item_size: int,
     src_layout_dim: int,
-    block_quota: Optional[int] = None,
+    block_quota: int | None = None,
     num_warps_per_block: int = 32,
 ) -> None:
     """Layer ``layer_id`` of a page-first single-buffer host pool into a
     layer-first device layer."""
     _check_pair(src_indices, dst_indices)
-    _copy_rows(_lf_rows(dst, dst_indices, item_size), dst_indices,
-               _pf_rows(src, src_indices, layer_id, item_size, src_layout_dim), src_indices)
+    _copy_rows(
+        _lf_rows(dst, dst_indices, item_size),
+        dst_indices,
+        _pf_rows(src, src_indices, layer_id, item_size, src_layout_dim),
+        src_indices,
+    )
 
 
 def transfer_kv_all_layer_mla(
@@ -382,14 +390,18 @@ def transfer_kv_all_layer_mla_lf_pf(
     (pointer table) into a page-first host buffer."""
     _check_pair(src_indices, dst_indices)
     for layer_id, src in enumerate(_layers(src_layers, num_layers)):
-        _copy_rows(_pf_rows(dst, dst_indices, layer_id, item_size, dst_layout_dim), dst_indices,
-                   _lf_rows(src, src_indices, item_size), src_indices)
+        _copy_rows(
+            _pf_rows(dst, dst_indices, layer_id, item_size, dst_layout_dim),
+            dst_indices,
+            _lf_rows(src, src_indices, item_size),
+            src_indices,
+        )
 
 
 # --------------------------------------------------- direct (tensor indexing)
 def transfer_kv_direct(
-    src_layers: List[torch.Tensor],
-    dst_layers: List[torch.Tensor],
+    src_layers: list[torch.Tensor],
+    dst_layers: list[torch.Tensor],
     src_indices: torch.Tensor,
     dst_indices: torch.Tensor,
     page_size: int,
@@ -402,13 +414,14 @@ def transfer_kv_direct(
         raise ValueError(f"{len(src_layers)} source layers but {len(dst_layers)} destination layers")
     for src, dst in zip(src_layers, dst_layers):
         values = src.index_select(0, _long(src_indices, src.device))
-        dst.index_copy_(0, _long(dst_indices, dst.device), values.to(dst.device).reshape(
-            (values.shape[0],) + tuple(dst.shape[1:])))
+        dst.index_copy_(
+            0, _long(dst_indices, dst.device), values.to(dst.device).reshape((values.shape[0],) + tuple(dst.shape[1:]))
+        )
 
 
 def transfer_kv_per_layer_direct_pf_lf(
-    src_ptrs: List[torch.Tensor],
-    dst_ptrs: List[torch.Tensor],
+    src_ptrs: list[torch.Tensor],
+    dst_ptrs: list[torch.Tensor],
     src_indices: torch.Tensor,
     dst_indices: torch.Tensor,
     layer_id: int,
@@ -423,13 +436,14 @@ def transfer_kv_per_layer_direct_pf_lf(
     for src, dst in zip(src_ptrs, dst_ptrs):
         page, slot = _page_slot(src_indices, page_size, src.device)
         values = src[page, layer_id, slot]
-        dst.index_copy_(0, _long(dst_indices, dst.device), values.to(dst.device).reshape(
-            (values.shape[0],) + tuple(dst.shape[1:])))
+        dst.index_copy_(
+            0, _long(dst_indices, dst.device), values.to(dst.device).reshape((values.shape[0],) + tuple(dst.shape[1:]))
+        )
 
 
 def transfer_kv_all_layer_direct_lf_pf(
-    src_ptrs: List[torch.Tensor],
-    dst_ptrs: List[torch.Tensor],
+    src_ptrs: list[torch.Tensor],
+    dst_ptrs: list[torch.Tensor],
     src_indices: torch.Tensor,
     dst_indices: torch.Tensor,
     page_size: int,
@@ -447,16 +461,15 @@ def transfer_kv_all_layer_direct_lf_pf(
         for layer_id in range(num_layers):
             src = src_ptrs[j * num_layers + layer_id]
             values = src.index_select(0, _long(src_indices, src.device))
-            dst[page, layer_id, slot] = values.to(dst.device).reshape(
-                (values.shape[0],) + tuple(dst.shape[3:]))
+            dst[page, layer_id, slot] = values.to(dst.device).reshape((values.shape[0],) + tuple(dst.shape[3:]))
 
 
 def transfer_embedding_ranges_direct(
     src: torch.Tensor,
     dst: torch.Tensor,
-    src_starts: List[int],
-    dst_starts: List[int],
-    lengths: List[int],
+    src_starts: list[int],
+    dst_starts: list[int],
+    lengths: list[int],
 ) -> None:
     """Copy contiguous ranges along dim 0:
     ``dst[dst_starts[i] : dst_starts[i] + lengths[i]] = src[src_starts[i] : ... + lengths[i]]``."""

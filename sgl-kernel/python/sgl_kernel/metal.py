@@ -10,9 +10,7 @@ from __future__ import annotations
 from sgl_kernel._unsupported import define_unsupported
 
 _metal = None
-_IMPORT_ERROR = ImportError(
-    "the portable sgl_kernel (sglang-memx-portable-kernel) ships no Metal extension"
-)
+_IMPORT_ERROR = ImportError("the portable sgl_kernel (sglang-memx-portable-kernel) ships no Metal extension")
 
 UNSUPPORTED = ("rope_pool_fused",)
 define_unsupported(globals(), __name__, UNSUPPORTED)

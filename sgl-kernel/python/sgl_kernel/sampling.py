@@ -26,8 +26,6 @@ Shared conventions (all ops):
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 
 from sgl_kernel._unsupported import define_unsupported
@@ -41,7 +39,7 @@ __all__ = [
     "min_p_sampling_from_probs",
 ]
 
-Param = Union[torch.Tensor, int, float]
+Param = torch.Tensor | int | float
 
 
 def _per_row(value: Param, batch: int, device, dtype) -> torch.Tensor:
@@ -124,7 +122,7 @@ top_k_renorm_probs = top_k_renorm_prob
 top_p_renorm_probs = top_p_renorm_prob
 
 
-def _select_rows(probs: torch.Tensor, indices: Optional[torch.Tensor]) -> torch.Tensor:
+def _select_rows(probs: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
     """Rows to sample from: ``probs`` itself, or ``probs[indices]`` (output row i
     samples from probs row ``indices[i]``; per-row parameters follow output rows)."""
     p = _as_rows(probs)
@@ -138,7 +136,7 @@ def _check_nan(p: torch.Tensor, check_nan: bool) -> None:
         raise ValueError("probs contain NaN")
 
 
-def _draw(p: torch.Tensor, keep: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+def _draw(p: torch.Tensor, keep: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     weights = torch.where(keep, p, torch.zeros_like(p))
     return torch.multinomial(weights, 1, generator=generator).reshape(-1).to(torch.int32)
 
@@ -147,10 +145,10 @@ def top_k_top_p_sampling_from_probs(
     probs: torch.Tensor,
     top_k: Param,
     top_p: Param,
-    indices: Optional[torch.Tensor] = None,
+    indices: torch.Tensor | None = None,
     filter_apply_order: str = "top_k_first",
     deterministic: bool = True,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
     check_nan: bool = False,
 ) -> torch.Tensor:
     """Sample one token per row after top-k and top-p filtering.
@@ -179,9 +177,9 @@ def top_k_top_p_sampling_from_probs(
 def min_p_sampling_from_probs(
     probs: torch.Tensor,
     min_p: Param,
-    indices: Optional[torch.Tensor] = None,
+    indices: torch.Tensor | None = None,
     deterministic: bool = True,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
     check_nan: bool = False,
 ) -> torch.Tensor:
     """Sample one token per row among entries with ``prob >= min_p * max(row)``.

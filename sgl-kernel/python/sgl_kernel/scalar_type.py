@@ -35,22 +35,21 @@ class ScalarType:
 
     # ------------------------------------------------------------ constructors
     @classmethod
-    def int_(cls, size_bits: int, bias: int | None = None) -> "ScalarType":
+    def int_(cls, size_bits: int, bias: int | None = None) -> ScalarType:
         return cls(0, size_bits - 1, True, bias or 0, nan_repr=NanRepr.NONE)
 
     @classmethod
-    def uint(cls, size_bits: int, bias: int | None = None) -> "ScalarType":
+    def uint(cls, size_bits: int, bias: int | None = None) -> ScalarType:
         return cls(0, size_bits, False, bias or 0, nan_repr=NanRepr.NONE)
 
     @classmethod
-    def float_IEEE754(cls, exponent: int, mantissa: int) -> "ScalarType":
+    def float_IEEE754(cls, exponent: int, mantissa: int) -> ScalarType:
         if mantissa <= 0 or exponent <= 0:
             raise ValueError("an IEEE 754 format needs exponent and mantissa bits")
         return cls(exponent, mantissa, True)
 
     @classmethod
-    def float_(cls, exponent: int, mantissa: int, finite_values_only: bool,
-               nan_repr: NanRepr) -> "ScalarType":
+    def float_(cls, exponent: int, mantissa: int, finite_values_only: bool, nan_repr: NanRepr) -> ScalarType:
         if nan_repr == NanRepr.IEEE_754:
             raise ValueError("use float_IEEE754 for IEEE 754 NaN encoding")
         return cls(exponent, mantissa, True, 0, finite_values_only, NanRepr(nan_repr))
@@ -66,8 +65,13 @@ class ScalarType:
         """Pack every field into one integer (bias in the high bits, two's complement)."""
         value = 0
         offset = 0
-        for bits, field in ((8, self.exponent), (8, self.mantissa), (1, int(self.signed)),
-                            (1, int(self.finite_values_only)), (8, int(self.nan_repr))):
+        for bits, field in (
+            (8, self.exponent),
+            (8, self.mantissa),
+            (1, int(self.signed)),
+            (1, int(self.finite_values_only)),
+            (8, int(self.nan_repr)),
+        ):
             value |= (field & ((1 << bits) - 1)) << offset
             offset += bits
         value |= (self.bias & ((1 << 32) - 1)) << offset
@@ -96,8 +100,7 @@ class ScalarType:
         return self.is_floating_point() and self.nan_repr != NanRepr.NONE
 
     def is_ieee_754(self) -> bool:
-        return self.is_floating_point() and self.nan_repr == NanRepr.IEEE_754 \
-            and not self.finite_values_only
+        return self.is_floating_point() and self.nan_repr == NanRepr.IEEE_754 and not self.finite_values_only
 
     # ---------------------------------------------------------------- limits
     def max(self) -> int | float:
@@ -127,8 +130,7 @@ class ScalarType:
             text = f"float{self.size_bits}_e{self.exponent}m{self.mantissa}"
             if not self.is_ieee_754():
                 text += "f" if self.finite_values_only else ""
-                text += {NanRepr.EXTD_RANGE_MAX_MIN: "n", NanRepr.NONE: "",
-                         NanRepr.IEEE_754: ""}[self.nan_repr]
+                text += {NanRepr.EXTD_RANGE_MAX_MIN: "n", NanRepr.NONE: "", NanRepr.IEEE_754: ""}[self.nan_repr]
         else:
             text = ("int" if self.signed else "uint") + str(self.size_bits)
         if self.has_bias():
@@ -139,8 +141,7 @@ class ScalarType:
         return f"ScalarType.{self}"
 
 
-def _fp(exponent: int, mantissa: int, *, finite: bool = False,
-        nan: NanRepr = NanRepr.IEEE_754) -> ScalarType:
+def _fp(exponent: int, mantissa: int, *, finite: bool = False, nan: NanRepr = NanRepr.IEEE_754) -> ScalarType:
     return ScalarType(exponent, mantissa, True, 0, finite, nan)
 
 

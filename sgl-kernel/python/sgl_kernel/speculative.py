@@ -14,8 +14,6 @@ not implemented (see ``UNSUPPORTED``).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from sgl_kernel._unsupported import define_unsupported
@@ -153,7 +151,7 @@ def rotate_input_ids_cpu(
     extend_start_loc: torch.Tensor,
     extend_seq_lens: torch.Tensor,
     topk_index: torch.Tensor,
-    select_index: Optional[torch.Tensor] = None,
+    select_index: torch.Tensor | None = None,
 ) -> None:
     """Shift each request's ids left by one and append its new token, in place.
 
