@@ -3,31 +3,32 @@
 Pure Python + numpy; never imports torch or sglang. Policies from
 ``memory_ext.policy`` are driven through schedulers and hooks.
 
-Modules (one job each): ``hardware`` (GPU calibration table), ``models``
-(architectures, derived sizes), ``roofline`` (iteration time), ``events``
-(event loop), ``links`` (fair-share links), ``kvcache`` (paged KV + prefix
-cache), ``request`` (request state), ``workload`` (seeded synthetic
-workloads), ``plan`` (scheduler/hook contracts), ``schedulers``
-(continuous batching baseline, eLLM), ``hooks`` (per-iteration hooks),
-``engine`` (instances, GPUs, simulator), ``metrics``, ``scenario`` (strict
-loader), ``runner`` (build/run/compare/write), ``plots``, ``speed``, ``cli``.
+Layout (``docs/simulation.md``):
 
-Scenario authors: see ``docs/simulation.md`` and ``benchmark/sim/scenarios/``.
+* ``core/`` -- engine-independent machinery: ``events`` (event loop),
+  ``engine`` (instances, GPUs, simulator), ``links`` (fair-share links),
+  ``kvcache`` (paged KV + prefix cache), ``request``, ``roofline``
+  (iteration time), ``hardware`` (GPU calibration table), ``models``
+  (architectures), ``workload`` (seeded synthetic workloads), ``stats``
+  (metrics, and the common shape of mechanism statistics), ``plan``
+  (scheduler / hook contracts), ``spec`` (parsed scenario), ``batching``
+  (the stock continuous-batching baseline).
+* ``mechanisms/`` -- one module per paper: ``oneiros``, ``select_n``,
+  ``ellm``, ``fineserve``, ``swiftcache``; ``arbiter`` (the X1 node arbiter
+  glue) and ``layer_streaming`` (generic weight streaming).
+* ``registry`` -- the literal tables of scheduler and hook kinds.
+* ``scenario`` (strict loader), ``runner`` (build / run / compare / write),
+  ``cli``, ``plots``, ``speed``; ``scenarios/`` holds the shipped files.
+
+The names below are re-exports for convenience; nothing is imported for a
+side effect.
 """
 
-from . import (  # noqa: E402,F401  (registers hook kinds oneiros, select_n, flexgen_static)  # noqa: F401,E402  registers ellm_elastic and fineserve kinds
-    combined,  # noqa: F401,E402  registers the swiftcache hook and the X1 combined kinds
-    ellm_buffer,
-    fineserve_placement,
-    oneiros_hook,
-    select_n_hook,
-)
-from .engine import Gpu, Instance, InstanceConfig, Simulator
-from .hooks import register_hook
-from .plan import BatchPlan, InstanceHook, Scheduler
+from .core.engine import Gpu, Instance, InstanceConfig, Simulator
+from .core.plan import BatchPlan, InstanceHook, InstanceView, Scheduler
+from .registry import HOOKS, SCHEDULERS
 from .runner import build_simulation, run_scenario, run_spec
 from .scenario import ScenarioError, load_scenario, parse_scenario
-from .schedulers import ContinuousBatchingScheduler, EllmScheduler, register_scheduler
 
 __all__ = [
     "Gpu",
@@ -36,15 +37,14 @@ __all__ = [
     "Simulator",
     "BatchPlan",
     "InstanceHook",
+    "InstanceView",
     "Scheduler",
+    "HOOKS",
+    "SCHEDULERS",
     "build_simulation",
     "run_scenario",
     "run_spec",
     "ScenarioError",
     "load_scenario",
     "parse_scenario",
-    "ContinuousBatchingScheduler",
-    "EllmScheduler",
-    "register_scheduler",
-    "register_hook",
 ]

@@ -1,4 +1,4 @@
-"""Command line: ``python -m benchmark.sim {run,speed,hardware,models}``.
+"""Command line: ``python -m benchmark.sim {run,speed,hardware,models,placement}``.
 
 Every run prints the command that produced it and writes JSON + PNG under
 ``benchmark/results/sim/``. A malformed scenario file prints the
@@ -11,8 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from .hardware import GPUS, calibration_rows
-from .models import MODELS
+from .core.hardware import GPUS, calibration_rows
+from .core.models import MODELS
+from .mechanisms import fineserve
 from .runner import RESULTS, command_line, run_scenario
 from .scenario import YAML_AVAILABLE, ScenarioError, load_scenario
 
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--out", help="output path without extension")
     sub.add_parser("hardware", help="print the GPU calibration table with sources")
     sub.add_parser("models", help="print the model table with derived sizes")
+    pl = sub.add_parser("placement", help="FineServe placement (Alg. 1) vs the Prism-like heuristic for a scenario")
+    pl.add_argument("scenario")
+    pl.add_argument("--rate-scale", type=float, default=1.0)
     args = ap.parse_args(argv)
     cmd = command_line() if argv is None else "python -m benchmark.sim " + " ".join(argv)
     if args.cmd == "hardware":
@@ -62,6 +66,21 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             )
         print(_table(rows))
+        return 0
+    if args.cmd == "placement":
+        try:
+            sc = load_scenario(args.scenario)
+        except ScenarioError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for d in fineserve.model_demands(sc.base, args.rate_scale):
+            print(
+                f"{d.name:>10}: F_M {d.footprint / 1e9:6.2f} GB (weights {d.weights / 1e9:.2f}, act "
+                f"{d.activations / 1e9:.2f}, kv {d.kv_base / 1e9:.2f}), mu {d.mu:.0f} tok/GB, "
+                f"rate/slo {d.slo_rate:.2f}"
+            )
+        print("fineserve:", fineserve.fineserve_placement(sc.base, args.rate_scale))
+        print("prism:    ", fineserve.prism_placement(sc.base, args.rate_scale))
         return 0
     print(f"command: {cmd}")
     if args.cmd == "speed":

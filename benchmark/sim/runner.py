@@ -19,14 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .engine import Gpu, Instance, InstanceConfig, Simulator
-from .hardware import gpu_spec
-from .hooks import HOOKS
-from .metrics import summarize, timeline
-from .models import model_spec
-from .scenario import Scenario, ScenarioError, ScenarioSpec
-from .schedulers import make_scheduler
-from .workload import generate
+from .core.engine import Gpu, Instance, InstanceConfig, Simulator
+from .core.hardware import gpu_spec
+from .core.models import model_spec
+from .core.spec import ScenarioSpec
+from .core.stats import summarize, timeline
+from .core.workload import generate
+from .mechanisms.arbiter import attach_arbiter
+from .registry import UnknownKind, make_hook, make_scheduler
+from .scenario import Scenario, ScenarioError
 
 __all__ = [
     "plan_instances",
@@ -106,13 +107,17 @@ def build_simulation(spec: ScenarioSpec, seed: int | None = None, rate_scale: fl
     for i, (cfg, m) in enumerate(zip(cfgs, spec.models)):
         try:
             sched = make_scheduler(m.scheduler, cfg, m.scheduler_options)
+        except UnknownKind as e:
+            raise ScenarioError(f"{spec.source}: models[{i}].scheduler.kind: {e}") from None
         except (TypeError, ValueError) as e:
             raise ScenarioError(f"{spec.source}: models[{i}].scheduler.options: {e}") from None
         instances.append(Instance(i, cfg, g, sched))
     for i, (inst, m) in enumerate(zip(instances, spec.models)):
         for k, (kind, opts) in enumerate(m.hooks):
             try:
-                inst.hooks.append(HOOKS[kind](inst, **opts))
+                inst.hooks.append(make_hook(kind, inst, opts))
+            except UnknownKind as e:
+                raise ScenarioError(f"{spec.source}: models[{i}].hooks[{k}].kind: {e}") from None
             except (TypeError, ValueError) as e:
                 raise ScenarioError(f"{spec.source}: models[{i}].hooks[{k}].options: {e}") from None
     wl = generate(
@@ -132,8 +137,6 @@ def build_simulation(spec: ScenarioSpec, seed: int | None = None, rate_scale: fl
         sample_period_s=spec.sample_period_s,
     )
     if spec.arbiter is not None:
-        from .node_arbiter import attach_arbiter
-
         try:
             attach_arbiter(sim, spec)
         except ValueError as e:

@@ -12,13 +12,15 @@ import builtins
 import copy
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .hardware import GPUS
-from .models import DTYPE_BYTES, MODELS
-from .workload import LENGTH_PRESETS, ArrivalSpec, LengthDist, SessionSpec, WorkloadSpec
+from . import registry
+from .core.hardware import GPUS
+from .core.models import DTYPE_BYTES, MODELS
+from .core.spec import ArbiterSpec, ModelEntry, NodeSpec, ScenarioSpec
+from .core.workload import LENGTH_PRESETS, ArrivalSpec, LengthDist, SessionSpec, WorkloadSpec
 
 try:  # optional dependency
     import yaml  # type: ignore
@@ -153,76 +155,6 @@ class _Obj:
             )
 
 
-# ---------------------------------------------------------------------------
-# parsed form
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    gpu: str
-    count: int = 1
-    sharing: str = "time_slice"
-    memory_fraction: float = 0.9
-    compute_eff: float | None = None
-    memory_eff: float | None = None
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    name: str
-    model: str
-    gpu: int = 0
-    weight_dtype: str = "bf16"
-    kv_dtype: str = "bf16"
-    block_size: int = 16
-    max_batched_tokens: int = 2048
-    max_running: int = 256
-    prefix_caching: bool = True
-    overhead_s: float = 5e-4
-    share: float = 1.0
-    kv_memory_gb: float | None = None
-    activation_tokens: int | None = None
-    ttft_slo_s: float = float("inf")
-    tpot_slo_s: float = float("inf")
-    scheduler: str = "continuous"
-    scheduler_options: dict[str, Any] = field(default_factory=dict)
-    hooks: tuple[tuple[str, dict[str, Any]], ...] = ()
-
-
-@dataclass(frozen=True)
-class ArbiterSpec:
-    """Scenario key ``arbiter`` (``benchmark/sim/node_arbiter.py``): every
-    memory mechanism's capacity change goes through one node-wide
-    ``memory_ext.policy.arbiter.MemoryArbiter``. ``share_kv``: idle KV of
-    models with no work may be lent to co-located models (tier IDLE_PEER);
-    ``floor_fraction``: share of its KV an idle model keeps;
-    ``low_watermark_frac`` / ``high_watermark_frac``: an instance asks for
-    memory when its free KV falls below low x its planned KV, up to high."""
-
-    share_kv: bool = True
-    floor_fraction: float = 0.25
-    low_watermark_frac: float = 0.03
-    high_watermark_frac: float = 0.15
-
-
-@dataclass(frozen=True)
-class ScenarioSpec:
-    """One runnable configuration (the base file or one variant of it)."""
-
-    name: str
-    node: NodeSpec
-    models: tuple[ModelEntry, ...]
-    workloads: tuple[WorkloadSpec, ...]
-    duration_s: float
-    seed: int = 0
-    drain_s: float = 600.0
-    sample_period_s: float = 1.0
-    description: str = ""
-    source: str = "<memory>"
-    arbiter: ArbiterSpec | None = None
-
-
 @dataclass
 class Scenario:
     """A loaded file: the base spec, its variants (name, spec), an optional
@@ -321,9 +253,7 @@ def _model(o: _Obj, n_gpus: int) -> ModelEntry:
     sched = o.obj("scheduler")
     kind, opts = "continuous", {}
     if sched is not None:
-        from .schedulers import SCHEDULERS
-
-        kind = sched.str("kind", "continuous", sorted(SCHEDULERS))
+        kind = sched.str("kind", "continuous", sorted(registry.SCHEDULERS))
         opts = sched.raw("options", {})
         if not isinstance(opts, dict) or not all(isinstance(k, str) for k in opts):
             sched.fail("options", "a mapping of option names to values", opts)
@@ -331,9 +261,7 @@ def _model(o: _Obj, n_gpus: int) -> ModelEntry:
     hooks = []
     for p, h in o.list("hooks", []):
         ho = _Obj(h, p, o.src)
-        from .hooks import HOOKS
-
-        hk = ho.str("kind", choices=sorted(HOOKS))
+        hk = ho.str("kind", choices=sorted(registry.HOOKS))
         hopts = ho.raw("options", {})
         if not isinstance(hopts, dict):
             ho.fail("options", "a mapping of option names to values", hopts)

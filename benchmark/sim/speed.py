@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .metrics import summarize, timeline
+from .core.stats import summarize, timeline
 from .runner import RESULTS, build_simulation, write_json
 from .scenario import parse_scenario
 

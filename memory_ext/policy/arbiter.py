@@ -87,6 +87,9 @@ from typing import NamedTuple
 from ._checks import check_int as _int
 
 __all__ = [
+    "Donor",
+    "lendable_bytes",
+    "plan_takes",
     "Kind",
     "Tier",
     "AccountKey",
@@ -181,6 +184,78 @@ def _floor(x: int, unit: int) -> int:
 
 def _ceil(x: int, unit: int) -> int:
     return -(-x // unit) * unit
+
+
+@dataclass(frozen=True)
+class Donor:
+    """What the planner knows of one KV account: ``held``/``idle``/``headroom``/``unit`` as in
+    ``Account``; ``nominal`` its static plan; ``owner_excess`` what its owner holds beyond its
+    nominal on that GPU (all accounts); ``busy`` whether its owner has work."""
+
+    key: AccountKey
+    held: int
+    idle: int
+    headroom: int
+    unit: int
+    nominal: int
+    owner_excess: int
+    busy: bool
+
+
+def lendable_bytes(
+    d: Donor, tier: Tier, requester_owner: str | None, spent: int, entitled: bool, floor_fraction: float
+) -> int:
+    """Bytes a request by ``requester_owner`` may take from ``d`` by ``tier``, ``spent`` being
+    what was already planned from it (module docstring, priority rule)."""
+    if d.key.kind is not Kind.KV or d.key.owner == requester_owner:
+        return 0
+    idle, held = d.idle - spent, d.held - spent
+    if tier is Tier.RETURN:
+        keep = 0 if entitled else d.headroom
+        cap = min(idle - keep, d.owner_excess - spent)
+    elif tier in (Tier.IDLE_PEER, Tier.SURPLUS):
+        if d.busy != (tier is Tier.SURPLUS):
+            return 0
+        floor = _ceil(int(floor_fraction * d.nominal), d.unit)
+        cap = min(idle - (d.headroom if d.busy else 0), held - floor)
+    else:
+        return 0
+    return max(_floor(cap, d.unit), 0)
+
+
+def plan_takes(
+    requester_owner: str,
+    want: int,
+    free: int,
+    donors: Sequence[Donor],
+    tiers: Sequence[Tier],
+    entitled: bool,
+    floor_fraction: float,
+) -> tuple[int, list[tuple[Donor, int, Tier]]]:
+    """The one answer to "where does ``want`` come from": ``free`` first (if ``Tier.FREE`` is in
+    ``tiers``), then RETURN, IDLE_PEER, SURPLUS, each tier taking from the donors with the most
+    lendable first (owner names break ties). Returns ``(gathered, [(donor, nbytes, tier)])``;
+    ``gathered`` may fall short of ``want``. ``MemoryArbiter`` (simulator ledger) and the live
+    device arbiter (``memory_ext.pool.arbiter``) both plan with it."""
+    pool = free if Tier.FREE in tiers else 0
+    takes: list[tuple[Donor, int, Tier]] = []
+    spent: dict[AccountKey, int] = {}
+    for tier in (Tier.RETURN, Tier.IDLE_PEER, Tier.SURPLUS):
+        if tier not in tiers or pool >= want:
+            continue
+        scored = []
+        for d in donors:
+            cap = lendable_bytes(d, tier, requester_owner, spent.get(d.key, 0), entitled, floor_fraction)
+            if cap > 0:
+                scored.append((-cap, d.key.owner, d, cap))
+        for _, _, d, cap in sorted(scored, key=lambda x: (x[0], x[1])):
+            if pool >= want:
+                break
+            t = min(cap, _ceil(want - pool, d.unit))
+            takes.append((d, t, tier))
+            spent[d.key] = spent.get(d.key, 0) + t
+            pool += t
+    return pool, takes
 
 
 class MemoryArbiter:
@@ -283,49 +358,28 @@ class MemoryArbiter:
 
     def _lendable(self, a: Account, tier: Tier, requester_owner: str | None, spent: int, entitled: bool) -> int:
         """``lendable`` after ``spent`` bytes were already planned from ``a``."""
-        if a.key.kind is not Kind.KV or a.key.owner == requester_owner:
-            return 0
-        idle, held = a.idle - spent, a.held - spent
-        if tier is Tier.RETURN:
-            keep = 0 if entitled else a.headroom
-            cap = min(idle - keep, self.excess(a.key.gpu, a.key.owner) - spent)
-        elif tier in (Tier.IDLE_PEER, Tier.SURPLUS):
-            busy = self.busy.get((a.key.gpu, a.key.owner), False)
-            if busy != (tier is Tier.SURPLUS):
-                return 0
-            floor = _ceil(int(self.floor_fraction * a.nominal), a.unit)
-            cap = min(idle - (a.headroom if busy else 0), held - floor)
-        else:
-            return 0
-        return max(_floor(cap, a.unit), 0)
+        return lendable_bytes(self._donor(a), tier, requester_owner, spent, entitled, self.floor_fraction)
+
+    def _donor(self, a: Account) -> Donor:
+        return Donor(
+            a.key,
+            a.held,
+            a.idle,
+            a.headroom,
+            a.unit,
+            a.nominal,
+            self.excess(a.key.gpu, a.key.owner),
+            self.busy.get((a.key.gpu, a.key.owner), False),
+        )
 
     def _plan(
         self, key: AccountKey, want: int, tiers: tuple[Tier, ...], entitled: bool
     ) -> tuple[int, list[tuple[Account, int, Tier]]]:
         """Dry run of ``request``: the bytes gathered and the donor takes."""
         g = key.gpu
-        pool = self.free[g] if Tier.FREE in tiers else 0
-        plan: list[tuple[Account, int, Tier]] = []
-        spent: dict[AccountKey, int] = {}
-        for tier in (Tier.RETURN, Tier.IDLE_PEER, Tier.SURPLUS):
-            if tier not in tiers or pool >= want:
-                continue
-            scored = []
-            for a in self.accounts.values():
-                if a.key.gpu != g or a.key.kind is not Kind.KV:
-                    continue
-                cap = self._lendable(a, tier, key.owner, spent.get(a.key, 0), entitled)
-                if cap > 0:
-                    scored.append((-cap, a.key.owner, a, cap))
-            # most lendable first; names break ties (deterministic)
-            for _, _, a, cap in sorted(scored, key=lambda x: (x[0], x[1])):
-                if pool >= want:
-                    break
-                t = min(cap, _ceil(want - pool, a.unit))
-                plan.append((a, t, tier))
-                spent[a.key] = spent.get(a.key, 0) + t
-                pool += t
-        return pool, plan
+        donors = [self._donor(a) for a in self.accounts.values() if a.key.gpu == g and a.key.kind is Kind.KV]
+        pool, takes = plan_takes(key.owner, want, self.free[g], donors, tiers, entitled, self.floor_fraction)
+        return pool, [(self.accounts[d.key], t, tier) for d, t, tier in takes]
 
     def grantable(
         self, key: AccountKey, tiers: Sequence[Tier | str] | None = None, entitled: bool | None = None

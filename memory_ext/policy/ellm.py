@@ -57,6 +57,12 @@ __all__ = [
     "DecodeRequest",
     "AdmissionDecision",
     "ElasticAdmissionPolicy",
+    "ON_GPU",
+    "OFFLOAD",
+    "DEFER",
+    "PrefillAsk",
+    "admit_prefill",
+    "HostBufferRule",
     "BufferDecision",
     "LogicalBufferScaler",
 ]
@@ -78,17 +84,34 @@ def _check_bool(name: str, value) -> bool:
 
 @dataclass(frozen=True)
 class PrefillRequest:
-    """A waiting prefill: ``tokens`` prompt tokens whose KV needs ``kv_chunks``."""
+    """A waiting prefill: ``tokens`` prompt tokens whose KV needs ``kv_chunks`` on the device if it
+    stays there, ``decode_chunks`` of them reserved for its future decode (not occupied during the
+    prefill). ``kv_now_chunks``: device KV its prefill needs if its KV is offloaded instead (0:
+    layer-wise offload, the paper's pipelining); ``offload_chunks``: what parking its KV costs the
+    CPU buffer (default ``kv_chunks - decode_chunks``)."""
 
     rid: str
     tokens: int
     kv_chunks: int
+    kv_now_chunks: int = 0
+    offload_chunks: int | None = None
+    decode_chunks: int = 0
 
     def __post_init__(self):
         if not isinstance(self.rid, str) or not self.rid:
             raise ValueError(f"rid must be a non-empty str, got {self.rid!r}")
         _check_int("tokens", self.tokens, 1)
         _check_int("kv_chunks", self.kv_chunks, 0)
+        _check_int("kv_now_chunks", self.kv_now_chunks, 0)
+        _check_int("decode_chunks", self.decode_chunks, 0)
+        if self.decode_chunks > self.kv_chunks:
+            raise ValueError(f"decode_chunks ({self.decode_chunks}) must be <= kv_chunks ({self.kv_chunks})")
+        if self.offload_chunks is not None:
+            _check_int("offload_chunks", self.offload_chunks, 0)
+
+    @property
+    def parked_chunks(self) -> int:
+        return self.kv_chunks - self.decode_chunks if self.offload_chunks is None else self.offload_chunks
 
 
 @dataclass(frozen=True)
@@ -144,6 +167,50 @@ class AdmissionDecision:
         return max(-self.inflation, 0)
 
 
+ON_GPU = "gpu"
+OFFLOAD = "offload"
+DEFER = "defer"
+
+
+@dataclass(frozen=True)
+class PrefillAsk:
+    """What admitting one more prefill would cost, in one unit (chunks, blocks or tokens).
+
+    ``budget``: Alg. 1's ``P_kv + P_act - θ`` (free + evictable KV plus idle activation,
+    minus the threshold). ``reserved``: what admitted work already holds against that budget,
+    now *and* for its future decode growth (the running requests' decode reservation and the
+    batch formed so far); ``reserved_now``: the part of ``reserved`` that occupies memory
+    during this iteration. ``kv``: the request's KV on the device if it stays (prompt + its
+    own decode reservation); ``kv_now``: device KV its prefill needs if its KV is offloaded
+    (0 when the offload is layer-wise, the paper's pipelining; the prompt's KV plus headroom
+    when it lands on the device before the copy); ``act``: the batch's activation with this
+    request in it; ``offload_kv``: what parking its KV costs the buffer; ``buffer_room``:
+    Alg. 1's ``P_B`` left."""
+
+    budget: int
+    reserved: int
+    reserved_now: int
+    kv: int
+    kv_now: int
+    act: int
+    offload_kv: int = 0
+    buffer_room: int = 0
+
+
+def admit_prefill(ask: PrefillAsk) -> str:
+    """Alg. 1 lines 5-11 for one request: ``ON_GPU`` if its KV and the batch's activation fit
+    beside what is reserved; else ``OFFLOAD`` if the prefill fits physically now and its KV fits
+    the CPU buffer; else ``DEFER`` (the caller stops the FCFS scan, R3).
+
+    The one admission rule: ``ElasticAdmissionPolicy`` (simulator) scans its queue with it and
+    the server's admission hook asks it once per request upstream's scheduler offers."""
+    if ask.reserved + ask.kv + ask.act <= ask.budget:
+        return ON_GPU
+    if ask.reserved_now + ask.kv_now + ask.act <= ask.budget and 0 < ask.offload_kv <= ask.buffer_room:
+        return OFFLOAD
+    return DEFER
+
+
 @dataclass(frozen=True)
 class ElasticAdmissionPolicy:
     """Alg. 1. ``act_chunks_for_tokens(n)``: activation chunks a batch of ``n``
@@ -173,10 +240,20 @@ class ElasticAdmissionPolicy:
         decodes: Sequence[DecodeRequest] = (),
         cpu_buffer_free_chunks: int = 0,
         phase: str | None = None,
+        reserved_chunks: int = 0,
+        reserved_now_chunks: int = 0,
     ) -> AdmissionDecision:
+        """``reserved_chunks``: chunks the running requests' future decode growth keeps out of a
+        prefill's reach (the decode reservation SGLang's admission makes; 0 is the paper's
+        Alg. 1, which admits whole prompts with no reserve and preempts when decodes outgrow
+        memory). Decode iterations are not limited by it: they are what it was kept for.
+        ``reserved_now_chunks``: what the running requests' next decode step takes, which an
+        offloaded prefill's device KV must leave free (``PrefillAsk.reserved_now``)."""
         _check_int("free_kv_chunks", free_kv_chunks)
         _check_int("idle_act_chunks", idle_act_chunks)
         _check_int("cpu_buffer_free_chunks", cpu_buffer_free_chunks)
+        _check_int("reserved_chunks", reserved_chunks)
+        _check_int("reserved_now_chunks", reserved_now_chunks)
         if phase not in (None, PREFILL, DECODE):
             raise ValueError(f"phase must be None, {PREFILL!r} or {DECODE!r}, got {phase!r}")
         prefills = tuple(prefills)
@@ -192,24 +269,39 @@ class ElasticAdmissionPolicy:
 
         args = (free_kv_chunks, idle_act_chunks, cpu_buffer_free_chunks)
         if phase == PREFILL or (phase is None and prefills):
-            decision = self._prefill(prefills, *args)
+            decision = self._prefill(prefills, *args, reserved_chunks, reserved_now_chunks)
             if phase is None and not decision.admitted and decodes:  # R4
                 return self._decode(decodes, *args)
             return decision
         return self._decode(decodes, *args)
 
-    # Alg. 1 lines 2-13
-    def _prefill(self, queue, p_kv, p_act, p_b) -> AdmissionDecision:
+    # Alg. 1 lines 2-13, one ``admit_prefill`` per request
+    def _prefill(self, queue, p_kv, p_act, p_b, reserved=0, reserved_now=0) -> AdmissionDecision:
         budget = p_kv + p_act - self.threshold_chunks  # R1
-        m_kv = tokens = offload = 0
+        m_kv = m_now = tokens = offload = 0
         admitted, offloaded = [], []
         n = 0
         for r in queue:
             act = self._act(tokens + r.tokens)
-            if m_kv + r.kv_chunks + act <= budget:
+            verdict = admit_prefill(
+                PrefillAsk(
+                    budget=budget,
+                    reserved=reserved + m_kv,
+                    reserved_now=reserved_now + m_now,
+                    kv=r.kv_chunks,
+                    kv_now=r.kv_now_chunks,
+                    act=act,
+                    offload_kv=r.parked_chunks,
+                    buffer_room=p_b - offload,
+                )
+            )
+            if verdict == ON_GPU:
                 m_kv += r.kv_chunks
-            elif m_kv + act <= budget and r.kv_chunks <= p_b - offload:
-                offload += r.kv_chunks
+                m_now += r.kv_chunks - r.decode_chunks
+            elif verdict == OFFLOAD:  # its prompt's KV passes through the device (none if layer-wise)
+                m_kv += r.kv_now_chunks
+                m_now += r.kv_now_chunks
+                offload += r.parked_chunks
                 offloaded.append(r.rid)
             else:
                 break  # R3
@@ -397,3 +489,54 @@ class LogicalBufferScaler:
         if e_ttft:
             self._ttft.clear()
         return BufferDecision(self.logical_chunks, prev, event, e_tpot, e_ttft)
+
+
+class HostBufferRule:
+    """Alg. 2 as the server and the simulator both apply it to their CPU buffer.
+
+    One ``LogicalBufferScaler`` with per-sample windows over ``unit`` chunks: each iteration
+    feeds one TTFT sample per request that got its first token in it (its TTFT) and at most one
+    TPOT sample; an iteration without a sample leaves the windows as they are (SGLang's first
+    tokens are sparse, see ``LogicalBufferScaler.per_sample``). The server measures the samples,
+    the simulator models them; the rule and its state are the same."""
+
+    def __init__(
+        self,
+        max_units: int,
+        ttft_slo: float,
+        tpot_slo: float,
+        *,
+        initial_units: int = 1,
+        alpha: float = 2.0,
+        window: int = 5,
+        misses_to_violate: int = 3,
+    ):
+        self.scaler = LogicalBufferScaler(
+            max_chunks=max_units,
+            initial_chunks=min(max(initial_units, 1), max_units),
+            alpha=alpha,
+            window=window,
+            misses_to_violate=misses_to_violate,
+            ttft_slo=ttft_slo,
+            tpot_slo=tpot_slo,
+            per_sample=True,
+        )
+        self.events = {"ttft": 0, "tpot": 0}
+
+    @property
+    def logical_units(self) -> int:
+        return self.scaler.logical_chunks
+
+    def available(self, used_units: int) -> int:
+        """Alg. 1's ``P_B``: room the logical size leaves beside ``used_units`` (R9)."""
+        return self.scaler.available(used_units)
+
+    def observe_iteration(self, ttfts: Sequence[float] = (), tpot: float | None = None) -> int:
+        """Feed one iteration's samples (TTFTs first, then TPOT); return the logical size after."""
+        decisions = [self.scaler.observe(ttft=t) for t in ttfts]
+        if tpot is not None:
+            decisions.append(self.scaler.observe(tpot=tpot))
+        for d in decisions:
+            if d.event:
+                self.events[d.event] += 1
+        return self.scaler.logical_chunks

@@ -1,39 +1,46 @@
-"""Unified physical-memory pool: one ledger of chunks with one owner each, and
-elastic tensors whose backing grows and shrinks chunk by chunk.
+"""Unified physical-memory pool: one ledger of chunks with one owner each, the
+buffers whose backing grows and shrinks chunk by chunk, and the per-device
+arbiter that lets several processes share one budget.
 
     from memory_ext.vmm import host_backend
-    from memory_ext.pool import ChunkPool, KVETensor, Owner
-    pool = ChunkPool(host_backend(1 << 21), capacity_chunks=64)
-    kv = KVETensor(pool, page_bytes=1 << 16, num_pages=4096)
-    kv.ensure_mapped([0, 1, 2])
+    from memory_ext.pool import ChunkPool, LayeredKVBuffers
+    pool = ChunkPool(host_backend(1 << 16), capacity_chunks=64)
+    kv = LayeredKVBuffers(pool, row_bytes=[256] * 8, num_rows=4096, page_size=16)
+    kv.map_groups([0, 1])
 
-Mechanisms only: which pages, which owner, how many chunks are a policy's
-choice. See ``ownership``, ``slots``, ``kv_etensor`` (with pre-mapping and
-``unmapper`` for asynchronous unmapping), ``activation_etensor``, ``arbiter``
-(one pool shared by several processes) and docs/memory-pool.md.
+Mechanisms only: which groups, which owner, how many chunks are a policy's
+choice. Modules: ``ownership`` (the chunk ledger), ``slots`` (a reserved range
+backed slot by slot), ``layered_kv`` (per-layer KV buffers backed group by
+group), ``activation_balloon`` (the activation side of a KV pool, eLLM
+ballooning), ``activation_meter`` (peak activation bytes of a forward),
+``segment_arena`` (CUDA: torch's MemPool over pool chunks), ``host_kv_buffer``
+(KV parked in host memory), ``arbiter`` / ``arbiter_client`` /
+``arbiter_protocol`` / ``lent_pool`` (one device budget shared by processes).
+See docs/memory-pool.md.
 """
 
-from .activation_etensor import ActivationBlock, ActivationETensor
 from .arbiter import Arbiter
 from .arbiter_client import ArbiterClient, ArbiterDenied, ArbiterError
-from .kv_etensor import KVETensor
 from .layered_kv import LayeredKVBuffers
 from .lent_pool import LentPool
-from .ownership import CeilingExceeded, ChunkPool, FloorViolation, Owner, OwnershipError, PoolError, PoolExhausted
-from .unmapper import AsyncUnmapper
+from .ownership import (
+    CeilingExceeded,
+    ChunkPool,
+    FloorViolation,
+    Owner,
+    OwnershipError,
+    PoolError,
+    PoolExhausted,
+)
 
 __all__ = [
-    "ActivationBlock",
-    "ActivationETensor",
     "Arbiter",
     "ArbiterClient",
     "ArbiterDenied",
     "ArbiterError",
-    "AsyncUnmapper",
     "CeilingExceeded",
     "ChunkPool",
     "FloorViolation",
-    "KVETensor",
     "LayeredKVBuffers",
     "LentPool",
     "Owner",

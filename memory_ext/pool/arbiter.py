@@ -15,15 +15,22 @@ Every created chunk is either FREE or held by exactly one connected client;
 BORROW and reclaim
 ------------------
 ``BORROW(n)`` is granted at once from FREE + uncreated chunks when no earlier
-borrow is waiting. Otherwise, if ``n`` exceeds what could ever be had (FREE +
-uncreated + what other clients hold above ``floor_per_client``) it is DENIED
-at once; else it waits (FIFO) and the arbiter sends ``RECLAIM(k)`` to other
-clients for the shortfall, **largest holder first** (ties: lower client id),
-asking each for at most what it holds above its floor and has not already been
-asked for. Clients answer with ordinary RETURNs. The head of the queue is
-granted as soon as enough chunks are FREE (all-or-nothing); a waiting borrow
-that is not satisfied within ``reclaim_timeout`` seconds (default 2) is DENIED.
-The requester is never asked to give chunks back for its own borrow.
+borrow is waiting. Otherwise *where the shortfall comes from* is the node
+policy's decision, the same one the simulator's ledger makes:
+``memory_ext.policy.arbiter.plan_takes`` over the other clients, each seen as
+a KV account (``held`` chunks; ``idle``/``headroom``/``busy`` as its last
+``REPORT`` said, minus what it was already asked for; ``nominal`` = the fair
+share ``budget // clients``): idle memory of clients above their share goes
+back first (RETURN), then idle clients' (IDLE_PEER), then busy clients'
+surplus beyond their headroom (SURPLUS); memory in use is never asked for.
+A client that never reported counts as busy with everything above
+``floor_per_client`` idle. If the plan cannot cover ``n`` the borrow is DENIED
+at once (``available`` says what it could gather); else it waits (FIFO) and
+the arbiter sends ``RECLAIM(k)`` to each planned donor. Clients answer with
+ordinary RETURNs. The head of the queue is granted as soon as enough chunks
+are FREE (all-or-nothing); a waiting borrow that is not satisfied within
+``reclaim_timeout`` seconds (default 2) is DENIED. The requester is never
+asked to give chunks back for its own borrow.
 
 Client death
 ------------
@@ -58,6 +65,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..policy.arbiter import DEFAULT_TIERS, AccountKey, Donor, Kind, plan_takes
 from ..vmm.base import PhysicalChunk, VmmBackend
 from ..vmm.ipc import MAX_FDS, listen_unix, send_chunks
 from . import arbiter_protocol as proto
@@ -78,6 +86,9 @@ class _Client:
     pid: int | None = None
     held: dict[int, str] = field(default_factory=dict)  # arbiter chunk id -> owner label
     asked: int = 0  # outstanding RECLAIM chunks not yet returned
+    idle: int | None = None  # last REPORT: chunks it could give back now (None: never reported)
+    headroom: int = 0  # last REPORT: idle chunks its own queue wants to keep
+    busy: bool = True  # last REPORT: whether it has work
 
 
 @dataclass
@@ -87,6 +98,12 @@ class _Pending:
     n: int
     owner: str
     deadline: float
+
+
+def _owner(c: _Client) -> str:
+    """A client as a policy owner: its name (ties between equal donors break by name, as in the
+    simulator's ledger) made unique by its id."""
+    return f"{c.name}#{c.cid}"
 
 
 def _close_fds(fds) -> None:
@@ -139,6 +156,7 @@ class Arbiter:
         self.stats = dict.fromkeys(
             ("granted", "denied", "returned", "reclaim_sent", "errors", "clients_dropped", "chunks_freed_on_drop"), 0
         )
+        self.reclaim_by_tier: dict[str, int] = {}  # chunks asked for, by policy tier
 
     # ------------------------------------------------------------ lifecycle
     def _open(self) -> None:
@@ -231,6 +249,9 @@ class Arbiter:
                     "held": len(c.held),
                     "by_owner": by_owner,
                     "asked": c.asked,
+                    "idle": c.idle,
+                    "headroom": c.headroom,
+                    "busy": c.busy,
                 }
             )
         return {
@@ -239,6 +260,7 @@ class Arbiter:
             "free": len(self._free),
             "floor": self.floor,
             "pending": len(self._pending),
+            "reclaim_by_tier": dict(self.reclaim_by_tier),
             "clients": clients,
         }
 
@@ -362,36 +384,69 @@ class Arbiter:
             self._on_return(client, msg)
         elif kind == "STATUS":
             self._send(client, dict(self._status_locked(), type="STATUS", req_id=msg["req_id"]))
+        elif kind == "REPORT":
+            self._on_report(client, msg)
 
     # ------------------------------------------------------------- handlers
     def _available_now(self) -> int:
         return len(self._free) + self.budget - len(self._chunks)
+
+    def _donor(self, c: _Client, nominal: int) -> Donor:
+        """Client ``c`` as the policy sees it (module docstring), net of what it was already asked for."""
+        held = len(c.held) - c.asked
+        idle = held - self.floor if c.idle is None else min(c.idle - c.asked, held - self.floor)
+        idle = max(0, idle)
+        return Donor(
+            AccountKey(0, _owner(c), Kind.KV),
+            held,
+            idle,
+            min(c.headroom, idle),
+            1,
+            nominal,
+            len(c.held) - nominal,
+            c.busy,
+        )
+
+    def _plan_reclaim(self, client: _Client, want: int) -> tuple[int, list[tuple[_Client, int, str]]]:
+        """Where ``want`` more chunks would come from: (chunks gatherable, [(donor, chunks, tier)])."""
+        others = [c for c in self._clients.values() if c is not client and c.name is not None]
+        named = sum(1 for c in self._clients.values() if c.name is not None)
+        nominal = self.budget // max(1, named)
+        by_key = {}
+        donors = []
+        for c in others:
+            d = self._donor(c, nominal)
+            by_key[d.key] = c
+            donors.append(d)
+        entitled = len(client.held) < nominal
+        gathered, takes = plan_takes(_owner(client), want, 0, donors, DEFAULT_TIERS, entitled, 0.0)
+        return gathered, [(by_key[d.key], n, tier.value) for d, n, tier in takes]
 
     def _on_borrow(self, client: _Client, msg: dict) -> None:
         n, req_id = msg["n"], msg["req_id"]
         if not self._pending and n <= self._available_now():
             self._grant(client, req_id, n, msg["owner"])
             return
-        others = [c for c in self._clients.values() if c is not client and c.name is not None]
-        possible = self._available_now() + sum(max(0, len(c.held) - self.floor) for c in others)
-        if n > possible:
+        waiting = sum(p.n for p in self._pending)
+        shortfall = waiting + n - self._available_now() - sum(c.asked for c in self._clients.values())
+        gathered, takes = self._plan_reclaim(client, max(shortfall, 0))
+        if gathered < shortfall:
+            possible = max(0, n - (shortfall - gathered))
             self._deny(client, req_id, f"{n} chunk(s) requested, at most {possible} could be reclaimed", possible)
             return
         self._pending.append(_Pending(client, req_id, n, msg["owner"], time.monotonic() + self.reclaim_timeout))
-        demand = sum(p.n for p in self._pending)
-        shortfall = demand - self._available_now() - sum(c.asked for c in self._clients.values())
-        # Largest holder first; each gives at most what it holds above its floor, minus what it owes.
-        for victim in sorted(others, key=lambda c: (-len(c.held), c.cid)):
-            if shortfall <= 0:
-                break
-            k = min(shortfall, len(victim.held) - self.floor - victim.asked)
-            if k <= 0:
-                continue
+        asks: dict[int, int] = {}
+        for victim, k, tier in takes:
             victim.asked += k
-            shortfall -= k
+            asks[victim.cid] = asks.get(victim.cid, 0) + k
+            self.reclaim_by_tier[tier] = self.reclaim_by_tier.get(tier, 0) + k
+        for cid, k in asks.items():
             self.stats["reclaim_sent"] += 1
-            self._send(victim, {"type": "RECLAIM", "n": k})
+            self._send(self._clients[cid], {"type": "RECLAIM", "n": k})
         self._serve_pending()
+
+    def _on_report(self, client: _Client, msg: dict) -> None:
+        client.idle, client.headroom, client.busy = msg["idle"], msg["headroom"], msg["busy"]
 
     def _on_return(self, client: _Client, msg: dict) -> None:
         ids = msg["chunks"]

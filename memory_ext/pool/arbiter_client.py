@@ -172,6 +172,20 @@ class ArbiterClient:
             self.backend.destroy_chunk(c)
         return len(chunks)
 
+    def report(self, idle: int, headroom: int, busy: bool) -> None:
+        """Tell the arbiter's policy what this client could give back (no reply; a malformed
+        report comes back as an ERROR, logged as a late reply)."""
+        with self._lock:
+            if self._dead is not None or self._closed:
+                raise ArbiterError(f"not connected to the arbiter ({self._dead or 'closed'})")
+            req_id = self._next_req
+            self._next_req += 1
+            msg = {"type": "REPORT", "req_id": req_id, "idle": idle, "headroom": headroom, "busy": busy}
+            try:
+                self._sock.send(proto.encode(msg))
+            except OSError as exc:
+                raise ArbiterError(f"sending REPORT failed: {exc}") from None
+
     def status(self) -> dict:
         reply = self._request({"type": "STATUS"}).reply
         return {k: v for k, v in reply.items() if k not in ("type", "req_id")}
@@ -306,6 +320,9 @@ class ArbiterClient:
             for c in chunks:
                 self._held[c.source_id] = c
         if w is None:
+            if msg["type"] == "ERROR":
+                log.error("arbiter client: the arbiter rejected a message: %s: %s", msg["field"], msg["message"])
+                return
             kept = False
             if self.on_late_reply is not None:
                 try:

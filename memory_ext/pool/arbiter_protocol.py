@@ -14,6 +14,11 @@ Client -> arbiter::
     {"type": "BORROW", "req_id": R, "n": 1..253, "owner": "kv"|"activation"|...}
     {"type": "RETURN", "req_id": R, "chunks": [arbiter chunk id, ...]}
     {"type": "STATUS", "req_id": R}
+    {"type": "REPORT", "req_id": R, "idle": int, "headroom": int, "busy": bool}   (no reply)
+
+``REPORT`` is the client's numbers for the arbiter's policy (chunks it could give back
+now, chunks of those its own queue wants to keep, whether it has work); the arbiter
+answers only a malformed one (ERROR).
 
 Arbiter -> client::
 
@@ -23,7 +28,7 @@ Arbiter -> client::
     {"type": "DENY",    "req_id": R, "reason": str, "available": int}
     {"type": "ACK",     "req_id": R, "returned": int}
     {"type": "STATUS",  "req_id": R, "budget": int, "created": int, "free": int,
-     "floor": int, "pending": int, "clients": [{...}, ...]}
+     "floor": int, "pending": int, "reclaim_by_tier": {tier: chunks}, "clients": [{...}, ...]}
     {"type": "RECLAIM", "n": int}                       (unsolicited)
     {"type": "ERROR",   "req_id": R|null, "field": str, "message": str}
 
@@ -41,7 +46,7 @@ from typing import Any
 
 from .ownership import Owner
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 1 << 16
 MAX_CHUNKS_PER_MESSAGE = 253  # SCM_MAX_FD: one GRANT carries at most this many fds
 MAX_RETURN_IDS = 4096
@@ -108,6 +113,20 @@ def _version(field: str, v: Any) -> None:
         raise ProtocolError(field, f"unsupported protocol version {v}, expected {PROTOCOL_VERSION}")
 
 
+def _counts(field: str, v: Any) -> None:
+    if not isinstance(v, dict) or not all(isinstance(k, str) and _is_count(n) for k, n in v.items()):
+        raise ProtocolError(field, "expected an object of non-negative ints")
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _bool(field: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise ProtocolError(field, f"expected true or false, got {type(v).__name__}")
+
+
 def _opt_req_id(field: str, v: Any) -> None:
     if v is not None:
         _int(0)(field, v)
@@ -126,6 +145,7 @@ CLIENT_SCHEMAS: dict[str, dict[str, Validator]] = {
     "BORROW": {"req_id": _REQ, "n": _int(1, MAX_CHUNKS_PER_MESSAGE), "owner": _owner},
     "RETURN": {"req_id": _REQ, "chunks": _ids(MAX_RETURN_IDS)},
     "STATUS": {"req_id": _REQ},
+    "REPORT": {"req_id": _REQ, "idle": _COUNT, "headroom": _COUNT, "busy": _bool},
 }
 
 SERVER_SCHEMAS: dict[str, dict[str, Validator]] = {
@@ -140,6 +160,7 @@ SERVER_SCHEMAS: dict[str, dict[str, Validator]] = {
         "free": _COUNT,
         "floor": _COUNT,
         "pending": _COUNT,
+        "reclaim_by_tier": _counts,
         "clients": _clients,
     },
     "RECLAIM": {"n": _int(1)},

@@ -13,6 +13,9 @@ arbiter:
   (or counted as a refusal); while one is outstanding, ``borrow`` asks nothing
   more and returns 0.
 * ``give_back(n)`` disowns up to ``n`` FREE chunks and returns them.
+* ``report(idle, headroom, busy)`` tells the arbiter's policy what this process
+  could give back; it is sent only when a number changed (at most every
+  ``REPORT_MIN_INTERVAL_S`` unless ``busy`` flips).
 * The arbiter's ``RECLAIM(n)`` only adds ``n`` to ``pending_reclaim``; the
   engine answers on its own thread (``take_pending_reclaim``, free memory,
   ``give_back``). It is never answered from the client's reclaim thread: the
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from ..vmm.base import PhysicalChunk, VmmBackend
 from .arbiter_client import ArbiterClient, ArbiterDenied, ArbiterError
@@ -38,8 +42,13 @@ log = logging.getLogger(__name__)
 
 
 class LentPool:
+    REPORT_MIN_INTERVAL_S = 0.05
+
     def __init__(self, socket_path, name: str, backend: VmmBackend, *, timeout: float = 30.0):
         self._lock = threading.Lock()
+        self._last_report: tuple | None = None
+        self._last_report_t = 0.0
+        self.reports_sent = 0
         self._pending_reclaim = 0
         self.borrowed_total = 0
         self.returned_total = 0
@@ -124,6 +133,23 @@ class LentPool:
                 self.returned_total += len(chunks)
         return len(chunks)
 
+    def report(self, idle: int, headroom: int, busy: bool) -> bool:
+        """Send the policy's numbers if they changed; returns whether a REPORT went out."""
+        now = time.monotonic()
+        numbers = (int(idle), int(headroom), bool(busy))
+        last = self._last_report
+        if numbers == last:
+            return False
+        if last is not None and last[2] == numbers[2] and now - self._last_report_t < self.REPORT_MIN_INTERVAL_S:
+            return False
+        try:
+            self.client.report(*numbers)
+        except ArbiterError:
+            return False
+        self._last_report, self._last_report_t = numbers, now
+        self.reports_sent += 1
+        return True
+
     def _on_reclaim(self, n: int) -> list[PhysicalChunk]:
         with self._lock:
             self.reclaim_requests += 1
@@ -147,6 +173,7 @@ class LentPool:
                 "pending_reclaim": self._pending_reclaim,
                 "late_grants": self.late_grants,
                 "outstanding": self._outstanding,
+                "reports_sent": self.reports_sent,
                 "held_chunks": len(self.client.held()),
                 "client_id": self.client.client_id,
             }

@@ -75,7 +75,7 @@ def _cmd_status(args) -> int:
 
 def _pool_dir(args):
     from sglang_memx.config import MemxConfig
-    from sglang_memx.elastic.setup import pool_dir
+    from sglang_memx.elastic.shared_pool import pool_dir
 
     return pool_dir(MemxConfig(elastic_kv=True, pool_dir=args.pool_dir))
 
@@ -128,9 +128,20 @@ def _cmd_pool_stop(args) -> int:
 
 def _cmd_version(args) -> int:
     from sglang_memx import __version__
-    from sglang_memx.runtime import upstream_version
+    from sglang_memx.upstream import version
 
-    print(f"sglang-memx {__version__} (upstream sglang {upstream_version()})")
+    supported = "supported" if version.is_supported(version.installed_sglang()) else "NOT supported"
+    print(
+        f"sglang-memx {__version__} (upstream sglang {version.installed_sglang()}, {supported}; "
+        f"supported range {version.SUPPORTED_SGLANG})"
+    )
+    return 0
+
+
+def _cmd_hooks(args) -> int:
+    from sglang_memx.hooks import hook_table
+
+    print(hook_table())
     return 0
 
 
@@ -184,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     pstop.add_argument("name")
     pstop.add_argument("--pool-dir", default=None)
     pstop.set_defaults(func=_cmd_pool_stop)
+
+    hooks = sub.add_parser("hooks", help="print the table of upstream targets memx hooks (Markdown)")
+    hooks.set_defaults(func=_cmd_hooks)
 
     ver = sub.add_parser("version", help="print versions")
     ver.set_defaults(func=_cmd_version)

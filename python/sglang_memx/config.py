@@ -277,6 +277,10 @@ class MemxConfig:
                 "through it); drop --disable-radix-cache or the host buffer",
             )
 
+    def requested_flags(self) -> list[str]:
+        """The ``--memx-*`` options (other than ``--memx-disable``) given a non-default value."""
+        return [f.option for f in MEMX_FLAGS if f.dest != "disabled" and getattr(self, f.dest) != f.default]
+
     @property
     def features(self) -> dict[str, bool]:
         """Which memx features are on in this process (names are stable API)."""

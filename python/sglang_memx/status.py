@@ -1,8 +1,8 @@
 """The /memx/status document.
 
-``scheduler_status`` runs inside a scheduler process and reads live numbers
-from it; ``status_document`` runs in the HTTP process and combines the
-per-rank answers. Both return JSON-ready builtins only.
+``scheduler_status`` runs inside a scheduler process and reads live numbers from it;
+``status_document`` runs in the HTTP process and combines the per-rank answers. Both
+return JSON-ready builtins only.
 """
 
 from __future__ import annotations
@@ -13,65 +13,48 @@ from typing import Any
 
 from sglang_memx import __version__
 from sglang_memx.config import MemxConfig
-from sglang_memx.runtime import upstream_version
+from sglang_memx.upstream import kv as up_kv
+from sglang_memx.upstream import radix as up_radix
+from sglang_memx.upstream import scheduler as up_sched
+from sglang_memx.upstream import version
 
 
 def _dtype_name(dtype) -> str | None:
     return None if dtype is None else str(dtype).replace("torch.", "")
 
 
-def kv_buffer_bytes(kvcache) -> int:
-    """Exact bytes of the pool's K/V buffers; falls back to upstream's GB figure."""
-    total = 0
-    for name in ("k_buffer", "v_buffer", "kv_buffer"):
-        buffers = getattr(kvcache, name, None)
-        if buffers is None:
-            continue
-        for t in buffers if isinstance(buffers, (list, tuple)) else [buffers]:
-            total += t.numel() * t.element_size()
-    if total:
-        return total
-    return int(round(float(getattr(kvcache, "mem_usage", 0.0)) * (1 << 30)))
-
-
 def kv_pool_status(scheduler) -> dict[str, Any]:
-    """Token accounting of the scheduler's KV pool (same formula as upstream's log line)."""
-    allocator = scheduler.token_to_kv_pool_allocator
-    capacity = int(scheduler.max_total_num_tokens)
-    available = int(allocator.available_size())
-    tree_cache = getattr(scheduler, "tree_cache", None)
-    evictable = int(tree_cache.evictable_size()) if tree_cache is not None else 0
+    """Token accounting of the scheduler's KV pool (the formula of upstream's log line)."""
+    allocator = up_sched.allocator(scheduler)
+    capacity = up_sched.logical_capacity_tokens(scheduler)
+    available = up_kv.available_tokens(allocator)
+    evictable = up_radix.evictable_tokens(up_sched.tree_cache(scheduler))
     used = capacity - available - evictable
-    kvcache = allocator.get_kvcache()
-    elastic = getattr(allocator, "_memx_elastic", None)
+    pool = up_kv.pool_description(allocator)
+    elastic = up_kv.elastic_of(allocator)
     return {
-        "kind": type(kvcache).__name__,
+        "kind": pool["kind"],
         "capacity_tokens": capacity,
         "used_tokens": used,
         "available_tokens": available,
         "evictable_tokens": evictable,
         "usage": round(used / capacity, 6) if capacity else 0.0,
-        "page_size": int(scheduler.page_size),
-        "dtype": _dtype_name(getattr(kvcache, "dtype", None)),
-        "store_dtype": _dtype_name(getattr(kvcache, "store_dtype", None)),
-        "device": str(getattr(kvcache, "device", "unknown")),
-        "layers": getattr(kvcache, "layer_num", None),
-        "bytes": elastic.buffers.mapped_bytes if elastic is not None else kv_buffer_bytes(kvcache),
+        "page_size": up_sched.page_size(scheduler),
+        "dtype": _dtype_name(pool["dtype"]),
+        "store_dtype": _dtype_name(pool["store_dtype"]),
+        "device": pool["device"],
+        "layers": pool["layers"],
+        "bytes": elastic.buffers.mapped_bytes if elastic is not None else pool["bytes"],
     }
 
 
 def request_status(scheduler) -> dict[str, int]:
-    running = getattr(scheduler, "running_batch", None)
-    waiting = getattr(scheduler, "waiting_queue", None)
-    return {
-        "running": len(running.reqs) if running is not None and running.reqs is not None else 0,
-        "waiting": len(waiting) if waiting is not None else 0,
-    }
+    return {"running": len(up_sched.running_reqs(scheduler)), "waiting": len(up_sched.waiting(scheduler))}
 
 
 def elastic_status(allocator) -> dict[str, Any] | None:
     """Physical side of elastic KV: groups, bytes per owner, map/unmap counts, shared-pool traffic."""
-    kv = getattr(allocator, "_memx_elastic", None)
+    kv = up_kv.elastic_of(allocator)
     if kv is None:
         return None
     pool = kv.buffers.pool
@@ -80,10 +63,16 @@ def elastic_status(allocator) -> dict[str, Any] | None:
     doc["owners_bytes"] = {str(o).lower(): n * chunk for o, n in pool.usage().items()}
     doc["pool_capacity_bytes"] = pool.capacity_chunks * chunk
     doc["backend"] = pool.backend.counters()
-    doc["shared_pool"] = kv.lent.status() if kv.lent is not None else None
-    if kv.lent is not None:
-        doc["shared_pool"]["chunk_bytes"] = chunk
+    doc["shared_pool"] = None if kv.lent is None else dict(kv.lent.status(), chunk_bytes=chunk)
     return doc
+
+
+def hooks_status(config: MemxConfig) -> list[dict[str, Any]]:
+    """The hooks of the features on, and whether each is in force in this process."""
+    from sglang_memx.hooks import all_hook_specs
+    from sglang_memx.upstream.registry import report
+
+    return report(all_hook_specs(), [name for name, on in config.features.items() if on])
 
 
 def scheduler_status(scheduler, config: MemxConfig) -> dict[str, Any]:
@@ -93,8 +82,9 @@ def scheduler_status(scheduler, config: MemxConfig) -> dict[str, Any]:
         "features": config.features,
         "kv_pool": kv_pool_status(scheduler),
         "requests": request_status(scheduler),
+        "hooks": hooks_status(config),
     }
-    elastic = elastic_status(scheduler.token_to_kv_pool_allocator)
+    elastic = elastic_status(up_sched.allocator(scheduler))
     if elastic is not None:
         doc["elastic_kv"] = elastic
     if config.pool:
@@ -108,7 +98,8 @@ def status_document(config: MemxConfig, rank_states: list[dict[str, Any]]) -> di
     missing = [i for i, r in enumerate(ranks) if r is None]
     return {
         "memx_version": __version__,
-        "sglang_version": upstream_version(),
+        "sglang_version": version.installed_sglang(),
+        "sglang_supported": version.SUPPORTED_SGLANG,
         "enabled": not config.disabled,
         "features": config.features,
         "schedulers": [dict(r, dp_rank=i) for i, r in enumerate(ranks) if r is not None],

@@ -85,7 +85,7 @@ def test_shrink_keeps_a_live_tensor_mapped(setup):
 
 
 def test_balloon_reserve_and_lend_on_cuda(setup):
-    from sglang_memx.elastic.activation import ActivationBalloon
+    from memory_ext.pool.activation_balloon import ActivationBalloon
 
     backend, pool, arena, mempool = setup
     balloon = ActivationBalloon(pool, ActivationProfile(per_token_bytes=64 << 10), arena=arena, mempool=mempool)

@@ -57,7 +57,7 @@ import contextlib, io, json, pickle, sys
 from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.server_args import prepare_server_args
-from sglang_memx.runtime import config_of
+from sglang_memx.upstream.server_args import config_of
 results = []
 for argv in json.loads(sys.argv[1]):
     err = io.StringIO()

@@ -1,8 +1,13 @@
 """The embedded SmolLM2-135M-Instruct through real SGLang on CPU, memx vs stock.
 
-This is what `scripts/serve.sh` serves; the chat answer is checked for
-content, and greedy outputs must be identical with the plugin filtered out.
+This is what `scripts/serve.sh` serves, with its memx features on (elastic KV and the
+host buffer); the chat answer is checked for content, and greedy outputs (chat, generate,
+frontend-language programs) must be identical with the plugin filtered out.
 """
+
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -16,11 +21,20 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Water boils at"]
 
 
+SERVE_FEATURES = ["--memx-elastic-kv", "--memx-host-buffer-gb", "1"]  # scripts/serve.sh's defaults
+
+
+def test_serve_script_serves_with_these_features():
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "serve.sh").read_text()
+    default = re.search(r'MEMX_FEATURES="\$\{MEMX_FEATURES-"([^"]*)"\}"', script)
+    assert default and shlex.split(default.group(1)) == SERVE_FEATURES
+
+
 @pytest.fixture(scope="module")
 def servers():
     model = prepare_embedded_model()
     extra = ["--served-model-name", NAME]
-    memx = SGLangServer(model, name="smollm2-memx", max_total_tokens=8192, extra_args=extra)
+    memx = SGLangServer(model, name="smollm2-memx", max_total_tokens=8192, extra_args=extra + SERVE_FEATURES)
     stock = SGLangServer(model, name="smollm2-stock", stock=True, max_total_tokens=8192, extra_args=extra)
     start_all([memx, stock])
     yield memx, stock
@@ -63,8 +77,40 @@ def test_prefix_cache_hit_gives_same_answer(servers):
 
 def test_status_reports_the_embedded_model_pool(servers):
     memx, _ = servers
-    pool = memx.request("/memx/status")["schedulers"][0]["kv_pool"]
+    rank = memx.request("/memx/status")["schedulers"][0]
+    pool, elastic = rank["kv_pool"], rank["elastic_kv"]
     assert pool["capacity_tokens"] == 8192 and pool["layers"] == 30
-    # SmolLM2-135M: 30 layers, 3 KV heads x 64 dims, K and V, bf16.
-    assert pool["bytes"] >= 8192 * 30 * 2 * 3 * 64 * 2
+    # SmolLM2-135M: 30 layers, 3 KV heads x 64 dims, K and V, bf16: the logical size; mapped is what is used
+    assert elastic["logical_bytes"] >= 8192 * 30 * 2 * 3 * 64 * 2
+    assert pool["bytes"] == elastic["mapped_bytes"] <= elastic["logical_bytes"]
     assert pool["used_tokens"] + pool["available_tokens"] + pool["evictable_tokens"] == 8192
+    assert rank["features"] == {"status_endpoint": True, "elastic_kv": True, "shared_pool": False,
+                                "host_buffer": True}  # fmt: skip
+    assert rank["hooks"] and all(h["in_force"] for h in rank["hooks"])
+
+
+def test_frontend_language_with_memx_features_on(servers):
+    """fork, select, regex-constrained gen and run_batch through ``RuntimeEndpoint``: same as stock."""
+    import sglang as sgl
+
+    @sgl.function
+    def program(s, topic):
+        s += sgl.user(f"Give two facts about {topic}.")
+        s += sgl.assistant_begin()
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f"Fact {i + 1}:" + sgl.gen("fact", max_tokens=12, temperature=0)
+        s += "Facts: " + forks[0]["fact"] + forks[1]["fact"] + " Is that right? "
+        s += sgl.select("verdict", choices=["yes", "no"])
+        s += " Year:" + sgl.gen("year", max_tokens=6, temperature=0, regex=r" [12][0-9]{3}")
+        s += sgl.assistant_end()
+
+    results = {}
+    for server in servers:
+        backend = sgl.RuntimeEndpoint(server.url)
+        states = program.run_batch([{"topic": "Paris"}, {"topic": "water"}], backend=backend)
+        results[server.name] = [(st.text(), st["verdict"], st["year"]) for st in states]
+        for _, verdict, year in results[server.name]:
+            assert verdict in ("yes", "no") and re.fullmatch(r" [12][0-9]{3}", year), (verdict, year)
+    memx, stock = servers
+    assert results[memx.name] == results[stock.name]

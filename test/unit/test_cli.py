@@ -8,7 +8,9 @@ from support.server import free_port
 
 def test_version(capsys):
     assert main(["version"]) == 0
-    assert capsys.readouterr().out.strip() == "sglang-memx 0.1.0 (upstream sglang 0.5.23)"
+    assert capsys.readouterr().out.strip() == (
+        "sglang-memx 0.1.0 (upstream sglang 0.5.23, supported; supported range >=0.5.23,<0.5.24)"
+    )
 
 
 def test_models_tiny_writes_a_model(tmp_path, capsys):

@@ -10,6 +10,7 @@ import torch
 from memory_ext.pool import ChunkPool, LayeredKVBuffers, Owner
 from memory_ext.vmm import host_backend
 from sglang_memx.elastic.kv import ElasticKV
+from sglang_memx.upstream.kv import free_page_count
 
 CHUNK = 4096
 ROW = 64  # bytes per token row per buffer -> 64 rows per chunk
@@ -33,7 +34,7 @@ def _make(page_size, num_tokens=1024, capacity_chunks=1000, buffers=4):
 
 
 def _avail(kv, alloc):
-    return kv.free_page_count(alloc) + kv.growable_pages()
+    return free_page_count(alloc) + kv.growable_pages()
 
 
 def test_free_list_starts_with_group_zero_only():
@@ -120,7 +121,7 @@ def test_check_catches_a_free_page_in_an_unmapped_group():
 # ------------------------------------------------------------ activation ballooning
 def _with_balloon(per_token_bytes, capacity_chunks):
     from memory_ext.policy.activation import ActivationProfile
-    from sglang_memx.elastic.activation import ActivationBalloon
+    from memory_ext.pool.activation_balloon import ActivationBalloon
 
     kv, alloc, pool, backend = _make(1, capacity_chunks=capacity_chunks)
     kv.activation = ActivationBalloon(pool, ActivationProfile(per_token_bytes=per_token_bytes))
@@ -128,7 +129,7 @@ def _with_balloon(per_token_bytes, capacity_chunks):
 
 
 def test_activation_takes_free_chunks_and_kv_inflates_into_idle_ones():
-    from sglang_memx.elastic.driver import reserve_activation
+    from sglang_memx.elastic.ballooning import reserve_activation
 
     kv, alloc, pool = _with_balloon(CHUNK, capacity_chunks=4 * 4)  # group 0 + 12 free chunks
     assert reserve_activation(kv, alloc, None, tokens=8, seqs=1)  # 8 chunks
@@ -143,7 +144,7 @@ def test_activation_takes_free_chunks_and_kv_inflates_into_idle_ones():
 
 
 def test_activation_deflates_free_kv_lazily_and_refuses_what_cannot_fit():
-    from sglang_memx.elastic.driver import reserve_activation
+    from sglang_memx.elastic.ballooning import reserve_activation
 
     kv, alloc, pool = _with_balloon(CHUNK, capacity_chunks=4 * 4)
     kv.grow(alloc, 63 + 3 * 64)  # KV maps everything
@@ -164,7 +165,7 @@ def test_activation_deflates_free_kv_lazily_and_refuses_what_cannot_fit():
 def test_a_budget_without_room_for_one_prefill_batch_is_refused_naming_the_flag():
     from memory_ext.policy.activation import ActivationProfile
     from sglang_memx.config import MemxConfig, MemxConfigError
-    from sglang_memx.elastic.setup import build_elastic_kv
+    from sglang_memx.elastic.build import build_elastic_kv
 
     profile = ActivationProfile(per_token_bytes=CHUNK)  # one chunk per token
     config = MemxConfig(elastic_kv=True, chunk_kb=4, pool_budget_gb=12 * CHUNK / (1 << 30))  # 12 chunks
@@ -179,7 +180,7 @@ def test_a_budget_without_room_for_one_prefill_batch_is_refused_naming_the_flag(
 def test_demand_counts_the_rest_of_a_chunked_prompt():
     """A request mid chunked-prefill is in no batch; its remaining prompt and decode still need
     memory (a shared-pool server once gave that memory back and crashed on the next chunk)."""
-    from sglang_memx.elastic.driver import head_prefill_tokens, running_demand_tokens
+    from sglang_memx.elastic.demand import head_prefill_tokens, running_demand_tokens
 
     def req(prompt, out, max_new, allocated):
         return types.SimpleNamespace(
@@ -200,7 +201,9 @@ def test_demand_counts_the_rest_of_a_chunked_prompt():
         chunked_prefill_size=64,
     )
     assert running_demand_tokens(sched) == (64 - 10) + (180 - 128 + 64)
-    assert head_prefill_tokens(sched) == 52  # the chunked request's last chunk comes before any waiting one
+    assert (
+        head_prefill_tokens(sched, types.SimpleNamespace(host=None)) == 52
+    )  # the chunked request's last chunk comes before any waiting one
 
 
 # ------------------------------------------------ activation arena (the CUDA layout, on host chunks)
@@ -219,9 +222,9 @@ class _FakeMemPool:
 
 def test_balloon_with_arena_maps_what_it_holds_and_lends_only_unpinned_chunks():
     from memory_ext.policy.activation import ActivationProfile
+    from memory_ext.pool.activation_balloon import ActivationBalloon
     from memory_ext.pool.segment_arena import SegmentArena, load_library
-    from sglang_memx.elastic.activation import ActivationBalloon
-    from sglang_memx.elastic.driver import reserve_activation
+    from sglang_memx.elastic.ballooning import reserve_activation
 
     lib = load_library()
     kv, alloc, pool, backend = _make(1, capacity_chunks=4 * 4)  # groups of 4 chunks
@@ -262,7 +265,7 @@ def test_balloon_with_arena_maps_what_it_holds_and_lends_only_unpinned_chunks():
 def test_activation_arena_is_cuda_only_optional_and_degrades_with_a_warning(caplog, monkeypatch):
     import memory_ext.pool.segment_arena as segment_arena
     from sglang_memx.config import MemxConfig
-    from sglang_memx.elastic.setup import activation_arena
+    from sglang_memx.elastic.build import activation_arena
 
     cpu = host_backend(CHUNK)
     try:

@@ -3,38 +3,30 @@
 import types
 
 from sglang_memx.config import MemxConfig
-from sglang_memx.elastic.host_buffer import build_host_buffer, observe_slos
+from sglang_memx.elastic import slo
+from sglang_memx.elastic.host_buffer import build_host_buffer
+from support.fakes import FakeReq, FakeScheduler
 
 UNIT = 1 << 20  # one KV group = 1 MiB
 
 
-class _Mode:
-    def __init__(self, decode):
-        self.decode = decode
-
-    def is_decode(self):
-        return self.decode
-
-
 def _req(outputs=0):
-    return types.SimpleNamespace(output_ids=[0] * outputs)
+    return FakeReq(outputs=outputs)
 
 
 def _scheduler(waiting=(), running=(), decode=True):
-    batch = types.SimpleNamespace(reqs=list(running), forward_mode=_Mode(decode))
-    return types.SimpleNamespace(waiting_queue=list(waiting), running_batch=batch, last_batch=batch)
+    return FakeScheduler(waiting=waiting, running=running, decode=decode)
 
 
 def _state():
     config = MemxConfig(elastic_kv=True, host_buffer_gb=64 * UNIT / (1 << 30), ttft_slo_ms=100, tpot_slo_ms=10)
-    kv = types.SimpleNamespace(host=build_host_buffer(config, UNIT))
-    return kv
+    return types.SimpleNamespace(host=build_host_buffer(config, UNIT))
 
 
 def test_without_slos_the_whole_buffer_is_logical():
     config = MemxConfig(elastic_kv=True, host_buffer_gb=64 * UNIT / (1 << 30))
     state = build_host_buffer(config, UNIT)
-    assert state.scaler is None and state.buffer.logical_bytes == 64 * UNIT
+    assert state.rule is None and state.buffer.logical_bytes == 64 * UNIT
 
 
 def test_ttft_misses_grow_and_tpot_misses_shrink_the_logical_buffer():
@@ -44,18 +36,18 @@ def test_ttft_misses_grow_and_tpot_misses_shrink_the_logical_buffer():
     t = 0.0
     for _ in range(3):  # three requests wait 0.5 s (> 100 ms) for their first token; decode steps are fast
         r = _req()
-        observe_slos(kv, _scheduler(waiting=[r]), now=t)
+        slo.observe(kv, _scheduler(waiting=[r]), now=t)
         r.output_ids.append(1)
         t += 0.5
-        observe_slos(kv, _scheduler(running=[r], decode=False), now=t)
-    assert host.events["ttft"] >= 1 and host.buffer.logical_bytes > UNIT
+        slo.observe(kv, _scheduler(running=[r], decode=False), now=t)
+    assert host.rule.events["ttft"] >= 1 and host.buffer.logical_bytes > UNIT
     grown = host.buffer.logical_bytes
     slow = _req(1)
     for _ in range(5):  # a running request gets one token per 50 ms (> 10 ms TPOT SLO)
         t += 0.05
         slow.output_ids.append(1)
-        observe_slos(kv, _scheduler(running=[slow]), now=t)
-    assert host.events["tpot"] >= 1 and host.buffer.logical_bytes < grown
+        slo.observe(kv, _scheduler(running=[slow]), now=t)
+    assert host.rule.events["tpot"] >= 1 and host.buffer.logical_bytes < grown
     st = host.status()["slo_scaling"]
     assert st["ttft_slo_s"] == 0.1 and st["tpot_slo_s"] == 0.01 and st["unit_bytes"] == UNIT
 
@@ -67,15 +59,15 @@ def test_sparse_first_tokens_still_count_as_a_violation():
     t, fast = 0.0, _req(1)
     for _i in range(3):
         r = _req()
-        observe_slos(kv, _scheduler(waiting=[r], running=[fast]), now=t)
+        slo.observe(kv, _scheduler(waiting=[r], running=[fast]), now=t)
         for _ in range(10):  # fast decode steps in between: 1 ms per token, no first token
             t += 0.001
             fast.output_ids.append(1)
-            observe_slos(kv, _scheduler(running=[fast]), now=t)
+            slo.observe(kv, _scheduler(running=[fast]), now=t)
         r.output_ids.append(1)
         t += 0.5
-        observe_slos(kv, _scheduler(running=[fast, r], decode=False), now=t)
-    assert kv.host.events == {"ttft": 1, "tpot": 0}
+        slo.observe(kv, _scheduler(running=[fast, r], decode=False), now=t)
+    assert kv.host.rule.events == {"ttft": 1, "tpot": 0}
     assert kv.host.buffer.logical_bytes == 2 * UNIT  # grown by alpha = 2
 
 
@@ -83,7 +75,7 @@ def test_an_offloaded_prefill_waiting_for_decode_counts_in_tpot():
     """The wait between a parked request's first and second token is a TPOT sample."""
     kv = _state()
     r = _req(1)
-    observe_slos(kv, _scheduler(running=[r]), now=0.0)
+    slo.observe(kv, _scheduler(running=[r]), now=0.0)
     r.output_ids.append(1)
-    observe_slos(kv, _scheduler(running=[r]), now=2.0)
-    assert kv.host.scaler.window_misses() == (0, 1)
+    slo.observe(kv, _scheduler(running=[r]), now=2.0)
+    assert kv.host.rule.scaler.window_misses() == (0, 1)

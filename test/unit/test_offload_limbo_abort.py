@@ -3,28 +3,23 @@ back in the queue) is remembered by the abort hook and replayed once the request
 
 import types
 
-import sglang.srt.managers.schedule_batch as schedule_batch
-
 from sglang_memx.config import MemxConfig
 from sglang_memx.elastic import host_buffer
 from sglang_memx.elastic.host_buffer import build_host_buffer, park_offloaded_prefills
 from sglang_memx.hooks.scheduler import after_abort_request
+from sglang_memx.upstream import kv as up_kv
+from sglang_memx.upstream import request as up_req
+from sglang_memx.upstream import scheduler as up_sched
+from support.fakes import FakeReq, FakeScheduler
 
 
-class _Req:
-    def __init__(self, rid, outputs):
-        self.rid, self.output_ids, self._memx_offload_bytes = rid, [0] * outputs, 64
-
-    def finished(self):
-        return False
-
-
-class _Scheduler:
+class _Scheduler(FakeScheduler):
     def __init__(self, host):
-        self.token_to_kv_pool_allocator = types.SimpleNamespace(_memx_elastic=types.SimpleNamespace(host=host))
-        self.waiting_queue, self.aborts = [], []
-        self.last_batch = self.running_batch = self.chunked_req = None
-        self.req_to_token_pool = self.tree_cache = None
+        allocator = types.SimpleNamespace()
+        up_kv.attach_elastic(allocator, types.SimpleNamespace(host=host))
+        super().__init__(allocator=allocator)
+        self.running_batch = self.last_batch = None
+        self.aborts = []
 
     def _add_request_to_queue(self, req, is_retracted=False):
         self.waiting_queue.append(req)
@@ -34,13 +29,20 @@ class _Scheduler:
         self.waiting_queue = [r for r in self.waiting_queue if not r.rid.startswith(recv_req.rid)]
 
 
+def _offloaded(rid, outputs):
+    req = FakeReq(rid=rid, outputs=outputs)
+    up_req.memx_state(req).offload_bytes = 64
+    return req
+
+
 def test_an_abort_during_limbo_is_replayed_after_the_request_is_requeued(monkeypatch):
     host = build_host_buffer(MemxConfig(elastic_kv=True, host_buffer_gb=0.001), 4096)
     kv = types.SimpleNamespace(host=host)
     sched = _Scheduler(host)
-    monkeypatch.setattr(schedule_batch, "release_req", lambda **kw: True)
+    monkeypatch.setattr(up_sched, "release_req_kv", lambda scheduler, req: None)
+    monkeypatch.setattr(up_sched, "req_to_token_rows", lambda scheduler: None)
     monkeypatch.setattr(host_buffer, "park_kv", lambda *a: True)
-    waiting, aborted = _Req("keep", 1), _Req("gone", 0)  # "gone": its first token is not processed yet
+    waiting, aborted = _offloaded("keep", 1), _offloaded("gone", 0)  # "gone": its first token is not processed yet
     host.limbo += [waiting, aborted]
     host.pending_bytes = 128
     abort = types.SimpleNamespace(rid="gone", abort_all=False)

@@ -218,7 +218,7 @@ def _raw(sock, obj):
     return reply
 
 
-HELLO = {"type": "HELLO", "req_id": 1, "version": 1, "name": "raw", "pid": 1}
+HELLO = {"type": "HELLO", "req_id": 1, "version": proto.PROTOCOL_VERSION, "name": "raw", "pid": 1}
 
 BEFORE_HELLO = [
     (b"not json", "message"),

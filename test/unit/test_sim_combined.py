@@ -6,12 +6,12 @@ from dataclasses import replace
 import pytest
 
 from benchmark.sim import load_scenario
-from benchmark.sim.combined import AVAILABLE, mechanism_counters
-from benchmark.sim.node_arbiter import SimArbiter
-from benchmark.sim.oneiros_hook import OneirosHook, ledger_of
+from benchmark.sim.mechanisms.arbiter import SimArbiter, mechanism_counters
+from benchmark.sim.mechanisms.oneiros import OneirosHook, ledger_of
+from benchmark.sim.mechanisms.select_n import SelectNHook
+from benchmark.sim.mechanisms.swiftcache import SwiftCacheHook
+from benchmark.sim.registry import X1_AVAILABLE as AVAILABLE
 from benchmark.sim.runner import build_simulation
-from benchmark.sim.select_n_hook import SelectNHook
-from benchmark.sim.swiftcache_hook import SwiftCacheHook
 from memory_ext.policy.arbiter import AccountKey, Kind, Tier
 
 SCENARIO = "benchmark/sim/scenarios/combined_x1.yaml"
@@ -74,16 +74,20 @@ def runs():
     """The scenario's ``combined`` variant for 40 s, and the same variant
     under stress so that Oneiros acts within a short run: chat-a silent for
     the first 20 s (an idle model whose KV and then weights can be lent),
-    chat-b at a steady 100 req/s. (In the full 200 s scenario Oneiros remaps
-    only once chat-a falls idle in the drain.)"""
+    chat-b at a steady 100 req/s, and eLLM's literal Alg. 1 (``new_token_ratio:
+    0``: no decode reserve, so KV runs short and Alg. 1 inflates; with the
+    reserve eLLM keeps KV free and neither inflation nor Oneiros triggers).
+    (In the full 200 s scenario Oneiros remaps only once chat-a falls idle in
+    the drain.)"""
     sc = load_scenario(SCENARIO)
     spec = dict(sc.variants)["combined"]
     wl = list(spec.workloads)
     wl[0] = replace(wl[0], idle=((0.0, 20.0),))
     wl[1] = replace(wl[1], arrival=replace(wl[1].arrival, kind="poisson", rate=100.0))
+    alg1 = tuple(replace(m, scheduler_options={**m.scheduler_options, "new_token_ratio": 0}) for m in spec.models)
     return {
         "combined": _run(replace(spec, duration_s=40.0, drain_s=60.0)),
-        "stress": _run(replace(spec, duration_s=30.0, drain_s=30.0, workloads=tuple(wl))),
+        "stress": _run(replace(spec, duration_s=30.0, drain_s=30.0, workloads=tuple(wl), models=alg1)),
     }
 
 
@@ -103,12 +107,14 @@ def test_combined_run_uses_every_mechanism(runs):
     assert all(AVAILABLE.values())
     for name, (sim, _) in runs.items():
         c = mechanism_counters(sim)
-        assert c["ellm_inflation_blocks_max"] > 0, name
+        # eLLM acts: the literal Alg. 1 inflates (stress); with the decode reserve (the shipped
+        # scenario) its admission keeps room for the running requests' growth instead
+        assert c["ellm_inflation_blocks_max" if name == "stress" else "ellm_decode_reserve_blocks_max"] > 0, name
         assert c["swiftcache_lent_blocks_max"] > 0, name
         assert c["select_n_host_layers"] > 0, name
     assert mechanism_counters(runs["stress"][0])["oneiros_remaps"] > 0
     assert mechanism_counters(runs["combined"][0])["arbiter_surplus_gb"] > 0  # idle KV lent between chat models
-    st = runs["stress"][0].arbiter.report()
+    st = runs["stress"][0].arbiter.stats()["counters"]
     assert st["restore_drained_gb"] > 0  # the lender woke up and drained its layers back
 
 
@@ -143,7 +149,7 @@ def test_arbiter_lends_an_idle_models_kv_and_it_comes_back():
     for 30 s then busy. With the arbiter ``a`` borrows ``b``'s idle KV (down
     to b's 25 % floor); when ``b`` wakes up and runs short, its memory drains
     back as ``a`` frees it (a claim), and later ``a``'s idle KV goes to ``b``."""
-    from benchmark.sim.request import FINISHED
+    from benchmark.sim.core.request import FINISHED
     from benchmark.sim.scenario import parse_scenario
 
     d = {
@@ -178,3 +184,30 @@ def test_arbiter_lends_an_idle_models_kv_and_it_comes_back():
     assert max(c for t, c in cap_b if t > 30) > b.cfg.kv_blocks  # back, and more once a is idle
     assert all(r.state == FINISHED and r.finish_t is not None for r in sim.requests)
     assert chk.steps > 1000
+
+
+def test_arbiter_sees_ellm_decode_reserve_as_need_and_as_memory_in_use():
+    """Under the arbiter an eLLM model's decode reserve is part of what its queue
+    head needs (else the arbiter never lends to a model whose admission is blocked
+    by the reserve) and of its headroom (else the arbiter lends the reserve away
+    as surplus and the two chat models trade it back and forth)."""
+    sc = load_scenario(SCENARIO)
+    spec = replace(dict(sc.variants)["combined"], duration_s=15.0, drain_s=0.0)
+    sim = build_simulation(spec).run()  # stops with requests in flight
+    arb, pol = sim.arbiter, sim.arbiter.policy
+    checked = 0
+    for inst in sim.instances[:2]:
+        sched = inst.scheduler.inner
+        reserve = sched.admission_reserve_blocks(inst)
+        assert reserve == arb._admission_reserve(inst)
+        if inst.waiting and len(inst.running) < inst.cfg.max_running:
+            head = -(-inst.waiting[0].target // inst.kv.block_size)
+            assert arb._need(inst) == max(arb.low[inst.idx], head + reserve)
+        arb._sync(inst.cfg.gpu)
+        busy = bool(inst.waiting or inst.running)
+        expect = (arb.high[inst.idx] + reserve) * arb.bb[inst.idx] if busy else 0
+        assert pol.accounts[arb.kv_key(inst)].headroom == expect
+        checked += reserve > 0
+    assert checked  # some chat model had running requests to reserve for
+    moved = sum(pol.moved[t] for t in (Tier.RETURN, Tier.SURPLUS, Tier.IDLE_PEER))
+    assert moved < 100e9  # no ping-pong (it moved terabytes when the reserve was lendable)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmark.sim.metrics import weighted_percentile  # noqa: E402
-from benchmark.sim.request import FINISHED  # noqa: E402
+from benchmark.sim.core.request import FINISHED  # noqa: E402
+from benchmark.sim.core.stats import weighted_percentile  # noqa: E402
 from benchmark.sim.runner import build_simulation, run_spec  # noqa: E402
 from benchmark.sim.scenario import parse_scenario  # noqa: E402
 

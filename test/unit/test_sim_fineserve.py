@@ -1,6 +1,6 @@
 """FineServe in the simulator: KV slab sharing, placement (Alg. 1, Eq. 3)
 vs the Prism-like heuristic, EDF adaptive batching
-(benchmark/sim/fineserve_placement.py)."""
+(benchmark/sim/mechanisms/fineserve.py)."""
 
 import sys
 from dataclasses import replace
@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmark.sim import fineserve_placement as fp  # noqa: E402
+from benchmark.sim.mechanisms import fineserve as fp  # noqa: E402
 from benchmark.sim.runner import run_spec  # noqa: E402
 from benchmark.sim.scenario import load_scenario  # noqa: E402
 from memory_ext.policy.fineserve import blocks_per_slab, slab_bytes  # noqa: E402

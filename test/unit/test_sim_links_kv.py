@@ -7,9 +7,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmark.sim.events import EventLoop  # noqa: E402
-from benchmark.sim.kvcache import KVCache  # noqa: E402
-from benchmark.sim.links import Link  # noqa: E402
+from benchmark.sim.core.events import EventLoop  # noqa: E402
+from benchmark.sim.core.kvcache import KVCache  # noqa: E402
+from benchmark.sim.core.links import Link  # noqa: E402
 
 
 def _run(loop):

@@ -1,4 +1,4 @@
-"""Oneiros remapping hook in the simulator (benchmark/sim/oneiros_hook.py)."""
+"""Oneiros remapping hook in the simulator (benchmark/sim/mechanisms/oneiros.py)."""
 
 import copy
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmark.sim.oneiros_hook import OneirosHook, ledger_of  # noqa: E402
+from benchmark.sim.mechanisms.oneiros import OneirosHook, ledger_of  # noqa: E402
 from benchmark.sim.runner import build_simulation, run_spec  # noqa: E402
 from benchmark.sim.scenario import load_scenario, parse_scenario  # noqa: E402
 from memory_ext.policy.oneiros import model_limit  # noqa: E402

@@ -7,9 +7,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmark.sim.hardware import GPUS, gpu_spec  # noqa: E402
-from benchmark.sim.models import model_spec  # noqa: E402
-from benchmark.sim.roofline import BatchShape, Roofline  # noqa: E402
+from benchmark.sim.core.hardware import GPUS, gpu_spec  # noqa: E402
+from benchmark.sim.core.models import model_spec  # noqa: E402
+from benchmark.sim.core.roofline import BatchShape, Roofline  # noqa: E402
 
 
 def test_every_gpu_states_a_datasheet_source_and_sane_numbers():

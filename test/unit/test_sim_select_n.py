@@ -1,4 +1,4 @@
-"""Select-N / FlexGen-like offloading hooks in the simulator (benchmark/sim/select_n_hook.py)."""
+"""Select-N / FlexGen-like offloading hooks in the simulator (benchmark/sim/mechanisms/select_n.py)."""
 
 import copy
 import sys
@@ -9,9 +9,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from benchmark.sim.mechanisms.select_n import FlexGenStaticHook, SelectNHook, decode_layer_time, prefill_layer_time  # noqa: E402
 from benchmark.sim.runner import build_simulation, run_spec  # noqa: E402
 from benchmark.sim.scenario import load_scenario, parse_scenario  # noqa: E402
-from benchmark.sim.select_n_hook import FlexGenStaticHook, SelectNHook, decode_layer_time, prefill_layer_time  # noqa: E402
 from memory_ext.policy.select_n import LayerTiming, SloKind, offloaded_layers, optimal_interval  # noqa: E402
 
 BASE = {
@@ -90,7 +90,7 @@ def test_select_n_meets_slo_and_interval_one_does_not():
     h = sim.instances[0].hooks[0]
     h.interval, h.n_off = 1, h.L
     sim.run()
-    from benchmark.sim.metrics import summarize
+    from benchmark.sim.core.stats import summarize
 
     assert summarize(sim)["instances"]["m"]["slo"]["attainment"] < 0.5
 

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmark.sim.workload import (  # noqa: E402
+from benchmark.sim.core.workload import (  # noqa: E402
     LENGTH_PRESETS,
     ArrivalSpec,
     LengthDist,

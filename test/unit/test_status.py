@@ -6,7 +6,7 @@ import torch
 from fastapi import FastAPI
 
 from sglang_memx.config import MemxConfig
-from sglang_memx.hooks.http import add_status_route
+from sglang_memx.endpoints import add_status_routes as add_status_route
 from sglang_memx.hooks.scheduler import after_get_internal_state
 from sglang_memx.status import kv_pool_status, scheduler_status, status_document
 
@@ -23,14 +23,13 @@ class FakeAllocator:
 
 
 def fake_scheduler(capacity=1000, available=600, evictable=150, running=2, waiting=3):
-    kv = SimpleNamespace(
-        dtype=torch.bfloat16,
-        store_dtype=torch.bfloat16,
-        device="cpu",
-        layer_num=2,
-        k_buffer=[torch.zeros(capacity + 1, 2, 8, dtype=torch.bfloat16)] * 2,
-        v_buffer=[torch.zeros(capacity + 1, 2, 8, dtype=torch.bfloat16)] * 2,
-    )
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    kv = MHATokenToKVPool.__new__(MHATokenToKVPool)  # upstream's pool class, its buffers set by hand
+    kv.dtype = kv.store_dtype = torch.bfloat16
+    kv.device, kv.layer_num = "cpu", 2
+    kv.k_buffer = [torch.zeros(capacity + 1, 2, 8, dtype=torch.bfloat16)] * 2
+    kv.v_buffer = [torch.zeros(capacity + 1, 2, 8, dtype=torch.bfloat16)] * 2
     return SimpleNamespace(
         max_total_num_tokens=capacity,
         page_size=16,
@@ -47,8 +46,8 @@ def test_kv_pool_numbers_follow_upstream_formula():
     assert pool["used_tokens"] == 1000 - 600 - 150 == 250
     assert pool["usage"] == 0.25
     assert pool["page_size"] == 16 and pool["dtype"] == "bfloat16"
-    assert pool["bytes"] == 4 * 1001 * 2 * 8 * 2
-    assert pool["kind"] == "SimpleNamespace"
+    assert pool["bytes"] == 4 * 1001 * 2 * 8 * 2  # what the pool itself reports
+    assert pool["kind"] == "MHATokenToKVPool"
 
 
 def test_scheduler_status_counts_requests_and_features():

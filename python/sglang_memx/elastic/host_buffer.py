@@ -1,54 +1,46 @@
-"""CPU elastic buffer (eLLM E3/E4, ``--memx-host-buffer-gb``): KV that waits on the host.
+"""CPU elastic buffer (eLLM E3, ``--memx-host-buffer-gb``): KV that waits on the host.
 
 Two kinds of request keep their KV in a ``HostKVBuffer`` while they wait:
 
-* **Prefills offloaded at admission** (Alg. 1's CPU-buffer branch). When
-  upstream's admission refuses a new request because the running requests'
-  reserved decode tokens leave no room (``NO_TOKEN``), but its prompt fits the
-  device *now* and its KV fits the buffer's logical room, the admission hook
-  admits it against the physical budget only. After its prefill (first token
-  streamed), ``park_offloaded_prefills`` keeps it out of the running batch,
+* **Prefills offloaded at admission** (Alg. 1's CPU-buffer branch, decided in
+  ``elastic.admission``). After its prefill (first token streamed),
+  ``park_offloaded_prefills`` keeps the request out of the running batch,
   copies its KV to the host and puts it back at the front of the waiting
   queue, like a retraction that recomputes nothing. Under the overlap loop a
   prefill's result is processed one iteration after the next batch is
   scheduled, so the request waits one tick in ``limbo`` (excluded from the
   running batch, KV still held) until its first token is in.
-* **Retracted requests** (``park_kv``, called as upstream releases a
-  request it retracts): their committed KV is copied before upstream frees it.
+* **Retracted requests** (``park_kv``, called as upstream releases a request
+  it retracts): their committed KV is copied before upstream frees it.
 
 ``fetch_parked`` (once per iteration, before batch selection) puts parked KV
-back on the device for waiting requests, head first, when the device has room
-and the request's decode reservation fits: it allocates slots, copies the rows
-back and inserts them into the radix cache under the request's tokens
-(skipped when the cache still holds them). Upstream's admission then finds
-them as a cached prefix and computes only the last token. The entry stays
-until the request is admitted (``note_admitted``: taken if its prefix came
-from the device, dropped if it had to be recomputed), since cached pages may
-be evicted before that. Entries of requests that left the queue are dropped.
+back on the device for the first waiting request that has some, when the
+device has room and the request's decode reservation fits: it allocates
+slots, copies the rows back and inserts them into the radix cache under the
+request's tokens (skipped when the cache still holds them), then pins them
+with a radix lock until the request is admitted. Upstream's admission then
+finds them as a cached prefix and computes only the last token. The entry
+stays until the request is admitted (``note_admitted``: taken if its prefix
+came from the device, dropped if it had to be recomputed). Entries of
+requests that left the queue are dropped.
 
-``observe_slos``: with ``--memx-ttft-slo-ms``/``--memx-tpot-slo-ms`` the
-logical size follows eLLM Alg. 2 (``LogicalBufferScaler``, unit = one KV
-group's bytes, windows over the last 5 *samples*): TPOT violations shrink it
-first, TTFT violations grow it. A TTFT sample is one request's time from the
-first iteration that saw it waiting to the first that sees its first token; a
-TPOT sample is, per iteration, the mean over the requests that produced tokens
-of (time since their previous token) / (tokens produced), so the wait of an
-offloaded request between its first and second token counts. Without SLOs the
-logical size is the whole buffer.
-
-Needs the radix cache (the fetch goes through it).
+The buffer's logical size follows eLLM Alg. 2 when SLOs are given
+(``HostBufferState.rule``, fed by ``elastic.slo``). Needs the radix cache.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from array import array
 
 import torch
 
-from memory_ext.policy.ellm import LogicalBufferScaler
+from memory_ext.policy.ellm import HostBufferRule
 from memory_ext.pool.host_kv_buffer import HostKVBuffer
+from sglang_memx.elastic import demand
+from sglang_memx.upstream import kv as up_kv
+from sglang_memx.upstream import radix as up_radix
+from sglang_memx.upstream import request as up_req
+from sglang_memx.upstream import scheduler as up_sched
 
 logger = logging.getLogger("sglang_memx")
 
@@ -56,25 +48,32 @@ logger = logging.getLogger("sglang_memx")
 class HostBufferState:
     """The host buffer of one scheduler plus the prefills offloaded into it.
 
-    ``pending_bytes``: host bytes promised to offloaded prefills not parked yet
-    (admitted, or in ``limbo``); offload admission keeps ``used + pending``
-    within the logical size.
+    ``pending_bytes``: host bytes promised to offloaded prefills not parked yet (admitted, or
+    in ``limbo``); offload admission keeps ``used + pending`` within the logical size.
+    ``unit_bytes``: one KV group, the unit of Alg. 2's logical size.
     """
 
-    def __init__(self, buffer: HostKVBuffer, unit_bytes: int, scaler: LogicalBufferScaler | None = None):
+    def __init__(self, buffer: HostKVBuffer, unit_bytes: int, rule: HostBufferRule | None = None):
         self.buffer = buffer
         self.unit_bytes = unit_bytes
-        self.scaler = scaler
+        self.rule = rule
         self.limbo: list = []  # offloaded prefills out of every batch, their first token not processed yet
         self.pins: dict = {}  # rid -> radix-cache lock on a fetched prefix, held until the request is admitted
         self.pending_bytes = 0
         self.offload = {"prefill_offloads": 0, "offload_parked": 0, "offload_no_room": 0}
-        self.events = {"ttft": 0, "tpot": 0}
-        if scaler is not None:
-            buffer.set_logical_bytes(scaler.logical_chunks * unit_bytes)
+        if rule is not None:
+            buffer.set_logical_bytes(rule.logical_units * unit_bytes)
 
     def offload_room(self) -> int:
         return max(0, self.buffer.room() - self.pending_bytes)
+
+    def pinned_tokens(self, rid: str) -> int:
+        """Tokens of ``rid``'s parked KV that are back on the device and pinned (0 if none)."""
+        entry = self.buffer.peek(rid)
+        return len(entry) if entry is not None and rid in self.pins else 0
+
+    def set_logical_units(self, units: int) -> None:
+        self.buffer.set_logical_bytes(units * self.unit_bytes)
 
     def status(self) -> dict:
         out = self.buffer.status()
@@ -84,106 +83,74 @@ class HostBufferState:
             offload_pending_bytes=self.pending_bytes,
             pinned=len(self.pins),
         )
-        out["slo_scaling"] = (
-            None
-            if self.scaler is None
-            else {
-                "logical_units": self.scaler.logical_chunks,
-                "unit_bytes": self.unit_bytes,
-                "ttft_slo_s": self.scaler.ttft_slo,
-                "tpot_slo_s": self.scaler.tpot_slo,
-                "ttft_events": self.events["ttft"],
-                "tpot_events": self.events["tpot"],
-            }
-        )
+        rule = self.rule
+        out["slo_scaling"] = None if rule is None else {
+            "logical_units": rule.logical_units,
+            "unit_bytes": self.unit_bytes,
+            "ttft_slo_s": rule.scaler.ttft_slo,
+            "tpot_slo_s": rule.scaler.tpot_slo,
+            "ttft_events": rule.events["ttft"],
+            "tpot_events": rule.events["tpot"],
+        }  # fmt: skip
         return out
 
 
 def build_host_buffer(config, group_bytes: int) -> HostBufferState:
     capacity = int(config.host_buffer_gb * (1 << 30))
-    scaler = None
+    rule = None
     if config.ttft_slo_ms is not None:
-        scaler = LogicalBufferScaler(
-            max_chunks=max(1, capacity // group_bytes),
-            ttft_slo=config.ttft_slo_ms / 1e3,
-            tpot_slo=config.tpot_slo_ms / 1e3,
-            per_sample=True,
-        )
-    return HostBufferState(HostKVBuffer(capacity), group_bytes, scaler)
-
-
-def _kv_buffers(allocator):
-    pool = allocator.get_kvcache()
-    return list(pool.k_buffer) + list(pool.v_buffer)
-
-
-def kv_row_bytes(allocator) -> int:
-    """Bytes of one token's KV over every layer (what parking one token costs the host)."""
-    return sum(b[0].numel() * b.element_size() for b in _kv_buffers(allocator))
-
-
-def offload_eligible(req) -> bool:
-    """A new plain text request: no output yet, nothing parked, no logprobs, grammar, embeddings,
-    images, session, beam group or LoRA (their resume paths are not exercised here)."""
-    return (
-        len(req.output_ids) == 0
-        and not getattr(req, "is_retracted", False)
-        and not getattr(req, "return_logprob", False)
-        and getattr(req, "grammar", None) is None
-        and getattr(req, "input_embeds", None) is None
-        and getattr(req, "multimodal_inputs", None) is None
-        and getattr(req, "session", None) is None
-        and getattr(req, "beam_group", None) is None
-        and getattr(req, "lora_id", None) is None
-        and not req.finished()
-    )
+        rule = HostBufferRule(max(1, capacity // group_bytes), config.ttft_slo_ms / 1e3, config.tpot_slo_ms / 1e3)
+    return HostBufferState(HostKVBuffer(capacity), group_bytes, rule)
 
 
 def offload_bytes(req, allocator) -> int:
-    return len(req.full_untruncated_fill_ids) * kv_row_bytes(allocator)
+    return up_req.fill_len(req) * demand.kv_row_bytes(allocator)
 
 
 def mark_offloaded(kv, req, nbytes: int) -> None:
     """``req`` was admitted as an offloaded prefill: its KV goes to the host after the prefill."""
-    req._memx_offload_bytes = nbytes
+    up_req.memx_state(req).offload_bytes = nbytes
     kv.host.pending_bytes += nbytes
     kv.host.offload["prefill_offloads"] += 1
 
 
-def park_kv(kv, req, req_to_token_pool, allocator) -> bool:
+def is_offloaded(req) -> bool:
+    return up_req.memx_state(req).offload_bytes > 0
+
+
+def park_kv(kv, req, req_to_token_rows, allocator) -> bool:
     """Copy a request's committed KV to the host buffer (before it is freed); False: not kept."""
     host = kv.host
-    if host is None or req.finished() or getattr(req, "input_embeds", None) is not None:
+    if host is None or up_req.is_finished(req) or up_req.has_input_embeds(req):
         return False
-    if not req.kv.holds_kv or req.kv.req_pool_idx is None:
+    if not up_req.holds_kv(req) or up_req.req_pool_index(req) is None:
         return False
-    tokens = (list(req.origin_input_ids) + list(req.output_ids))[: req.owned_kv_len()]
-    n = len(tokens) - len(tokens) % allocator.page_size
+    tokens = (list(up_req.prompt_ids(req)) + list(up_req.output_ids(req)))[: up_req.owned_kv_len(req)]
+    n = len(tokens) - len(tokens) % up_kv.page_size(allocator)
     if n <= 0:
         return False
-    host.buffer.drop(req.rid)  # a stale entry of an earlier retraction
-    buffers = _kv_buffers(allocator)
-    if n * kv_row_bytes(allocator) > host.buffer.room():
+    rid = up_req.rid(req)
+    host.buffer.drop(rid)  # a stale entry of an earlier retraction
+    if n * demand.kv_row_bytes(allocator) > host.buffer.room():
         host.buffer.stats["refused"] += 1
         return False
-    idx = req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64)
-    pin = idx.device.type == "cuda"
-    rows = [b[idx].to("cpu", copy=True) for b in buffers]
-    if pin:
+    idx = req_to_token_rows[up_req.req_pool_index(req), :n].to(torch.int64)
+    rows = [b[idx].to("cpu", copy=True) for b in up_kv.kv_buffers(allocator)]
+    if idx.device.type == "cuda":
         rows = [r.pin_memory() for r in rows]
-    return host.buffer.park(req.rid, tokens[:n], rows)
+    return host.buffer.park(rid, tokens[:n], rows)
 
 
 def _requeue_ahead(scheduler, req) -> None:
     """Put a parked prefill back into the waiting queue ahead of requests that never ran
     (behind other resumed ones): it arrived before them and holds its first token already."""
-    scheduler._add_request_to_queue(req, is_retracted=True)
-    queue = scheduler.waiting_queue
+    up_sched.requeue_retracted(scheduler, req)
+    queue = up_sched.waiting(scheduler)
     if not queue or queue[-1] is not req:
         return  # aborted by a queue limit, or not a plain FIFO list
     queue.pop()
     at = 0
-    while at < len(queue) and len(queue[at].output_ids) > 0:
+    while at < len(queue) and up_req.output_len(queue[at]) > 0:
         at += 1
     queue.insert(at, req)
 
@@ -193,85 +160,69 @@ def park_offloaded_prefills(kv, scheduler) -> int:
     running batch) and, once their first token is processed, park their KV and requeue them.
     Returns how many were parked this call."""
     host = kv.host
-    if host is None:
-        return 0
-    last = getattr(scheduler, "last_batch", None)
-    if last is not None and last is not getattr(scheduler, "running_batch", None) and last.forward_mode.is_extend():
-        chunked = getattr(scheduler, "chunked_req", None)
-        done = [r for r in last.reqs if getattr(r, "_memx_offload_bytes", 0) and r is not chunked]
+    last = up_sched.unmerged_prefill_batch(scheduler)
+    if last is not None:
+        chunked = up_sched.chunked_req(scheduler)
+        done = [r for r in up_sched.batch_reqs(last) if is_offloaded(r) and r is not chunked]
         if done:
-            last.filter_batch(reqs_to_exclude=done)
+            up_sched.exclude_from_batch(last, done)
             host.limbo.extend(done)
     if not host.limbo:
         return 0
-    from sglang.srt.managers.schedule_batch import release_req
-
-    allocator = scheduler.token_to_kv_pool_allocator
+    allocator = up_sched.allocator(scheduler)
     parked = 0
     for req in list(host.limbo):
-        if not req.finished() and len(req.output_ids) == 0:
+        if not up_req.is_finished(req) and up_req.output_len(req) == 0:
             continue  # overlap loop: its prefill's result is processed after this tick
+        state = up_req.memx_state(req)
         host.limbo.remove(req)
-        host.pending_bytes -= req._memx_offload_bytes
-        req._memx_offload_bytes = 0
-        if req.finished():
+        host.pending_bytes -= state.offload_bytes
+        state.offload_bytes = 0
+        if up_req.is_finished(req):
             continue  # finished on its first token; upstream released its KV
         try:
-            kept = park_kv(kv, req, scheduler.req_to_token_pool, allocator)
+            kept = park_kv(kv, req, up_sched.req_to_token_rows(scheduler), allocator)
         except Exception:  # it is recomputed when it resumes, as a retracted request would be
-            logger.exception("memx: could not park the KV of offloaded prefill %s", req.rid)
+            logger.exception("memx: could not park the KV of offloaded prefill %s", up_req.rid(req))
             kept = False
-        release_req(
-            req=req,
-            remaing_req_count=0,
-            req_to_token_pool=scheduler.req_to_token_pool,
-            token_to_kv_pool_allocator=allocator,
-            tree_cache=scheduler.tree_cache,
-            hisparse_coordinator=getattr(scheduler, "hisparse_coordinator", None),
-            offload_kv=False,
-        )
+        up_sched.release_req_kv(scheduler, req)
         _requeue_ahead(scheduler, req)
         if kept:
             parked += 1
             host.offload["offload_parked"] += 1
-        abort = getattr(req, "_memx_pending_abort", None)
-        if abort is not None:  # aborted while in limbo: upstream aborts it from the queue now
-            req._memx_pending_abort = None
-            scheduler.abort_request(abort)
+        if state.pending_abort is not None:  # aborted while in limbo: upstream aborts it from the queue now
+            abort, state.pending_abort = state.pending_abort, None
+            up_sched.abort(scheduler, abort)
     return parked
+
+
+def remember_abort(kv, abort_req) -> None:
+    """An abort for an offloaded prefill in limbo (in no batch and not in the queue, for one
+    tick) would be missed; remember it, to be replayed once the request is back in the queue."""
+    for req in kv.host.limbo:
+        if up_req.abort_matches(abort_req, req):
+            up_req.memx_state(req).pending_abort = abort_req
 
 
 def _unpin(host, tree, rid) -> None:
     lock = host.pins.pop(rid, None)
     if lock is not None:
-        tree.unlock(lock)
+        up_radix.unlock(tree, lock)
 
 
-def note_admitted(kv, req, tree=None) -> None:
+def note_admitted(kv, req, tree) -> None:
     """``req`` was just admitted (upstream locked its prefix): its entry is consumed (taken if its
     prefix came back from the device, dropped if part of it has to be recomputed) and our pin goes."""
     host = kv.host
-    entry = host.buffer.peek(req.rid) if host is not None else None
+    rid = up_req.rid(req)
+    entry = host.buffer.peek(rid)
     if entry is None:
         return
-    if tree is not None:
-        _unpin(host, tree, req.rid)
-    if int(getattr(req, "prefix_len", 0) or 0) >= len(entry):
-        host.buffer.take(req.rid)
+    _unpin(host, tree, rid)
+    if up_req.cached_prefix_len(req) >= len(entry):
+        host.buffer.take(rid)
     else:
-        host.buffer.drop(req.rid)
-
-
-def _radix_key(req, tokens):
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
-    return RadixKey(array("q", tokens), req.extra_key, cache_salt=req.cache_salt)
-
-
-def _match(tree, req, tokens):
-    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-
-    return tree.match_prefix(MatchPrefixParams(key=_radix_key(req, tokens)))
+        host.buffer.drop(rid)
 
 
 def fetch_parked(kv, scheduler, decode_reserve_tokens: int = 0) -> bool:
@@ -282,105 +233,55 @@ def fetch_parked(kv, scheduler, decode_reserve_tokens: int = 0) -> bool:
     running requests' remaining decode; while the request's own reservation does not fit, nothing
     is fetched and its pin is released. Returns whether its KV is on the device now."""
     host = kv.host
-    if host is None or not len(host.buffer):
+    if not len(host.buffer):
         return False
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-
-    from sglang_memx.elastic.driver import _evict, remaining_new_tokens
-
-    waiting = list(getattr(scheduler, "waiting_queue", []))
-    allocator, tree = scheduler.token_to_kv_pool_allocator, scheduler.tree_cache
-    live = {r.rid for r in waiting} | {r.rid for r in host.limbo}
+    waiting = up_sched.waiting(scheduler)
+    allocator, tree = up_sched.allocator(scheduler), up_sched.tree_cache(scheduler)
+    live = {up_req.rid(r) for r in waiting} | {up_req.rid(r) for r in host.limbo}
     for key in host.buffer.keys():
         if key not in live:  # finished, aborted or admitted by a path that bypassed the hook
             _unpin(host, tree, key)
             host.buffer.drop(key)
-    req = next((r for r in waiting if r.rid in host.buffer), None)
+    req = next((r for r in waiting if up_req.rid(r) in host.buffer), None)
     if req is None:
         return False
-    entry = host.buffer.peek(req.rid)
-    n, page = len(entry), allocator.page_size
-    max_new = remaining_new_tokens(req)
-    pinned = host.pins.get(req.rid) is not None
+    rid = up_req.rid(req)
+    entry = host.buffer.peek(rid)
+    n, page = len(entry), up_kv.page_size(allocator)
+    pinned = host.pins.get(rid) is not None
     own = n if pinned else 0  # a pinned prefix is not evictable, but it is this request's own
-    if allocator.available_size() + int(tree.evictable_size()) + own - decode_reserve_tokens < max_new + 2 * page:
-        _unpin(host, tree, req.rid)  # it cannot be admitted now: let decode steps evict it if they must
+    room = up_kv.available_tokens(allocator) + up_radix.evictable_tokens(tree) + own - decode_reserve_tokens
+    if room < up_req.remaining_new_tokens(req) + 2 * page:
+        _unpin(host, tree, rid)  # it cannot be admitted now: let decode steps evict it if they must
         return False
-    match = _match(tree, req, entry.tokens)
-    if match.device_prefix_len >= n:
+    key = up_req.radix_key(req, entry.tokens)
+    matched, node = up_radix.match(tree, key)
+    if matched >= n:
         if not pinned:
-            host.pins[req.rid] = tree.lock(match.last_device_node)
+            host.pins[rid] = up_radix.lock(tree, node)
         return True
-    _unpin(host, tree, req.rid)
+    _unpin(host, tree, rid)
     # the held activation chunks (idle now) are not room for KV
-    act = kv.activation.held // kv.buffers.chunks_per_group * kv.buffers.group_rows if kv.activation else 0
-    short = n + page + act - allocator.available_size()
+    act = demand.activation_tokens(kv, kv.activation.held) if kv.activation else 0
+    short = n + page + act - up_kv.available_tokens(allocator)
     if short > 0:
-        _evict(tree, short)
-    if allocator.available_size() - act < n + page:
+        up_radix.evict(tree, short)
+    if up_kv.available_tokens(allocator) - act < n + page:
         return False
-    idx = allocator.alloc(n)
+    idx = up_kv.alloc_tokens(allocator, n)
     if idx is None:
         return False
-    for buf, rows in zip(_kv_buffers(allocator), entry.rows):
+    for buf, rows in zip(up_kv.kv_buffers(allocator), entry.rows):
         buf[idx] = rows.to(buf.device, non_blocking=True)
     try:
-        tree.insert(InsertParams(key=_radix_key(req, entry.tokens), value=idx.to(torch.int64, copy=True)))
+        up_radix.insert(tree, key, idx.to(torch.int64, copy=True))
     except Exception:  # never lose the request: it is recomputed as in stock SGLang
-        logger.exception("memx: could not restore the parked KV of %s; it is recomputed", req.rid)
-        allocator.free(idx)
-        host.buffer.drop(req.rid)
+        logger.exception("memx: could not restore the parked KV of %s; it is recomputed", rid)
+        up_kv.free_tokens(allocator, idx)
+        host.buffer.drop(rid)
         return False
-    host.buffer.record_fetch(req.rid)
-    match = _match(tree, req, entry.tokens)
-    if match.device_prefix_len >= n:
-        host.pins[req.rid] = tree.lock(match.last_device_node)
+    host.buffer.record_fetch(rid)
+    matched, node = up_radix.match(tree, key)
+    if matched >= n:
+        host.pins[rid] = up_radix.lock(tree, node)
     return True
-
-
-def _tpot_sample(scheduler, now: float) -> float | None:
-    """Mean over running requests that produced tokens since the last tick of their time per token."""
-    samples = []
-    batch = getattr(scheduler, "running_batch", None)
-    for req in list(getattr(batch, "reqs", None) or []):
-        count = len(req.output_ids)
-        prev = getattr(req, "_memx_last_out", None)
-        req._memx_last_out = (count, now) if prev is None or count != prev[0] else prev
-        if prev is not None and count > prev[0] >= 1:
-            samples.append((now - prev[1]) / (count - prev[0]))
-    return sum(samples) / len(samples) if samples else None
-
-
-def observe_slos(kv, scheduler, now: float | None = None) -> None:
-    """Alg. 2 steps from this iteration's TTFT samples (one per first token) and TPOT sample."""
-    host = kv.host
-    if host is None or host.scaler is None:
-        return
-    now = time.monotonic() if now is None else now
-    for req in list(getattr(scheduler, "waiting_queue", [])):
-        if getattr(req, "_memx_seen_at", None) is None:
-            req._memx_seen_at = now
-    ttfts, seen_ids = [], set()
-    candidates = [
-        r
-        for b in (getattr(scheduler, "running_batch", None), getattr(scheduler, "last_batch", None))
-        for r in list(getattr(b, "reqs", None) or [])
-    ]
-    # offloaded prefills get their first token out of every batch (limbo, then back in the queue)
-    candidates += list(host.limbo) + list(getattr(scheduler, "waiting_queue", []))
-    for req in candidates:
-        seen = getattr(req, "_memx_seen_at", None)
-        if id(req) in seen_ids or seen is None or getattr(req, "_memx_ttft_done", False):
-            continue
-        seen_ids.add(id(req))
-        if len(req.output_ids) >= 1:
-            req._memx_ttft_done = True
-            ttfts.append(now - seen)
-    decisions = [host.scaler.observe(ttft=t) for t in ttfts]
-    tpot = _tpot_sample(scheduler, now)
-    if tpot is not None:
-        decisions.append(host.scaler.observe(tpot=tpot))
-    for decision in decisions:
-        if decision.event:
-            host.events[decision.event] += 1
-    host.buffer.set_logical_bytes(host.scaler.logical_chunks * host.unit_bytes)

@@ -2,32 +2,36 @@
 
 Upstream's allocators (``TokenToKVPoolAllocator`` for page size 1,
 ``PagedTokenToKVPoolAllocator`` otherwise) hand out page ids from a free list
-(``free_pages`` plus pages staged by ``free``; ``merge_and_sort_free`` folds
-the staged ones in). With elastic KV the KV buffers are views over
+(plus pages staged by ``free``). With elastic KV the KV buffers are views over
 ``LayeredKVBuffers``, and this class maintains one invariant:
 
     every page id in the allocator's free lists, and every page a request
     holds, lies in a mapped group.
 
-Unmapped groups are simply absent from the free lists. Then upstream's page
-choice (any page of its free list) never touches a hole, whatever its
-allocation order. The controller moves pages in and out:
+Unmapped groups are simply absent from the free lists, so upstream's page
+choice (any page of its free list) never touches a hole. Pages move in and out:
 
-* ``grow(allocator, pages)`` maps the lowest unmapped groups (as the pool
-  allows) until the free list has ``pages`` pages, appending their pages;
-* ``shrink(allocator)`` removes every mapped group whose pages are *all*
-  free from the free list and unmaps it (returning its chunks to the pool),
-  keeping ``spare_groups`` such groups mapped for the next burst. Group 0
-  holds the padded page 0 (upstream's dummy-write slot) and is never unmapped;
-* ``growable_pages()`` is how many pages ``grow`` can add right now: the
-  scheduler's notion of "available" is ``free list + growable`` so admission
-  and retraction see physical memory, never a promise the pool cannot keep.
+* ``grow(allocator, pages, path)`` maps the lowest unmapped groups (as the pool
+  allows) until the free list has ``pages`` pages. ``path`` says who asked:
+  ``"request"`` (upstream's allocation, on the request path) or ``"premap"``
+  (memx's tick, before the batch is picked); ``map_calls[path]`` counts the
+  groups each mapped, and ``note_iteration`` attributes the request path's
+  maps to decode steps (``decode_steps``, ``decode_steps_with_map``,
+  ``decode_map_calls``).
+* ``refill(allocator, pages)`` is the premap: between iterations it maps
+  groups from FREE chunks only (never idle activation, which the next prefill
+  would take back) until ``pages`` free pages are ready, so a decode step finds
+  its pages mapped and the request path makes no map call.
+* ``shrink(allocator, spare_groups=...)`` unmaps mapped groups whose pages are
+  *all* free (highest first), keeping ``spare_groups`` of them mapped for the
+  next burst. Group 0 holds upstream's padded page 0 and is never unmapped.
+* ``growable_pages()`` is how many pages ``grow`` can add right now; the
+  scheduler's "available" is ``free list + growable``, so admission and
+  retraction see physical memory, never a promise the pool cannot keep.
 
 Page ``p`` covers token rows ``[p * page_size, (p + 1) * page_size)``; its
-group is ``p // group_pages``. Logical pages are ``1 .. num_pages`` (page 0
-is reserved), exactly the allocator's own range.
-
-Not thread-safe: called from the scheduler thread only (the pool is).
+group is ``p // group_pages``. Logical pages are ``1 .. num_pages``.
+Not thread-safe: called from the scheduler thread only.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ import torch
 
 from memory_ext.pool import CeilingExceeded, PoolExhausted
 from memory_ext.pool.layered_kv import LayeredKVBuffers
+from sglang_memx.upstream import kv as up_kv
+
+PATHS = ("request", "premap")
 
 
 class ElasticKV:
@@ -57,16 +64,17 @@ class ElasticKV:
         self.page_size = page_size
         self.num_pages = num_pages  # logical pages 1..num_pages
         self.group_pages = buffers.group_rows // page_size
-        self.spare_groups = spare_groups
+        self.spare_groups = spare_groups  # empty mapped groups kept ready while the server has work
         self.lent = lent  # LentPool when the pool is shared, else None
         self.activation = None  # ActivationBalloon sharing the pool, or None
         self.host = None  # HostBufferState (--memx-host-buffer-gb), or None
         self.device = device
-        last_page = num_pages  # highest logical page id
+        last_page = num_pages
         self.num_groups = last_page // self.group_pages + 1
         if self.num_groups > buffers.num_groups:
             raise ValueError(f"{self.num_groups} groups needed but the buffers have {buffers.num_groups}")
         self._last_group_pages = last_page - (self.num_groups - 1) * self.group_pages + 1
+        self.map_calls = dict.fromkeys(PATHS, 0)
         self.stats = {
             "grow_calls": 0,
             "groups_mapped_total": 0,
@@ -76,8 +84,12 @@ class ElasticKV:
             "unmap_seconds": 0.0,
             "max_map_seconds": 0.0,
             "max_unmap_seconds": 0.0,
+            "decode_steps": 0,
+            "decode_steps_with_map": 0,
+            "decode_map_calls": 0,
         }
-        # scheduler-side driver state (elastic.driver): borrow back-off, one-time length cap
+        self._request_maps_seen = 0
+        # scheduler-side state: borrow back-off (shared pool), one-time length cap
         self.borrow_backoff_until = 0.0
         self.borrow_backoff_s = 0.0
         self.lengths_capped = False
@@ -104,9 +116,10 @@ class ElasticKV:
         mapped = set(self.buffers.mapped_groups())
         return [g for g in range(self.num_groups) if g not in mapped]
 
-    def affordable_groups(self) -> int:
-        """Groups the pool could back right now (FREE chunks plus idle activation chunks)."""
-        idle = self.activation.idle() if self.activation is not None else 0
+    def affordable_groups(self, *, free_only: bool = False) -> int:
+        """Groups the pool could back right now: FREE chunks, plus idle activation chunks
+        unless ``free_only``."""
+        idle = self.activation.idle() if self.activation is not None and not free_only else 0
         return (self.buffers.pool.available() + idle) // self.buffers.chunks_per_group
 
     def growable_pages(self) -> int:
@@ -121,13 +134,6 @@ class ElasticKV:
             pages -= self.group_pages - self.usable_pages(last)
         return pages
 
-    @staticmethod
-    def free_page_count(allocator) -> int:
-        staged = getattr(allocator, "num_staged_pages", None)
-        if staged is None:
-            staged = len(allocator.release_pages)
-        return len(allocator.free_pages) + staged
-
     # ---------------------------------------------------------- mutations
     def _timed(self, kind: str, fn, groups) -> int:
         t0 = time.perf_counter()
@@ -140,18 +146,14 @@ class ElasticKV:
     def restrict_free_list(self, allocator) -> None:
         """After the allocator's ``clear()`` (every page free): unmap what may go, keep mapped pages only."""
         victims = [g for g in self.buffers.mapped_groups() if g != 0]
-        keep = victims[: self.spare_groups]
-        victims = victims[self.spare_groups :]
         if victims:
             self.stats["groups_unmapped_total"] += self._timed("unmap", self.buffers.unmap_groups, victims)
-        pages = [self.pages_of_group(g) for g in [0] + keep]
-        allocator.free_pages = torch.cat(pages)
-        if hasattr(allocator, "release_pages"):
-            allocator.release_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+        up_kv.set_free_pages(allocator, self.pages_of_group(0))
+        up_kv.clear_staged_frees(allocator, self.device)
 
-    def grow(self, allocator, pages_wanted: int) -> int:
+    def grow(self, allocator, pages_wanted: int, path: str = "request", *, free_only: bool = False) -> int:
         """Map groups until the free list holds ``pages_wanted`` pages (or the pool refuses); return groups mapped."""
-        missing = pages_wanted - self.free_page_count(allocator)
+        missing = pages_wanted - up_kv.free_page_count(allocator)
         if missing <= 0:
             return 0
         self.stats["grow_calls"] += 1
@@ -161,8 +163,8 @@ class ElasticKV:
                 break
             chosen.append(g)
             pages += self.usable_pages(g)
-        chosen = chosen[: self.affordable_groups()]
-        if chosen and self.activation is not None:  # inflation: KV takes idle activation chunks
+        chosen = chosen[: self.affordable_groups(free_only=free_only)]
+        if chosen and self.activation is not None and not free_only:  # inflation: KV takes idle activation
             self.activation.lend_to_kv(len(chosen) * self.buffers.chunks_per_group - self.buffers.pool.available())
         mapped: list[int] = []
         while chosen:
@@ -176,8 +178,24 @@ class ElasticKV:
         if not mapped:
             return 0
         self.stats["groups_mapped_total"] += len(mapped)
-        allocator.free_pages = torch.cat([allocator.free_pages] + [self.pages_of_group(g) for g in mapped])
+        self.map_calls[path] += len(mapped)
+        pages = [up_kv.free_pages(allocator)] + [self.pages_of_group(g) for g in mapped]
+        up_kv.set_free_pages(allocator, torch.cat(pages))
         return len(mapped)
+
+    def note_iteration(self, was_decode: bool) -> None:
+        """Once per scheduler iteration: attribute the request path's maps since the last call to
+        the batch that ran, if it was a decode step."""
+        maps = self.map_calls["request"] - self._request_maps_seen
+        self._request_maps_seen = self.map_calls["request"]
+        if was_decode:
+            self.stats["decode_steps"] += 1
+            self.stats["decode_map_calls"] += maps
+            self.stats["decode_steps_with_map"] += 1 if maps else 0
+
+    def refill(self, allocator, pages_wanted: int) -> int:
+        """Premap (off the request path): map groups from FREE chunks until ``pages_wanted`` pages are free."""
+        return self.grow(allocator, pages_wanted, "premap", free_only=True)
 
     def shrink(self, allocator, max_groups: int | None = None, spare_groups: int | None = None) -> int:
         """Unmap mapped groups whose pages are all free (highest first), keeping spares; return how many."""
@@ -190,9 +208,9 @@ class ElasticKV:
             victims = victims[:max_groups]
         if not victims:
             return 0
-        free = allocator.free_pages
+        free = up_kv.free_pages(allocator)
         drop = torch.isin(free // self.group_pages, torch.tensor(victims, dtype=torch.int64, device=free.device))
-        allocator.free_pages = free[~drop]
+        up_kv.set_free_pages(allocator, free[~drop])
         n = self._timed("unmap", self.buffers.unmap_groups, victims)
         self.stats["groups_unmapped_total"] += n
         return n
@@ -202,23 +220,23 @@ class ElasticKV:
 
         A group can only be empty if at least its usable pages are free: that skips the O(free pages) scan.
         """
-        if self.buffers.num_mapped <= 1 or self.free_page_count(allocator) < min(
+        if self.buffers.num_mapped <= 1 or up_kv.free_page_count(allocator) < min(
             self.group_pages, self._last_group_pages
         ):
             return []
-        allocator.merge_and_sort_free()
-        counts = torch.bincount(allocator.free_pages // self.group_pages, minlength=self.num_groups).tolist()
+        up_kv.merge_staged_frees(allocator)
+        counts = torch.bincount(up_kv.free_pages(allocator) // self.group_pages, minlength=self.num_groups).tolist()
         empty = [g for g in self.buffers.mapped_groups() if g != 0 and counts[g] == self.usable_pages(g)]
         return sorted(empty, reverse=True)
 
     # ------------------------------------------------------------ checks
     def logical_free_pages(self, allocator) -> int:
         """Free pages in the logical sense (mapped free + every page of unmapped groups)."""
-        return self.free_page_count(allocator) + sum(self.usable_pages(g) for g in self.unmapped_groups())
+        return up_kv.free_page_count(allocator) + sum(self.usable_pages(g) for g in self.unmapped_groups())
 
     def check(self, allocator) -> None:
         """Raise AssertionError if a free page lies outside the mapped groups (the class invariant)."""
-        pages = allocator.get_all_free_pages()
+        pages = up_kv.all_free_pages(allocator)
         if pages is None or pages.numel() == 0:
             return
         groups = torch.unique(pages // self.group_pages).tolist()
@@ -240,6 +258,7 @@ class ElasticKV:
             "chunk_bytes": b.pool.chunk_bytes,
             "chunks_per_group": b.chunks_per_group,
             "spare_groups": self.spare_groups,
+            "map_calls": dict(self.map_calls),
             **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()},
             "activation": self.activation.status() if self.activation is not None else None,
             "host_buffer": self.host.status() if self.host is not None else None,

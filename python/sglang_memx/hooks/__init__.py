@@ -1,41 +1,31 @@
 """Hooks into upstream SGLang, one module per upstream subsystem.
 
-Each hook module exposes ``HOOKS``: a tuple of ``HookSpec`` naming the dotted
-upstream target, the hook kind, the hook function and the leading parameter
-names the hook relies on. ``test/upstream_compat`` resolves every target in
-the pinned upstream and checks those parameters, so a pin bump that moves or
-reshapes a target fails there, not at serving time.
+Each hook module exposes ``HOOKS``: a tuple of ``upstream.registry.HookSpec`` naming
+the upstream target (declared in ``upstream.manifest.TARGETS`` with the leading
+parameters the hook relies on), the hook kind, the hook function, the memx feature
+that needs it and why. A hook is a few lines that call into memx's own modules.
+``test/upstream_compat`` resolves every target in the installed SGLang and checks
+its parameters; at start-up ``upstream.registry.verify`` checks that the hooks of
+every feature on are in force.
 
-Invariant: hook functions import sglang lazily (inside the function) or only
-from modules that upstream has already imported when the hook runs.
+Invariant: hook modules import sglang only through ``sglang_memx.upstream``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-from collections.abc import Callable
+
+from sglang_memx.upstream.registry import HookSpec, register
 
 HOOK_MODULES = (
     "sglang_memx.hooks.server_args",
+    "sglang_memx.hooks.http",
     "sglang_memx.hooks.scheduler",
     "sglang_memx.hooks.kv_cache",
     "sglang_memx.hooks.model_runner",
-    "sglang_memx.hooks.http",
 )
 
-
-@dataclasses.dataclass(frozen=True)
-class HookSpec:
-    target: str  # dotted path in upstream, e.g. "sglang.srt.server_args.ServerArgs.add_cli_args"
-    kind: str  # "before" | "after" | "around" | "replace" (HookRegistry's HookType names)
-    fn: Callable
-    expects: tuple[str, ...] = ()  # leading parameter names of the target the hook relies on
-    why: str = ""
-
-    def __post_init__(self):
-        if self.kind not in ("before", "after", "around", "replace"):
-            raise ValueError(f"kind: unknown hook kind {self.kind!r} for {self.target}")
+__all__ = ["HOOK_MODULES", "HookSpec", "all_hook_specs", "hook_table", "register_all", "verify_hooks"]
 
 
 def all_hook_specs() -> list[HookSpec]:
@@ -47,9 +37,31 @@ def all_hook_specs() -> list[HookSpec]:
 
 def register_all(specs: list[HookSpec] | None = None) -> int:
     """Register ``specs`` (default: all) with upstream's HookRegistry; returns the count."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    return register(all_hook_specs() if specs is None else specs)
 
-    specs = all_hook_specs() if specs is None else specs
-    for spec in specs:
-        HookRegistry.register(spec.target, spec.fn, HookType[spec.kind.upper()])
-    return len(specs)
+
+_verified: dict[tuple, list[dict]] = {}
+
+
+def verify_hooks(config) -> list[dict]:
+    """Check (once per process and feature set) that every hook of the features on is in force;
+    raises ``upstream.registry.HooksNotInForce`` naming the missing ones. Returns the report."""
+    from sglang_memx.upstream.registry import verify
+
+    on = tuple(sorted(name for name, enabled in config.features.items() if enabled))
+    if on not in _verified:
+        _verified[on] = verify(all_hook_specs(), on)
+    return _verified[on]
+
+
+def hook_table() -> str:
+    """The hooks as a Markdown table (``sglang-memx hooks``; ``docs/hooks.md`` holds its output)."""
+    specs = all_hook_specs()
+    rows = ["| upstream target | kind | feature | private | why |", "|---|---|---|---|---|"]
+    for s in specs:
+        target = s.target.removeprefix("sglang.srt.")
+        rows.append(f"| `{target}` | {s.kind} | {s.feature} | {'yes' if s.private else ''} | {s.why} |")
+    private = sum(s.private for s in specs)
+    rows.append("")
+    rows.append(f"{len(specs)} hooks on {len({s.target for s in specs})} upstream targets, {private} of them private.")
+    return "\n".join(rows)

@@ -1,64 +1,27 @@
 """Upstream subsystem: model executor (``sglang.srt.model_executor``).
 
-* ``ModelRunner.forward`` (around): with elastic KV, the activation profile is
-  measured on real forwards: the first few forwards after start-up (the
-  server's warm-up request among them) and later ones larger than any
-  measured so far, up to ``ActivationBalloon.MEASURE_LIMIT`` in all, run
-  under a ``PeakMeter`` (CUDA: allocator peak; CPU: allocations seen per
-  op). Each peak feeds ``ActivationProfile.observe``, which raises the
-  profile if the model needs more than its shapes predicted (never lowers it).
-  On CUDA with the activation arena, every forward runs inside
-  ``torch.cuda.use_mem_pool``: the tensors it allocates come from the pool's
-  activation chunks (``memory_ext.pool.segment_arena``).
+* ``ModelRunner.forward`` (around): with elastic KV and ballooning, the forward runs through
+  ``elastic.forward.run_forward``: the activation profile is measured on the first forwards
+  (and later larger ones), and on CUDA with the activation arena every forward allocates its
+  activations from the pool's chunks.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-
-from sglang_memx.hooks import HookSpec
-
-logger = logging.getLogger("sglang_memx")
+from sglang_memx.elastic.forward import run_forward
+from sglang_memx.upstream import model as up_model
+from sglang_memx.upstream.registry import HookSpec
 
 
 def around_forward(original, runner, forward_batch, *args, **kwargs):
-    kv = getattr(getattr(runner, "token_to_kv_pool_allocator", None), "_memx_elastic", None)
-    balloon = getattr(kv, "activation", None)
-    if balloon is None:
+    kv = up_model.runner_elastic(runner)
+    if kv is None or kv.activation is None:
         return original(runner, forward_batch, *args, **kwargs)
-    with balloon.mempool.use() if balloon.mempool is not None else contextlib.nullcontext():
-        return _measured_forward(original, balloon, runner, forward_batch, *args, **kwargs)
-
-
-def _measured_forward(original, balloon, runner, forward_batch, *args, **kwargs):
-    input_ids = getattr(forward_batch, "input_ids", None)
-    tokens = int(input_ids.numel()) if input_ids is not None else 0
-    if not balloon.wants_measurement(tokens):
-        return original(runner, forward_batch, *args, **kwargs)
-    from memory_ext.pool.activation_meter import PeakMeter
-
-    meter = PeakMeter(getattr(runner, "device", "cpu"))
-    try:
-        meter.__enter__()
-    except Exception:  # never let measuring break serving
-        logger.exception("memx: cannot measure activations; the profile stays as derived")
-        balloon.stop_measuring()
-        return original(runner, forward_batch, *args, **kwargs)
-    try:
-        out = original(runner, forward_batch, *args, **kwargs)
-    finally:
-        meter.__exit__(None, None, None)
-    balloon.record_measurement(tokens, int(getattr(forward_batch, "batch_size", 1) or 1), meter.peak_bytes)
-    return out
+    return run_forward(kv.activation, up_model.runner_device(runner), up_model.forward_shape(forward_batch),
+                       lambda: original(runner, forward_batch, *args, **kwargs))  # fmt: skip
 
 
 HOOKS = (
-    HookSpec(
-        "sglang.srt.model_executor.model_runner.ModelRunner.forward",
-        "around",
-        around_forward,
-        expects=("self", "forward_batch"),
-        why="measure the activation profile on the first forwards (eLLM ballooning)",
-    ),
-)
+    HookSpec("sglang.srt.model_executor.model_runner.ModelRunner.forward", "around", around_forward, "elastic_kv",
+             "measure the activation profile on real forwards; allocate activations from the pool (CUDA)"),
+)  # fmt: skip

@@ -1,10 +1,11 @@
 """Upstream subsystem: server arguments (``sglang.srt.server_args``).
 
-* ``ServerArgs.add_cli_args`` (after): adds the ``--memx-*`` group and makes the
-  parser reject bad memx values the argparse way (exit 2, flag named).
-* ``ServerArgs.from_cli_args`` (around): builds the validated ``MemxConfig`` and
-  attaches it to the ServerArgs record as ``_memx_config`` (a plain dict), which
-  upstream pickles into every process it starts.
+* ``ServerArgs.add_cli_args`` (after): adds the ``--memx-*`` group and makes the parser
+  reject bad memx values the argparse way (exit 2, flag named), including a memx feature
+  asked on an SGLang outside the supported range.
+* ``ServerArgs.from_cli_args`` (around): builds the validated ``MemxConfig``, checks that
+  the hooks of every feature on are in force in this (the launcher) process and attaches
+  the config to the ServerArgs record, which upstream pickles into every process it starts.
 """
 
 from __future__ import annotations
@@ -12,11 +13,23 @@ from __future__ import annotations
 import argparse
 import logging
 
+from sglang_memx import __version__
 from sglang_memx.config import MemxConfig, MemxConfigError, add_memx_arguments
-from sglang_memx.hooks import HookSpec
-from sglang_memx.runtime import attach_config, log_startup_line
+from sglang_memx.upstream import server_args as up_args
+from sglang_memx.upstream import version
+from sglang_memx.upstream.registry import HookSpec
 
 logger = logging.getLogger("sglang_memx")
+
+
+def check_namespace(ns: argparse.Namespace) -> MemxConfig:
+    """The validated config of a parsed command line (``MemxConfigError`` names the flag)."""
+    config = MemxConfig.from_namespace(ns)
+    requested = config.requested_flags()
+    if requested and not version.is_supported(version.installed_sglang()):
+        raise MemxConfigError(requested[0], version.unsupported_message(version.installed_sglang(), requested[0]))
+    config.check_server_args(up_args.radix_cache_disabled(ns))
+    return config
 
 
 def _validating_parse_args(parser: argparse.ArgumentParser):
@@ -25,7 +38,7 @@ def _validating_parse_args(parser: argparse.ArgumentParser):
     def parse_args(args=None, namespace=None):
         ns = original(args, namespace)
         try:
-            MemxConfig.from_namespace(ns).check_server_args(bool(getattr(ns, "disable_radix_cache", False)))
+            check_namespace(ns)
         except MemxConfigError as exc:
             parser.error(str(exc))  # prints usage + message, exits with status 2
         return ns
@@ -34,34 +47,37 @@ def _validating_parse_args(parser: argparse.ArgumentParser):
     return parse_args
 
 
-def after_add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
+def after_add_cli_args(result, parser: argparse.ArgumentParser):
     add_memx_arguments(parser)
-    if not getattr(parser.parse_args, "memx_validating", False):
+    if not getattr(parser.parse_args, "memx_validating", False):  # our marker on argparse's method
         parser.parse_args = _validating_parse_args(parser)
     return result
 
 
-def around_from_cli_args(original, cls, args: argparse.Namespace, *rest, **kwargs):
-    server_args = original(cls, args, *rest, **kwargs)
-    config = MemxConfig.from_namespace(args)
-    attach_config(server_args, config)
-    log_startup_line(config)
+def startup_line(config: MemxConfig) -> str:
+    on = [name for name, enabled in config.features.items() if enabled]
+    state = "disabled (--memx-disable)" if config.disabled else "active"
+    return (
+        f"sglang-memx {__version__} {state} on sglang {version.installed_sglang()}; "
+        f"features on: {', '.join(on) or 'none'}"
+    )
+
+
+def around_from_cli_args(original, cls, args: argparse.Namespace):
+    server_args = original(cls, args)
+    config = check_namespace(args)
+    if version.is_supported(version.installed_sglang()):
+        from sglang_memx.hooks import verify_hooks
+
+        verify_hooks(config)
+    up_args.attach_config(server_args, config)
+    logger.info(startup_line(config))
     return server_args
 
 
 HOOKS = (
-    HookSpec(
-        "sglang.srt.server_args.ServerArgs.add_cli_args",
-        "after",
-        after_add_cli_args,
-        expects=("parser",),
-        why="add and validate the --memx-* flags",
-    ),
-    HookSpec(
-        "sglang.srt.server_args.ServerArgs.from_cli_args",
-        "around",
-        around_from_cli_args,
-        expects=("cls", "args"),
-        why="carry the validated MemxConfig into every SGLang process",
-    ),
-)
+    HookSpec("sglang.srt.server_args.ServerArgs.add_cli_args", "after", after_add_cli_args, "flags",
+             "add and validate the --memx-* flags"),
+    HookSpec("sglang.srt.server_args.ServerArgs.from_cli_args", "around", around_from_cli_args, "flags",
+             "carry the validated MemxConfig into every SGLang process"),
+)  # fmt: skip

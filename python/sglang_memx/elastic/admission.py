@@ -1,0 +1,152 @@
+"""Admission of one waiting request into the batch being formed (eLLM Alg. 1 in the server).
+
+Upstream's ``PrefillAdder.add_one_req`` offers the waiting requests one by one. For each,
+memx asks the one admission rule, ``memory_ext.policy.ellm.admit_prefill`` (the rule the
+simulator's eLLM scheduler scans its queue with), with the server's numbers in KV tokens
+(``server_ask``):
+
+* budget: free + evictable KV (upstream's ``available + evictable``, which with elastic KV
+  counts FREE and idle activation chunks as growable) plus the activation already held live
+  for this batch;
+* reserved / reserved now: upstream's prefill budget offsets (the running requests' decode
+  reservation and the batch so far / what the batch occupies now);
+* the request's KV as upstream reserves it (the rest of its input, a page, its clipped
+  max_new) and, if offloaded, what its next chunk occupies on the device now,
+  the batch's activation with it, and, with a host buffer, what parking its KV would cost.
+
+``ON_GPU``: the batch's activation chunks are reserved (``ballooning``) and upstream's own
+admission runs (it may still refuse, e.g. on its request or token caps; then the offload
+branch is tried). ``OFFLOAD``: upstream's admission runs against the physical room only
+(``physical_check``) and the request's KV is parked after its prefill (``host_buffer``).
+``DEFER``: the request waits; a request whose KV waits on the host lets later requests
+prefill into the buffer, but none is admitted normally ahead of it (first come, first served).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memory_ext.policy.ellm import DEFER, OFFLOAD, ON_GPU, PrefillAsk, admit_prefill
+from sglang_memx.elastic import demand, host_buffer
+from sglang_memx.elastic.ballooning import reserve_activation
+from sglang_memx.upstream import request as up_req
+from sglang_memx.upstream import scheduler as up_sched
+
+NEVER_FITS = 1 << 62
+
+
+def _decode_headroom(adder) -> int:
+    """Device room an offloaded prefill leaves: one page per running request and one for itself."""
+    return up_sched.adder_page_size(adder) * (up_sched.adder_running_count(adder) + 1)
+
+
+def _paged(tokens: int, page: int) -> int:
+    return -(-tokens // page) * page
+
+
+def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool) -> PrefillAsk:
+    """The admission rule's inputs for ``req`` in this pass, in KV tokens."""
+    budget = up_sched.adder_budget(adder)
+    total, current = up_sched.budget_offsets(budget)
+    page = up_sched.adder_page_size(adder)
+    state = up_sched.adder_state(adder)
+    balloon = kv.activation
+    live = act = 0
+    if balloon is not None:
+        live = demand.activation_tokens(kv, balloon.live)
+        act = demand.activation_tokens(
+            kv, balloon.need_chunks(state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1)
+        )
+    offload_kv = room = 0
+    host = kv.host
+    if (host is not None and not has_chunked_req and not up_sched.adder_has_chunked(adder)
+            and up_req.is_plain_text_request(req) and up_sched.is_physical_budget(budget)):  # fmt: skip
+        row = demand.kv_row_bytes(up_sched.adder_allocator(adder))
+        offload_kv = up_req.fill_len(req)
+        room = host.offload_room() // row
+    return PrefillAsk(
+        budget=up_sched.budget_free(budget) + live,
+        reserved=total,
+        reserved_now=current + page * up_sched.adder_running_count(adder),  # + the running requests' next step
+        kv=demand.next_chunk_tokens(req, None) + page + up_req.remaining_new_tokens(req),  # whole rest, as upstream
+        kv_now=_paged(chunk, page) + page,
+        act=act,
+        offload_kv=offload_kv,
+        buffer_room=room,
+    )
+
+
+def add_one(original, adder, req, has_chunked_req, truncation_align_size, kv):
+    """``PrefillAdder.add_one_req`` with memx's admission rule in front (module docstring)."""
+    state = up_sched.adder_state(adder)
+    chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
+    ask = server_ask(kv, adder, req, chunk, has_chunked_req)
+    verdict = admit_prefill(ask)
+    if verdict == ON_GPU and state.behind_parked and up_req.is_plain_text_request(req):
+        verdict = admit_prefill(replace(ask, kv=NEVER_FITS))  # a parked request is ahead: buffer only
+    if verdict == DEFER:
+        return _defer(kv, adder, req, ask)
+    live_before = kv.activation.live if kv.activation is not None else None
+    allocator = up_sched.adder_allocator(adder)
+    if not reserve_activation(kv, allocator, None, state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1):
+        kv.activation.stats["deferred_requests"] += 1
+        return up_sched.add_result("NO_TOKEN")
+    if verdict == ON_GPU:
+        result = original(adder, req, has_chunked_req, truncation_align_size)
+        if not up_sched.adder_admitted(adder, req) and kv.host is not None:
+            if admit_prefill(replace(ask, kv=NEVER_FITS)) == OFFLOAD:  # upstream refused it: the buffer may not
+                result = _offload(original, adder, req, has_chunked_req, truncation_align_size, kv, ask)
+    else:
+        result = _offload(original, adder, req, has_chunked_req, truncation_align_size, kv, ask)
+    if not up_sched.adder_admitted(adder, req):
+        if live_before is not None:
+            kv.activation.live = live_before  # not admitted: its share goes back to idle (KV may take it)
+        return result
+    state.batch_tokens += chunk
+    if kv.host is not None:
+        host_buffer.note_admitted(kv, req, up_sched.adder_tree_cache(adder))
+    return result
+
+
+def _defer(kv, adder, req, ask: PrefillAsk):
+    host = kv.host
+    if host is not None and up_req.rid(req) in host.buffer:  # prefilled already, waiting for room to decode
+        up_sched.adder_state(adder).behind_parked = True
+        return up_sched.add_result("CONTINUE")  # requests behind it may still prefill into the buffer
+    if (
+        ask.offload_kv > ask.buffer_room
+        and admit_prefill(replace(ask, kv=NEVER_FITS, buffer_room=NEVER_FITS)) == OFFLOAD
+    ):
+        host.offload["offload_no_room"] += 1  # it would have prefilled, but the buffer is full
+    return up_sched.add_result("NO_TOKEN")
+
+
+def _offload(original, adder, req, has_chunked_req, truncation_align_size, kv, ask: PrefillAsk):
+    """Upstream's admission against the device's physical room; the KV is parked after the prefill."""
+    budget = up_sched.adder_budget(adder)
+    with up_sched.physical_check(budget, _decode_headroom(adder), up_req.remaining_new_tokens(req)):
+        original(adder, req, has_chunked_req, truncation_align_size)
+    if not up_sched.adder_admitted(adder, req):
+        return up_sched.add_result("NO_TOKEN")
+    host_buffer.mark_offloaded(kv, req, host_buffer.offload_bytes(req, up_sched.adder_allocator(adder)))
+    chunk_room = up_sched.adder_chunk_room(adder)
+    if up_sched.adder_input_room(adder) <= 0 or (chunk_room is not None and chunk_room <= 0):
+        return up_sched.add_result("OTHER")
+    if up_sched.budget_free(budget) - up_sched.budget_offsets(budget)[1] > _decode_headroom(adder):
+        return up_sched.add_result("CONTINUE")
+    return up_sched.add_result("NO_TOKEN")
+
+
+def add_chunk(original, adder, req, kv):
+    """``PrefillAdder.add_chunked_req``: the next chunk of a chunked prefill makes its activation
+    live (held since the tick), so KV cannot take it; it cannot wait (it holds KV), so a
+    shortfall is only counted. An offloaded prefill's chunks are sized by the physical room."""
+    allocator = up_sched.adder_allocator(adder)
+    if kv.activation is not None:
+        chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
+        if not reserve_activation(kv, allocator, None, chunk, 1):
+            kv.activation.stats["overcommitted_chunks"] += 1
+    if host_buffer.is_offloaded(req):
+        with up_sched.physical_check(up_sched.adder_budget(adder), _decode_headroom(adder), 0):
+            return original(adder, req)
+    return original(adder, req)

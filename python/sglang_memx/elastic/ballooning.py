@@ -1,0 +1,62 @@
+"""Activations and KV in one pool inside the server (eLLM E1/E2): the glue between the
+scheduler and ``memory_ext.pool.activation_balloon.ActivationBalloon``.
+
+``reserve_activation`` makes a batch's activation chunks held before the batch runs
+(from FREE, then idle KV: lazy deflation, ``plan_activation``); with a shared pool a
+shortfall is borrowed. ``hold_head_activation`` does it for the waiting head before
+batch selection, when evicting cached prefixes is safe.
+"""
+
+from __future__ import annotations
+
+from sglang_memx.elastic import demand
+from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
+from sglang_memx.elastic.shared_pool import borrow_tokens
+
+
+def reserve_activation(kv, allocator, tree, tokens: int, seqs: int, *, urgent: bool = False) -> bool:
+    """eLLM Alg. 1's ballooning for one batch: its activation chunks, from FREE, then idle KV.
+
+    ``tree`` None: only empty groups may be deflated, nothing evicted (queued requests hold
+    unlocked prefix matches during admission). With a shared pool a shortfall is then
+    borrowed: what the arbiter has free now, or, when ``urgent`` (a decode step that would
+    otherwise retract), letting it reclaim from peers. False: the batch does not fit with its
+    activation; nothing was taken.
+    """
+    balloon = kv.activation
+    if balloon is None or tokens <= 0:
+        return True
+    cpg = kv.buffers.chunks_per_group
+
+    def kv_idle() -> int:
+        return idle_kv_chunks(kv, allocator, tree)
+
+    def deflate(chunks: int) -> int:
+        return free_groups(kv, allocator, tree, -(-chunks // cpg)) * cpg
+
+    if balloon.reserve(tokens, seqs, kv_idle, deflate):
+        return True
+    if kv.lent is None:
+        return False
+    short = balloon.need_chunks(tokens, seqs) - balloon.held - kv.buffers.pool.available()
+    groups = -(-max(short, 1) // cpg)
+    if not borrow_tokens(kv, groups * kv.buffers.group_rows, may_wait=urgent, urgent=urgent):
+        return False
+    return balloon.reserve(tokens, seqs, kv_idle, deflate)
+
+
+def hold_head_activation(kv, allocator, tree, scheduler) -> None:
+    """Before batch selection (no prefix match is pending yet, so evicting cached prefixes is
+    safe): hold the head request's prefill activation, so that a server whose memory is all
+    cached prefixes still admits it. The chunks stay idle until the batch reserves them."""
+    tokens = demand.head_prefill_tokens(scheduler, kv)
+    if kv.activation is None or tokens <= 0:
+        return
+    reserve_activation(kv, allocator, tree, tokens, 1)
+    kv.activation.end_iteration()
+
+
+def reserve_decode_step(kv, allocator, tree, requests: int) -> bool:
+    """A decode step of ``requests`` sequences reserves its activation before upstream checks
+    KV capacity; False: it does not fit (upstream then retracts a request and asks again)."""
+    return reserve_activation(kv, allocator, tree, requests, requests, urgent=True)

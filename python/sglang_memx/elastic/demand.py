@@ -1,0 +1,104 @@
+"""What a server's requests still need, in KV tokens, read from its scheduler.
+
+Pure reads (through the upstream adapter); every number here feeds a policy
+decision elsewhere (admission, borrowing, giving back, fetching parked KV).
+"""
+
+from __future__ import annotations
+
+from sglang_memx.upstream import kv as up_kv
+from sglang_memx.upstream import request as up_req
+from sglang_memx.upstream import scheduler as up_sched
+
+
+def running_demand_tokens(scheduler) -> int:
+    """Tokens the admitted requests still need: the rest of a chunked prompt and their remaining
+    max_new_tokens (prompt + max_new minus what is allocated, or minus prompt + output so far)."""
+    demand = 0
+    for req in up_sched.admitted_reqs(scheduler):
+        prompt = up_req.prompt_len(req)
+        done = prompt + up_req.output_len(req)
+        allocated = up_req.kv_allocated_len(req)
+        if allocated < prompt:  # chunked prefill under way
+            done = allocated
+        demand += max(0, prompt + up_req.max_new_tokens(req) - done)
+    return demand
+
+
+def decode_reserve_tokens(scheduler) -> float:
+    """What upstream's admission reserves for the running requests' remaining decode: each one's
+    remaining max_new_tokens (clipped) times the current new-token ratio (1 with ignore_eos)."""
+    ratio = up_sched.new_token_ratio(scheduler)
+    return sum(
+        up_req.remaining_new_tokens(req) * (1.0 if up_req.ignores_eos(req) else ratio)
+        for req in up_sched.running_reqs(scheduler)
+    )
+
+
+def queue_demand_tokens(scheduler) -> int:
+    """Tokens the head of the waiting queue and the running requests' remaining decode would need.
+
+    Only the head request counts from the queue: admission is first come, first served, so
+    memory for it is what unblocks progress; the next ones are borrowed for on later ticks.
+    Upstream admits a request only if input + max_new (clipped) + one page is strictly below
+    what is free and evictable; ask for exactly that much.
+    """
+    demand = 0
+    for req in up_sched.waiting(scheduler)[:1]:
+        demand += up_req.prompt_len(req) + up_req.remaining_new_tokens(req) + up_sched.page_size(scheduler) + 1
+    return demand + running_demand_tokens(scheduler)
+
+
+def head_prefill_tokens(scheduler, kv) -> int:
+    """Tokens of the next prefill chunk: of the request whose chunked prefill is under way, else
+    of the waiting head request (0 if nothing waits); a parked prefix fetched back and pinned
+    counts as cached."""
+    chunked = up_sched.chunked_req(scheduler)
+    if chunked is not None:
+        tokens = max(1, up_req.prompt_len(chunked) - up_req.kv_allocated_len(chunked))
+    else:
+        head = up_sched.waiting(scheduler)[:1]
+        if not head:
+            return 0
+        req = head[0]
+        tokens = up_req.prompt_len(req) + up_req.output_len(req)
+        if kv.host is not None:
+            tokens = max(1, tokens - kv.host.pinned_tokens(up_req.rid(req)))
+    chunk = up_sched.chunked_prefill_size(scheduler)
+    return min(tokens, chunk) if chunk else tokens
+
+
+def next_chunk_tokens(req, chunk_room: int | None) -> int:
+    """Tokens ``req`` would prefill in this admission pass: the rest of its input, at most the chunk left."""
+    tokens = up_req.fill_len(req) - up_req.cached_prefix_len(req)
+    if chunk_room is not None:
+        tokens = min(tokens, max(int(chunk_room), 1))
+    return max(tokens, 1)
+
+
+def kv_row_bytes(allocator) -> int:
+    """Bytes of one token's KV over every layer (what parking one token costs the host)."""
+    return sum(b[0].numel() * b.element_size() for b in up_kv.kv_buffers(allocator))
+
+
+def decode_activation_chunks(kv, scheduler) -> int:
+    """Activation chunks one decode step of the admitted requests needs (0 without ballooning)."""
+    if kv.activation is None:
+        return 0
+    n = len(up_sched.admitted_reqs(scheduler))
+    return kv.activation.need_chunks(n, n)
+
+
+def activation_tokens(kv, chunks: int) -> int:
+    """``chunks`` of pool memory in KV-token equivalents (whole groups)."""
+    return -(-chunks // kv.buffers.chunks_per_group) * kv.buffers.group_rows
+
+
+def head_activation_tokens(kv, scheduler) -> int:
+    """The head request's prefill activation in KV-token equivalents, held or not: the
+    allocator's ``available_size`` counts idle activation chunks as growable KV, and the
+    head's prefill will make them live again."""
+    tokens = head_prefill_tokens(scheduler, kv)
+    if kv.activation is None or tokens <= 0:
+        return 0
+    return activation_tokens(kv, kv.activation.need_chunks(tokens, 1))

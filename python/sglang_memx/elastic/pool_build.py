@@ -1,0 +1,92 @@
+"""Elastic KV during upstream's KV pool build (``KVCacheConfigurator.configure``).
+
+``scope`` opens a build for this process's main model when ``--memx-elastic-kv`` is on
+(a draft model's pool stays stock); inside it, the MHA pool's ``_create_buffers_normal``
+asks ``make_elastic``, which backs the K/V buffers with pooled groups instead of zeroed
+tensors. ``finish`` then checks what upstream built (a pool kind elastic KV cannot back
+is refused with an error naming the flag, never served half-elastic), ties the allocator
+to the ElasticKV, and builds the host buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+from sglang_memx.config import MemxConfig, MemxConfigError
+from sglang_memx.elastic.build import activation_profile, build_elastic_kv
+from sglang_memx.elastic.host_buffer import build_host_buffer
+from sglang_memx.upstream import kv as up_kv
+from sglang_memx.upstream import model as up_model
+from sglang_memx.upstream import server_args as up_args
+
+SUPPORTED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
+
+_current = threading.local()
+
+
+@dataclass
+class Build:
+    config: MemxConfig
+    server_args: object
+    profile: object
+    batch_tokens: int
+    kv: object = None
+
+
+@contextlib.contextmanager
+def scope(configurator):
+    server_args, model_config, model_dtype, is_draft = up_kv.configurator_parts(configurator)
+    config = up_args.config_of(server_args)
+    if config.disabled or not config.elastic_kv or is_draft:
+        yield None
+        return
+    build = Build(config, server_args, activation_profile(up_model.decoder_dims(model_config), model_dtype.itemsize),
+                  up_args.max_prefill_batch_tokens(server_args))  # fmt: skip
+    _current.build = build
+    try:
+        yield build
+    finally:
+        _current.build = None
+
+
+def make_elastic(pool) -> bool:
+    """Back ``pool``'s K/V buffers with pooled groups if a build is open; False: stock buffers."""
+    build = vars(_current).get("build")
+    if build is None:
+        return False
+    why = up_kv.plain_mha_refusal(pool)
+    if why is not None:
+        raise MemxConfigError("--memx-elastic-kv", f"does not support {why}; run without the flag")
+    g = up_kv.pool_geometry(pool)
+    kv = build_elastic_kv(build.config, [g["k_row_bytes"]] * g["layers"] + [g["v_row_bytes"]] * g["layers"],
+                          g["rows"], g["page_size"], g["pages"], g["device"],
+                          server_url=up_args.server_url(build.server_args), profile=build.profile,
+                          batch_tokens=build.batch_tokens)  # fmt: skip
+    up_kv.set_kv_views(pool, kv.buffers.view)
+    build.kv = kv
+    return True
+
+
+def finish(build: Build, result) -> None:
+    pool, allocator = up_kv.configured_pool_and_allocator(result)
+    kv = build.kv
+    if kv is None:
+        why = up_kv.plain_mha_refusal(pool) or f"{type(pool).__name__}"
+        raise MemxConfigError(
+            "--memx-elastic-kv",
+            f"supports the MHA/GQA token-to-KV pool only (MHATokenToKVPool, unquantized KV, NHD layout); "
+            f"this model/configuration uses {why}",
+        )
+    if type(allocator).__name__ not in SUPPORTED_ALLOCATORS:
+        raise MemxConfigError(
+            "--memx-elastic-kv",
+            f"supports the {' and '.join(SUPPORTED_ALLOCATORS)} only; this configuration uses "
+            f"{type(allocator).__name__}",
+        )
+    up_kv.attach_elastic(allocator, kv)
+    kv.restrict_free_list(allocator)
+    if build.config.host_buffer_gb is not None:  # also for servers built without the CLI parser
+        build.config.check_server_args(up_args.radix_cache_disabled(build.server_args))
+        kv.host = build_host_buffer(build.config, kv.buffers.group_bytes)

@@ -1,0 +1,236 @@
+"""A server's side of a shared pool (``--memx-pool NAME``): start or join the device's
+arbiter, borrow what the queue needs, give back what is idle, answer reclaims, and
+report to the arbiter's policy what could be given back.
+
+One arbiter process per pool name (i.e. per device) listens on
+``<pool dir>/NAME.sock``. The first server started with the name spawns it, in its
+own session so it outlives that server, with the budget of
+``--memx-pool-budget-gb``; a ``flock`` on ``NAME.lock`` makes concurrent first
+starts spawn only one. Later servers join it; a budget or chunk size that differs
+from the running arbiter's is refused, naming the flag. ``sglang-memx pool stop
+NAME`` ends an arbiter.
+
+Where a shortfall is taken from is the arbiter's decision
+(``memory_ext.policy.arbiter.plan_takes``, the simulator's too); this module feeds
+it (``report``) and applies what it asks (``answer_reclaim``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from memory_ext.pool import Owner
+from memory_ext.pool.arbiter_client import ArbiterError
+from memory_ext.pool.lent_pool import LentPool
+from sglang_memx.config import MemxConfig, MemxConfigError
+from sglang_memx.elastic import demand
+from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
+from sglang_memx.upstream import kv as up_kv
+from sglang_memx.upstream import radix as up_radix
+from sglang_memx.upstream import scheduler as up_sched
+
+logger = logging.getLogger("sglang_memx")
+
+GB = 1 << 30
+BORROW_BACKOFF_S = 0.5
+BORROW_BACKOFF_MAX_S = 1.0
+QUEUE_WAIT_S = 0.02  # longest a scheduler iteration waits for a grant for its queue
+URGENT_WAIT_S = 0.5  # ... for a decode step that would otherwise retract
+
+
+# ------------------------------------------------------------------ the arbiter process
+def pool_dir(config: MemxConfig) -> Path:
+    if config.pool_dir:
+        return Path(config.pool_dir)
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(runtime) / "sglang-memx" if runtime else Path(f"/tmp/sglang-memx-{os.getuid()}")
+
+
+def pool_socket(config: MemxConfig, name: str | None = None) -> Path:
+    return pool_dir(config) / f"{name or config.pool}.sock"
+
+
+def _answers(path: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.settimeout(1.0)
+        s.connect(os.fspath(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def ensure_arbiter(config: MemxConfig, chunk_bytes: int, timeout: float = 20.0) -> Path:
+    """The pool's socket, starting its arbiter if none answers (needs the budget flag)."""
+    directory = pool_dir(config)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    sock = pool_socket(config)
+    with open(directory / f"{config.pool}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _answers(sock):
+            return sock
+        if config.pool_budget_gb is None:
+            raise MemxConfigError(
+                "--memx-pool-budget-gb", f"pool {config.pool!r} is not running ({sock}); give its budget to start it"
+            )
+        budget = int(config.pool_budget_gb * GB) // chunk_bytes
+        if budget < 1:
+            raise MemxConfigError("--memx-pool-budget-gb", f"{config.pool_budget_gb} GB is less than one chunk")
+        if sock.exists():
+            sock.unlink()  # stale socket of a dead arbiter
+        cmd = [sys.executable, "-m", "memory_ext.pool.arbiter", "--socket", os.fspath(sock),
+               "--budget-chunks", str(budget), "--granularity-kib", str(chunk_bytes >> 10),
+               "--pid-file", os.fspath(directory / f"{config.pool}.pid")]  # fmt: skip
+        with open(directory / f"{config.pool}.log", "ab") as log:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
+            )
+        deadline = time.monotonic() + timeout
+        while not _answers(sock):
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"the arbiter of pool {config.pool!r} exited with {proc.returncode}; "
+                    f"see {directory / (config.pool + '.log')}"
+                )
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the arbiter of pool {config.pool!r} did not answer within {timeout:g} s")
+            time.sleep(0.05)
+        logger.info(
+            "memx: started the arbiter of pool %r (pid %d, budget %d chunk(s) of %d KiB) at %s",
+            config.pool, proc.pid, budget, chunk_bytes >> 10, sock,
+        )  # fmt: skip
+        return sock
+
+
+def join_pool(config: MemxConfig, backend) -> LentPool:
+    sock = ensure_arbiter(config, backend.granularity)
+    try:
+        lent = LentPool(sock, f"sglang-{os.getpid()}", backend)
+    except ArbiterError as exc:
+        if exc.field == "granularity":
+            raise MemxConfigError(
+                "--memx-chunk-kb", f"differs from the chunk size of pool {config.pool!r}: {exc}"
+            ) from exc
+        raise
+    if config.pool_budget_gb is not None:
+        mine = int(config.pool_budget_gb * GB) // backend.granularity
+        if mine != lent.budget_chunks:
+            lent.close()
+            raise MemxConfigError(
+                "--memx-pool-budget-gb",
+                f"pool {config.pool!r} already runs with {lent.budget_chunks * backend.granularity / GB:g} GB; "
+                f"give the same budget or leave the flag out to join it",
+            )
+    return lent
+
+
+def register_server(config: MemxConfig, url: str | None) -> Path | None:
+    """Leave ``<pool dir>/<pool>.server.<pid>.json`` so ``sglang-memx top`` can find this server."""
+    if not config.pool or not url:
+        return None
+    path = pool_dir(config) / f"{config.pool}.server.{os.getpid()}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "url": url, "pool": config.pool}))
+    os.replace(tmp, path)
+    return path
+
+
+# ------------------------------------------------------------------ borrowing and giving back
+def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = False) -> int:
+    """Borrow enough whole groups for ``tokens`` more tokens; return groups borrowed.
+
+    ``may_wait=False`` takes only what the arbiter has free right now. ``may_wait=True`` may
+    make the arbiter reclaim from other servers; the scheduler waits for the grant at most
+    ``QUEUE_WAIT_S`` (``URGENT_WAIT_S`` when ``urgent``: a decode step that would otherwise
+    retract), and a grant that comes later lands in the pool for the next iteration (see
+    ``LentPool.borrow``): a scheduler never blocks on another server. After a refusal it backs
+    off, doubling from ``BORROW_BACKOFF_S`` up to ``BORROW_BACKOFF_MAX_S`` (``urgent`` ignores
+    the back-off); a grant resets it.
+    """
+    lent = kv.lent
+    if lent is None or tokens <= 0:
+        return 0
+    now = time.monotonic()
+    if not urgent and now < kv.borrow_backoff_until:
+        return 0
+    unmapped = kv.num_groups - kv.buffers.num_mapped - kv.affordable_groups()
+    groups = min(-(-tokens // kv.buffers.group_rows), max(0, unmapped))
+    cpg = kv.buffers.chunks_per_group
+    if not may_wait:
+        groups = min(groups, lent.available_now() // cpg)
+    if groups <= 0:
+        return 0
+    wait = URGENT_WAIT_S if urgent else QUEUE_WAIT_S
+    got = groups if lent.borrow(groups * cpg, wait=wait) else 0
+    if not got and may_wait:
+        fewer = min(groups - 1, lent.last_denied_available // cpg)  # take what can be had now
+        got = fewer if fewer > 0 and lent.borrow(fewer * cpg, wait=wait) else 0
+    if got:
+        kv.borrow_backoff_s = BORROW_BACKOFF_S
+    elif may_wait:
+        delay = kv.borrow_backoff_s or BORROW_BACKOFF_S
+        kv.borrow_backoff_until = now + delay
+        kv.borrow_backoff_s = min(BORROW_BACKOFF_MAX_S, delay * 2)
+    return got
+
+
+def spare_free_chunks(kv, allocator, scheduler) -> int:
+    """FREE chunks not needed for the running requests' remaining decode (those may go back).
+
+    A running request was admitted against memory counted as available; giving that memory
+    away would make its later decode steps fail (upstream then retracts or aborts it).
+    """
+    need = demand.running_demand_tokens(scheduler) - up_kv.free_page_count(allocator) * kv.page_size
+    keep = -(-max(0, need) // kv.buffers.group_rows) * kv.buffers.chunks_per_group
+    if kv.activation is not None:  # and their decode steps' activation
+        keep += max(0, demand.decode_activation_chunks(kv, scheduler) - kv.activation.held)
+    return max(0, kv.buffers.pool.usage()[Owner.FREE] - keep)
+
+
+def answer_reclaim(kv, allocator, tree, scheduler) -> int:
+    """Free and return the chunks the arbiter asked for (idle activation, free groups, then
+    cached prefixes); return how many chunks went back."""
+    pending = kv.lent.take_pending_reclaim()
+    if pending <= 0:
+        return 0
+    if kv.activation is not None:  # idle activation memory is the cheapest to give
+        kv.activation.release_idle(keep=demand.decode_activation_chunks(kv, scheduler))
+    free_groups(kv, allocator, tree, -(-pending // kv.buffers.chunks_per_group))
+    return kv.lent.give_back(min(pending, spare_free_chunks(kv, allocator, scheduler)))
+
+
+def report(kv, allocator, tree, scheduler) -> None:
+    """The arbiter policy's numbers for this server: chunks it could give back now (spare FREE,
+    empty groups, evictable cache, idle activation beyond the decode steps' need), how many of
+    those its waiting queue wants to keep, and whether it has work."""
+    idle = spare_free_chunks(kv, allocator, scheduler) + idle_kv_chunks(kv, allocator, tree)
+    if kv.activation is not None:
+        idle += max(0, kv.activation.idle() - demand.decode_activation_chunks(kv, scheduler))
+    wanted = demand.queue_demand_tokens(scheduler) - demand.running_demand_tokens(scheduler)
+    headroom = min(idle, -(-max(0, wanted) // kv.buffers.group_rows) * kv.buffers.chunks_per_group)
+    busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
+    kv.lent.report(idle, headroom, busy)
+
+
+def balance(kv, allocator, tree, scheduler, activation_demand_tokens: int) -> None:
+    """Give unused chunks back when nothing waits, borrow the queue's shortfall, report."""
+    if not up_sched.waiting(scheduler):  # nothing waits: unused chunks go back
+        if kv.activation is not None:  # keep what the running requests' decode steps need
+            kv.activation.release_idle(keep=demand.decode_activation_chunks(kv, scheduler))
+        kv.lent.give_back(spare_free_chunks(kv, allocator, scheduler))
+    need = demand.queue_demand_tokens(scheduler) + activation_demand_tokens
+    shortfall = need - up_kv.available_tokens(allocator) - up_radix.evictable_tokens(tree)
+    if shortfall > 0:
+        borrow_tokens(kv, shortfall)
+    report(kv, allocator, tree, scheduler)

@@ -1,0 +1,139 @@
+"""The KV pool and its token allocators (``sglang.srt.mem_cache``), as memx reads and edits them.
+
+Upstream names only through here (see ``manifest``). memx state hangs on the allocator
+(``attach_elastic`` / ``elastic_of``): the one way every module finds a server's ElasticKV.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_memx.upstream.manifest import resolve
+
+ELASTIC_ATTR = "_memx_elastic"
+
+
+# ------------------------------------------------------------------ memx state on the allocator
+def attach_elastic(allocator, kv) -> None:
+    setattr(allocator, ELASTIC_ATTR, kv)
+
+
+def elastic_of(allocator):
+    """The ElasticKV of this allocator, or None (stock KV). Our attribute, not upstream's."""
+    return vars(allocator).get(ELASTIC_ATTR) if allocator is not None else None
+
+
+# ------------------------------------------------------------------ the configurator's pool build
+def configurator_parts(configurator):
+    """(server_args, model_config, model_dtype, is_draft_worker) of a KVCacheConfigurator."""
+    return configurator.server_args, configurator.model_config, configurator.model_dtype, configurator.is_draft_worker
+
+
+def configured_pool_and_allocator(config_result):
+    """The KV pool and token allocator a KVCacheConfigurator.configure built."""
+    return config_result.token_to_kv_pool, config_result.token_to_kv_pool_allocator
+
+
+# ------------------------------------------------------------------ the MHA pool
+def plain_mha_refusal(pool) -> str | None:
+    """Why elastic KV cannot back ``pool``'s buffers (None: it can): only the plain
+    MHA/GQA pool with the NHD layout (``_create_buffers_normal``'s token-row branch)."""
+    if type(pool) is not resolve("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"):
+        return f"{type(pool).__name__} (a variant of the MHA pool)"
+    if pool.is_quantized_kv_cache:
+        return "a quantized KV cache"
+    if pool.post_capture_active:
+        return "post-capture KV backing"
+    if pool.kv_cache_layout != "nhd":
+        return f"the {pool.kv_cache_layout!r} KV layout"
+    return None
+
+
+def pool_geometry(pool) -> dict:
+    """Rows, bytes per row and layers of an MHA pool's K and V buffers."""
+    itemsize = pool.store_dtype.itemsize
+    return {
+        "rows": pool.size + pool.page_size,  # the padded page absorbs dummy writes
+        "page_size": pool.page_size,
+        "pages": pool.size // pool.page_size,
+        "layers": pool.layer_num,
+        "k_row_bytes": pool.head_num * pool.head_dim * itemsize,
+        "v_row_bytes": pool.head_num * pool.v_head_dim * itemsize,
+        "device": pool.device,
+    }
+
+
+def set_kv_views(pool, views_of) -> None:
+    """Give the pool K/V buffers from ``views_of(buffer_index, dtype, row_shape)``
+    (0..L-1: K of each layer, L..2L-1: V), as ``_create_buffers_normal`` would have."""
+    layers = pool.layer_num
+    pool.k_buffer = [views_of(i, pool.store_dtype, (pool.head_num, pool.head_dim)) for i in range(layers)]
+    pool.v_buffer = [views_of(layers + i, pool.store_dtype, (pool.head_num, pool.v_head_dim)) for i in range(layers)]
+
+
+def kv_buffers(allocator) -> list:
+    """Every K then V buffer of the allocator's MHA pool."""
+    pool = allocator.get_kvcache()
+    return list(pool.k_buffer) + list(pool.v_buffer)
+
+
+def pool_description(allocator) -> dict:
+    """Kind, dtypes, device, layers and exact buffer bytes of the allocator's pool."""
+    kvcache = allocator.get_kvcache()
+    if isinstance(kvcache, resolve("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool")):
+        pool = kvcache
+        k_bytes, v_bytes = pool.get_kv_size_bytes()
+        nbytes = int(k_bytes + v_bytes)
+    else:  # other pool kinds: upstream's own GB figure
+        nbytes = int(round(float(kvcache.mem_usage) * (1 << 30)))
+    return {
+        "kind": type(kvcache).__name__,
+        "dtype": kvcache.dtype,
+        "store_dtype": kvcache.store_dtype,
+        "device": str(kvcache.device),
+        "layers": kvcache.layer_num,
+        "bytes": nbytes,
+    }
+
+
+# ------------------------------------------------------------------ the allocators' free lists
+def page_size(allocator) -> int:
+    return allocator.page_size
+
+
+def free_pages(allocator) -> torch.Tensor:
+    return allocator.free_pages
+
+
+def set_free_pages(allocator, pages: torch.Tensor) -> None:
+    allocator.free_pages = pages
+
+
+def clear_staged_frees(allocator, device) -> None:
+    """Empty the staged frees (``release_pages``) after the free list was rebuilt."""
+    allocator.release_pages = torch.empty((0,), dtype=torch.int64, device=device)
+
+
+def free_page_count(allocator) -> int:
+    """Pages in the free list plus pages staged by ``free`` and not merged yet."""
+    return len(allocator.free_pages) + len(allocator.release_pages)
+
+
+def merge_staged_frees(allocator) -> None:
+    allocator.merge_and_sort_free()
+
+
+def all_free_pages(allocator):
+    return allocator.get_all_free_pages()
+
+
+def available_tokens(allocator) -> int:
+    return int(allocator.available_size())
+
+
+def alloc_tokens(allocator, n: int):
+    return allocator.alloc(n)
+
+
+def free_tokens(allocator, idx) -> None:
+    allocator.free(idx)

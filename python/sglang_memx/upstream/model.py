@@ -1,0 +1,52 @@
+"""The model being served and its forward (``sglang.srt.configs`` / ``model_executor``), as memx reads them."""
+
+from __future__ import annotations
+
+from sglang_memx.upstream.kv import elastic_of
+
+
+def text_config(model_config):
+    """The Hugging Face config of the served text model (``ModelConfig.hf_text_config``)."""
+    return model_config.hf_text_config
+
+
+def decoder_dims(model_config) -> dict | None:
+    """Hidden / intermediate sizes, heads, KV heads, head dim and vocabulary of the decoder, or
+    None if the model's config does not have them all.
+
+    These are Hugging Face config fields (not SGLang names): ``num_key_value_heads`` and
+    ``head_dim`` are optional there and default the way Hugging Face models read them."""
+    hf = text_config(model_config)
+    needed = ("num_attention_heads", "hidden_size", "intermediate_size", "vocab_size")
+    if any(_hf_optional(hf, name) is None for name in needed):
+        return None
+    heads = int(hf.num_attention_heads)
+    hidden = int(hf.hidden_size)
+    return {
+        "hidden": hidden,
+        "intermediate": int(hf.intermediate_size),
+        "num_heads": heads,
+        "num_kv_heads": int(_hf_optional(hf, "num_key_value_heads") or heads),
+        "head_dim": int(_hf_optional(hf, "head_dim") or hidden // heads),
+        "vocab": int(hf.vocab_size),
+    }
+
+
+def _hf_optional(hf_config, field: str):
+    """An optional Hugging Face config field (None when the model's config has none)."""
+    return getattr(hf_config, field, None)
+
+
+def runner_elastic(runner):
+    """The ElasticKV behind a ModelRunner's allocator, or None."""
+    return elastic_of(runner.token_to_kv_pool_allocator)
+
+
+def runner_device(runner) -> str:
+    return str(runner.device)
+
+
+def forward_shape(forward_batch) -> tuple[int, int]:
+    """(tokens, sequences) of one forward batch (0 tokens for a forward without input ids)."""
+    ids = forward_batch.input_ids
+    return (0 if ids is None else int(ids.numel())), int(forward_batch.batch_size)

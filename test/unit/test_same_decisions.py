@@ -1,0 +1,191 @@
+"""One decision procedure per question: the server's path and the simulator's path, fed the same
+numbers, decide the same.
+
+* Admission (eLLM Alg. 1): the server's admission hook builds its question from upstream's
+  prefill budget (``elastic.admission.server_ask``) and upstream commits an admitted request
+  into that budget; the simulator's eLLM scheduler asks ``ElasticAdmissionPolicy.decide``. Same
+  queue, same memory, same reservations -> same requests on the device, offloaded, deferred.
+* Arbiter (X1): the live device arbiter plans a reclaim from its clients' reports; the
+  simulator's ledger (``MemoryArbiter.request``) plans from its accounts. Same holdings, same
+  idle / headroom / busy -> the same donors give the same amounts.
+* Host buffer (eLLM Alg. 2): see ``test_same_host_buffer_rule`` below.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+
+import pytest
+
+from memory_ext.policy.arbiter import Kind, MemoryArbiter
+from memory_ext.policy.ellm import DEFER, OFFLOAD, ON_GPU, ElasticAdmissionPolicy, PrefillRequest, admit_prefill
+from memory_ext.pool.arbiter import Arbiter
+from memory_ext.pool.arbiter_client import ArbiterClient
+from memory_ext.vmm import host_backend
+from sglang_memx.config import MemxConfig
+from sglang_memx.elastic import admission
+from sglang_memx.elastic.host_buffer import build_host_buffer
+from sglang_memx.upstream import kv as up_kv
+from sglang_memx.upstream import scheduler as up_sched
+from support.fakes import FakeBatch, FakeReq
+
+ROW_BYTES = 1024  # one token's KV over all layers (the fake pool's buffers below)
+
+
+# ------------------------------------------------------------------ admission
+def _server_decisions(available, running_reserve, running, queue, buffer_tokens):
+    """The server path: upstream's real prefill budget (with memx's physical mode), memx's admission
+    question per request, upstream's own ``reserve`` as the commit of an admitted request."""
+    import torch
+
+    pool = types.SimpleNamespace(k_buffer=[torch.zeros(4, ROW_BYTES // 2, dtype=torch.uint8)],
+                                 v_buffer=[torch.zeros(4, ROW_BYTES // 2, dtype=torch.uint8)])  # fmt: skip
+    allocator = types.SimpleNamespace(page_size=1, available_size=lambda: available, get_kvcache=lambda: pool)
+    tree = types.SimpleNamespace(supports_mamba=lambda: False, evictable_size=lambda: 0)
+    host = None
+    if buffer_tokens:
+        host = build_host_buffer(MemxConfig(elastic_kv=True, host_buffer_gb=buffer_tokens * ROW_BYTES / (1 << 30)),
+                                 ROW_BYTES)  # fmt: skip
+    kv = types.SimpleNamespace(activation=None, host=host)
+    up_kv.attach_elastic(allocator, kv)
+    budget = up_sched.new_physical_budget(allocator, tree, 0)
+    budget.total_offset = running_reserve
+    adder = types.SimpleNamespace(token_to_kv_pool_allocator=allocator, tree_cache=tree, memory_budget=budget,
+                                  can_run_list=[], running_batch=FakeBatch(running), page_size=1,
+                                  rem_chunk_tokens=None, rem_input_tokens=1 << 20, new_chunked_req=None)  # fmt: skip
+    out = {ON_GPU: [], OFFLOAD: [], DEFER: []}
+    for req in queue:
+        ask = admission.server_ask(kv, adder, req, len(req.origin_input_ids), has_chunked_req=False)
+        verdict = admit_prefill(ask)
+        out[verdict].append(req.rid)
+        if verdict == DEFER:
+            out[DEFER] += [r.rid for r in queue[queue.index(req) + 1 :]]
+            break
+        max_new = req.sampling_params.max_new_tokens
+        if verdict == ON_GPU:
+            budget.reserve(len(req.origin_input_ids), max_new)
+        else:
+            with up_sched.physical_check(budget, headroom=len(running) + 1, max_new=max_new):
+                budget.reserve(len(req.origin_input_ids), max_new)
+            host.pending_bytes += len(req.origin_input_ids) * ROW_BYTES
+        adder.can_run_list.append(req)
+    return out
+
+
+def _sim_decisions(available, running_reserve, running, queue, buffer_tokens):
+    """The simulator path: Alg. 1 over the same queue, in tokens (one chunk = one token)."""
+    prefills = []
+    for r in queue:
+        prompt, max_new = len(r.origin_input_ids), r.sampling_params.max_new_tokens
+        prefills.append(PrefillRequest(r.rid, prompt, kv_chunks=prompt + 1 + max_new, decode_chunks=max_new,
+                                       kv_now_chunks=prompt + 1, offload_chunks=prompt))  # fmt: skip
+    d = ElasticAdmissionPolicy(lambda tokens: 0).decide(
+        free_kv_chunks=available, idle_act_chunks=0, prefills=prefills, cpu_buffer_free_chunks=buffer_tokens,
+        reserved_chunks=running_reserve, reserved_now_chunks=len(running),
+    )  # fmt: skip
+    on_gpu = [rid for rid in d.admitted if rid not in d.offloaded]
+    return {ON_GPU: on_gpu, OFFLOAD: list(d.offloaded), DEFER: list(d.deferred)}
+
+
+CASES = [
+    # (available tokens, running reservation, running requests, [(prompt, max_new)], buffer tokens)
+    (1000, 0, 0, [(100, 50), (200, 100), (300, 100)], 0),  # everything fits
+    (1000, 600, 4, [(100, 50), (200, 100), (150, 100)], 0),  # the third waits (no buffer)
+    (1000, 600, 4, [(100, 50), (200, 100), (150, 100), (400, 50)], 1000),  # third offloaded, fourth too big
+    (500, 480, 8, [(100, 200), (100, 200), (100, 200), (100, 200), (100, 200)], 250),  # buffer fills up
+    (300, 0, 2, [(250, 100), (10, 5)], 0),  # first refused on its reservation: FCFS stops the scan
+]
+
+
+@pytest.mark.parametrize("available,reserve,n_running,reqs,buffer_tokens", CASES)
+def test_server_and_simulator_admit_the_same(available, reserve, n_running, reqs, buffer_tokens):
+    running = [FakeReq(prompt=10, outputs=1) for _ in range(n_running)]
+    queue = [FakeReq(prompt=p, max_new=m, rid=f"q{i}") for i, (p, m) in enumerate(reqs)]
+    server = _server_decisions(available, reserve, running, queue, buffer_tokens)
+    sim = _sim_decisions(available, reserve, running, queue, buffer_tokens)
+    assert server == sim
+    assert sum(len(v) for v in server.values()) == len(queue)
+
+
+def test_the_cases_exercise_every_verdict():
+    seen = set()
+    for available, reserve, n_running, reqs, buffer_tokens in CASES:
+        running = [FakeReq(prompt=10, outputs=1) for _ in range(n_running)]
+        queue = [FakeReq(prompt=p, max_new=m) for p, m in reqs]
+        seen |= {v for v, rids in _sim_decisions(available, reserve, running, queue, buffer_tokens).items() if rids}
+    assert seen == {ON_GPU, OFFLOAD, DEFER}
+
+
+# ------------------------------------------------------------------ arbiter
+def _wait(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _live_reclaims(tmp_path, budget, holders, want):
+    """Live arbiter: clients borrow their holdings, report, then ``asker`` borrows ``want``; return
+    the RECLAIM amounts each donor received."""
+    backend = host_backend(4096)
+    clients = {}
+    try:
+        with Arbiter(tmp_path / "a.sock", backend, budget) as arb:
+            for name, (held, _idle, _headroom, _busy) in holders.items():
+                clients[name] = ArbiterClient(tmp_path / "a.sock", name, host_backend(4096))
+                if held:
+                    clients[name].borrow(held)
+            for name, (_held, idle, headroom, busy) in holders.items():
+                if name != "asker":
+                    clients[name].report(idle, headroom, busy)
+            assert _wait(lambda: all(c["idle"] is not None for c in arb.status()["clients"] if c["name"] != "asker"))
+            try:
+                clients["asker"].borrow(want, timeout=0.3)
+            except Exception:
+                pass  # nobody answers the reclaims here: only what was asked matters
+            _wait(lambda: sum(sum(c.reclaim_requests) for c in clients.values()) > 0, 2.0)
+            asked = {n: sum(c.reclaim_requests) for n, c in clients.items() if c.reclaim_requests}
+            for c in clients.values():
+                c.close(force=True)
+            return asked
+    finally:
+        backend.close()
+
+
+def _ledger_takes(budget, holders, want):
+    """The simulator's ledger with the same holdings: every account's nominal is the fair share."""
+    arb = MemoryArbiter({0: budget}, floor_fraction=0.0)
+    share = budget // len(holders)
+    keys = {name: arb.open(0, name, Kind.KV, share) for name in holders}
+    for name, (held, idle, headroom, busy) in holders.items():  # move each account to its holding
+        acc = arb.accounts[keys[name]]
+        arb.free[0] += acc.held - held
+        acc.held = held
+        arb.set_busy(0, name, busy)
+        if name != "asker":
+            arb.report(keys[name], idle, headroom)
+    arb.check()
+    grant = arb.request(keys["asker"], want)  # the ledger takes FREE first, like the live arbiter
+    takes: dict[str, int] = {}
+    for t in grant.takes if grant is not None else ():
+        if t.source is not None:
+            takes[t.source.owner] = takes.get(t.source.owner, 0) + t.nbytes
+    return takes
+
+
+ARBITER_CASES = [
+    # budget, {client: (held, idle, headroom, busy)}, asker wants
+    (90, {"a": (40, 30, 0, False), "b": (40, 10, 5, True), "asker": (10, 0, 0, True)}, 30),
+    (90, {"a": (50, 10, 0, True), "b": (30, 25, 0, False), "asker": (0, 0, 0, True)}, 40),
+    (60, {"a": (30, 5, 5, True), "b": (20, 20, 0, False), "asker": (5, 0, 0, True)}, 12),
+]
+
+
+@pytest.mark.parametrize("budget,holders,want", ARBITER_CASES)
+def test_live_arbiter_and_simulator_ledger_take_from_the_same_donors(tmp_path, budget, holders, want):
+    live = _live_reclaims(tmp_path, budget, holders, want)
+    ledger = _ledger_takes(budget, holders, want)
+    assert live == ledger and live, (live, ledger)
