@@ -1,19 +1,30 @@
-"""Three co-located servers, bursty traffic: static KV split (stock) vs one shared budget (memx).
+"""Three co-located servers, bursty out-of-phase traffic: static KV split (stock) vs one shared
+budget (memx), measured in repeated interleaved rounds.
 
-Same machine, same run, same memory. Stock SGLang gets a third of the KV
-budget per server (``--max-total-tokens``) and its activations outside it;
-memx servers join one pool (``--memx-elastic-kv --memx-pool``) whose budget
-is the whole KV amount plus three prefill batches' activations (KV and
-activations share it), each with the whole amount as logical capacity. Both
-use 64-token chunked prefill. Traffic comes in phases: in phase
-k model k gets a burst of concurrent requests while the others see a trickle,
-so at any time one server needs far more than a third of the memory.
+Same machine, same memory, same request schedule. Setups (all servers start once and stay up;
+before each run every server's prefix cache is flushed):
 
-Reports per setup TTFT p50/p99, TPOT p50, throughput (output tok/s), and the
-number of retractions; and memx/stock ratios. JSON + PNG under
-benchmark/results/e2e/.
+* ``stock``: stock SGLang, each server gets a third of the KV budget (``--max-total-tokens``),
+  its activations outside it;
+* ``memx``: three servers in one pool (``--memx-elastic-kv --memx-pool``) whose budget is the
+  whole KV amount plus three prefill batches' activations (KV and activations share it), each
+  with the whole amount as logical capacity;
+* ``stock_ample`` (reference, not a competitor): stock with the whole KV budget *per server*,
+  i.e. 3x the memory. If stock_ample is much faster than stock, stock's queue waits for KV,
+  not for CPU: the workload is memory-bound.
 
-    python benchmark/e2e/colocated.py [--phases 3] [--phase-s 20] [--burst 16] [--new-tokens 64]
+Traffic comes in phases: in phase k server k gets a burst of concurrent requests while the
+others see a trickle, so at any time one server needs far more than a third of the memory.
+Each server runs single-threaded (``OMP_NUM_THREADS=1``) with ``--sleep-on-idle``, so three
+servers and the load generator share the 2 cores without oversubscription or busy polling.
+
+Per run: TTFT p50/p99 (all requests and the bursts alone), TPOT p50, throughput, failures,
+retractions, and each server's running batch / waiting queue / token usage over time (from
+its scheduler log). Reported: every ratio memx/stock (and stock_ample/stock) per round, its
+median and range; TPOT at equal running batch (decode step time per running-request count).
+JSON + PNGs under benchmark/results/e2e/colocated*.
+
+    python benchmark/e2e/colocated.py [--rounds 5] [--phases 3] [--phase-s 20] [--burst 16]
 """
 
 from __future__ import annotations
@@ -25,9 +36,7 @@ import platform
 import statistics
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,201 +44,147 @@ sys.path.insert(0, str(REPO / "test"))
 sys.path.insert(0, str(REPO))
 
 from benchmark._stats import percentile  # noqa: E402
+from benchmark.e2e.load import play, server_timeline, summarize  # noqa: E402
+from benchmark.pairs import plot_ratios, ratio_stats, run_rounds, wins  # noqa: E402
 from support.server import SGLangServer, start_all  # noqa: E402
 
 RESULTS = REPO / "benchmark" / "results" / "e2e"
 CHUNK_KB = 4
 TOKEN_ROW_BYTES = 64  # tiny Llama: 2 KV heads x 16 dims x bf16, per layer and K/V
 LAYERS = 2
+CHUNKED_PREFILL = 64  # every setup; bounds one prefill batch's activation
+SETUPS = ("stock", "memx", "stock_ample")
+KEYS = ("ttft_p50_s", "ttft_p99_s", "burst_ttft_p99_s", "tpot_p50_s", "throughput_tok_s")
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+COMMON = ["--chunked-prefill-size", str(CHUNKED_PREFILL), "--sleep-on-idle", "--decode-log-interval", "4"]
 
 
-def stream_one(server: SGLangServer, text: str, new_tokens: int) -> dict:
-    """One streaming /generate; returns ttft, e2e, tokens, retractions (or error)."""
-    body = json.dumps(
-        {
-            "text": text,
-            "stream": True,
-            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
-        }
-    ).encode()
-    req = urllib.request.Request(server.url + "/generate", data=body, headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft, last = None, None
-    try:
-        with urllib.request.urlopen(req, timeout=900) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                last = json.loads(line[5:])
-    except Exception as exc:  # noqa: BLE001 - recorded, counted as a failure
-        return {"error": repr(exc)}
-    e2e = time.perf_counter() - t0
-    if last is None or "meta_info" not in last:
-        return {"error": f"stream ended without a result: {last!r}"}
-    meta = last["meta_info"]
-    n = meta["completion_tokens"]
-    return {
-        "ttft": ttft,
-        "e2e": e2e,
-        "tokens": n,
-        "tpot": (e2e - ttft) / max(1, n - 1),
-        "retractions": meta.get("num_retractions", 0),
-    }
-
-
-def drive(
-    servers, phases: int, burst: int, trickle_s: float, new_tokens: int, prompt_words: int, phase_s: float
-) -> list:
-    """The same request schedule for every setup: each phase lasts ``phase_s``; the busy
-    model gets ``burst`` requests at its start, the others one every ``trickle_s``."""
-    results, lock, threads = [], threading.Lock(), []
-
-    def run(i, text):
-        r = stream_one(servers[i], text, new_tokens)
-        r["server"] = i
-        with lock:
-            results.append(r)
-
-    def launch(i, text):
-        threads.append(threading.Thread(target=run, args=(i, text)))
-        threads[-1].start()
-
-    for phase in range(phases):
-        busy = phase % len(servers)
-        start = time.perf_counter()
-        for b in range(burst):
-            launch(busy, f"phase {phase} burst {b} " + " ".join(f"w{b}_{j}" for j in range(prompt_words)))
-        for k in range(int(phase_s // trickle_s)):
-            time.sleep(max(0.0, start + k * trickle_s - time.perf_counter()))
-            for i in range(len(servers)):
+def schedule(args) -> list[tuple[float, int, str]]:
+    """Phase k: server k gets ``burst`` requests at the phase start, the others one every ``trickle_s``."""
+    out = []
+    for phase in range(args.phases):
+        busy, start = phase % 3, phase * args.phase_s
+        for b in range(args.burst):
+            out.append(
+                (start, busy, f"phase {phase} burst {b} " + " ".join(f"w{b}_{j}" for j in range(args.prompt_words)))
+            )
+        for k in range(int(args.phase_s // args.trickle_s)):
+            for i in range(3):
                 if i != busy:
-                    launch(i, f"phase {phase} trickle {k} " + " ".join(f"v{k}_{j}" for j in range(prompt_words)))
-        time.sleep(max(0.0, start + phase_s - time.perf_counter()))
-    for t in threads:
-        t.join()
-    return results
-
-
-def summarize(results: list, wall: float) -> dict:
-    ok = [r for r in results if "error" not in r]
-    ttft = [r["ttft"] for r in ok]
-    return {
-        "requests": len(results),
-        "failed": len(results) - len(ok),
-        "ttft_p50_s": percentile(ttft, 0.50),
-        "ttft_p99_s": percentile(ttft, 0.99),
-        "tpot_p50_s": statistics.median(r["tpot"] for r in ok),
-        "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
-        "retractions": sum(r["retractions"] for r in ok),
-        "wall_s": wall,
-    }
-
-
-CHUNKED_PREFILL = 64  # both setups; bounds one prefill batch's activation
+                    words = " ".join(f"v{k}_{j}" for j in range(args.prompt_words))
+                    out.append((start + k * args.trickle_s, i, f"phase {phase} trickle {k} {words}"))
+    return out
 
 
 def activation_bytes() -> int:
     """One CHUNKED_PREFILL-token prefill's activation of the tiny Llama in bf16 (memx's profile)."""
     from memory_ext.policy.activation import ActivationProfile
 
-    p = ActivationProfile.from_model_dims(
-        hidden=64, intermediate=128, num_heads=4, num_kv_heads=2, head_dim=16, vocab=512, itemsize=2
-    )
+    p = ActivationProfile.from_model_dims(hidden=64, intermediate=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                                          vocab=512, itemsize=2)  # fmt: skip
     return p.bytes_for(CHUNKED_PREFILL, 1)
 
 
-def run_setup(kind: str, model, budget_tokens: int, args, pool_dir: Path) -> dict:
-    """Same memory: stock's three KV pools + each server's activations (outside its pool, up to one
-    prefill batch each) = memx's shared budget for KV and activations together."""
+def make_servers(model, args, pool_dir: Path) -> dict[str, list[SGLangServer]]:
     per_group = 64 * TOKEN_ROW_BYTES * 2 * LAYERS  # bytes of one 64-token group over all buffers
-    budget_gb = ((budget_tokens // 64) * per_group + 3 * activation_bytes()) / (1 << 30)
-    common = ["--chunked-prefill-size", str(CHUNKED_PREFILL)]
-    if kind == "stock":
-        servers = [
-            SGLangServer(
-                model, name=f"bench-colo-stock{i}", stock=True, max_total_tokens=budget_tokens // 3, extra_args=common
-            )
-            for i in range(3)
-        ]
-    else:
-        extra = common + [
-            "--memx-elastic-kv",
-            "--memx-pool",
-            f"bench{os.getpid()}",
-            "--memx-pool-budget-gb",
-            f"{budget_gb:.12f}",
-            "--memx-pool-dir",
-            str(pool_dir),
-            "--memx-chunk-kb",
-            str(CHUNK_KB),
-        ]
-        servers = [
-            SGLangServer(model, name=f"bench-colo-memx{i}", max_total_tokens=budget_tokens, extra_args=extra)
-            for i in range(3)
-        ]
-    start_all(servers)
-    try:
-        for s in servers:
-            s.generate("warm up", max_new_tokens=4, temperature=0)
-        t0 = time.perf_counter()
-        results = drive(
-            servers, args.phases, args.burst, args.trickle_s, args.new_tokens, args.prompt_words, args.phase_s
-        )
-        out = summarize(results, time.perf_counter() - t0)
-    finally:
-        for s in servers:
-            s.stop()
-        if kind == "memx":
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "sglang_memx.cli",
-                    "pool",
-                    "stop",
-                    f"bench{os.getpid()}",
-                    "--pool-dir",
-                    str(pool_dir),
-                ],
-                check=False,
-                capture_output=True,
-            )
-    out["budget_tokens_total"] = budget_tokens
+    budget_gb = ((args.budget_tokens // 64) * per_group + 3 * activation_bytes()) / (1 << 30)
+    memx_args = COMMON + [
+        "--memx-elastic-kv", "--memx-pool", f"bench{os.getpid()}", "--memx-pool-budget-gb", f"{budget_gb:.12f}",
+        "--memx-pool-dir", str(pool_dir), "--memx-chunk-kb", str(CHUNK_KB),
+    ]  # fmt: skip
+    return {
+        "stock": [SGLangServer(model, name=f"bench-colo-stock{i}", stock=True, env=SERVER_ENV,
+                               max_total_tokens=args.budget_tokens // 3, extra_args=COMMON) for i in range(3)],
+        "memx": [SGLangServer(model, name=f"bench-colo-memx{i}", env=SERVER_ENV, max_total_tokens=args.budget_tokens,
+                              extra_args=memx_args) for i in range(3)],
+        "stock_ample": [SGLangServer(model, name=f"bench-colo-ample{i}", stock=True, env=SERVER_ENV,
+                                     max_total_tokens=args.budget_tokens, extra_args=COMMON) for i in range(3)],
+    }  # fmt: skip
+
+
+def tpot_by_batch(timelines: list[list[dict]]) -> dict[int, float]:
+    """Median decode step time per running-request count (s), from the servers' log lines."""
+    steps: dict[int, list[float]] = {}
+    for tl in timelines:
+        for p in tl:
+            if p["running"] > 0 and p["throughput"] > 0:
+                steps.setdefault(p["running"], []).append(p["running"] / p["throughput"])
+    return {k: statistics.median(v) for k, v in sorted(steps.items())}
+
+
+def run_once(servers: list[SGLangServer], sched, args) -> dict:
+    for s in servers:
+        s.request_text("/flush_cache")  # every run starts with an empty prefix cache
+    marks = [len(s.log_path.read_text(errors="replace")) for s in servers]
+    t0_wall = time.time()
+    results, wall = play([s.url for s in servers], sched, args.new_tokens)
+    out = summarize(results, wall)
+    bursts = [r["ttft"] for r in results if "error" not in r and " burst " in r["text"]]
+    out["burst_ttft_p99_s"] = percentile(bursts, 0.99) if bursts else float("nan")
+    out["timelines"] = [server_timeline(s.log_path.read_text(errors="replace")[m:], t0_wall)
+                        for s, m in zip(servers, marks)]  # fmt: skip
+    out["max_running"] = max((p["running"] for tl in out["timelines"] for p in tl), default=0)
+    out["tpot_by_batch_s"] = tpot_by_batch(out["timelines"])
+    if not servers[0].stock:  # map calls on the request path vs premapped, per server, this run
+        out["elastic_kv"] = [elastic_counters(s) for s in servers]
+        steps = sum(e["decode_steps"] for e in out["elastic_kv"])
+        out["decode_map_calls_per_step"] = sum(e["decode_map_calls"] for e in out["elastic_kv"]) / max(1, steps)
     return out
 
 
-def ratio_bars(doc: dict, keys, labels, title: str, path: Path, ratio_name: str = "memx/stock") -> None:
-    """One bar pair (stock, memx) per metric, titled with the memx/stock ratio; PNG at ``path``."""
+_COUNTERS = ("decode_steps", "decode_steps_with_map", "decode_map_calls")
+
+
+def elastic_counters(server: SGLangServer) -> dict:
+    """A memx server's map counters since its previous call (they are cumulative in /memx/status)."""
+    el = server.request("/memx/status")["schedulers"][0]["elastic_kv"]
+    now = {**{k: el[k] for k in _COUNTERS}, **{f"map_calls_{p}": n for p, n in el["map_calls"].items()}}
+    before = vars(server).setdefault("_counters_seen", dict.fromkeys(now, 0))
+    delta = {k: now[k] - before.get(k, 0) for k in now}
+    server._counters_seen = now
+    return delta
+
+
+def _with_idle_gaps(timeline: list[dict], gap_s: float = 1.5):
+    """The log has lines only while a server decodes: a gap longer than ``gap_s`` is idle (0, 0)."""
+    t, running, queue = [], [], []
+    for p in timeline:
+        if t and p["t"] - t[-1] > gap_s:
+            t.append(t[-1] + 1.0)
+            running.append(0)
+            queue.append(0)
+        t.append(p["t"])
+        running.append(p["running"])
+        queue.append(p["queue"])
+    return t, running, queue
+
+
+def plot_timelines(doc: dict, path: Path) -> None:
+    """Running batch and waiting queue of each server over time, one run per setup (the first round)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(keys), figsize=(14, 3.2))
-    for ax, key in zip(axes, keys):
-        ax.bar(labels, [doc["stock"][key], doc["memx"][key]], color=["#999", "#2a7"])
-        ax.set_title(f"{key}\n{ratio_name} = {doc['ratios'][key]:.2f}", fontsize=9)
-        ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(title)
+    setups = [s for s in SETUPS if s in doc["rounds"][0]]
+    fig, axes = plt.subplots(len(setups), 1, figsize=(10, 2.4 * len(setups)), sharex=True)
+    for ax, name in zip(axes, setups):
+        for i, tl in enumerate(doc["rounds"][0][name]["timelines"]):
+            t, running, queue = _with_idle_gaps(tl)
+            ax.plot(t, running, drawstyle="steps-post", label=f"server {i} running")
+            ax.plot(t, queue, drawstyle="steps-post", ls=":", label=f"server {i} waiting")
+        ax.set_ylabel(name)
+        ax.legend(fontsize=6, ncol=3)
+    axes[-1].set_xlabel("seconds into the run (round 1)")
+    fig.suptitle("running requests (solid) and waiting queue (dotted) per server", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def plot(doc: dict, path: Path) -> None:
-    ratio_bars(
-        doc,
-        ["ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s"],
-        ["stock (static split)", "memx (shared pool)"],
-        f"3 co-located tiny Llama servers, {doc['budget_tokens_total']} KV tokens in total",
-        path,
-    )
+    plt.close(fig)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--phases", type=int, default=3)
     ap.add_argument("--burst", type=int, default=16)
     ap.add_argument("--trickle-s", type=float, default=4.0)
@@ -237,38 +192,52 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-words", type=int, default=40)
     ap.add_argument("--budget-tokens", type=int, default=1536, help="total KV tokens of the three servers")
+    ap.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of " + ",".join(SETUPS))
     args = ap.parse_args()
     command = "python benchmark/e2e/colocated.py " + " ".join(sys.argv[1:])
     print(f"# {command}", flush=True)
     from sglang_memx.models.tiny import TinyModelSpec, tiny_model
 
     root = Path(os.environ.get("TMPDIR", "/tmp")) / "sglang-memx-bench-models"
-    model = tiny_model(
-        TinyModelSpec(arch="llama", num_layers=LAYERS, num_heads=4, num_kv_heads=2, head_dim=16, seed=5), root
-    )
+    model = tiny_model(TinyModelSpec(arch="llama", num_layers=LAYERS, num_heads=4, num_kv_heads=2, head_dim=16,
+                                     seed=5), root)  # fmt: skip
     pool_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-memx-bench-pools-{os.getpid()}"
-    doc = {
-        "command": command,
-        "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "budget_tokens_total": args.budget_tokens,
-        "params": vars(args),
+    setups = [s for s in args.setups.split(",") if s]
+    servers = {k: v for k, v in make_servers(model, args, pool_dir).items() if k in setups}
+    sched = schedule(args)
+    start_all([s for group in servers.values() for s in group])
+    try:
+        for group in servers.values():
+            for s in group:
+                s.generate("warm up", max_new_tokens=4, temperature=0)
+        rounds = run_rounds(args.rounds, setups, lambda name, r: run_once(servers[name], sched, args))
+    finally:
+        for group in servers.values():
+            for s in group:
+                s.stop()
+        subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", f"bench{os.getpid()}",
+                        "--pool-dir", str(pool_dir)], check=False, capture_output=True)  # fmt: skip
+    doc = {"command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+           "params": vars(args), "server_env": SERVER_ENV, "common_flags": COMMON, "rounds": rounds}  # fmt: skip
+    doc["ratios"] = {k: ratio_stats(rounds, k, "memx", "stock") for k in KEYS if "memx" in setups}
+    if "stock_ample" in setups:
+        doc["ample_over_stock"] = {k: ratio_stats(rounds, k, "stock_ample", "stock") for k in KEYS}
+        if "memx" in setups:  # memx against stock with the memory it would need: equal running batches
+            doc["memx_over_ample"] = {k: ratio_stats(rounds, k, "memx", "stock_ample") for k in KEYS}
+    doc["claims"] = {
+        "ttft_p99 <= 0.5x stock at the median, < 1x in every pair": wins(doc["ratios"]["ttft_p99_s"], 0.5, 1.0),
+        "tpot_p50 <= 1.1x stock at the median, < 1.1x in every pair": wins(doc["ratios"]["tpot_p50_s"], 1.1, 1.1),
     }
-    for kind in ("stock", "memx"):
-        doc[kind] = run_setup(kind, model, args.budget_tokens, args, pool_dir)
-        print(kind, json.dumps(doc[kind]), flush=True)
-    write_results(doc, ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s"), "colocated", plot)
-    return 0
-
-
-def write_results(doc: dict, keys, name: str, plot_fn) -> None:
-    """Add memx/stock ratios of ``keys`` to ``doc``; write ``<name>.json`` and ``<name>.png``."""
-    doc["ratios"] = {k: (doc["memx"][k] / doc["stock"][k] if doc["stock"][k] else float("nan")) for k in keys}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(doc, indent=2))
-    plot_fn(doc, RESULTS / f"{name}.png")
-    print(json.dumps(doc["ratios"], indent=2))
-    print(f"wrote {RESULTS / name}.json and {name}.png")
+    (RESULTS / "colocated.json").write_text(json.dumps(doc, indent=1))
+    plot_ratios(doc, KEYS, RESULTS / "colocated.png",
+                f"3 co-located tiny Llama servers, {args.budget_tokens} KV tokens in total, {args.rounds} rounds",
+                "memx/stock")  # fmt: skip
+    plot_timelines(doc, RESULTS / "colocated_timeline.png")
+    print(json.dumps({"ratios": {k: {m: v for m, v in s.items() if m != "values"} for k, s in doc["ratios"].items()},
+                      "claims": doc["claims"]}, indent=1))  # fmt: skip
+    print(f"wrote {RESULTS / 'colocated.json'}, colocated.png, colocated_timeline.png")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,131 +1,115 @@
-"""Plugin overhead: memx vs stock SGLang on the same model, same machine, same run.
+"""Plugin overhead at low load: memx with its features on vs stock SGLang, same model, same machine.
 
-Starts one stock server (plugin filtered out with SGLANG_PLUGINS) and one memx
-server, one after the other so they never share cores, and measures:
-  * time from process start to a healthy /health,
-  * greedy /generate latency (prompt + N new tokens), median over R requests,
-  * decode throughput of one long request,
-  * the /memx/status round trip (memx only).
-Reports memx/stock ratios. Writes JSON + PNG under benchmark/results/e2e/.
+Both servers start once and stay up (``--sleep-on-idle``: the idle one takes no CPU); the memx
+server runs with the features ``scripts/serve.sh`` turns on (elastic KV + host buffer). In each
+of ``--rounds`` rounds (order rotating) every server is measured on:
 
-    python benchmark/e2e/plugin_overhead.py [--model embedded|tiny] [--requests 10]
+* TPOT of one greedy stream (``--decode-tokens`` new tokens, ``ignore_eos``),
+* output throughput of ``--concurrency`` concurrent greedy streams,
+* latency of a short greedy request (16 new tokens), median over ``--requests``,
+* (memx) the ``/memx/status`` round trip.
+
+Reports memx/stock per round, median and range. Goal (kvcached reports about 2 %): TPOT and
+throughput within 2 % of stock at the median. JSON + PNG under benchmark/results/e2e/.
+
+    python benchmark/e2e/plugin_overhead.py [--model embedded|tiny] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "test"))
+sys.path.insert(0, str(REPO))
 
-from support.server import SGLangServer  # noqa: E402
+from benchmark.e2e.load import play, summarize  # noqa: E402
+from benchmark.pairs import plot_ratios, ratio_stats, run_rounds  # noqa: E402
+from support.server import SGLangServer, start_all  # noqa: E402
 
 RESULTS = REPO / "benchmark" / "results" / "e2e"
+FEATURES = ["--memx-elastic-kv", "--memx-host-buffer-gb", "1"]  # scripts/serve.sh's defaults
+KEYS = ("tpot_s", "throughput_tok_s", "latency_s")
 
 
-def _model(kind: str, root: Path):
+def _model(kind: str):
     if kind == "embedded":
         from sglang_memx.models.embedded import prepare_embedded_model
 
         return prepare_embedded_model()
     from sglang_memx.models.tiny import TinyModelSpec, tiny_model
 
-    return tiny_model(TinyModelSpec(), root)
+    return tiny_model(TinyModelSpec(), Path(tempfile.mkdtemp()))
 
 
-def measure(server: SGLangServer, requests: int, new_tokens: int) -> dict:
-    server.start().wait_ready()
-    try:
-        server.generate("warm up", max_new_tokens=4, temperature=0)
-        lat = []
-        for i in range(requests):
-            t = time.perf_counter()
-            server.generate(
-                f"Request {i}: the capital of France is", max_new_tokens=new_tokens, temperature=0, ignore_eos=True
-            )
-            lat.append(time.perf_counter() - t)
+def measure(server: SGLangServer, args) -> dict:
+    server.request_text("/flush_cache")
+    one, _ = play([server.url], [(0.0, 0, "Tell a long story about the sea:")], args.decode_tokens)
+    streams = [(0.0, 0, f"Stream {i}: write about memory and caches.") for i in range(args.concurrency)]
+    many, wall = play([server.url], streams, args.decode_tokens)
+    lat = []
+    for i in range(args.requests):
         t = time.perf_counter()
-        out = server.generate("Tell a long story:", max_new_tokens=8 * new_tokens, temperature=0, ignore_eos=True)
-        decode_tps = out["meta_info"]["completion_tokens"] / (time.perf_counter() - t)
-        status_ms = None
-        if not server.stock:
-            ts = []
-            for _ in range(requests):
-                t = time.perf_counter()
-                server.request("/memx/status")
-                ts.append(time.perf_counter() - t)
-            status_ms = 1000 * statistics.median(ts)
-        return {
-            "startup_s": server.startup_s,
-            "latency_median_s": statistics.median(lat),
-            "latency_all_s": lat,
-            "decode_tokens_per_s": decode_tps,
-            "status_roundtrip_ms": status_ms,
-        }
-    finally:
-        server.stop()
+        server.generate(f"Request {i}: the capital of France is", max_new_tokens=16, temperature=0, ignore_eos=True)
+        lat.append(time.perf_counter() - t)
+    out = {"tpot_s": one[0]["tpot"], "throughput_tok_s": summarize(many, wall)["throughput_tok_s"],
+           "latency_s": statistics.median(lat)}  # fmt: skip
+    if not server.stock:
+        ts = []
+        for _ in range(args.requests):
+            t = time.perf_counter()
+            server.request("/memx/status")
+            ts.append(time.perf_counter() - t)
+        out["status_roundtrip_ms"] = 1000 * statistics.median(ts)
+    return out
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["embedded", "tiny"], default="embedded")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=10)
-    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=4)
     args = ap.parse_args()
     command = "python benchmark/e2e/plugin_overhead.py " + " ".join(sys.argv[1:])
-    print(f"command: {command}")
-
-    import tempfile
-
-    model = _model(args.model, Path(tempfile.mkdtemp()))
-    stock = measure(SGLangServer(model, name=f"bench-{args.model}-stock", stock=True), args.requests, args.new_tokens)
-    memx = measure(SGLangServer(model, name=f"bench-{args.model}-memx"), args.requests, args.new_tokens)
-    ratios = {k: memx[k] / stock[k] for k in ("startup_s", "latency_median_s", "decode_tokens_per_s")}
-    result = {
-        "command": command,
-        "where": f"CPU: {platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores (no GPU)",
-        "model": args.model,
-        "stock": stock,
-        "memx": memx,
-        "memx_over_stock": ratios,
-    }
+    print(f"# {command}", flush=True)
+    model = _model(args.model)
+    common = ["--sleep-on-idle"]
+    servers = {
+        "stock": SGLangServer(model, name=f"bench-{args.model}-stock", stock=True, max_total_tokens=16384,
+                              extra_args=common),
+        "memx": SGLangServer(model, name=f"bench-{args.model}-memx", max_total_tokens=16384,
+                             extra_args=common + FEATURES),
+    }  # fmt: skip
+    start_all(list(servers.values()))
+    try:
+        for s in servers.values():
+            s.generate("warm up", max_new_tokens=4, temperature=0)
+        rounds = run_rounds(args.rounds, list(servers), lambda name, r: measure(servers[name], args))
+        startup = {name: s.startup_s for name, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.stop()
+    doc = {"command": command, "where": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+           "model": args.model, "memx_flags": FEATURES, "params": vars(args), "startup_s": startup,
+           "rounds": rounds, "ratios": {k: ratio_stats(rounds, k, "memx", "stock") for k in KEYS}}  # fmt: skip
+    doc["status_roundtrip_ms"] = statistics.median(r["memx"]["status_roundtrip_ms"] for r in rounds)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"plugin_overhead_{args.model}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    names = list(ratios)
-    ax.bar(names, [ratios[n] for n in names], color=["#4c72b0", "#55a868", "#c44e52"])
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_ylabel("memx / stock")
-    ax.set_title(f"Plugin overhead ({args.model} model, CPU)")
-    for i, n in enumerate(names):
-        ax.text(i, ratios[n], f"{ratios[n]:.3f}", ha="center", va="bottom")
-    fig.text(0.01, 0.01, command, fontsize=6)
-    fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=120)
-    print(
-        json.dumps(
-            {
-                "memx_over_stock": ratios,
-                "status_roundtrip_ms": memx["status_roundtrip_ms"],
-                "startup_s": {"stock": stock["startup_s"], "memx": memx["startup_s"]},
-            },
-            indent=2,
-        )
-    )
-    print(f"wrote {stem}.json and {stem}.png")
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    title = f"plugin overhead, features on ({args.model} model, CPU), {args.rounds} rounds"
+    plot_ratios(doc, KEYS, stem.with_suffix(".png"), title, "memx/stock")
+    print(json.dumps({k: {m: v for m, v in s.items() if m != "values"} for k, s in doc["ratios"].items()}, indent=1))
+    print(f"wrote {stem}.json and .png")
     return 0
 
 

@@ -189,3 +189,33 @@ def test_live_arbiter_and_simulator_ledger_take_from_the_same_donors(tmp_path, b
     live = _live_reclaims(tmp_path, budget, holders, want)
     ledger = _ledger_takes(budget, holders, want)
     assert live == ledger and live, (live, ledger)
+
+
+# ------------------------------------------------------------------ host buffer (Alg. 2)
+def test_same_host_buffer_rule():
+    """The server's host buffer (``--memx-host-buffer-gb`` + SLO flags) and the simulator's
+    ``ellm_elastic`` scheduler (``cpu_buffer_gb`` + model SLOs) hold the same rule: the same
+    stream of TTFT / TPOT samples moves both logical sizes identically (in their units)."""
+    import random
+
+    from benchmark.sim.core.engine import InstanceConfig
+    from benchmark.sim.core.models import model_spec
+    from benchmark.sim.mechanisms.ellm import EllmElasticScheduler
+
+    cfg = InstanceConfig(name="m", model=model_spec("Llama-3.1-8B"), gpu=0, kv_blocks=1000, prefix_caching=False,
+                         ttft_slo_s=0.5, tpot_slo_s=0.05)  # fmt: skip
+    units = 64
+    sim = EllmElasticScheduler(cfg, cpu_buffer_gb=units * cfg.kv_block_bytes / 1e9 + 1e-9).rule
+    server = build_host_buffer(
+        MemxConfig(elastic_kv=True, host_buffer_gb=units * 4096 / (1 << 30), ttft_slo_ms=500, tpot_slo_ms=50), 4096
+    ).rule
+    assert sim.scaler.max_chunks == server.scaler.max_chunks == units
+    rng = random.Random(7)
+    sizes = []
+    for _ in range(400):
+        ttfts = [rng.choice([0.1, 0.9]) for _ in range(rng.randint(0, 2))]
+        tpot = rng.choice([None, 0.01, 0.2])
+        a, b = sim.observe_iteration(ttfts, tpot), server.observe_iteration(ttfts, tpot)
+        assert a == b
+        sizes.append(a)
+    assert len(set(sizes)) > 3 and sim.events == server.events and sim.events["ttft"] and sim.events["tpot"]

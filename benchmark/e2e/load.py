@@ -1,0 +1,103 @@
+"""Load generation and per-run summaries for the end-to-end scripts.
+
+A *schedule* is a fixed list of ``(offset seconds, server index, prompt)``, built from the
+script's parameters alone, so every setup and every round replays exactly the same requests at
+the same offsets. ``play`` sends each as one streaming ``/generate`` (greedy, ``ignore_eos``)
+from its own thread at its offset; ``summarize`` turns the results into TTFT / TPOT / throughput
+figures; ``server_timeline`` reads what each server's scheduler logged during the run (running
+requests, waiting queue, token usage) for the time-series plots.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import threading
+import time
+import urllib.request
+from datetime import datetime
+
+from benchmark._stats import percentile
+
+DECODE_LINE = re.compile(
+    r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] Decode batch.*?#running-req: (\d+).*?token usage: ([\d.]+).*?"
+    r"gen throughput \(token/s\): ([\d.]+).*?#queue-req: (\d+)"
+)
+
+
+def stream_one(url: str, text: str, new_tokens: int, timeout: float = 900) -> dict:
+    """One streaming /generate; returns ttft, e2e, tokens, tpot, retractions (or error)."""
+    body = json.dumps({"text": text, "stream": True, "sampling_params": {
+        "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}).encode()  # fmt: skip
+    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                last = json.loads(line[5:])
+    except Exception as exc:  # noqa: BLE001 - recorded, counted as a failure
+        return {"error": repr(exc)}
+    e2e = time.perf_counter() - t0
+    if last is None or "meta_info" not in last:
+        return {"error": f"stream ended without a result: {last!r}"}
+    meta = last["meta_info"]
+    n = meta["completion_tokens"]
+    return {"ttft": ttft, "e2e": e2e, "tokens": n, "tpot": (e2e - ttft) / max(1, n - 1),
+            "retractions": meta.get("num_retractions", 0)}  # fmt: skip
+
+
+def play(urls: list[str], schedule: list[tuple[float, int, str]], new_tokens: int) -> tuple[list[dict], float]:
+    """Send every scheduled request at its offset; return (results, wall seconds until the last finished)."""
+    results, lock, threads = [], threading.Lock(), []
+
+    def one(i: int, text: str, offset: float):
+        r = stream_one(urls[i], text, new_tokens)
+        r.update(server=i, offset=offset, text=text)
+        with lock:
+            results.append(r)
+
+    t0 = time.perf_counter()
+    for offset, i, text in sorted(schedule, key=lambda x: x[0]):
+        time.sleep(max(0.0, t0 + offset - time.perf_counter()))
+        threads.append(threading.Thread(target=one, args=(i, text, offset)))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - t0
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if "error" not in r]
+    ttft = [r["ttft"] for r in ok]
+    return {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "ttft_p50_s": percentile(ttft, 0.50) if ttft else float("nan"),
+        "ttft_p99_s": percentile(ttft, 0.99) if ttft else float("nan"),
+        "tpot_p50_s": statistics.median(r["tpot"] for r in ok) if ok else float("nan"),
+        "throughput_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "retractions": sum(r["retractions"] for r in ok),
+        "wall_s": wall,
+    }
+
+
+def server_timeline(log_text: str, t0_wall: float) -> list[dict]:
+    """Decode-step log lines of one server since ``log_text``'s start: seconds since ``t0_wall``,
+    running requests, token usage, decode throughput since the previous line, waiting queue
+    (upstream's own scheduler log, the same for every setup; one-second timestamps)."""
+    out = []
+    for line in log_text.splitlines():
+        m = DECODE_LINE.match(line)
+        if not m:
+            continue
+        t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() - t0_wall
+        out.append({"t": t, "running": int(m.group(2)), "usage": float(m.group(3)),
+                    "throughput": float(m.group(4)), "queue": int(m.group(5))})  # fmt: skip
+    return out
