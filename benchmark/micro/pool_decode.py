@@ -1,20 +1,20 @@
-"""Pool microbenchmark: steady-state decode-step allocation cost of the KV eTensor.
+"""Pool microbenchmark: the decode-step allocation cost of elastic KV, on the server's own mechanism.
 
-A decode loop: R requests each get one new KV page per step; a request that
-reaches its (random) length frees all its pages and is replaced. Per step the
-timed region ("hot path") is ``ensure_mapped(new pages)`` + ``free_pages(pages
-of finished requests)``. Three variants, same page choice and request lengths:
+``ElasticKV`` over ``LayeredKVBuffers`` (host backend) drives upstream's real
+``TokenToKVPoolAllocator``. A decode loop: R requests each get one new KV slot per step; a
+request that reaches its (random) length frees all its slots and is replaced; between steps
+the server's tick runs ``shrink`` (keeping spare groups) and, in the premapped variant,
+``refill`` (the premap). The timed region ("request path") is what upstream's decode step does:
+``alloc`` (with memx's hook: ``grow`` first) and the frees. Variants, same lengths:
 
-  (a) on_demand:      KVETensor(headroom 0, sync unmap): maps/unmaps on the hot path;
-  (b) premap_async:   KVETensor(headroom K, async unmap), ``refill()`` between steps
-                      (outside the timed region, standing in for a background worker);
-  (c) torch_empty:    plain ``torch.empty(page_bytes)`` per new page, freed by dropping it.
+  (a) on_demand:  no spare group, no premap: groups are mapped on the request path;
+  (b) premapped:  one spare group kept and ``refill`` between steps (memx's tick, off the path);
+  (c) stock:      upstream's allocator over plain tensors (no elastic KV).
 
-Page picking (``suggest_pages``) is the caller's allocator and is not timed.
-Reports per-step p50/p99 µs and map/unmap calls made by the calling thread
-during the timed region, per step. Writes JSON + PNG under benchmark/results/micro/.
+Reports per-step p50/p99 µs and the map calls made on the request path per step. JSON + PNG
+under benchmark/results/micro/.
 
-    python benchmark/micro/pool_decode.py [--steps 20000] [--requests 16] [--headroom 4]
+    python benchmark/micro/pool_decode.py [--steps 20000] [--requests 16]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import os
 import platform
 import random
 import sys
-import threading
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -35,200 +35,95 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmark" / "results" / "micro"
 sys.path.insert(0, str(REPO))
 
+from benchmark._stats import summary_us  # noqa: E402
 
-sys.path.insert(0, str(REPO / "benchmark"))
-from _stats import summary_us as _summary  # noqa: E402
-
-
-class _ThreadCalls:
-    """Counts backend map/unmap calls made by the thread that created it."""
-
-    def __init__(self, vmm):
-        self.me = threading.get_ident()
-        self.n = {"map": 0, "unmap": 0}
-        for name in ("map", "unmap"):
-            orig = getattr(vmm, name)
-
-            def wrapped(*a, _orig=orig, _name=name, **k):
-                out = _orig(*a, **k)
-                if threading.get_ident() == self.me:
-                    self.n[_name] += 1
-                return out
-
-            setattr(vmm, name, wrapped)
+ROW = 256  # bytes per token row per buffer (4 KV heads x 32 dims x bf16)
+BUFFERS = 8  # 4 layers, K and V
+CHUNK = 64 << 10
 
 
-def _lengths(seed, n, lo, hi):
-    rng = random.Random(seed)
-    return [rng.randint(lo, hi) for _ in range(n)]
+def _allocator(num_tokens: int, elastic: bool, spare: int):
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
-
-def run_kv(variant, args, lengths):
-    from memory_ext.pool import ChunkPool, KVETensor
+    from memory_ext.pool import ChunkPool, LayeredKVBuffers
     from memory_ext.vmm import host_backend
+    from sglang_memx.elastic.kv import ElasticKV
+    from sglang_memx.upstream import kv as up_kv
 
-    vmm = host_backend(args.granularity)
-    pool = ChunkPool(vmm, args.num_pages * args.page_bytes // args.granularity + 8)
-    premap = variant == "premap_async"
-    kv = KVETensor(
-        pool, args.page_bytes, args.num_pages, headroom_slots=args.headroom if premap else 0, async_unmap=premap
-    )
-    calls = _ThreadCalls(vmm)
-    reqs, it = {}, iter(lengths)
-    times, hot_maps, hot_unmaps = [], 0, 0
-    for step in range(args.warmup + args.steps):
-        if premap:
-            kv.refill()
-        while len(reqs) < args.requests:
-            reqs[len(reqs) + step * args.requests] = ([], next(it))
-        want = kv.suggest_pages(len(reqs))
-        m0, u0 = calls.n["map"], calls.n["unmap"]
+    cache = types.SimpleNamespace()
+    alloc = TokenToKVPoolAllocator(num_tokens, torch.bfloat16, "cpu", cache, need_sort=True)
+    if not elastic:
+        return alloc, None
+    backend = host_backend(CHUNK)
+    layered = LayeredKVBuffers(ChunkPool(backend, 1 << 16), [ROW] * BUFFERS, num_tokens + 1, 1)
+    kv = ElasticKV(layered, 1, num_tokens, spare_groups=spare)
+    up_kv.attach_elastic(alloc, kv)
+    kv.restrict_free_list(alloc)
+    return alloc, kv
+
+
+def run(variant: str, steps: int, requests: int, num_tokens: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    alloc, kv = _allocator(num_tokens, variant != "stock", spare=1 if variant == "premapped" else 0)
+    live = [[] for _ in range(requests)]
+    target = [rng.randint(32, 512) for _ in range(requests)]
+    times, maps_before = [], kv.map_calls["request"] if kv else 0
+    for _ in range(steps):
+        if kv is not None:  # the tick, off the request path
+            kv.shrink(alloc)
+            if variant == "premapped":
+                kv.refill(alloc, requests + kv.spare_groups * kv.group_pages)
         t0 = time.perf_counter()
-        kv.ensure_mapped(want)
+        if kv is not None:
+            kv.grow(alloc, requests)  # memx's alloc hook
+        got = alloc.alloc(requests)
         done = []
-        for (r, (pages, n)), p in zip(list(reqs.items()), want):
-            pages.append(p)
-            if len(pages) >= n:
-                done.append(r)
-        kv.free_pages([p for r in done for p in reqs[r][0]])
-        dt = time.perf_counter() - t0
-        for r in done:
-            del reqs[r]
-        if step >= args.warmup:
-            times.append(dt)
-            hot_maps += calls.n["map"] - m0
-            hot_unmaps += calls.n["unmap"] - u0
-    kv.flush()
-    kv.check_invariants()
-    pool.check_invariants()
-    stats = kv.stats()
-    kv.close()
-    total = vmm.counters()
-    pool.close()
-    vmm.close()
-    out = _summary(times)
-    out.update(
-        {
-            "hot_path_map_calls_per_step": hot_maps / args.steps,
-            "hot_path_unmap_calls_per_step": hot_unmaps / args.steps,
-            "all_threads_map_calls": total["map_calls"],
-            "all_threads_unmap_calls": total["unmap_calls"],
-            "kv_stats": stats,
-        }
-    )
-    return out
-
-
-def run_torch(args, lengths):
-    reqs, it = {}, iter(lengths)
-    times = []
-    for step in range(args.warmup + args.steps):
-        while len(reqs) < args.requests:
-            reqs[len(reqs) + step * args.requests] = ([], next(it))
-        t0 = time.perf_counter()
-        done = []
-        for r, (pages, n) in list(reqs.items()):
-            pages.append(torch.empty(args.page_bytes, dtype=torch.uint8))
-            if len(pages) >= n:
-                done.append(r)
-        for r in done:
-            del reqs[r]  # drops the tensors: the allocator frees them here
-        dt = time.perf_counter() - t0
-        if step >= args.warmup:
-            times.append(dt)
-    out = _summary(times)
-    out.update({"hot_path_map_calls_per_step": 0.0, "hot_path_unmap_calls_per_step": 0.0})
-    return out
+        for i in range(requests):
+            live[i].append(got[i : i + 1])
+            if len(live[i]) >= target[i]:
+                done.append(i)
+        for i in done:
+            alloc.free(torch.cat(live[i]))
+            live[i], target[i] = [], rng.randint(32, 512)
+        times.append(time.perf_counter() - t0)
+    maps = (kv.map_calls["request"] - maps_before) if kv else 0
+    return {**summary_us(times), "request_path_maps_per_step": maps / steps,
+            "premap_calls": kv.map_calls["premap"] if kv else 0}  # fmt: skip
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20000)
-    ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--headroom", type=int, default=4)
-    ap.add_argument("--granularity-mib", type=int, default=2)
-    ap.add_argument("--page-kib", type=int, default=256)
-    ap.add_argument("--min-len", type=int, default=8)
-    ap.add_argument("--max-len", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    args.granularity = args.granularity_mib << 20
-    args.page_bytes = args.page_kib << 10
-    args.num_pages = args.requests * args.max_len * 2
     command = "python benchmark/micro/pool_decode.py " + " ".join(sys.argv[1:])
-    print(f"command: {command}")
-    lengths = _lengths(
-        args.seed, (args.warmup + args.steps) * args.requests + args.requests, args.min_len, args.max_len
-    )
-    t_start = time.perf_counter()
-    res = {
-        "variants": {
-            "on_demand": run_kv("on_demand", args, lengths),
-            "premap_async": run_kv("premap_async", args, lengths),
-            "torch_empty": run_torch(args, lengths),
-        }
-    }
-    res.update(
-        {
-            "command": command,
-            "where": f"CPU host backend (memfd + mmap), {platform.machine()}, {os.cpu_count()} cores, no GPU",
-            "config": {
-                k: getattr(args, k)
-                for k in (
-                    "steps",
-                    "warmup",
-                    "requests",
-                    "headroom",
-                    "granularity",
-                    "page_bytes",
-                    "num_pages",
-                    "min_len",
-                    "max_len",
-                    "seed",
-                )
-            },
-            "timed_region": "ensure_mapped(new pages) + free_pages(finished requests); refill() and page "
-            "picking excluded; torch_empty: one torch.empty per new page + dropping finished",
-            "wall_s": time.perf_counter() - t_start,
-            "torch": torch.__version__,
-        }
-    )
+    print(f"# {command}", flush=True)
+    doc = {"command": command, "where": f"CPU host backend, {platform.machine()}, {os.cpu_count()} cores",
+           "params": vars(args), "variants": {}}  # fmt: skip
+    for variant in ("on_demand", "premapped", "stock"):
+        doc["variants"][variant] = run(variant, args.steps, args.requests, args.tokens, args.seed)
+        print(variant, json.dumps(doc["variants"][variant]), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / "pool_decode_host"
-    stem.with_suffix(".json").write_text(json.dumps(res, indent=2))
-
+    (RESULTS / "pool_decode_host.json").write_text(json.dumps(doc, indent=1))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(res["variants"])
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    x = range(len(names))
-    ax.bar([i - 0.2 for i in x], [res["variants"][n]["p50_us"] for n in names], 0.4, label="p50")
-    ax.bar([i + 0.2 for i in x], [res["variants"][n]["p99_us"] for n in names], 0.4, label="p99")
-    labels = [
-        f"{n}\n{res['variants'][n]['hot_path_map_calls_per_step']:.3f} map + "
-        f"{res['variants'][n]['hot_path_unmap_calls_per_step']:.3f} unmap /step"
-        for n in names
-    ]
-    ax.set_xticks(list(x), labels, fontsize=7)
-    ax.set_ylabel("µs per decode step (hot path)")
-    ax.set_yscale("log")
-    ax.set_title(
-        f"Decode-step allocation, {args.requests} requests, {args.page_kib} KiB pages, "
-        f"{args.granularity_mib} MiB chunks",
-        fontsize=9,
-    )
-    ax.legend()
-    fig.text(0.01, 0.01, command + " — " + res["where"], fontsize=6)
+    names = list(doc["variants"])
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    axes[0].bar(names, [doc["variants"][n]["p50_us"] for n in names], label="p50")
+    axes[0].bar(names, [doc["variants"][n]["p99_us"] for n in names], alpha=0.4, label="p99")
+    axes[0].set_ylabel("µs per decode step (request path)")
+    axes[0].legend()
+    axes[1].bar(names, [doc["variants"][n]["request_path_maps_per_step"] for n in names], color="#c44")
+    axes[1].set_ylabel("map calls per decode step")
+    fig.suptitle(f"{args.requests} decoding requests, {args.steps} steps (CPU host backend)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=120)
-    print(
-        json.dumps({n: {k: v for k, v in d.items() if k != "kv_stats"} for n, d in res["variants"].items()}, indent=2)
-    )
-    print(f"wall {res['wall_s']:.1f}s; wrote {stem}.json and {stem}.png")
+    fig.savefig(RESULTS / "pool_decode_host.png", dpi=110)
+    print(f"wrote {RESULTS / 'pool_decode_host.json'} and .png")
     return 0
 
 

@@ -24,96 +24,10 @@ from benchmark.sim.core.stats import (  # noqa: E402
 )
 from benchmark.sim.runner import build_simulation, run_spec  # noqa: E402
 from benchmark.sim.scenario import ScenarioError, parse_scenario  # noqa: E402
+from support.imports import find_cycle, import_graph, module_files  # noqa: E402
+
 
 # ---------------------------------------------------------------------------- import graph
-
-
-def module_files(root: Path, package: str) -> dict[str, Path]:
-    """Dotted module name -> file, for every ``.py`` under ``root`` (the directory of ``package``)."""
-    out = {}
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).with_suffix("")
-        parts = [package, *rel.parts]
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = path
-    return out
-
-
-def _is_package(name: str, files: dict[str, Path]) -> bool:
-    return files[name].name == "__init__.py"
-
-
-def _target(name: str, files: dict[str, Path]) -> str | None:
-    """The known module ``name`` refers to: itself, or its longest known prefix."""
-    while name:
-        if name in files:
-            return name
-        name = name.rpartition(".")[0]
-    return None
-
-
-def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
-    """Edges module -> modules it imports, from every ``import`` / ``from ... import``
-    anywhere in its source (any depth, TYPE_CHECKING blocks included), relative
-    imports resolved. ``from pkg import name`` points at ``pkg.name`` when that is
-    a module, else at ``pkg``. Modules outside ``files`` are ignored."""
-    graph: dict[str, set[str]] = {}
-    for mod, path in files.items():
-        edges = set()
-        pkg = mod if _is_package(mod, files) else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                for alias in node.names:
-                    t = _target(alias.name, files)
-                    if t:
-                        edges.add(t)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base_parts = pkg.split(".")
-                    if node.level - 1 >= len(base_parts):
-                        raise AssertionError(f"{path}: relative import beyond the top package")
-                    base = ".".join(base_parts[: len(base_parts) - (node.level - 1)])
-                    base = f"{base}.{node.module}" if node.module else base
-                else:
-                    base = node.module or ""
-                for alias in node.names:
-                    full = f"{base}.{alias.name}"
-                    t = full if full in files else _target(base, files)
-                    if t:
-                        edges.add(t)
-        edges.discard(mod)  # names imported from itself are no cycle
-        graph[mod] = edges
-    return graph
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle as ``[a, b, ..., a]``, or None (iterative DFS, deterministic order)."""
-    WHITE, GREY, BLACK = 0, 1, 2
-    color = dict.fromkeys(graph, WHITE)
-    for start in sorted(graph):
-        if color[start] != WHITE:
-            continue
-        stack = [(start, iter(sorted(graph[start])))]
-        path = [start]
-        color[start] = GREY
-        while stack:
-            node, it = stack[-1]
-            nxt = next(it, None)
-            if nxt is None:
-                color[node] = BLACK
-                stack.pop()
-                path.pop()
-                continue
-            if color.get(nxt, BLACK) == GREY:
-                return path[path.index(nxt) :] + [nxt]
-            if color.get(nxt) == WHITE:
-                color[nxt] = GREY
-                stack.append((nxt, iter(sorted(graph[nxt]))))
-                path.append(nxt)
-    return None
-
-
 def test_cycle_finder_sees_type_checking_function_and_relative_imports(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)

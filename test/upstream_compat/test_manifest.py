@@ -24,6 +24,7 @@ import pytest
 import sglang_memx
 from sglang_memx.hooks import HOOK_MODULES, all_hook_specs
 from sglang_memx.upstream import manifest
+from support.imports import absolute_imports
 
 PACKAGE = Path(sglang_memx.__file__).parent
 ADAPTER = PACKAGE / "upstream"
@@ -179,17 +180,8 @@ def _py_files(root: Path):
 
 
 def test_no_module_outside_the_adapter_imports_sglang():
-    offenders = []
-    for path in _py_files(PACKAGE):
-        if ADAPTER in path.parents:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
-            offenders += [f"{path.relative_to(PACKAGE)}: {n}" for n in names if n.split(".")[0] == "sglang"]
+    offenders = [f"{path.relative_to(PACKAGE)}: {n}" for path in _py_files(PACKAGE) if ADAPTER not in path.parents
+                 for n in absolute_imports(path) if n.split(".")[0] == "sglang"]  # fmt: skip
     assert offenders == []
 
 

@@ -95,9 +95,9 @@ def add_one(original, adder, req, has_chunked_req, truncation_align_size, kv):
         result = original(adder, req, has_chunked_req, truncation_align_size)
         if not up_sched.adder_admitted(adder, req) and kv.host is not None:
             if admit_prefill(replace(ask, kv=NEVER_FITS)) == OFFLOAD:  # upstream refused it: the buffer may not
-                result = _offload(original, adder, req, has_chunked_req, truncation_align_size, kv, ask)
+                result = _offload(original, adder, req, has_chunked_req, truncation_align_size, kv)
     else:
-        result = _offload(original, adder, req, has_chunked_req, truncation_align_size, kv, ask)
+        result = _offload(original, adder, req, has_chunked_req, truncation_align_size, kv)
     if not up_sched.adder_admitted(adder, req):
         if live_before is not None:
             kv.activation.live = live_before  # not admitted: its share goes back to idle (KV may take it)
@@ -121,7 +121,7 @@ def _defer(kv, adder, req, ask: PrefillAsk):
     return up_sched.add_result("NO_TOKEN")
 
 
-def _offload(original, adder, req, has_chunked_req, truncation_align_size, kv, ask: PrefillAsk):
+def _offload(original, adder, req, has_chunked_req, truncation_align_size, kv):
     """Upstream's admission against the device's physical room; the KV is parked after the prefill."""
     budget = up_sched.adder_budget(adder)
     with up_sched.physical_check(budget, _decode_headroom(adder), up_req.remaining_new_tokens(req)):
