@@ -16,6 +16,9 @@ arbiter:
 * ``report(idle, headroom, busy)`` tells the arbiter's policy what this process
   could give back; it is sent only when a number changed (at most every
   ``REPORT_MIN_INTERVAL_S`` unless ``busy`` flips).
+* ``wake_fd``: readable whenever the arbiter asked for something (a RECLAIM) or a
+  late grant landed, so an engine thread sleeping in ``poll`` can wake up and
+  act at once; ``drain_wakeups`` empties it.
 * The arbiter's ``RECLAIM(n)`` only adds ``n`` to ``pending_reclaim``; the
   engine answers on its own thread (``take_pending_reclaim``, free memory,
   ``give_back``). It is never answered from the client's reclaim thread: the
@@ -31,6 +34,7 @@ arbiter might break). If the process dies the arbiter takes every chunk back.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -46,6 +50,9 @@ class LentPool:
 
     def __init__(self, socket_path, name: str, backend: VmmBackend, *, timeout: float = 30.0):
         self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._last_report: tuple | None = None
         self._last_report_t = 0.0
         self.reports_sent = 0
@@ -122,6 +129,7 @@ class LentPool:
         with self._lock:
             self.borrowed_total += len(chunks)
             self.late_grants += 1
+        self._wake()
         return True
 
     def give_back(self, max_chunks: int | None = None) -> int:
@@ -154,6 +162,7 @@ class LentPool:
         with self._lock:
             self.reclaim_requests += 1
             self._pending_reclaim += n
+        self._wake()
         return []  # answered by the engine's thread (see the module docstring)
 
     def take_pending_reclaim(self) -> int:
@@ -178,6 +187,28 @@ class LentPool:
                 "client_id": self.client.client_id,
             }
 
+    @property
+    def wake_fd(self) -> int:
+        return self._wake_r
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"!")
+        except (BlockingIOError, OSError):
+            pass  # a full pipe is already readable
+
+    def drain_wakeups(self) -> int:
+        """Empty the wake pipe; return how many wake-ups were pending."""
+        n = 0
+        while True:
+            try:
+                got = os.read(self._wake_r, 4096)
+            except (BlockingIOError, OSError):
+                return n
+            if not got:
+                return n
+            n += len(got)
+
     def close(self) -> None:
         """Give every FREE chunk back and disconnect (mapped chunks return when the socket closes)."""
         try:
@@ -185,3 +216,8 @@ class LentPool:
                 self.give_back()
         finally:
             self.client.close(force=True)
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass

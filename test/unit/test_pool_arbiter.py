@@ -442,3 +442,72 @@ def test_reclaim_across_processes_then_peer_killed(sock_path):
                 child.wait(10)
             parent.close()
             parent_vmm.close()
+
+
+def test_reclaim_follows_the_reports_idle_clients_first_busy_ones_keep_their_headroom(sock_path):
+    """The arbiter asks whom the node policy names (plan_takes), never for memory in use. Budget 16,
+    3 clients: fair share 5. "busy" holds 1 beyond its share and keeps its headroom (the asker is
+    not below its share); "idle" has work none and gives its idle cache."""
+    with Arbiter(sock_path, host_backend(G), 16) as arb:
+        idle = ArbiterClient(sock_path, "idle", host_backend(G))
+        busy = ArbiterClient(sock_path, "busy", host_backend(G))
+        asker = ArbiterClient(sock_path, "asker", host_backend(G))
+        try:
+            idle.borrow(5)
+            busy.borrow(6)
+            asker.borrow(5)
+            idle.report(3, 0, False)  # 3 of its 5 chunks are cache it could drop
+            busy.report(4, 2, True)  # 4 idle, 2 of them wanted by its own queue
+            _wait(lambda: all(c["idle"] is not None for c in arb.status()["clients"] if c["name"] != "asker"),
+                  what="reports")  # fmt: skip
+            # RETURN: busy's 1 beyond its share; IDLE_PEER: idle's 3; SURPLUS: busy's 4 - 1 - 2 = 1
+            with pytest.raises(ArbiterDenied) as denied:
+                asker.borrow(6, timeout=1.0)
+            assert denied.value.available == 5
+            assert idle.reclaim_requests == [] and busy.reclaim_requests == []  # nothing asked for a refusal
+            with pytest.raises(ArbiterError):  # nobody answers here: the borrow times out waiting
+                asker.borrow(4, timeout=0.3)
+            _wait(lambda: idle.reclaim_requests and busy.reclaim_requests, what="reclaims")
+            assert (idle.reclaim_requests, busy.reclaim_requests) == ([3], [1])
+            assert arb.status()["reclaim_by_tier"] == {"return": 1, "idle_peer": 3}
+        finally:
+            for c in (idle, busy, asker):
+                c.close(force=True)
+
+
+def test_a_malformed_report_gets_an_error_naming_the_field(sock_path):
+    with Arbiter(sock_path, host_backend(G), 4):
+        s = connect_unix(sock_path)
+        try:
+            assert _raw(s, HELLO)["type"] == "WELCOME"
+            bad = [
+                ({"type": "REPORT", "req_id": 2, "idle": -1, "headroom": 0, "busy": True}, "idle"),
+                ({"type": "REPORT", "req_id": 3, "idle": 1, "headroom": 0, "busy": 1}, "busy"),
+                ({"type": "REPORT", "req_id": 4, "idle": 1, "busy": False}, "headroom"),
+            ]
+            for payload, field in bad:
+                reply = _raw(s, payload)
+                assert reply["type"] == "ERROR" and reply["field"] == field, reply
+        finally:
+            s.close()
+
+
+def test_lent_pool_wakes_a_sleeping_engine_on_reclaim(sock_path):
+    import select
+
+    from memory_ext.pool.lent_pool import LentPool
+
+    with Arbiter(sock_path, host_backend(G), 4):
+        lent = LentPool(sock_path, "sleeper", host_backend(G))
+        asker = ArbiterClient(sock_path, "asker", host_backend(G))
+        try:
+            assert lent.borrow(4) == 4
+            assert select.select([lent.wake_fd], [], [], 0)[0] == []  # nothing to do yet
+            with pytest.raises(ArbiterError):
+                asker.borrow(2, timeout=0.2)
+            assert select.select([lent.wake_fd], [], [], 5.0)[0] == [lent.wake_fd]  # woken by the RECLAIM
+            assert lent.drain_wakeups() >= 1 and lent.take_pending_reclaim() == 2
+            assert select.select([lent.wake_fd], [], [], 0)[0] == []
+        finally:
+            asker.close(force=True)
+            lent.close()

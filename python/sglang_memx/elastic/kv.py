@@ -19,9 +19,10 @@ choice (any page of its free list) never touches a hole. Pages move in and out:
   maps to decode steps (``decode_steps``, ``decode_steps_with_map``,
   ``decode_map_calls``).
 * ``refill(allocator, pages)`` is the premap: between iterations it maps
-  groups from FREE chunks only (never idle activation, which the next prefill
-  would take back) until ``pages`` free pages are ready, so a decode step finds
-  its pages mapped and the request path makes no map call.
+  groups from FREE chunks (idle activation chunks too when the caller allows:
+  not while a prefill waits, which would take them back) until ``pages`` free
+  pages are ready, so a decode step finds its pages mapped and the request path
+  makes no map call.
 * ``shrink(allocator, spare_groups=...)`` unmaps mapped groups whose pages are
   *all* free (highest first), keeping ``spare_groups`` of them mapped for the
   next burst. Group 0 holds upstream's padded page 0 and is never unmapped.
@@ -93,6 +94,7 @@ class ElasticKV:
         self.borrow_backoff_until = 0.0
         self.borrow_backoff_s = 0.0
         self.lengths_capped = False
+        self.lent_wakeup_registered = False
         buffers.map_groups([0])  # the padded page 0 must always be writable
 
     # ----------------------------------------------------------- geometry
@@ -193,9 +195,10 @@ class ElasticKV:
             self.stats["decode_map_calls"] += maps
             self.stats["decode_steps_with_map"] += 1 if maps else 0
 
-    def refill(self, allocator, pages_wanted: int) -> int:
-        """Premap (off the request path): map groups from FREE chunks until ``pages_wanted`` pages are free."""
-        return self.grow(allocator, pages_wanted, "premap", free_only=True)
+    def refill(self, allocator, pages_wanted: int, *, free_only: bool = True) -> int:
+        """Premap (off the request path): map groups until ``pages_wanted`` pages are free, from FREE
+        chunks (and idle activation chunks unless ``free_only``)."""
+        return self.grow(allocator, pages_wanted, "premap", free_only=free_only)
 
     def shrink(self, allocator, max_groups: int | None = None, spare_groups: int | None = None) -> int:
         """Unmap mapped groups whose pages are all free (highest first), keeping spares; return how many."""

@@ -146,6 +146,17 @@ def register_server(config: MemxConfig, url: str | None) -> Path | None:
     return path
 
 
+# ------------------------------------------------------------------ waking up for the arbiter
+def attend(kv, scheduler) -> None:
+    """Once per iteration: the first time, make an idle scheduler (``--sleep-on-idle``) wake up
+    when the arbiter asks for memory or a late grant lands (else a sleeping server would answer
+    a reclaim only when its one-second sleep ends); then consume the wake-ups."""
+    if not kv.lent_wakeup_registered:
+        up_sched.add_idle_wakeup(scheduler, kv.lent.wake_fd)
+        kv.lent_wakeup_registered = True
+    kv.lent.drain_wakeups()
+
+
 # ------------------------------------------------------------------ borrowing and giving back
 def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = False) -> int:
     """Borrow enough whole groups for ``tokens`` more tokens; return groups borrowed.

@@ -6,7 +6,8 @@ In order:
 2. host buffer: offloaded prefills leave the last prefill batch and are parked once their
    first token is in (before anything reads that batch);
 3. the previous forward is done: its activation chunks become idle;
-4. shared pool: answer the arbiter's reclaims;
+4. shared pool: wake-ups consumed (an idle server sleeping with ``--sleep-on-idle`` is woken
+   by the arbiter's requests), the arbiter's reclaims answered;
 5. deflation: unmap groups whose pages are all free, keeping ``spare_groups`` while the
    server has work (none when idle, so an idle server holds only its cached prefixes);
 6. host buffer: one Alg. 2 step from this iteration's TTFT / TPOT samples;
@@ -14,8 +15,8 @@ In order:
 8. host buffer: fetch the first parked request's KV when it can be admitted; reopen
    admission while the buffer has room for new prefills;
 9. hold the head request's prefill activation (evicting cached prefixes is safe here);
-10. premap: map groups from FREE chunks so the next decode step finds its pages mapped
-    (the request path then makes no map call).
+10. premap: map groups from FREE chunks (and idle activation when no prefill waits) so the
+    next decode step finds its pages mapped (the request path then makes no map call).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def tick(scheduler) -> None:
     if kv.activation is not None:
         kv.activation.end_iteration()
     if kv.lent is not None:
+        shared_pool.attend(kv, scheduler)
         shared_pool.answer_reclaim(kv, allocator, tree, scheduler)
     busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
     kv.shrink(allocator, spare_groups=kv.spare_groups if busy else 0)
@@ -92,5 +94,6 @@ def tick(scheduler) -> None:
         host_buffer.fetch_parked(kv, scheduler, int(demand.decode_reserve_tokens(scheduler)))
         reopen_admission_for_offload(kv, scheduler)
     hold_head_activation(kv, allocator, tree, scheduler)
-    if busy:
-        kv.refill(allocator, premap_pages(kv, scheduler) + kv.spare_groups * kv.group_pages)
+    if busy:  # idle activation may back the premap only when no prefill waits to take it back
+        kv.refill(allocator, premap_pages(kv, scheduler) + kv.spare_groups * kv.group_pages,
+                  free_only=bool(up_sched.waiting(scheduler)))  # fmt: skip

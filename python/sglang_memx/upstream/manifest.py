@@ -65,6 +65,7 @@ CLASSES: dict[str, str] = {
     "RadixCache": _C + "radix_cache.RadixCache",
     "GlobalState": "sglang.srt.entrypoints.http_server._GlobalState",
     "TokenizerManager": _M + "tokenizer_manager.TokenizerManager",
+    "IdleSleeper": _M + "scheduler_components.idle_sleeper.IdleSleeper",
 }
 
 MEMBERS: dict[str, dict[str, str | None]] = {
@@ -78,8 +79,9 @@ MEMBERS: dict[str, dict[str, str | None]] = {
         "last_batch": "ScheduleBatch", "chunked_req": "Req", "page_size": None, "chunked_prefill_size": None,
         "max_total_num_tokens": None, "new_token_ratio_tracker": "NewTokenRatioTracker", "max_req_len": None,
         "max_req_input_len": None, "req_to_token_pool": "ReqToTokenPool", "hisparse_coordinator": None,
-        "_add_request_to_queue": None, "abort_request": None,
+        "_add_request_to_queue": None, "abort_request": None, "idle_sleeper": "IdleSleeper",
     },
+    "IdleSleeper": {"poller": None},
     "ScheduleBatch": {"reqs": None, "forward_mode": "ForwardMode",
                       "token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator",
                       "req_to_token_pool": "ReqToTokenPool", "batch_is_full": None, "filter_batch": None},
@@ -203,6 +205,7 @@ ROLES: dict[str, str] = {
     "controller": "SchedulerInternalStateController", "observer": "SchedulerPoolStatsObserver",
     "stats": "PoolStats", "state_reply": "GetInternalStateReqOutput", "global_state": "GlobalState",
     "matched": "MatchResult", "evicted": "EvictResult", "registry": "HookRegistry", "radix": "RadixCache",
+    "sleeper": "IdleSleeper",
 }  # fmt: skip
 
 

@@ -104,6 +104,18 @@ def cap_request_lengths(scheduler, max_len: int) -> bool:
     return False
 
 
+def add_idle_wakeup(scheduler, fd: int) -> bool:
+    """Make the scheduler's idle sleep (``--sleep-on-idle``) end when ``fd`` becomes readable;
+    False when it has no zmq idle sleeper (sleep-on-idle off, or another kind)."""
+    sleeper = scheduler.idle_sleeper
+    if not isinstance(sleeper, resolve("sglang.srt.managers.scheduler_components.idle_sleeper.IdleSleeper")):
+        return False
+    import zmq
+
+    sleeper.poller.register(fd, zmq.POLLIN)
+    return True
+
+
 def req_to_token_rows(scheduler):
     return scheduler.req_to_token_pool.req_to_token
 
