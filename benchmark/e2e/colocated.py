@@ -12,6 +12,9 @@ before each run every server's prefix cache is flushed):
 * ``stock_ample`` (reference, not a competitor): stock with the whole KV budget *per server*,
   i.e. 3x the memory. If stock_ample is much faster than stock, stock's queue waits for KV,
   not for CPU: the workload is memory-bound.
+* ``memx_buffer`` (optional, ``--setups``): memx with the features ``scripts/serve.sh`` turns
+  on, i.e. also the CPU elastic buffer (``--memx-host-buffer-gb 1``): requests refused for want
+  of KV reservation prefill anyway and wait on the host for their decode.
 
 Traffic comes in phases: in phase k server k gets a burst of concurrent requests while the
 others see a trickle, so at any time one server needs far more than a third of the memory.
@@ -53,7 +56,8 @@ CHUNK_KB = 4
 TOKEN_ROW_BYTES = 64  # tiny Llama: 2 KV heads x 16 dims x bf16, per layer and K/V
 LAYERS = 2
 CHUNKED_PREFILL = 64  # every setup; bounds one prefill batch's activation
-SETUPS = ("stock", "memx", "stock_ample")
+SETUPS = ("stock", "memx", "stock_ample", "memx_buffer")
+DEFAULT_SETUPS = ("stock", "memx", "stock_ample")
 KEYS = ("ttft_p50_s", "ttft_p99_s", "burst_ttft_p99_s", "tpot_p50_s", "throughput_tok_s")
 SERVER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 COMMON = ["--chunked-prefill-size", str(CHUNKED_PREFILL), "--sleep-on-idle", "--decode-log-interval", "4"]
@@ -99,6 +103,11 @@ def make_servers(model, args, pool_dir: Path) -> dict[str, list[SGLangServer]]:
                               extra_args=memx_args) for i in range(3)],
         "stock_ample": [SGLangServer(model, name=f"bench-colo-ample{i}", stock=True, env=SERVER_ENV,
                                      max_total_tokens=args.budget_tokens, extra_args=COMMON) for i in range(3)],
+        "memx_buffer": [SGLangServer(model, name=f"bench-colo-memxbuf{i}", env=SERVER_ENV,
+                                     max_total_tokens=args.budget_tokens,
+                                     extra_args=[a.replace(f"bench{os.getpid()}", f"benchbuf{os.getpid()}")
+                                                 for a in memx_args] + ["--memx-host-buffer-gb", "1"])
+                        for i in range(3)],
     }  # fmt: skip
 
 
@@ -192,7 +201,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-words", type=int, default=40)
     ap.add_argument("--budget-tokens", type=int, default=1536, help="total KV tokens of the three servers")
-    ap.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of " + ",".join(SETUPS))
+    ap.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help="comma-separated subset of " + ",".join(SETUPS))
+    ap.add_argument("--out", default="colocated", help="results name under benchmark/results/e2e/")
     args = ap.parse_args()
     command = "python benchmark/e2e/colocated.py " + " ".join(sys.argv[1:])
     print(f"# {command}", flush=True)
@@ -203,6 +213,9 @@ def main() -> int:
                                      seed=5), root)  # fmt: skip
     pool_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-memx-bench-pools-{os.getpid()}"
     setups = [s for s in args.setups.split(",") if s]
+    unknown = sorted(set(setups) - set(SETUPS))
+    if unknown or "stock" not in setups:
+        ap.error(f"--setups: need stock and some of {', '.join(SETUPS)}; unknown: {', '.join(unknown) or '-'}")
     servers = {k: v for k, v in make_servers(model, args, pool_dir).items() if k in setups}
     sched = schedule(args)
     start_all([s for group in servers.values() for s in group])
@@ -215,28 +228,39 @@ def main() -> int:
         for group in servers.values():
             for s in group:
                 s.stop()
-        subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", f"bench{os.getpid()}",
-                        "--pool-dir", str(pool_dir)], check=False, capture_output=True)  # fmt: skip
+        for pool in (f"bench{os.getpid()}", f"benchbuf{os.getpid()}"):
+            subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", pool, "--pool-dir", str(pool_dir)],
+                           check=False, capture_output=True)  # fmt: skip
     doc = {"command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "params": vars(args), "server_env": SERVER_ENV, "common_flags": COMMON, "rounds": rounds}  # fmt: skip
-    doc["ratios"] = {k: ratio_stats(rounds, k, "memx", "stock") for k in KEYS if "memx" in setups}
+    doc["ratios"] = {k: ratio_stats(rounds, k, "memx", "stock") for k in KEYS} if "memx" in setups else {}
+    if "memx_buffer" in setups:
+        doc["buffer_over_stock"] = {k: ratio_stats(rounds, k, "memx_buffer", "stock") for k in KEYS}
     if "stock_ample" in setups:
         doc["ample_over_stock"] = {k: ratio_stats(rounds, k, "stock_ample", "stock") for k in KEYS}
         if "memx" in setups:  # memx against stock with the memory it would need: equal running batches
             doc["memx_over_ample"] = {k: ratio_stats(rounds, k, "memx", "stock_ample") for k in KEYS}
-    doc["claims"] = {
-        "ttft_p99 <= 0.5x stock at the median, < 1x in every pair": wins(doc["ratios"]["ttft_p99_s"], 0.5, 1.0),
-        "tpot_p50 <= 1.1x stock at the median, < 1.1x in every pair": wins(doc["ratios"]["tpot_p50_s"], 1.1, 1.1),
-    }
+    doc["claims"] = {}
+    for label, ratios in (("memx", doc["ratios"]), ("memx_buffer", doc.get("buffer_over_stock"))):
+        if ratios:
+            doc["claims"][f"{label}: ttft_p99 <= 0.5x stock at the median, < 1x in every pair"] = wins(
+                ratios["ttft_p99_s"], 0.5, 1.0
+            )
+            doc["claims"][f"{label}: tpot_p50 <= 1.1x stock at the median, < 1.1x in every pair"] = wins(
+                ratios["tpot_p50_s"], 1.1, 1.1)  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "colocated.json").write_text(json.dumps(doc, indent=1))
-    plot_ratios(doc, KEYS, RESULTS / "colocated.png",
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(doc, indent=1))
+    main_ratio = "memx" if "memx" in setups else "memx_buffer"
+    shown = doc["ratios"] if "memx" in setups else doc["buffer_over_stock"]
+    plot_ratios({"ratios": shown}, KEYS, RESULTS / f"{args.out}.png",
                 f"3 co-located tiny Llama servers, {args.budget_tokens} KV tokens in total, {args.rounds} rounds",
-                "memx/stock")  # fmt: skip
-    plot_timelines(doc, RESULTS / "colocated_timeline.png")
-    print(json.dumps({"ratios": {k: {m: v for m, v in s.items() if m != "values"} for k, s in doc["ratios"].items()},
-                      "claims": doc["claims"]}, indent=1))  # fmt: skip
-    print(f"wrote {RESULTS / 'colocated.json'}, colocated.png, colocated_timeline.png")
+                f"{main_ratio}/stock")  # fmt: skip
+    plot_timelines(doc, RESULTS / f"{args.out}_timeline.png")
+    summary = {name: {k: {m: v for m, v in st.items() if m != "values"} for k, st in block.items()}
+               for name, block in doc.items() if name in ("ratios", "buffer_over_stock", "memx_over_ample",
+                                                           "ample_over_stock")}  # fmt: skip
+    print(json.dumps({**summary, "claims": doc["claims"]}, indent=1))
+    print(f"wrote {RESULTS / args.out}.json, .png, _timeline.png")
     return 0
 
 

@@ -112,6 +112,12 @@ class LentPool:
             self.borrowed_total += n
         return n
 
+    @property
+    def outstanding(self) -> bool:
+        """A borrow's reply has not come yet (it will land in FREE, or count as a refusal)."""
+        with self._lock:
+            return self._outstanding > 0
+
     def _on_late_reply(self, msg: dict, chunks: list[PhysicalChunk]) -> bool:
         with self._lock:
             if msg["type"] not in ("GRANT", "DENY") or self._outstanding == 0:
@@ -120,6 +126,7 @@ class LentPool:
             if msg["type"] == "DENY":
                 self.denied_total += 1
                 self.last_denied_available = int(msg.get("available", 0))
+                self._wake()
                 return False
         try:
             self.pool.adopt(chunks)  # only adds FREE chunks: never breaks what the engine counted on
@@ -140,6 +147,12 @@ class LentPool:
             with self._lock:
                 self.returned_total += len(chunks)
         return len(chunks)
+
+    def report_due(self, busy: bool) -> bool:
+        """Whether ``report`` could send now (the interval passed, or ``busy`` flips): lets the
+        caller skip computing the numbers."""
+        last = self._last_report
+        return last is None or last[2] != busy or time.monotonic() - self._last_report_t >= self.REPORT_MIN_INTERVAL_S
 
     def report(self, idle: int, headroom: int, busy: bool) -> bool:
         """Send the policy's numbers if they changed; returns whether a REPORT went out."""

@@ -89,3 +89,4 @@ class FakeScheduler:
         self.max_req_input_len = 1 << 20
         self.req_to_token_pool = None
         self.hisparse_coordinator = None
+        self.idle_sleeper = None

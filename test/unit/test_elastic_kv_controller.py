@@ -285,3 +285,38 @@ def test_activation_arena_is_cuda_only_optional_and_degrades_with_a_warning(capl
         # no driver library: the arena cannot be built, serving goes on without it
         assert activation_arena(MemxConfig(elastic_kv=True), cuda_like, pool) == (None, None)
     assert "activation arena unavailable" in caplog.text and "libcuda" in caplog.text
+
+
+class _FakeLent:
+    """Plays LentPool for borrow_tokens: answers from a script, counts what was asked."""
+
+    def __init__(self, answers, outstanding=False):
+        self.answers, self.asked, self.outstanding = list(answers), [], outstanding
+        self.last_denied_available = 0
+
+    def available_now(self):
+        return 1 << 20
+
+    def borrow(self, n, wait=None):
+        self.asked.append(n)
+        return n if self.answers.pop(0) else 0
+
+
+def _borrower(lent):
+    kv, _, _, _ = _make(1, capacity_chunks=4)  # group 0 only: every further group must be borrowed
+    kv.lent = lent
+    return kv
+
+
+def test_a_refused_borrow_backs_off_a_pending_one_does_not_and_a_grant_resets():
+    from sglang_memx.elastic.shared_pool import BORROW_BACKOFF_S, borrow_tokens
+
+    kv = _borrower(_FakeLent([False, False]))  # refused outright (and the fewer-groups retry too)
+    assert borrow_tokens(kv, 100) == 0
+    assert kv.borrow_backoff_until > 0 and kv.borrow_backoff_s == 2 * BORROW_BACKOFF_S
+    assert borrow_tokens(kv, 100) == 0 and len(kv.lent.asked) == 1  # backing off: nothing asked
+    pending = _borrower(_FakeLent([False], outstanding=True))  # the grant is on its way
+    assert borrow_tokens(pending, 100) == 0 and pending.borrow_backoff_until == 0.0
+    granted = _borrower(_FakeLent([True]))
+    granted.borrow_backoff_s = 1.0
+    assert borrow_tokens(granted, 100) == 2 and granted.borrow_backoff_s == BORROW_BACKOFF_S  # 2 groups of 64

@@ -88,6 +88,8 @@ class ElasticKV:
             "decode_steps": 0,
             "decode_steps_with_map": 0,
             "decode_map_calls": 0,
+            "ticks": 0,
+            "tick_seconds": 0.0,
         }
         self._request_maps_seen = 0
         # scheduler-side state: borrow back-off (shared pool), one-time length cap
@@ -96,6 +98,8 @@ class ElasticKV:
         self.lengths_capped = False
         self.lent_wakeup_registered = False
         buffers.map_groups([0])  # the padded page 0 must always be writable
+        self._mapped_usable = self.usable_pages(0)  # allocatable pages of the mapped groups
+        self._shrink_floor: dict[int, int] = {}  # spare -> free pages when a scan last found nothing
 
     # ----------------------------------------------------------- geometry
     def pages_of_group(self, g: int) -> torch.Tensor:
@@ -140,6 +144,8 @@ class ElasticKV:
     def _timed(self, kind: str, fn, groups) -> int:
         t0 = time.perf_counter()
         n = fn(groups)
+        usable = sum(self.usable_pages(g) for g in groups)
+        self._mapped_usable += usable if kind == "map" else -usable
         dt = time.perf_counter() - t0
         self.stats[f"{kind}_seconds"] += dt
         self.stats[f"max_{kind}_seconds"] = max(self.stats[f"max_{kind}_seconds"], dt)
@@ -200,16 +206,28 @@ class ElasticKV:
         chunks (and idle activation chunks unless ``free_only``)."""
         return self.grow(allocator, pages_wanted, "premap", free_only=free_only)
 
-    def shrink(self, allocator, max_groups: int | None = None, spare_groups: int | None = None) -> int:
-        """Unmap mapped groups whose pages are all free (highest first), keeping spares; return how many."""
+    def shrink(self, allocator, max_groups: int | None = None, spare_groups: int | None = None,
+               lazy: bool = False) -> int:  # fmt: skip
+        """Unmap mapped groups whose pages are all free (highest first), keeping spares; return how many.
+
+        ``lazy`` (the tick's routine deflation): skip the scan while the free list has not grown
+        since a scan found nothing to unmap. A group emptied by frees that allocations then hid
+        waits for the next scan; memory is never lost, only unmapped later."""
         spare = self.spare_groups if spare_groups is None else spare_groups
         if self.buffers.num_mapped <= 1 + spare:
+            return 0
+        free_count = up_kv.free_page_count(allocator)
+        if free_count // min(self.group_pages, self._last_group_pages) <= spare:
+            return 0  # fewer free pages than one group beyond the spares: no group can be empty and spare
+        if lazy and free_count <= self._shrink_floor.get(spare, -1):
+            self._shrink_floor[spare] = free_count
             return 0
         empty = self.empty_groups(allocator)
         victims = empty[: max(0, len(empty) - spare)]
         if max_groups is not None:
             victims = victims[:max_groups]
         if not victims:
+            self._shrink_floor[spare] = free_count
             return 0
         free = up_kv.free_pages(allocator)
         drop = torch.isin(free // self.group_pages, torch.tensor(victims, dtype=torch.int64, device=free.device))
@@ -235,7 +253,7 @@ class ElasticKV:
     # ------------------------------------------------------------ checks
     def logical_free_pages(self, allocator) -> int:
         """Free pages in the logical sense (mapped free + every page of unmapped groups)."""
-        return up_kv.free_page_count(allocator) + sum(self.usable_pages(g) for g in self.unmapped_groups())
+        return up_kv.free_page_count(allocator) + self.num_pages - self._mapped_usable
 
     def check(self, allocator) -> None:
         """Raise AssertionError if a free page lies outside the mapped groups (the class invariant)."""

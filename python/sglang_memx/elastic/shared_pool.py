@@ -167,7 +167,8 @@ def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = Fals
     retract), and a grant that comes later lands in the pool for the next iteration (see
     ``LentPool.borrow``): a scheduler never blocks on another server. After a refusal it backs
     off, doubling from ``BORROW_BACKOFF_S`` up to ``BORROW_BACKOFF_MAX_S`` (``urgent`` ignores
-    the back-off); a grant resets it.
+    the back-off); a grant resets it. A borrow whose grant is still on its way (the arbiter is
+    reclaiming from peers) is no refusal: nothing more is asked until it lands, without back-off.
     """
     lent = kv.lent
     if lent is None or tokens <= 0:
@@ -189,7 +190,7 @@ def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = Fals
         got = fewer if fewer > 0 and lent.borrow(fewer * cpg, wait=wait) else 0
     if got:
         kv.borrow_backoff_s = BORROW_BACKOFF_S
-    elif may_wait:
+    elif may_wait and not lent.outstanding:
         delay = kv.borrow_backoff_s or BORROW_BACKOFF_S
         kv.borrow_backoff_until = now + delay
         kv.borrow_backoff_s = min(BORROW_BACKOFF_MAX_S, delay * 2)
@@ -224,13 +225,16 @@ def answer_reclaim(kv, allocator, tree, scheduler) -> int:
 def report(kv, allocator, tree, scheduler) -> None:
     """The arbiter policy's numbers for this server: chunks it could give back now (spare FREE,
     empty groups, evictable cache, idle activation beyond the decode steps' need), how many of
-    those its waiting queue wants to keep, and whether it has work."""
+    those its waiting queue wants to keep, and whether it has work. Computed only when a report
+    could go out (``LentPool.report_due``)."""
+    busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
+    if not kv.lent.report_due(busy):
+        return
     idle = spare_free_chunks(kv, allocator, scheduler) + idle_kv_chunks(kv, allocator, tree)
     if kv.activation is not None:
         idle += max(0, kv.activation.idle() - demand.decode_activation_chunks(kv, scheduler))
     wanted = demand.queue_demand_tokens(scheduler) - demand.running_demand_tokens(scheduler)
     headroom = min(idle, -(-max(0, wanted) // kv.buffers.group_rows) * kv.buffers.chunks_per_group)
-    busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
     kv.lent.report(idle, headroom, busy)
 
 

@@ -22,6 +22,7 @@ In order:
 from __future__ import annotations
 
 import logging
+import time
 
 from sglang_memx.elastic import demand, host_buffer, shared_pool, slo
 from sglang_memx.elastic.ballooning import hold_head_activation
@@ -74,6 +75,13 @@ def tick(scheduler) -> None:
     kv = up_kv.elastic_of(allocator)
     if kv is None:
         return
+    t0 = time.perf_counter()
+    _tick(scheduler, allocator, kv)
+    kv.stats["ticks"] += 1
+    kv.stats["tick_seconds"] += time.perf_counter() - t0
+
+
+def _tick(scheduler, allocator, kv) -> None:
     tree = up_sched.tree_cache(scheduler)
     kv.note_iteration(up_sched.last_batch_was_decode(scheduler))
     cap_request_lengths(scheduler, kv)
@@ -85,7 +93,7 @@ def tick(scheduler) -> None:
         shared_pool.attend(kv, scheduler)
         shared_pool.answer_reclaim(kv, allocator, tree, scheduler)
     busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
-    kv.shrink(allocator, spare_groups=kv.spare_groups if busy else 0)
+    kv.shrink(allocator, spare_groups=kv.spare_groups if busy else 0, lazy=True)
     if kv.host is not None:
         slo.observe(kv, scheduler)
     if kv.lent is not None:
