@@ -114,3 +114,20 @@ def test_frontend_language_with_memx_features_on(servers):
             assert verdict in ("yes", "no") and re.fullmatch(r" [12][0-9]{3}", year), (verdict, year)
     memx, stock = servers
     assert results[memx.name] == results[stock.name]
+
+
+def test_steady_decode_makes_no_map_call_on_the_request_path(servers):
+    """The tick premaps the next decode steps' KV groups: a long decode maps nothing on the request
+    path (every map it needed was made between iterations, counted as premap)."""
+    memx, _ = servers
+
+    def counters():
+        el = memx.request("/memx/status")["schedulers"][0]["elastic_kv"]
+        return el["decode_steps"], el["decode_map_calls"], el["map_calls"]["premap"]
+
+    steps0, maps0, _ = counters()
+    out = memx.generate("Write a long story about the sea.", max_new_tokens=600, temperature=0, ignore_eos=True)
+    steps1, maps1, premap1 = counters()
+    assert out["meta_info"]["completion_tokens"] == 600
+    assert steps1 - steps0 >= 590  # one decode step per token after the first
+    assert maps1 - maps0 == 0 and premap1 >= 2  # 600 tokens cross group boundaries: mapped ahead of time

@@ -15,9 +15,10 @@ choice (any page of its free list) never touches a hole. Pages move in and out:
   allows) until the free list has ``pages`` pages. ``path`` says who asked:
   ``"request"`` (upstream's allocation, on the request path) or ``"premap"``
   (memx's tick, before the batch is picked); ``map_calls[path]`` counts the
-  groups each mapped, and ``note_iteration`` attributes the request path's
-  maps to decode steps (``decode_steps``, ``decode_steps_with_map``,
-  ``decode_map_calls``).
+  groups each mapped, and ``note_forward`` attributes the request path's
+  maps since the previous forward to the forward about to run (allocation
+  precedes the forward), counting those of decode forwards (``decode_steps``,
+  ``decode_steps_with_map``, ``decode_map_calls``).
 * ``refill(allocator, pages)`` is the premap: between iterations it maps
   groups from FREE chunks (idle activation chunks too when the caller allows:
   not while a prefill waits, which would take them back) until ``pages`` free
@@ -191,12 +192,12 @@ class ElasticKV:
         up_kv.set_free_pages(allocator, torch.cat(pages))
         return len(mapped)
 
-    def note_iteration(self, was_decode: bool) -> None:
-        """Once per scheduler iteration: attribute the request path's maps since the last call to
-        the batch that ran, if it was a decode step."""
+    def note_forward(self, decode: bool) -> None:
+        """Before each forward: the request path's maps since the previous forward were made for
+        this one (its batch's KV is allocated before it runs); count them if it is a decode step."""
         maps = self.map_calls["request"] - self._request_maps_seen
         self._request_maps_seen = self.map_calls["request"]
-        if was_decode:
+        if decode:
             self.stats["decode_steps"] += 1
             self.stats["decode_map_calls"] += maps
             self.stats["decode_steps_with_map"] += 1 if maps else 0

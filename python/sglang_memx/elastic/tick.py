@@ -83,7 +83,6 @@ def tick(scheduler) -> None:
 
 def _tick(scheduler, allocator, kv) -> None:
     tree = up_sched.tree_cache(scheduler)
-    kv.note_iteration(up_sched.last_batch_was_decode(scheduler))
     cap_request_lengths(scheduler, kv)
     if kv.host is not None:
         host_buffer.park_offloaded_prefills(kv, scheduler)

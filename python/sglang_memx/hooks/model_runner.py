@@ -1,6 +1,7 @@
 """Upstream subsystem: model executor (``sglang.srt.model_executor``).
 
-* ``ModelRunner.forward`` (around): with elastic KV and ballooning, the forward runs through
+* ``ModelRunner.forward`` (around): with elastic KV, the map calls made on the request path for
+  this forward's batch are counted (per decode step in status); with ballooning, the forward runs through
   ``elastic.forward.run_forward``: the activation profile is measured on the first forwards
   (and later larger ones), and on CUDA with the activation arena every forward allocates its
   activations from the pool's chunks.
@@ -15,7 +16,10 @@ from sglang_memx.upstream.registry import HookSpec
 
 def around_forward(original, runner, forward_batch, *args, **kwargs):
     kv = up_model.runner_elastic(runner)
-    if kv is None or kv.activation is None:
+    if kv is None:
+        return original(runner, forward_batch, *args, **kwargs)
+    kv.note_forward(up_model.forward_is_decode(forward_batch))
+    if kv.activation is None:
         return original(runner, forward_batch, *args, **kwargs)
     return run_forward(kv.activation, up_model.runner_device(runner), up_model.forward_shape(forward_batch),
                        lambda: original(runner, forward_batch, *args, **kwargs))  # fmt: skip
@@ -23,5 +27,6 @@ def around_forward(original, runner, forward_batch, *args, **kwargs):
 
 HOOKS = (
     HookSpec("sglang.srt.model_executor.model_runner.ModelRunner.forward", "around", around_forward, "elastic_kv",
-             "measure the activation profile on real forwards; allocate activations from the pool (CUDA)"),
+             "count request-path maps per decode step; measure the activation profile on real forwards; "
+             "allocate activations from the pool (CUDA)"),
 )  # fmt: skip

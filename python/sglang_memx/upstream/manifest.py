@@ -135,7 +135,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     "MatchResult": {"device_prefix_len": None, "last_device_node": None},
     "InsertParams": {"key": None, "value": None},
     "ModelRunner": {"token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator", "device": None},
-    "ForwardBatch": {"input_ids": None, "batch_size": None},
+    "ForwardBatch": {"input_ids": None, "batch_size": None, "forward_mode": "ForwardMode"},
     "GlobalState": {"tokenizer_manager": "TokenizerManager"},
     "TokenizerManager": {"get_internal_state": None},
 }  # fmt: skip

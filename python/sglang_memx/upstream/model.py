@@ -50,3 +50,7 @@ def forward_shape(forward_batch) -> tuple[int, int]:
     """(tokens, sequences) of one forward batch (0 tokens for a forward without input ids)."""
     ids = forward_batch.input_ids
     return (0 if ids is None else int(ids.numel())), int(forward_batch.batch_size)
+
+
+def forward_is_decode(forward_batch) -> bool:
+    return bool(forward_batch.forward_mode.is_decode())

@@ -55,11 +55,6 @@ def unmerged_prefill_batch(scheduler):
     return last
 
 
-def last_batch_was_decode(scheduler) -> bool:
-    last = scheduler.last_batch
-    return last is not None and bool(last.forward_mode.is_decode())
-
-
 def admitted_reqs(scheduler) -> list:
     """Requests holding KV, unfinished, each once: the running batch, a prefill batch not
     merged into it yet, and a request whose chunked prefill is under way."""
