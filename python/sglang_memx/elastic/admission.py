@@ -35,9 +35,15 @@ from sglang_memx.upstream import scheduler as up_sched
 NEVER_FITS = 1 << 62
 
 
-def _decode_headroom(adder) -> int:
-    """Device room an offloaded prefill leaves: one page per running request and one for itself."""
-    return up_sched.adder_page_size(adder) * (up_sched.adder_running_count(adder) + 1)
+def _decode_headroom(adder, steps: int = 1) -> int:
+    """Device room an offloaded prefill leaves: one page per running request for each of the
+    ``steps`` iterations its prompt takes (its chunks), and one page for itself."""
+    return up_sched.adder_page_size(adder) * (up_sched.adder_running_count(adder) * steps + 1)
+
+
+def _chunks(rest: int, chunk: int) -> int:
+    """Iterations a prompt's ``rest`` takes in chunks of ``chunk`` tokens."""
+    return max(1, -(-rest // max(chunk, 1)))
 
 
 def _paged(tokens: int, page: int) -> int:
@@ -64,12 +70,16 @@ def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool) -> PrefillAsk:
         row = demand.kv_row_bytes(up_sched.adder_allocator(adder))
         offload_kv = up_req.fill_len(req)
         room = host.offload_room() // row
+    rest = demand.next_chunk_tokens(req, None)  # the whole rest of its input, as upstream reserves it
+    running_steps = page * up_sched.adder_running_count(adder) * _chunks(rest, chunk)
     return PrefillAsk(
         budget=up_sched.budget_free(budget) + live,
-        reserved=total,
-        reserved_now=current + page * up_sched.adder_running_count(adder),  # + the running requests' next step
-        kv=demand.next_chunk_tokens(req, None) + page + up_req.remaining_new_tokens(req),  # whole rest, as upstream
-        kv_now=_paged(chunk, page) + page,
+        # an offloaded chunked prefill under way holds the rest of its prompt on the device
+        reserved=total + state.offload_rest,
+        # + the running requests' decode while this prompt's chunks run
+        reserved_now=current + state.offload_rest + running_steps,
+        kv=rest + page + up_req.remaining_new_tokens(req),
+        kv_now=_paged(rest, page) + page,  # an offloaded prompt lands on the device whole before it parks
         act=act,
         offload_kv=offload_kv,
         buffer_room=room,
@@ -124,7 +134,10 @@ def _defer(kv, adder, req, ask: PrefillAsk):
 def _offload(original, adder, req, has_chunked_req, truncation_align_size, kv):
     """Upstream's admission against the device's physical room; the KV is parked after the prefill."""
     budget = up_sched.adder_budget(adder)
-    with up_sched.physical_check(budget, _decode_headroom(adder), up_req.remaining_new_tokens(req)):
+    steps = _chunks(
+        demand.next_chunk_tokens(req, None), demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
+    )
+    with up_sched.physical_check(budget, _decode_headroom(adder, steps), up_req.remaining_new_tokens(req)):
         original(adder, req, has_chunked_req, truncation_align_size)
     if not up_sched.adder_admitted(adder, req):
         return up_sched.add_result("NO_TOKEN")
@@ -147,6 +160,11 @@ def add_chunk(original, adder, req, kv):
         if not reserve_activation(kv, allocator, None, chunk, 1):
             kv.activation.stats["overcommitted_chunks"] += 1
     if host_buffer.is_offloaded(req):
-        with up_sched.physical_check(up_sched.adder_budget(adder), _decode_headroom(adder), 0):
-            return original(adder, req)
+        rest = demand.next_chunk_tokens(req, None)
+        chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
+        with up_sched.physical_check(up_sched.adder_budget(adder), _decode_headroom(adder, _chunks(rest, chunk)), 0):
+            result = original(adder, req)
+        if rest > chunk:  # later requests of this pass must leave the rest of its prompt room
+            up_sched.adder_state(adder).offload_rest = rest - chunk + up_sched.adder_page_size(adder)
+        return result
     return original(adder, req)

@@ -200,7 +200,7 @@ def adder_state(adder) -> types.SimpleNamespace:
     """memx's state of one admission pass (a PrefillAdder lives for one pass)."""
     state = vars(adder).get(ADDER_STATE_ATTR)
     if state is None:
-        state = types.SimpleNamespace(batch_tokens=0, behind_parked=False)
+        state = types.SimpleNamespace(batch_tokens=0, behind_parked=False, offload_rest=0)
         setattr(adder, ADDER_STATE_ATTR, state)
     return state
 
