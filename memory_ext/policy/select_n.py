@@ -359,7 +359,9 @@ class GpuDemand:
     ``min_interval``: from the performance record (``None`` = record says no
     interval meets the SLO). ``max_interval``: from GPU capacity (``None`` =
     unbounded). ``iter_time_s``: iteration time used to turn bytes per
-    iteration into a rate, as in Fig. 8 lines 4-13.
+    iteration into a rate, as in Fig. 8 lines 4-13. ``iter_times``: optional
+    iteration time per interval (an interval's rate is then its bytes over its
+    own iteration time; intervals not listed use ``iter_time_s``).
     """
 
     name: str
@@ -368,6 +370,7 @@ class GpuDemand:
     iter_time_s: float
     min_interval: int | None
     max_interval: int | None = None
+    iter_times: Mapping[int, float] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -380,6 +383,12 @@ class GpuDemand:
         if self.max_interval is not None:
             if isinstance(self.max_interval, bool) or not isinstance(self.max_interval, int) or self.max_interval < 0:
                 raise ValueError(f"max_interval must be a non-negative int or None, got {self.max_interval!r}")
+        if self.iter_times is not None:
+            if not isinstance(self.iter_times, Mapping):
+                raise ValueError(f"iter_times must be a mapping interval -> seconds, got {self.iter_times!r}")
+            for i, t in self.iter_times.items():
+                _pos_int("iter_times", i)
+                _pos_num("iter_times", t)
 
     def offloaded_bytes(self, interval: int) -> int:
         return offloaded_layers(self.num_layers, interval) * self.layer_bytes
@@ -390,7 +399,8 @@ class GpuDemand:
         Fig. 8 divides ``layers * mem_per_layer`` by the interval; we use the
         whole number of offloaded layers ``L // i`` (what actually moves).
         """
-        return self.offloaded_bytes(interval) / self.iter_time_s
+        t = self.iter_time_s if self.iter_times is None else self.iter_times.get(interval, self.iter_time_s)
+        return self.offloaded_bytes(interval) / t
 
     def candidate_intervals(self) -> list[int]:
         """Valid intervals, one per distinct offloaded-layer count.
