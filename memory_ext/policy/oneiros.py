@@ -21,8 +21,10 @@ Vocabulary (paper symbols):
 Invariants enforced everywhere:
   * 0 <= alpha <= n - 1: no model is ever remapped in its entirety;
   * alpha <= the model's profiled cap;
-  * a plan is only ever offered if its timing condition (Eq. 4 or Eq. 5)
-    holds; otherwise the answer is "no remap" with a reason.
+  * a REMAP is only ever offered if its plan's timing condition (Eq. 4 or
+    Eq. 5) holds; otherwise the answer is "no remap" with a reason. A RESTORE
+    carries the plan for the alpha left, which is infeasible (``feasible``
+    False, with a reason) when the model's limit fell below it since.
 """
 
 from __future__ import annotations
@@ -270,6 +272,10 @@ class ModelState:
     priority        scheduler priority, larger = more important (remapped
                     later); None = scheduler gave none
     last_activated  time/sequence of the model's latest activation (MRU)
+    lent_free_blocks  free KV blocks (allocatable without evicting anything)
+                    of the pool that holds this model's most recently lent
+                    layer; None = that pool is the observed one, read
+                    ``free_kv_blocks`` (used by the restore rule, Alg. 1 l. 6-12)
     """
 
     name: str
@@ -282,6 +288,7 @@ class ModelState:
     blocks_per_layer: int = 1
     priority: float | None = None
     last_activated: float = 0.0
+    lent_free_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -300,6 +307,8 @@ class ModelState:
         if self.priority is not None:
             _num("priority", self.priority)
         _num("last_activated", self.last_activated)
+        if self.lent_free_blocks is not None:
+            _int("lent_free_blocks", self.lent_free_blocks, 0)
 
 
 def model_limit(model: ModelState, mode: BufferMode = BufferMode.AUTO) -> tuple[int, str]:
@@ -381,33 +390,44 @@ class RemapDecision:
 
 
 class OneirosController:
-    """O2 (section 5.1, Alg. 1): start remapping when free KV blocks run
-    out, stop and give memory back to weights when demand subsides.
+    """O2 (section 5.1, Alg. 1): remap one layer when KV blocks run out,
+    restore one when the KV memory it lent is empty.
 
-    * ``free_kv_blocks < low_watermark``  -> REMAP one more layer (Alg. 1
-      remaps one layer per call) from the first model in ``remap_order``
-      that is below its limit; none -> HOLD with a reason.
-    * a model above its (re-measured) limit -> RESTORE it down to the limit
-      first, whatever the pressure.
-    * otherwise, if returning one layer of the model first in *reverse*
-      ``remap_order`` among remapped ones still leaves
-      ``free_kv_blocks - blocks_per_layer >= high_watermark`` -> RESTORE one
-      layer of it (active models get their weights back first).
+    One decision per call, checked in this order:
 
-    Reading: Alg. 1 restores a layer when "a tensor of the added KV cache is
-    empty". Engine-agnostically we use the free-block count with hysteresis:
-    a layer is returned only if the pool keeps ``high_watermark`` free blocks
-    without it, which also cannot re-trigger REMAP (needs
-    ``high_watermark >= low_watermark``). The engine must only RESTORE after
-    the blocks concerned are vacant; that is mechanism, not policy.
+    * ``free_kv_blocks < low_watermark`` (Alg. 1 l. 3-5) -> REMAP one more
+      layer of the first model in ``remap_order`` below its limit; none ->
+      HOLD with a reason. A model whose (re-measured) limit fell below its
+      remapped count is simply not remapped further: nothing is taken back
+      because of the limit.
+    * Alg. 1 l. 6-12, "foreach tensor in added KV cache: if tensor is empty,
+      update the remapping": among remapped models in *reverse*
+      ``remap_order`` (active models get their weights back first), the
+      first whose lent layer is empty -> RESTORE one layer of it.
+    * otherwise HOLD.
 
-    Remapping is enabled (``remap_enabled``) iff some model has alpha > 0.
+    Reading of "the lent tensor is empty", engine-agnostic: the pool holding
+    the layer (``ModelState.lent_free_blocks``, else the observed pool) has
+    ``free >= blocks_per_layer`` blocks allocatable without evicting
+    anything, so it can shrink by one layer without touching a block in use,
+    and ``free - blocks_per_layer >= high_watermark`` so the restore cannot
+    re-trigger a remap on the next step (``high_watermark >= low_watermark``;
+    the default ``high_watermark = low_watermark`` is Alg. 1 with no extra
+    hysteresis). The engine applies a RESTORE only if that still holds when
+    it shrinks the pool; that is mechanism, not policy. Remapping is enabled
+    (``remap_enabled``, Alg. 1's ``enable_remap``) iff some model has alpha > 0;
+    when every lent tensor is empty all come back, one per call.
+
     The controller holds no state beyond its configuration and the last
     observation: the engine reports applied alphas in ``observe``.
     """
 
-    def __init__(self, low_watermark: int, high_watermark: int, mode: BufferMode = BufferMode.AUTO) -> None:
+    def __init__(
+        self, low_watermark: int, high_watermark: int | None = None, mode: BufferMode = BufferMode.AUTO
+    ) -> None:
         self.low_watermark = _int("low_watermark", low_watermark, 0)
+        if high_watermark is None:
+            high_watermark = self.low_watermark
         self.high_watermark = _int("high_watermark", high_watermark, 0)
         if self.high_watermark < self.low_watermark:
             raise ValueError(f"high_watermark must be >= low_watermark ({low_watermark}), got {high_watermark}")
@@ -435,7 +455,16 @@ class OneirosController:
     def _plan(self, model: ModelState, alpha: int) -> LayerPlan:
         if alpha == 0:
             return plan_layers(model.n_layers, 0, model.layer_transfer_s, 1.0, self.mode)
+        if model.compute_s is None:
+            return LayerPlan(model.n_layers, alpha, 0, 0, (), 0, False, "infeasible: no T_compute measured")
         return plan_layers(model.n_layers, alpha, model.layer_transfer_s, model.compute_s / model.n_layers, self.mode)
+
+    def lent_layer_empty(self, model: ModelState) -> bool:
+        """Alg. 1's "tensor is empty" for ``model``'s newest lent layer (class docstring)."""
+        if self._free is None:
+            raise RuntimeError("lent_layer_empty() called before observe()")
+        vacant = self._free if model.lent_free_blocks is None else model.lent_free_blocks
+        return model.remapped > 0 and vacant - model.blocks_per_layer >= self.high_watermark
 
     def decide(self) -> RemapDecision:
         """Decide one step from the last observation (see class docstring)."""
@@ -444,18 +473,6 @@ class OneirosController:
         by_name = {m.name: m for m in self._models}
         limits = {m.name: model_limit(m, self.mode) for m in self._models}
         order = remap_order(self._models)
-
-        for name in reversed(order):
-            m, (lim, why) = by_name[name], limits[name]
-            if m.remapped > lim:
-                return RemapDecision(
-                    Action.RESTORE,
-                    name,
-                    lim,
-                    self._plan(m, lim),
-                    f"over limit: remapped {m.remapped} > {lim} ({why})",
-                    limits,
-                )
 
         if self._free < self.low_watermark:
             for name in order:
@@ -477,17 +494,18 @@ class OneirosController:
 
         for name in reversed(order):
             m = by_name[name]
-            if m.remapped > 0 and self._free - m.blocks_per_layer >= self.high_watermark:
+            if self.lent_layer_empty(m):
+                vacant = self._free if m.lent_free_blocks is None else m.lent_free_blocks
                 target = m.remapped - 1
                 return RemapDecision(
                     Action.RESTORE,
                     name,
                     target,
                     self._plan(m, target),
-                    f"KV demand subsided: free {self._free} - {m.blocks_per_layer} >= high watermark "
-                    f"{self.high_watermark}",
+                    f"lent layer empty: {vacant} free blocks hold its {m.blocks_per_layer} and leave "
+                    f">= {self.high_watermark}",
                     limits,
                 )
-            if m.remapped > 0:
-                break  # restore strictly in reverse order: wait for this model
+        if self.remap_enabled:
+            return RemapDecision(Action.HOLD, None, 0, None, "lent KV memory still in use", limits)
         return RemapDecision(Action.HOLD, None, 0, None, "KV pool within watermarks", limits)

@@ -206,13 +206,71 @@ def test_controller_infeasible_gives_no_remap_with_reason():
     assert d.limits["A"][0] == 0 and d.limits["B"][0] == 0
 
 
-def test_controller_over_limit_restores_to_limit_first():
-    # T_compute dropped (re-measured): alpha 5 no longer hideable, limit is 3
+def test_controller_limit_drop_is_no_restore_signal():
+    # T_compute dropped (re-measured): alpha 5 no longer hideable, limit is 3.
+    # Not in Alg. 1: the model is not remapped further, but nothing comes back
+    # while its lent KV memory is in use (pool exhausted) ...
     ctrl = OneirosController(low_watermark=4, high_watermark=16, mode="single")
     ctrl.observe(0, [_model("C", cap=7, remapped=5)])
     d = ctrl.decide()
-    assert d.action is Action.RESTORE and d.target_remapped == 3 and "over limit" in d.reason
-    assert d.plan.beta == 1 and d.plan.m == 4
+    assert d.action is Action.HOLD and d.limits["C"][0] == 3
+    assert "no model can remap further" in d.reason
+    # ... another model below its limit is remapped instead ...
+    ctrl.observe(0, [_model("C", cap=7, remapped=5, last_activated=9), _model("D", cap=7, last_activated=1)])
+    d = ctrl.decide()
+    assert d.action is Action.REMAP and d.model == "D" and d.target_remapped == 1
+    # ... and between the watermarks it holds: the lent layer is not empty
+    ctrl.observe(20, [_model("C", cap=7, remapped=5, blocks_per_layer=10)])
+    d = ctrl.decide()
+    assert d.action is Action.HOLD and d.reason == "lent KV memory still in use"
+
+
+def test_controller_restores_an_over_limit_model_when_its_layer_is_empty():
+    ctrl = OneirosController(low_watermark=4, high_watermark=16, mode="single")
+    ctrl.observe(26, [_model("C", cap=7, remapped=5, blocks_per_layer=10)])
+    d = ctrl.decide()
+    assert d.action is Action.RESTORE and d.target_remapped == 4 and "lent layer empty" in d.reason
+    # alpha 4 is still over the limit: the plan says so instead of inventing one
+    assert not d.plan.feasible and "infeasible" in d.plan.reason
+
+
+def test_controller_default_is_alg1_without_hysteresis():
+    # high watermark defaults to the low one: a layer comes back as soon as its
+    # blocks are free and the pool keeps the low watermark (no re-trigger)
+    ctrl = OneirosController(low_watermark=4)
+    assert ctrl.high_watermark == 4
+    m = _model("C", priority=1, remapped=1, blocks_per_layer=10)
+    ctrl.observe(13, [m])
+    assert ctrl.decide().action is Action.HOLD  # 13 - 10 < 4: would run short again at once
+    ctrl.observe(14, [m])
+    d = ctrl.decide()
+    assert d.action is Action.RESTORE and d.target_remapped == 0
+    # after the restore the pool has 4 free blocks: no remap is triggered
+    ctrl.observe(4, [_model("C", priority=1, remapped=0, blocks_per_layer=10)])
+    assert ctrl.decide().action is Action.HOLD and not ctrl.remap_enabled
+
+
+def test_controller_restores_any_empty_lent_layer_in_reverse_order():
+    # Alg. 1 "foreach tensor": A (active, restored first) lent a big layer that
+    # does not fit the free blocks yet; C's small one does
+    a = _model("A", active=True, priority=5, remapped=1, blocks_per_layer=50)
+    c = _model("C", priority=1, remapped=1, blocks_per_layer=10)
+    ctrl = OneirosController(low_watermark=4)
+    ctrl.observe(30, [a, c])
+    d = ctrl.decide()
+    assert d.action is Action.RESTORE and d.model == "C"
+    ctrl.observe(60, [a, c])
+    assert ctrl.decide().model == "A"
+
+
+def test_controller_reads_the_pool_that_holds_the_lent_layer():
+    # the observed pool is roomy, but C's layer went to another pool that is full
+    ctrl = OneirosController(low_watermark=4)
+    ctrl.observe(100, [_model("C", remapped=1, blocks_per_layer=10, lent_free_blocks=5)])
+    assert ctrl.decide().action is Action.HOLD
+    ctrl.observe(100, [_model("C", remapped=1, blocks_per_layer=10, lent_free_blocks=14)])
+    d = ctrl.decide()
+    assert d.action is Action.RESTORE and "14 free blocks" in d.reason
 
 
 def test_decide_before_observe():
@@ -239,6 +297,7 @@ def test_decide_before_observe():
         (lambda: _model("a", blocks_per_layer=0), "blocks_per_layer"),
         (lambda: _model("a", compute_s=0), "compute_s"),
         (lambda: _model("a", active=1), "active"),
+        (lambda: _model("a", lent_free_blocks=-1), "lent_free_blocks"),
         (lambda: _model(""), "name"),
         (lambda: _model("a", priority="high"), "priority"),
         (lambda: remap_order([_model("a"), _model("a")]), "name"),

@@ -14,11 +14,17 @@ Memory model (per GPU, time-sliced models):
   low watermark) borrows one layer of the model the controller names
   (inactive models first, MRU, per-model cap, never a whole model): its KV
   pool grows by ``floor(layer_weight_bytes(lender) / borrower_block_bytes)``.
-* RESTORE: the lender's newest loan is taken back only when the borrower can
-  shrink without touching blocks in use (``kv.used <= capacity - blocks``);
-  a demand-subsided restore additionally keeps the borrower's high
-  watermark free. Otherwise the restore is deferred (counted) and the lender
-  keeps streaming.
+* RESTORE (Alg. 1 l. 6-12, "a tensor of the added KV cache is empty"): the
+  controller is told, per lender, the free blocks of the pool holding its
+  newest loan (``ModelState.lent_free_blocks``: the borrower's blocks
+  allocatable without eviction); it restores a layer when that pool can
+  give the loan back and keep the controller's high watermark (by default
+  the low one: no re-trigger). The hook shrinks the borrower only if that
+  still holds, else the restore is deferred (counted) and the lender keeps
+  streaming. A lender whose limit fell below its remapped count (it became
+  active) is not remapped further and keeps streaming until its loans are
+  empty, as in the paper; it streams ``plan_layers`` for its alpha at its
+  current T_compute, or double buffering when no plan is feasible.
 * Streaming cost: every iteration of a lender with ``alpha > 0`` moves
   ``m = alpha + beta`` of its layers over ``h2d:<gpu>`` (host -> GPU only:
   parameters never go back). Transfers overlap compute, so the iteration
@@ -121,7 +127,8 @@ def _forced_plan(n: int, alpha: int) -> LayerPlan:
 
 class OneirosHook:
     """See module docstring. Options: ``low_watermark_frac`` / ``high_watermark_frac``
-    (of the instance's initial KV blocks), ``cap_fraction`` (per-model cap on
+    (of the instance's initial KV blocks; ``high_watermark_frac`` None = the low
+    one, Alg. 1 with no hysteresis), ``cap_fraction`` (per-model cap on
     remapped layers), ``mode`` (auto | single | double), ``prefill_tokens``
     (T_compute of an inactive model; default ``max_batched_tokens``), ``link``."""
 
@@ -129,13 +136,15 @@ class OneirosHook:
         self,
         inst: Instance,
         low_watermark_frac: float = 0.03,
-        high_watermark_frac: float = 0.15,
+        high_watermark_frac: float | None = None,
         cap_fraction: float = 0.5,
         mode: str = "auto",
         prefill_tokens: int | None = None,
         link: str = "h2d",
         restore_period_s: float = 0.05,
     ) -> None:
+        if high_watermark_frac is None:
+            high_watermark_frac = low_watermark_frac
         if not 0 <= low_watermark_frac <= high_watermark_frac < 1:
             raise ValueError(
                 "need 0 <= low_watermark_frac <= high_watermark_frac < 1, got "
@@ -177,6 +186,12 @@ class OneirosHook:
     def _state(self, led: _Ledger, observer: Instance) -> ModelState:
         i = self.inst.idx
         active = led.active[i]
+        loans = led.loans[i]
+        bpl = max(1, int(self.layer_bytes // observer.cfg.kv_block_bytes))
+        lent_free = None
+        if loans and getattr(observer.sim, "arbiter", None) is None:
+            borrower, bpl = loans[-1]
+            lent_free = borrower.kv.free
         return ModelState(
             name=self.inst.cfg.name,
             n_layers=self.n_layers,
@@ -185,8 +200,9 @@ class OneirosHook:
             active=active,
             cap=self.cap,
             remapped=led.alpha[i],
-            blocks_per_layer=max(1, int(self.layer_bytes // observer.cfg.kv_block_bytes)),
+            blocks_per_layer=max(1, bpl),
             last_activated=led.last_activated[i],
+            lent_free_blocks=lent_free,
         )
 
     @staticmethod
@@ -211,7 +227,7 @@ class OneirosHook:
         if arb is not None and inst.kv.available < self.controller.low_watermark:
             # node arbiter: idle memory first (free, returned, idle peers' KV);
             # the controller may remap only what that leaves short
-            arb.grow(inst, self.controller.high_watermark - inst.kv.available)
+            arb.grow(inst, arb.high[inst.idx] - inst.kv.available)
         if inst.kv.available >= self.controller.low_watermark:
             led = ledger_of(inst)
             if not any(led.alpha.values()) or now - self._last_decision < self.restore_period_s:
@@ -249,54 +265,54 @@ class OneirosHook:
             led.remaps += 1
         elif d.action is Action.RESTORE:
             lender = by_name[d.model]
-            over_limit = d.reason.startswith("over limit")
-            changed = False
-            while led.alpha[lender.idx] > d.target_remapped:
-                borrower, blocks = led.loans[lender.idx][-1]
-                if arb is not None:
-                    # the layer comes back from free budget or idle borrowed KV of any
-                    # model: over its limit the lender drains it as it frees up; a
-                    # demand-subsided restore is all or nothing and leaves every
-                    # participating model its high watermark free
-                    keep = (
-                        None
-                        if over_limit
-                        else (lambda i: self._hook(i).controller.high_watermark if i in led.members else 0)
-                    )
-                    if not arb.restore(lender, keep, drain=over_limit):
-                        led.deferred_restores += 1
-                        break
-                else:
-                    kv = borrower.kv
-                    ok = kv.used <= kv.capacity - blocks
-                    if ok and not over_limit:
-                        ok = kv.available - blocks >= self._hook(borrower).controller.high_watermark
-                    if not ok:
-                        led.deferred_restores += 1
-                        break
+            borrower, blocks = led.loans[lender.idx][-1]
+            if arb is not None and led.active[lender.idx]:
+                ok = False  # drained below
+            elif arb is not None:
+                # from free budget or idle borrowed KV of any model, all or nothing,
+                # every participating model keeping its high watermark free
+                ok = arb.restore(lender, lambda i: self._hook(i).controller.high_watermark if i in led.members else 0)
+            else:
+                kv = borrower.kv
+                ok = kv.free - blocks >= self._hook(borrower).controller.high_watermark
+                if ok:
                     kv.resize(kv.capacity - blocks)
-                led.loans[lender.idx].pop()
-                led.alpha[lender.idx] -= 1
-                led.restores += 1
-                changed = True
-            if changed:
-                a = led.alpha[lender.idx]
-                if a == d.target_remapped:
-                    led.plan[lender.idx] = d.plan
-                else:  # partly restored (borrower busy): stream with the best plan for a
-                    st = self._hook(lender)._state(led, inst)
-                    pl = plan_layers(
-                        st.n_layers, a, st.layer_transfer_s, st.compute_s / st.n_layers, self.controller.mode
-                    )
-                    led.plan[lender.idx] = pl if pl.feasible else _forced_plan(st.n_layers, a)
+            if ok:
+                self._restored(led, lender, d.plan)
+            elif arb is None or not led.active[lender.idx]:
+                led.deferred_restores += 1
         elif d.reason.startswith("KV blocks running out"):
             led.holds_blocked += 1
-        if arb is not None:  # a draining restore of a model back within its limit is given up
-            for m in led.members:
-                lim = d.limits.get(m.cfg.name) if d.limits else None
-                if m in arb.restoring[m.cfg.gpu] and lim is not None and led.alpha[m.idx] <= lim[0]:
-                    arb.cancel_restore(m)
+        if arb is not None:
+            self._drain_active_lenders(led, arb)
         return d.action
+
+    def _drain_active_lenders(self, led: _Ledger, arb) -> None:
+        """X1 rule of the node arbiter (not Oneiros's): a lender that has work
+        takes its layers back by draining -- borrowed memory is gathered as it
+        frees up, before every plan on the GPU, so a borrower that fills every
+        free block cannot hold the layer forever; a lender that falls idle
+        again gives up its drain (its layers may stay lent)."""
+        for m in led.members:
+            if led.alpha[m.idx] > 0 and led.active[m.idx]:
+                if arb.restore(m, drain=True):
+                    self._restored(led, m, None)
+            elif m in arb.restoring[m.cfg.gpu]:
+                arb.cancel_restore(m)
+
+    def _restored(self, led: _Ledger, lender: Instance, plan: LayerPlan | None) -> None:
+        """Bookkeeping of one restored layer; the lender then streams ``plan``
+        (the controller's plan for the alpha left, recomputed when None), or
+        double buffering when that is infeasible (its limit fell below alpha)."""
+        led.loans[lender.idx].pop()
+        led.alpha[lender.idx] -= 1
+        led.restores += 1
+        a = led.alpha[lender.idx]
+        if plan is None:
+            st = self._hook(lender)._state(led, lender)
+            t_c = (st.compute_s or 1.0) / st.n_layers
+            plan = plan_layers(st.n_layers, a, st.layer_transfer_s, t_c, self.controller.mode)
+        led.plan[lender.idx] = plan if plan.feasible else _forced_plan(self._hook(lender).n_layers, a)
 
     def stats(self) -> dict[str, Any]:
         """Common shape (``core.stats``). ``gpu_*`` counters are the GPU's shared
