@@ -23,16 +23,19 @@ Rule applied, by the number of device slots the streamed layers rotate through:
   ``T_T m <= t_c (n - m)``.
 * ``slots >= 2`` (double buffering): Oneiros Eq. 5 generalised to a slack: the
   copy stream may run for the whole iteration, so ``m`` layers take
-  ``max(n t_c, m T_T)``; the answer is the largest ``m`` within ``B``. With no
+  ``max(n t_c, m T_T)``; the answer is the largest such ``m`` within ``B``. With no
   slack this is Eq. 5, ``T_T m <= t_c n`` with ``m = alpha + 2``. More slots
   do not help further in this model (the copy stream is already never idle).
+  Any ``m`` is allowed (Oneiros places them by ``uniform_interval_layers``);
+  ``interval`` is then the mean spacing ``n // m``.
 
-Invariants: ``0 <= layers <= n``; the modelled iteration with ``layers``
-streamed meets the SLO, with ``layers + 1`` it would not (or ``layers == n``);
-``layers == 0`` with ``feasible False`` when compute alone exceeds the SLO.
-``interval`` is the largest Select-N interval that streams ``layers`` layers
-(``n // layers``; ``n + 1`` = stream nothing), the one ``LinkCoordinator``
-keeps among intervals of equal layer count. Memory freed is
+Invariants: ``0 <= layers <= n`` and the modelled iteration with ``layers``
+streamed meets the SLO, while the next larger choice would not (one more
+layer with two slots, the next smaller interval with one) or ``layers == n``.
+With one slot ``interval`` is the smallest Select-N interval (every
+``interval``-th layer streams) meeting the SLO, the paper's optimal interval,
+and ``layers = n // interval``; ``n + 1`` = stream nothing. ``layers == 0``
+with ``feasible False`` when compute alone exceeds the SLO. Memory freed is
 ``layers - slots`` layers (the streamed layers share ``slots`` buffers).
 """
 
@@ -73,62 +76,64 @@ class StreamBudget:
     interval: int
     reason: str
     slots: int
-    iteration_s: float  # modelled iteration time with ``layers`` streamed, uncontended
+    iteration_s: float  # modelled iteration time at ``interval``, uncontended
     feasible: bool  # False: not even streaming nothing meets the SLO
 
 
-def iteration_seconds(n_layers: int, layers: int, t_c: float, t_tr: float, slots: int, fixed_s: float = 0.0) -> float:
-    """Modelled iteration time with ``layers`` streamed (module docstring).
-
-    ``slots == 1`` streams every ``n // layers``-th layer (the largest interval
-    with that count)."""
-    if layers <= 0:
-        return n_layers * t_c + fixed_s
+def iteration_seconds(
+    n_layers: int, interval: int, t_c: float, t_tr: float, slots: int = 1, fixed_s: float = 0.0
+) -> float:
+    """Modelled iteration time when every ``interval``-th layer streams (module docstring)."""
+    layers = offloaded_layers(n_layers, interval)
     if slots == 1:
-        return iteration_latency(n_layers, n_layers // layers, LayerTiming(t_c, t_tr)) + fixed_s
+        return iteration_latency(n_layers, interval, LayerTiming(t_c, t_tr)) + fixed_s
     return max(n_layers * t_c, layers * t_tr) + fixed_s
 
 
 def stream_budget(
     n_layers: int, t_c: float, t_tr: float, slo_s: float, slots: int = 1, fixed_s: float = 0.0
 ) -> StreamBudget:
-    """The rule of the module docstring for one layer time ``t_c``."""
+    """The rule of the module docstring for one layer time ``t_c``: the smallest
+    interval whose modelled iteration meets ``slo_s`` (Select-N's optimal
+    interval), and the ``n // interval`` layers it streams."""
     n = _int("n_layers", n_layers)
     t_c = _pos("t_c", t_c)
     t_tr = _pos("t_tr", t_tr)
     slo_s = _pos("slo_s", slo_s)
     slots = _int("slots", slots)
     fixed_s = _pos("fixed_s", fixed_s, zero_ok=True)
+    none = no_offload_interval(n)
     base = n * t_c + fixed_s
     tol = 1e-9 * slo_s
     ms = lambda s: f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"  # noqa: E731
     if base > slo_s + tol:
-        return StreamBudget(
-            0,
-            no_offload_interval(n),
-            f"SLO {ms(slo_s)} unattainable: compute alone takes {ms(base)}",
-            slots,
-            base,
-            False,
-        )
-    if slots == 1:
-        budget = slo_s - fixed_s
-        timing = LayerTiming(t_c, t_tr)
-        i = next(i for i in range(1, n + 2) if iteration_latency(n, i, timing) <= budget + tol)
-        layers = offloaded_layers(n, i)
-        rule = "one slot, Select-N Fig. 7"
-    else:
-        layers = min(n, int(math.floor((slo_s - fixed_s + tol) / t_tr)))
-        rule = f"{slots} slots, Oneiros Eq. 5 with slack"
-    it = iteration_seconds(n, layers, t_c, t_tr, slots, fixed_s)
-    interval = n // layers if layers else no_offload_interval(n)
+        why = f"SLO {ms(slo_s)} unattainable: compute alone takes {ms(base)}"
+        return StreamBudget(0, none, why, slots, base, False)
+    if slots == 1:  # latency is non-increasing in the interval: the first hit is the smallest
+        i = next(i for i in range(1, none + 1) if iteration_seconds(n, i, t_c, t_tr, 1, fixed_s) <= slo_s + tol)
+        layers, it = offloaded_layers(n, i), iteration_seconds(n, i, t_c, t_tr, 1, fixed_s)
+        if i == 1:
+            why = f"all {n} layers stream within SLO {ms(slo_s)} (one slot, Select-N Fig. 7): {ms(it)}"
+        else:
+            nxt = iteration_seconds(n, i - 1, t_c, t_tr, 1, fixed_s)
+            why = (
+                f"SLO {ms(slo_s)} binds (one slot, Select-N Fig. 7): interval {i} streams {layers} of {n} "
+                f"layers in {ms(it)}, interval {i - 1} ({n // (i - 1)} layers) would take {ms(nxt)}"
+            )
+        return StreamBudget(layers, i, why, slots, it, True)
+    # slots >= 2: any count m, placed by Oneiros's uniform_interval_layers(n, m)
+    layers = min(n, int(math.floor((slo_s - fixed_s + tol) / t_tr)))
+    it = max(n * t_c, layers * t_tr) + fixed_s
+    i = n // layers if layers else none
     if layers == n:
-        why = f"all {n} layers stream within SLO {ms(slo_s)} ({rule}): {ms(it)}"
+        why = f"all {n} layers stream within SLO {ms(slo_s)} ({slots} slots, Oneiros Eq. 5 with slack): {ms(it)}"
     else:
-        more = next(k for k in range(layers + 1, n + 1) if slots > 1 or n // (n // k) == k)
-        nxt = iteration_seconds(n, more, t_c, t_tr, slots, fixed_s)
-        why = f"SLO {ms(slo_s)} binds ({rule}): {layers} of {n} layers take {ms(it)}, {more} would take {ms(nxt)}"
-    return StreamBudget(layers, interval, why, slots, it, True)
+        nxt = max(n * t_c, (layers + 1) * t_tr) + fixed_s
+        why = (
+            f"SLO {ms(slo_s)} binds ({slots} slots, Oneiros Eq. 5 with slack): {layers} of {n} layers take "
+            f"{ms(it)}, {layers + 1} would take {ms(nxt)}"
+        )
+    return StreamBudget(layers, i, why, slots, it, True)
 
 
 class IntervalManager:
@@ -183,11 +188,6 @@ def demand_from_profile(
     bw = p.link_bytes_per_s if link_bytes_per_s is None else _pos("link_bytes_per_s", link_bytes_per_s)
     t_tr = p.layer_bytes / bw
     b = stream_budget(n, t_c, t_tr, manager.tbt_slo_s, manager.slots, manager.fixed_s)
-    if manager.slots == 1:
-        timing = LayerTiming(t_c, t_tr)
-        times = {i: iteration_latency(n, i, timing) + manager.fixed_s for i in range(1, n + 2)}
-    else:
-        times = {i: iteration_seconds(n, n // i, t_c, t_tr, manager.slots, manager.fixed_s) for i in range(1, n + 2)}
-    tol = 1e-9 * manager.tbt_slo_s
-    ok = [i for i, t in times.items() if t <= manager.tbt_slo_s + tol] if b.feasible else []
-    return GpuDemand(name, n, p.layer_bytes, b.iteration_s, min(ok) if ok else None, max_interval, iter_times=times)
+    times = {i: iteration_seconds(n, i, t_c, t_tr, manager.slots, manager.fixed_s) for i in range(1, n + 2)}
+    min_i = b.interval if b.feasible else None
+    return GpuDemand(name, n, p.layer_bytes, b.iteration_s, min_i, max_interval, iter_times=times)

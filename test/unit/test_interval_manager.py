@@ -33,11 +33,11 @@ def _profile(**kw):
 
 def test_one_slot_hand_example():
     # n=8, t_c=1, T_T=3, SLO 12: latency(i) = 8 + (8//i)*max(0, 3-(i-1))
-    # i=1: 32, i=2: 16, i=3: 10 <= 12 -> 2 layers; reported as interval 4 (8//2), 8 s
+    # i=1: 32, i=2: 16, i=3: 10 <= 12 -> interval 3, 2 layers (6 and 3 ... every third)
     b = stream_budget(8, 1.0, 3.0, 12.0, slots=1)
-    assert (b.layers, b.interval, b.feasible) == (2, 4, True)
-    assert b.iteration_s == pytest.approx(8.0)
-    assert "SLO 12 s binds" in b.reason and "4 would take 16 s" in b.reason
+    assert (b.layers, b.interval, b.feasible) == (2, 3, True)
+    assert b.iteration_s == pytest.approx(10.0)
+    assert "SLO 12 s binds" in b.reason and "interval 2 (4 layers) would take 16 s" in b.reason
 
 
 @pytest.mark.parametrize("t_c, t_tr, slo", [(1.0, 3.0, 48.0), (1e-3, 12.6e-3, 0.054), (4.8e-3, 12.6e-3, 0.23)])
@@ -45,8 +45,8 @@ def test_one_slot_is_select_n_optimal_interval(t_c, t_tr, slo):
     n = 32
     b = stream_budget(n, t_c, t_tr, slo, slots=1)
     i = optimal_interval(n, LayerTiming(t_c, t_tr), slo, SloKind.ABSOLUTE)
-    assert b.layers == n // i
-    assert iteration_seconds(n, b.layers, t_c, t_tr, 1) <= slo
+    assert (b.interval, b.layers) == (i, n // i)
+    assert iteration_seconds(n, i, t_c, t_tr, 1) <= slo < iteration_seconds(n, i - 1, t_c, t_tr, 1)
 
 
 @pytest.mark.parametrize("n, ratio", [(12, 2.0), (40, 3.2), (32, 12.6), (8, 1.0), (40, 1.7)])
@@ -69,6 +69,13 @@ def test_n12_no_slack_one_slot_equals_eq4_when_interval_divides():
     assert (b.layers, b.interval) == (4, 3)
     assert plan_layers(12, 3, 2.0, 1.0, BufferMode.SINGLE).feasible
     assert not plan_layers(12, 4, 2.0, 1.0, BufferMode.SINGLE).feasible
+
+
+def test_interval_is_the_smallest_meeting_the_slo_not_the_smallest_with_its_count():
+    # n=32, T_T=12.6, t_c=1.12: intervals 9 and 10 both stream 3 layers; only 10 meets 44.7
+    b = stream_budget(32, 1.12, 12.6, 32 * 1.12 + 8.0)
+    assert (b.layers, b.interval) == (3, 10)
+    assert iteration_seconds(32, 9, 1.12, 12.6) > 32 * 1.12 + 8.0
 
 
 def test_paper_n40_double_buffering_count():
@@ -133,6 +140,8 @@ def test_demand_from_profile_feeds_the_link_coordinator():
     half = demand_from_profile("c", IntervalManager(p, 12.0), 1, link_bytes_per_s=500.0)
     assert half.min_interval == optimal_interval(8, LayerTiming(1.0, 6.0), 12.0, SloKind.ABSOLUTE)
     assert demand_from_profile("d", IntervalManager(p, 5.0), 1).min_interval is None
+    two = demand_from_profile("e", IntervalManager(p, 12.0, slots=2), 1)
+    assert two.min_interval == 2 and two.transfer_rate(2) == pytest.approx(4 * 3000 / 12.0)
 
 
 @pytest.mark.parametrize(
