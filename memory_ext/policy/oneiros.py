@@ -272,10 +272,11 @@ class ModelState:
     priority        scheduler priority, larger = more important (remapped
                     later); None = scheduler gave none
     last_activated  time/sequence of the model's latest activation (MRU)
-    lent_free_blocks  free KV blocks (allocatable without evicting anything)
-                    of the pool that holds this model's most recently lent
-                    layer; None = that pool is the observed one, read
-                    ``free_kv_blocks`` (used by the restore rule, Alg. 1 l. 6-12)
+    lent_free_blocks  KV blocks not in use (free, or holding only
+                    unreferenced prefix cache) of the pool that holds this
+                    model's most recently lent layer; None = that pool is the
+                    observed one, read ``free_kv_blocks`` (the restore rule,
+                    Alg. 1 l. 6-12)
     """
 
     name: str
@@ -408,8 +409,10 @@ class OneirosController:
 
     Reading of "the lent tensor is empty", engine-agnostic: the pool holding
     the layer (``ModelState.lent_free_blocks``, else the observed pool) has
-    ``free >= blocks_per_layer`` blocks allocatable without evicting
-    anything, so it can shrink by one layer without touching a block in use,
+    ``free >= blocks_per_layer`` blocks not in use, so it can shrink by one
+    layer without touching a block any request holds (unreferenced prefix
+    cache counts as not in use, as in the remap trigger: a radix-cache engine
+    keeps its pool full of it, so "free without evicting" would never come),
     and ``free - blocks_per_layer >= high_watermark`` so the restore cannot
     re-trigger a remap on the next step (``high_watermark >= low_watermark``;
     the default ``high_watermark = low_watermark`` is Alg. 1 with no extra

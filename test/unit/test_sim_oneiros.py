@@ -74,6 +74,17 @@ def test_borrowed_blocks_match_layer_bytes():
     assert per_layer > 0
 
 
+def test_every_lent_layer_comes_back_once_its_kv_is_empty():
+    """Alg. 1 l. 6-12: after the traffic the borrowed blocks are vacant, so every
+    layer is restored and every pool is back at its planned size."""
+    sim = build_simulation(_spec(True))
+    sim.run()
+    led = ledger_of(sim.instances[0])
+    assert led.remaps > 0 and led.restores == led.remaps
+    assert all(a == 0 for a in led.alpha.values())
+    assert [i.kv.capacity for i in sim.instances] == [i.cfg.kv_blocks for i in sim.instances]
+
+
 def test_active_lender_limit_is_policy_limit():
     """The hook's model states give the policy's own limit (O4/O5 + cap)."""
     sim = build_simulation(_spec(True))

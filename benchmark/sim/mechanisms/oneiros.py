@@ -16,8 +16,9 @@ Memory model (per GPU, time-sliced models):
   pool grows by ``floor(layer_weight_bytes(lender) / borrower_block_bytes)``.
 * RESTORE (Alg. 1 l. 6-12, "a tensor of the added KV cache is empty"): the
   controller is told, per lender, the free blocks of the pool holding its
-  newest loan (``ModelState.lent_free_blocks``: the borrower's blocks
-  allocatable without eviction); it restores a layer when that pool can
+  newest loan (``ModelState.lent_free_blocks``: the borrower's blocks not in
+  use, ``kv.available``: free plus unreferenced prefix cache, which a
+  restore may evict); it restores a layer when that pool can
   give the loan back and keep the controller's high watermark (by default
   the low one: no re-trigger). The hook shrinks the borrower only if that
   still holds, else the restore is deferred (counted) and the lender keeps
@@ -191,7 +192,7 @@ class OneirosHook:
         lent_free = None
         if loans and getattr(observer.sim, "arbiter", None) is None:
             borrower, bpl = loans[-1]
-            lent_free = borrower.kv.free
+            lent_free = borrower.kv.available
         return ModelState(
             name=self.inst.cfg.name,
             n_layers=self.n_layers,
@@ -274,7 +275,7 @@ class OneirosHook:
                 ok = arb.restore(lender, lambda i: self._hook(i).controller.high_watermark if i in led.members else 0)
             else:
                 kv = borrower.kv
-                ok = kv.free - blocks >= self._hook(borrower).controller.high_watermark
+                ok = kv.available - blocks >= self._hook(borrower).controller.high_watermark
                 if ok:
                     kv.resize(kv.capacity - blocks)
             if ok:
