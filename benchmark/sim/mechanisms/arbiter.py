@@ -33,9 +33,10 @@ Who calls what (``SimArbiter`` methods):
   when the named model has work, or when the borrower's own weights are
   remapped out; a refusal is a HOLD).
   RESTORE (``restore``) takes the layer back from free budget or idle
-  borrowed KV: when demand subsided, all or nothing with every model keeping
-  its high watermark free, else deferred; when the lender is over its limit
-  (it is active and pays for streaming), by *draining*: idle borrowed memory
+  borrowed KV: when the controller finds the lent layer empty, all or nothing
+  with every model keeping its high watermark free, else deferred; when the
+  lender has work again (it pays for streaming; the arbiter's own rule, not
+  Oneiros's), by *draining*: idle borrowed memory
   is gathered as it frees up, before every plan on the GPU, so that a
   borrower whose scheduler fills every free block (eLLM) cannot hold the
   layer forever. A controller decision naming the borrower itself is held
@@ -366,9 +367,9 @@ class SimArbiter:
         """One layer back to ``lender``'s weights from free budget or idle
         borrowed KV; True when the whole layer is back.
 
-        ``drain=False`` (demand subsided): all or nothing now, every instance
-        keeping ``keep(inst)`` free blocks. ``drain=True`` (the lender is over
-        its limit and pays for streaming): gather idle memory as it frees up --
+        ``drain=False`` (the lent layer is empty): all or nothing now, every
+        instance keeping ``keep(inst)`` free blocks. ``drain=True`` (the lender
+        has work and pays for streaming): gather idle memory as it frees up --
         also before every plan on this GPU, so borrowers do not refill it --
         until a whole layer is back; ``cancel_restore`` gives it up."""
         gpu, i = lender.cfg.gpu, lender.idx
