@@ -176,7 +176,67 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         help="TPOT SLO driving the host buffer's logical size (eLLM Alg. 2: TPOT "
         "violations shrink it, first). Needs --memx-host-buffer-gb and --memx-ttft-slo-ms.",
     ),
+    MemxFlag(
+        "--memx-weights",
+        "weights",
+        type=str,
+        default="off",
+        metavar="MODE",
+        help="Remappable weights (Oneiros): 'remap' moves the decoder layers into the pool; under "
+        "KV pressure layers are released to the KV cache and streamed back from a host copy "
+        "just before they run, and restored when the pressure is gone. 'static' streams a fixed "
+        "--memx-weights-streamed fraction of the layers from the start. 'off' (default). Needs "
+        "--memx-elastic-kv and a physical budget (--memx-pool-budget-gb or --memx-pool).",
+    ),
+    MemxFlag(
+        "--memx-weights-streamed",
+        "weights_streamed",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="With --memx-weights static: the fraction (0..1) of decoder layers streamed from host "
+        "memory, evenly spaced.",
+    ),
+    MemxFlag(
+        "--memx-prefetch-depth",
+        "prefetch_depth",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Staging slots the streamed layers rotate through (N layers fetched ahead). Default: "
+        "the controller's choice (Oneiros Eq. 4: 1, Eq. 5: 2); 2 with --memx-weights static.",
+    ),
+    MemxFlag(
+        "--memx-tbt-slo-ms",
+        "tbt_slo_ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="With --memx-weights remap: time-between-tokens SLO; the active model streams only as "
+        "many layers as keep a decode step within it (measured step time + copy time per layer).",
+    ),
+    MemxFlag(
+        "--memx-weights-profile",
+        "weights_profile",
+        type=str,
+        default=None,
+        metavar="PATH",
+        help="With --memx-weights remap: the layer profile of this model on this machine, written by "
+        "'sglang-memx profile' (per-layer step times by batch, copy bandwidth); without it the "
+        "server uses the times it measures itself.",
+    ),
+    MemxFlag(
+        "--memx-weights-idle-after-s",
+        "weights_idle_after_s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="With --memx-weights remap: a model without requests for S seconds is inactive: its "
+        "layers are released first and more of them may stream (default 30).",
+    ),
 )
+
+WEIGHT_MODES = ("off", "remap", "static")
 
 _POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -194,6 +254,12 @@ class MemxConfig:
     host_buffer_gb: float | None = None
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    weights: str = "off"
+    weights_streamed: float | None = None
+    prefetch_depth: int | None = None
+    tbt_slo_ms: float | None = None
+    weights_profile: str | None = None
+    weights_idle_after_s: float = 30.0
 
     def validate(self) -> MemxConfig:
         path = self.status_path
@@ -209,6 +275,7 @@ class MemxConfig:
             raise MemxConfigError("--memx-status-path", f"{path!r} is an upstream SGLang route; choose another path")
         self._validate_pool()
         self._validate_host_buffer()
+        self._validate_weights()
         if self.disabled:
             for flag in MEMX_FLAGS:
                 if flag.dest != "disabled" and getattr(self, flag.dest) != flag.default:
@@ -268,6 +335,57 @@ class MemxConfig:
                 missing = "--memx-tpot-slo-ms" if self.tpot_slo_ms is None else "--memx-ttft-slo-ms"
                 raise MemxConfigError(missing, f"must be given together with {option} (eLLM Alg. 2 uses both)")
 
+    def _validate_weights(self) -> None:
+        mode = self.weights
+        if mode not in WEIGHT_MODES:
+            raise MemxConfigError("--memx-weights", f"must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
+        f = self.weights_streamed
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
+            raise MemxConfigError("--memx-weights-streamed", f"must be a fraction between 0 and 1, got {f!r}")
+        d = self.prefetch_depth
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise MemxConfigError("--memx-prefetch-depth", f"must be a positive number of slots, got {d!r}")
+        for option, value in (("--memx-tbt-slo-ms", self.tbt_slo_ms),
+                              ("--memx-weights-idle-after-s", self.weights_idle_after_s)):  # fmt: skip
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0
+            ):
+                raise MemxConfigError(option, f"must be a positive number, got {value!r}")
+        if mode == "off":
+            for option, value in (("--memx-weights-streamed", f), ("--memx-prefetch-depth", d),
+                                  ("--memx-tbt-slo-ms", self.tbt_slo_ms),
+                                  ("--memx-weights-profile", self.weights_profile)):  # fmt: skip
+                if value is not None:
+                    raise MemxConfigError(option, "needs --memx-weights remap or static")
+            if self.weights_idle_after_s != 30.0:
+                raise MemxConfigError("--memx-weights-idle-after-s", "needs --memx-weights remap")
+            return
+        if not self.elastic_kv:
+            raise MemxConfigError("--memx-weights", "needs --memx-elastic-kv (released layers lend to the KV cache)")
+        if self.pool is None and self.pool_budget_gb is None:
+            raise MemxConfigError(
+                "--memx-weights",
+                "needs a physical budget the weights and the KV cache share: --memx-pool-budget-gb GB "
+                "(own pool) or --memx-pool NAME (shared); without one there is nothing to lend to",
+            )
+        if mode == "static" and f is None:
+            raise MemxConfigError("--memx-weights-streamed", "is required with --memx-weights static")
+        if mode == "remap":
+            if f is not None:
+                raise MemxConfigError("--memx-weights-streamed", "only applies to --memx-weights static")
+        else:
+            for option, value in (
+                ("--memx-tbt-slo-ms", self.tbt_slo_ms),
+                ("--memx-weights-profile", self.weights_profile),
+                ("--memx-weights-idle-after-s", None if self.weights_idle_after_s == 30.0 else 1),
+            ):
+                if value is not None:
+                    raise MemxConfigError(option, "only applies to --memx-weights remap")
+        if self.weights_profile is not None and (
+            not isinstance(self.weights_profile, str) or not self.weights_profile.strip()
+        ):
+            raise MemxConfigError("--memx-weights-profile", f"must be a file path, got {self.weights_profile!r}")
+
     def check_server_args(self, disable_radix_cache: bool) -> None:
         """Checks that need upstream's own flags too (run at parse time and again at pool build)."""
         if self.host_buffer_gb is not None and disable_radix_cache:
@@ -290,6 +408,7 @@ class MemxConfig:
             "elastic_kv": on and self.elastic_kv,
             "shared_pool": on and self.pool is not None,
             "host_buffer": on and self.host_buffer_gb is not None,
+            "weights": on and self.weights != "off",
         }
 
     def to_dict(self) -> dict[str, Any]:

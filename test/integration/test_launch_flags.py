@@ -50,6 +50,11 @@ DEFAULTS = {
     "host_buffer_gb": None,
     "ttft_slo_ms": None,
     "tpot_slo_ms": None,
+    "weights": "off",
+    "weights_streamed": None,
+    "prefetch_depth": None,
+    "tbt_slo_ms": None,
+    "weights_idle_after_s": 30.0,
 }
 
 PARSE_SCRIPT = r"""

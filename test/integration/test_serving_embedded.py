@@ -85,7 +85,7 @@ def test_status_reports_the_embedded_model_pool(servers):
     assert pool["bytes"] == elastic["mapped_bytes"] <= elastic["logical_bytes"]
     assert pool["used_tokens"] + pool["available_tokens"] + pool["evictable_tokens"] == 8192
     assert rank["features"] == {"status_endpoint": True, "elastic_kv": True, "shared_pool": False,
-                                "host_buffer": True}  # fmt: skip
+                                "host_buffer": True, "weights": False}  # fmt: skip
     assert rank["hooks"] and all(h["in_force"] for h in rank["hooks"])
 
 

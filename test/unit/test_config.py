@@ -17,7 +17,13 @@ def _parse(argv):
 def test_defaults():
     cfg = _parse([])
     assert cfg == MemxConfig()
-    assert cfg.features == {"status_endpoint": True, "elastic_kv": False, "shared_pool": False, "host_buffer": False}
+    assert cfg.features == {
+        "status_endpoint": True,
+        "elastic_kv": False,
+        "shared_pool": False,
+        "host_buffer": False,
+        "weights": False,
+    }
     assert cfg.status_path == "/memx/status"
 
 
@@ -98,7 +104,13 @@ def test_elastic_kv_flags_parse_and_turn_features_on():
         "/tmp/p",
         2048,
     )
-    assert cfg.features == {"status_endpoint": True, "elastic_kv": True, "shared_pool": True, "host_buffer": False}
+    assert cfg.features == {
+        "status_endpoint": True,
+        "elastic_kv": True,
+        "shared_pool": True,
+        "host_buffer": False,
+        "weights": False,
+    }
     assert MemxConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -149,3 +161,40 @@ def test_host_buffer_flags_parse():
     )
     assert (cfg.host_buffer_gb, cfg.ttft_slo_ms, cfg.tpot_slo_ms) == (0.5, 800.0, 60.0)
     assert cfg.features["host_buffer"] is True
+
+
+BUDGET = ["--memx-elastic-kv", "--memx-pool-budget-gb", "1"]
+
+
+@pytest.mark.parametrize(
+    "argv,flag,words",
+    [
+        (BUDGET + ["--memx-weights", "swap"], "--memx-weights", "one of off, remap, static"),
+        (["--memx-weights", "remap"], "--memx-weights", "needs --memx-elastic-kv"),
+        (["--memx-elastic-kv", "--memx-weights", "remap"], "--memx-weights", "physical budget"),
+        (BUDGET + ["--memx-weights", "static"], "--memx-weights-streamed", "required"),
+        (BUDGET + ["--memx-weights", "static", "--memx-weights-streamed", "1.5"], "--memx-weights-streamed", "0 and 1"),
+        (BUDGET + ["--memx-weights", "remap", "--memx-weights-streamed", "0.5"], "--memx-weights-streamed", "static"),
+        (BUDGET + ["--memx-weights", "remap", "--memx-prefetch-depth", "0"], "--memx-prefetch-depth", "positive"),
+        (BUDGET + ["--memx-weights", "remap", "--memx-tbt-slo-ms", "-3"], "--memx-tbt-slo-ms", "positive"),
+        (BUDGET + ["--memx-weights", "static", "--memx-weights-streamed", "0.5", "--memx-tbt-slo-ms", "50"],
+         "--memx-tbt-slo-ms", "only applies to --memx-weights remap"),
+        (BUDGET + ["--memx-weights", "static", "--memx-weights-streamed", "0.5", "--memx-weights-profile", "p.json"],
+         "--memx-weights-profile", "only applies"),
+        (["--memx-tbt-slo-ms", "50"], "--memx-tbt-slo-ms", "needs --memx-weights"),
+        (["--memx-weights-idle-after-s", "5"], "--memx-weights-idle-after-s", "needs --memx-weights remap"),
+    ],
+)  # fmt: skip
+def test_weights_flags_refused_with_the_flag_named(argv, flag, words):
+    with pytest.raises(MemxConfigError, match=flag) as err:
+        _parse(argv)
+    assert err.value.flag == flag and words in str(err.value)
+
+
+def test_weights_flags_parse():
+    cfg = _parse(BUDGET + ["--memx-weights", "remap", "--memx-tbt-slo-ms", "80", "--memx-prefetch-depth", "2",
+                           "--memx-weights-idle-after-s", "5"])  # fmt: skip
+    assert (cfg.weights, cfg.tbt_slo_ms, cfg.prefetch_depth, cfg.weights_idle_after_s) == ("remap", 80.0, 2, 5.0)
+    assert cfg.features["weights"] is True
+    cfg = _parse(["--memx-elastic-kv", "--memx-pool", "p", "--memx-weights", "static", "--memx-weights-streamed", "1"])
+    assert cfg.weights_streamed == 1.0 and pickle.loads(pickle.dumps(cfg)) == cfg

@@ -70,6 +70,7 @@ class ElasticKV:
         self.lent = lent  # LentPool when the pool is shared, else None
         self.activation = None  # ActivationBalloon sharing the pool, or None
         self.host = None  # HostBufferState (--memx-host-buffer-gb), or None
+        self.weights = None  # WeightsState (--memx-weights), or None
         self.device = device
         last_page = num_pages
         self.num_groups = last_page // self.group_pages + 1
@@ -284,4 +285,5 @@ class ElasticKV:
             **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()},
             "activation": self.activation.status() if self.activation is not None else None,
             "host_buffer": self.host.status() if self.host is not None else None,
+            "weights": self.weights.status() if self.weights is not None else None,
         }

@@ -14,8 +14,10 @@ In order:
 7. shared pool: give idle chunks back, borrow the queue's shortfall, report to the arbiter;
 8. host buffer: fetch the first parked request's KV when it can be admitted; reopen
    admission while the buffer has room for new prefills;
-9. hold the head request's prefill activation (evicting cached prefixes is safe here);
-10. premap: map groups from FREE chunks (and idle activation when no prefill waits) so the
+9. weights: one Oneiros step (release a layer under KV pressure, restore one when its lent
+   memory is empty); applied by the layer pipeline at the next forward boundary;
+10. hold the head request's prefill activation (evicting cached prefixes is safe here);
+11. premap: map groups from FREE chunks (and idle activation when no prefill waits) so the
     next decode step finds its pages mapped (the request path then makes no map call).
 """
 
@@ -29,6 +31,7 @@ from sglang_memx.elastic.ballooning import hold_head_activation
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
+from sglang_memx.weights import remap
 
 logger = logging.getLogger("sglang_memx")
 
@@ -36,6 +39,8 @@ logger = logging.getLogger("sglang_memx")
 def physical_max_tokens(kv) -> int:
     """The most tokens this server can ever back: its whole budget (own pool or shared pool)."""
     budget = kv.lent.budget_chunks if kv.lent is not None else kv.buffers.pool.capacity_chunks
+    if kv.weights is not None:  # weights share the budget; remap may lend all but a minimum to KV
+        budget -= kv.weights.min_held_chunks()
     if kv.activation is not None:  # the largest prefill batch's activation shares the budget
         budget -= kv.activation.need_chunks(kv.activation.max_batch_tokens, 1)
     groups = min(kv.num_groups, max(0, budget) // kv.buffers.chunks_per_group)
@@ -100,6 +105,8 @@ def _tick(scheduler, allocator, kv) -> None:
     if kv.host is not None:  # first: the head's prefill size depends on its parked KV being back
         host_buffer.fetch_parked(kv, scheduler, int(demand.decode_reserve_tokens(scheduler)))
         reopen_admission_for_offload(kv, scheduler)
+    if kv.weights is not None:  # after the reclaims and borrows: the demand it sees is this iteration's
+        remap.step(kv, allocator, scheduler)
     hold_head_activation(kv, allocator, tree, scheduler)
     if busy:  # idle activation may back the premap only when no prefill waits to take it back
         kv.refill(allocator, premap_pages(kv, scheduler) + kv.spare_groups * kv.group_pages,

@@ -12,21 +12,36 @@ from __future__ import annotations
 from sglang_memx.elastic.forward import run_forward
 from sglang_memx.upstream import model as up_model
 from sglang_memx.upstream.registry import HookSpec
+from sglang_memx.weights.attach import attach
+from sglang_memx.weights.forward import run_with_weights
 
 
 def around_forward(original, runner, forward_batch, *args, **kwargs):
     kv = up_model.runner_elastic(runner)
     if kv is None:
         return original(runner, forward_batch, *args, **kwargs)
-    kv.note_forward(up_model.forward_is_decode(forward_batch))
+    decode = up_model.forward_is_decode(forward_batch)
+    kv.note_forward(decode)
     if kv.activation is None:
-        return original(runner, forward_batch, *args, **kwargs)
-    return run_forward(kv.activation, up_model.runner_device(runner), up_model.forward_shape(forward_batch),
-                       lambda: original(runner, forward_batch, *args, **kwargs))  # fmt: skip
+        forward = lambda: original(runner, forward_batch, *args, **kwargs)  # noqa: E731
+    else:
+        forward = lambda: run_forward(kv.activation, up_model.runner_device(runner),  # noqa: E731
+                                      up_model.forward_shape(forward_batch),
+                                      lambda: original(runner, forward_batch, *args, **kwargs))  # fmt: skip
+    if kv.weights is None:
+        return forward()
+    return run_with_weights(kv.weights, decode, up_model.forward_shape(forward_batch), forward)
+
+
+def after_alloc_memory_pool(result, runner, *args, **kwargs):
+    attach(runner)
 
 
 HOOKS = (
     HookSpec("sglang.srt.model_executor.model_runner.ModelRunner.forward", "around", around_forward, "elastic_kv",
              "count request-path maps per decode step; measure the activation profile on real forwards; "
-             "allocate activations from the pool (CUDA)"),
+             "allocate activations from the pool (CUDA); weights (needs elastic KV): apply released / restored "
+             "layers between forwards, time the steps"),
+    HookSpec("sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool", "after",
+             after_alloc_memory_pool, "weights", "move the decoder layers into the pool once model and pool exist"),
 )  # fmt: skip

@@ -39,6 +39,8 @@ CLASSES: dict[str, str] = {
     "ForwardMode": "sglang.srt.model_executor.forward_batch_info.ForwardMode",
     "ForwardBatch": "sglang.srt.model_executor.forward_batch_info.ForwardBatch",
     "ModelRunner": "sglang.srt.model_executor.model_runner.ModelRunner",
+    "LlamaForCausalLM": "sglang.srt.models.llama.LlamaForCausalLM",
+    "LlamaModel": "sglang.srt.models.llama.LlamaModel",
     "PrefillAdder": _M + "schedule_policy.PrefillAdder",
     "AddReqResult": _M + "schedule_policy.AddReqResult",
     "PrefillBudget": _C + "prefill_budget.PrefillBudget",
@@ -134,7 +136,11 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     "MatchPrefixParams": {"key": None},
     "MatchResult": {"device_prefix_len": None, "last_device_node": None},
     "InsertParams": {"key": None, "value": None},
-    "ModelRunner": {"token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator", "device": None},
+    "ModelRunner": {"token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator", "device": None,
+                    "model": "LlamaForCausalLM", "server_args": "ServerArgs"},
+    # remappable weights: the decoder layers of a causal LM shaped like Llama's (most SGLang models)
+    "LlamaForCausalLM": {"model": "LlamaModel", "start_layer": None, "end_layer": None},
+    "LlamaModel": {"layers": None},
     "ForwardBatch": {"input_ids": None, "batch_size": None, "forward_mode": "ForwardMode"},
     "GlobalState": {"tokenizer_manager": "TokenizerManager"},
     "TokenizerManager": {"get_internal_state": None},
@@ -180,6 +186,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
     _M + "schedule_batch.ScheduleBatch.release_req": ("self", "idx", "remaing_req_count", "offload_kv"),
     _SC + "pool_stats_observer.SchedulerPoolStatsObserver._get_token_info": ("self",),
     "sglang.srt.model_executor.model_runner.ModelRunner.forward": ("self", "forward_batch"),
+    "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool": ("self",),
     _C + "kv_cache_configurator.KVCacheConfigurator.configure": ("self",),
     _C + "memory_pool.MHATokenToKVPool._create_buffers_normal": ("self",),
     _A + "token.TokenToKVPoolAllocator.clear": ("self",),
@@ -205,7 +212,7 @@ ROLES: dict[str, str] = {
     "controller": "SchedulerInternalStateController", "observer": "SchedulerPoolStatsObserver",
     "stats": "PoolStats", "state_reply": "GetInternalStateReqOutput", "global_state": "GlobalState",
     "matched": "MatchResult", "evicted": "EvictResult", "registry": "HookRegistry", "radix": "RadixCache",
-    "sleeper": "IdleSleeper",
+    "sleeper": "IdleSleeper", "causal_lm": "LlamaForCausalLM", "lm_body": "LlamaModel",
 }  # fmt: skip
 
 

@@ -54,3 +54,35 @@ def forward_shape(forward_batch) -> tuple[int, int]:
 
 def forward_is_decode(forward_batch) -> bool:
     return bool(forward_batch.forward_mode.is_decode())
+
+
+def runner_model(runner):
+    return runner.model
+
+
+def runner_server_args(runner):
+    return runner.server_args
+
+
+class NotHookable(TypeError):
+    """The served model's decoder layers cannot be found the way memx hooks them."""
+
+
+def decoder_layers(causal_lm) -> list:
+    """``(index, module)`` of this process's decoder layers: ``causal_lm.model.layers[start:end]``.
+
+    SGLang's causal LMs shaped like ``LlamaForCausalLM`` (a ``model`` with a ``layers``
+    ModuleList and ``start_layer`` / ``end_layer``) qualify; any other raises ``NotHookable``
+    naming what is missing."""
+    import torch
+
+    name = type(causal_lm).__name__
+    try:
+        lm_body = causal_lm.model
+        layers = lm_body.layers
+        start, end = causal_lm.start_layer, causal_lm.end_layer
+    except AttributeError as exc:
+        raise NotHookable(f"{name} is not shaped like LlamaForCausalLM ({exc})") from None
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise NotHookable(f"{name}.model.layers is a {type(layers).__name__}, not a ModuleList")
+    return [(i, layers[i]) for i in range(start, end)]

@@ -1,0 +1,117 @@
+"""Once per scheduler iteration: the Oneiros controller's step for this server's weights.
+
+Signal (Oneiros Alg. 1 line 3, "running out of KV cache blocks"): what the head of the
+waiting queue and the running requests' remaining decode need (``elastic.demand``) against
+what KV could hold now (free + mappable + evictable cache), in KV groups; KV parked in the
+host buffer counts as running out too. The decision is ``OneirosController``'s; applying it
+is a request to the layer pipeline (released / restored at the next forward boundary). A
+restore first makes room in the pool (empty groups unmapped, cached prefixes evicted).
+"""
+
+from __future__ import annotations
+
+import time
+
+from memory_ext.policy.interval_manager import IntervalManager, stream_budget
+from memory_ext.policy.oneiros import Action, BufferMode, ModelState, OneirosController, plan_layers
+from sglang_memx.elastic import demand
+from sglang_memx.elastic.eviction import free_groups
+from sglang_memx.upstream import kv as up_kv
+from sglang_memx.upstream import radix as up_radix
+from sglang_memx.upstream import scheduler as up_sched
+
+MODEL = "self"
+LOW_WATERMARK_GROUPS = 1  # remap when less than one KV group would be left after the demand
+
+
+def buffer_mode(depth: int | None) -> BufferMode:
+    return BufferMode.AUTO if depth is None else (BufferMode.SINGLE if depth == 1 else BufferMode.DOUBLE)
+
+
+def free_kv_groups(kv, allocator, tree, scheduler) -> int:
+    """KV groups left once the queue head and the running requests got what they need."""
+    if kv.host is not None and len(kv.host.buffer) > 0:
+        return 0
+    supply = up_kv.available_tokens(allocator) + (up_radix.evictable_tokens(tree) if tree is not None else 0)
+    left = supply - demand.queue_demand_tokens(scheduler)
+    return max(0, left) // kv.buffers.group_rows
+
+
+def model_state(w, kv, busy: bool) -> ModelState:
+    now = time.monotonic()
+    if busy:
+        w.last_busy = now
+    active = now - w.last_busy < w.idle_after_s
+    compute = w.decode_step_s if active else (w.prefill_step_s or w.decode_step_s)
+    blocks = max(1, w.store.slot_chunks // kv.buffers.chunks_per_group)
+    return ModelState(MODEL, w.n_layers, max(w.layer_transfer_s, 1e-9), compute, active, tbt_cap(w),
+                      remapped=min(w.alpha, w.n_layers - 1), blocks_per_layer=blocks)  # fmt: skip
+
+
+def tbt_cap(w) -> int:
+    """Most layers the model may lend under ``--memx-tbt-slo-ms`` (the paper's rule through the
+    same ``IntervalManager`` code the simulator uses): the layers that may stream within the
+    SLO, minus the staging slots they rotate through. With ``--memx-weights-profile`` the
+    record's per-layer times and bandwidth; without, the times measured on this server (t_c
+    of the last decode batch, the time outside the layers as the fixed part, T_T of the
+    store's own copies). Nothing measured yet: nothing may be lent."""
+    if w.tbt_slo_s is None:
+        return w.n_layers - 1
+    slots = w.depth or 2
+    if w.profile is not None:
+        fixed = 0.0
+        if w.decode_step_s is not None and w.decode_layer_s is not None:
+            fixed = max(0.0, w.decode_step_s - w.n_layers * w.decode_layer_s)
+        budget = IntervalManager(w.profile, w.tbt_slo_s, slots, fixed).decide(w.last_decode_batch)
+    elif w.decode_layer_s is None or w.decode_step_s is None:
+        return 0
+    else:
+        fixed = max(0.0, w.decode_step_s - w.n_layers * w.decode_layer_s)
+        budget = stream_budget(w.n_layers, max(w.decode_layer_s, 1e-9), max(w.layer_transfer_s, 1e-9),
+                               w.tbt_slo_s, slots, fixed)  # fmt: skip
+    return max(0, min(w.n_layers - 1, budget.layers - slots))
+
+
+def step(kv, allocator, scheduler) -> None:
+    w = kv.weights
+    if w is None or w.mode != "remap" or w.pipeline.pending() is not None:
+        return
+    busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
+    if not busy and w.alpha == 0 and not w.store.streamed():
+        return  # idle with every layer resident: nothing to decide
+    tree = up_sched.tree_cache(scheduler)
+    controller = OneirosController(LOW_WATERMARK_GROUPS, LOW_WATERMARK_GROUPS, buffer_mode(w.depth))
+    state = model_state(w, kv, busy)
+    controller.observe(free_kv_groups(kv, allocator, tree, scheduler), [state])
+    decision = controller.decide()
+    w.last_reason = decision.reason
+    if decision.action is Action.HOLD:
+        w.decisions["hold"] += 1
+        return
+    plan = decision.plan
+    if decision.target_remapped > 0 and w.depth is not None and w.depth > 2:  # more slots than Eq. 5's two
+        t_layer = (state.compute_s or 1.0) / w.n_layers
+        plan = plan_layers(w.n_layers, decision.target_remapped, state.layer_transfer_s, t_layer, BufferMode.DOUBLE)
+    streamed = [w.layer_keys[j] for j in plan.shared_layers]
+    slots = w.depth if (w.depth and streamed) else plan.beta
+    if decision.action is Action.RESTORE:
+        need = _chunks_needed(w, streamed, slots)
+        short = need - kv.buffers.pool.available()
+        if short > 0:
+            groups = -(-short // kv.buffers.chunks_per_group)
+            if free_groups(kv, allocator, tree, groups) < groups:
+                w.last_reason += "; restore waits: KV still holds the lent memory"
+                return
+    w.decisions[decision.action.value] += 1
+    w.pipeline.request(streamed, slots)
+    w.pipeline.apply_if_idle()  # a waiting request may need this memory before any forward runs
+
+
+def _chunks_needed(w, streamed, slots) -> int:
+    """Extra chunks the store needs to go from its current state to ``streamed`` / ``slots``."""
+    store = w.store
+    keep = set(streamed)
+    after = (
+        sum(store.layer_chunks(k) for k in w.layer_keys if k not in keep) + min(slots, len(keep)) * store.slot_chunks
+    )
+    return max(0, after - store.held_chunks())

@@ -1,0 +1,108 @@
+"""What one server's remappable weights are: the store, the pipeline, the measured times.
+
+Invariant: ``streamed`` layers are exactly ``store.streamed()``; lent layers
+(``alpha``) = streamed layers - staging slots.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from memory_ext.weights import LayerPipeline, WeightStore
+
+EMA = 0.2  # weight of a new sample in the step-time averages
+SAMPLES = 64  # recent samples kept per batch size (the profile command reads their median)
+
+
+@dataclass
+class WeightsState:
+    mode: str
+    store: WeightStore
+    pipeline: LayerPipeline
+    layer_keys: list
+    layer_bytes: int  # bytes of the largest layer's parameters
+    link_bytes_per_s: float  # measured host -> pool copy bandwidth (first copies in)
+    idle_after_s: float = 30.0
+    tbt_slo_s: float | None = None
+    depth: int | None = None
+    decode_step_s: float | None = None  # EMA of decode forwards
+    prefill_step_s: float | None = None  # EMA of extend forwards
+    decode_layer_s: float | None = None  # EMA of one layer's compute in a decode step (t_c)
+    last_decode_batch: int = 1
+    decode_layer_by_batch: dict = field(default_factory=dict)  # batch -> recent per-layer decode samples
+    prefill_layer_per_token: list = field(default_factory=list)  # recent per-layer, per-token prefill samples
+    profile: object = None  # LayerProfile from --memx-weights-profile, or None
+    last_busy: float = field(default_factory=time.monotonic)
+    decisions: dict = field(default_factory=lambda: {"remap": 0, "restore": 0, "hold": 0})
+    last_reason: str = ""
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_keys)
+
+    @property
+    def alpha(self) -> int:
+        """Layers lent to the KV cache (streamed beyond the staging slots)."""
+        return max(0, len(self.store.streamed()) - self.store.num_slots)
+
+    @property
+    def layer_transfer_s(self) -> float:
+        """T_T: one layer's copy: the profile's, else at the bandwidth the store's own copies
+        reach (measured at attach, then over every fetch and restore)."""
+        if self.profile is not None:
+            return self.profile.layer_transfer_s
+        measured = self.store.status()["copy_bytes_per_s"]
+        return self.layer_bytes / (measured or self.link_bytes_per_s)
+
+    def note_forward(self, decode: bool, seconds: float, layer_seconds: float, tokens: int, batch: int) -> None:
+        """One forward's wall time and time inside the decoder layers (``tokens`` / ``batch`` of it)."""
+        self._ema("decode_step_s" if decode else "prefill_step_s", seconds)
+        per_layer = layer_seconds / self.n_layers
+        if decode and batch > 0:
+            self._ema("decode_layer_s", per_layer)
+            self.last_decode_batch = batch
+            samples = self.decode_layer_by_batch.setdefault(batch, [])
+            samples.append(per_layer)
+            del samples[:-SAMPLES]
+        elif not decode and tokens > 0:
+            self.prefill_layer_per_token.append(per_layer / tokens)
+            del self.prefill_layer_per_token[:-SAMPLES]
+
+    def _ema(self, name: str, value: float) -> None:
+        old = getattr(self, name)
+        setattr(self, name, value if old is None else (1 - EMA) * old + EMA * value)
+
+    def min_held_chunks(self) -> int:
+        """Chunks the weights hold at the least: remap never lends a whole model (one layer
+        stays, two staging slots); static holds what it holds now."""
+        if self.mode == "static":
+            return self.store.held_chunks()
+        return self.store.slot_chunks * (1 + (self.depth or 2))
+
+    def status(self) -> dict:
+        return {
+            "mode": self.mode,
+            "layers": self.n_layers,
+            "lent_layers": self.alpha,
+            "layer_bytes": self.layer_bytes,
+            "link_bytes_per_s": round(self.link_bytes_per_s),
+            "layer_transfer_s": round(self.layer_transfer_s, 6),
+            "decode_step_s": None if self.decode_step_s is None else round(self.decode_step_s, 6),
+            "prefill_step_s": None if self.prefill_step_s is None else round(self.prefill_step_s, 6),
+            "tbt_slo_s": self.tbt_slo_s,
+            "decode_layer_s": None if self.decode_layer_s is None else round(self.decode_layer_s, 7),
+            "decode_layer_s_by_batch": {
+                b: round(statistics.median(v), 7) for b, v in sorted(self.decode_layer_by_batch.items())
+            },
+            "prefill_layer_s_per_token": None
+            if not self.prefill_layer_per_token
+            else round(statistics.median(self.prefill_layer_per_token), 9),
+            "profile": None if self.profile is None else self.profile.model,
+            "decisions": dict(self.decisions),
+            "last_reason": self.last_reason,
+            "streamed": sorted(self.store.streamed()),
+            "forwards": self.pipeline.forwards,
+            **self.store.status(),
+        }

@@ -1,0 +1,124 @@
+"""Remappable weights (``--memx-weights``) in real SGLang on CPU, against stock.
+
+A tiny 8-layer Llama (float32: a random tiny model's logits are flat enough for bf16
+rounding to flip an argmax between batch shapes). Static servers stream 0 %, 50 % and
+100 % of the decoder layers from the host copy on every forward; greedy outputs must equal
+stock's, through prefix-cache hits and chunked prefill. A remap server's budget holds the
+weights and only a few KV groups: a request whose KV does not fit beside the full weights
+makes the controller release layers, is admitted, answers as stock does, and once the
+pressure is gone the layers are restored.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+
+from sglang_memx.models.tiny import TinyModelSpec, tiny_model
+from support.server import SGLangServer, start_all
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+
+SPEC = TinyModelSpec(arch="llama", num_layers=8, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                     intermediate_size=512, seed=7)  # fmt: skip
+COMMON = ["--chunked-prefill-size", "64", "--dtype", "float32"]
+MEMX = ["--memx-elastic-kv", "--memx-chunk-kb", "16"]
+# 8 layers x 2.36 MB of weights, KV 8 KiB per token: 0.0235 GB leaves ~4.5 MB (~550 tokens) of KV
+TIGHT_GB = "0.0235"
+PROMPTS = ["The capital of France is", "one two three four five six", "Pages map to chunks when the pool"]
+LONG = " ".join(["memory layer weight pool server request answer"] * 20)  # > 64 tokens: chunked prefill
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_root):
+    model = tiny_model(SPEC, tiny_model_root)
+
+    def memx(name, *extra, budget="0.1"):
+        return SGLangServer(model, name=name, max_total_tokens=4096,
+                            extra_args=COMMON + MEMX + ["--memx-pool-budget-gb", budget, *extra])  # fmt: skip
+
+    everyone = {
+        "stock": SGLangServer(model, name="w-stock", stock=True, max_total_tokens=4096, extra_args=COMMON),
+        "s0": memx("w-static0", "--memx-weights", "static", "--memx-weights-streamed", "0"),
+        "s50": memx("w-static50", "--memx-weights", "static", "--memx-weights-streamed", "0.5"),
+        "s100": memx(
+            "w-static100", "--memx-weights", "static", "--memx-weights-streamed", "1", "--memx-prefetch-depth", "1"
+        ),  # fmt: skip
+        "remap": memx("w-remap", "--memx-weights", "remap", "--memx-weights-idle-after-s", "600", budget=TIGHT_GB),
+    }
+    start_all(list(everyone.values()))
+    yield everyone
+    for s in everyone.values():
+        s.stop()
+
+
+def _gen(server, text, n=16):
+    return server.generate(text, max_new_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _weights(server) -> dict:
+    return server.request("/memx/status")["schedulers"][0]["elastic_kv"]["weights"]
+
+
+@pytest.mark.parametrize("name,streamed", [("s0", 0), ("s50", 4), ("s100", 8)])
+def test_static_streaming_answers_as_stock(servers, name, streamed):
+    stock, server = servers["stock"], servers[name]
+    for prompt in PROMPTS + [LONG]:
+        assert _gen(server, prompt)["output_ids"] == _gen(stock, prompt)["output_ids"], prompt
+    again = _gen(server, LONG)  # prefix-cache hit over a chunked prompt
+    assert again["meta_info"]["cached_tokens"] > 0
+    assert again["output_ids"] == _gen(stock, LONG)["output_ids"]
+    w = _weights(server)
+    assert w["streamed_layers"] == streamed and w["resident_layers"] == 8 - streamed
+    if streamed:
+        slots = w["slots"]
+        assert w["lent_bytes"] == (streamed - slots) * w["held_bytes"] // (8 - streamed + slots)
+        assert w["fetches"] >= streamed * w["forwards"] - slots  # every streamed layer came back for each forward
+        assert w["hidden_fraction"] is not None and w["unfetched_waits"] == 0
+    else:
+        assert w["fetches"] == 0 and w["lent_bytes"] == 0
+
+
+def test_batched_requests_while_streaming_match_stock(servers):
+    stock, server = servers["stock"], servers["s100"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: _gen(server, p, 24)["output_ids"], PROMPTS + [LONG]))
+    assert got == [_gen(stock, p, 24)["output_ids"] for p in PROMPTS + [LONG]]
+
+
+def _wait(server, predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        w = _weights(server)
+        if predicate(w):
+            return w
+        time.sleep(0.5)
+    raise AssertionError(f"timed out; weights status: {w}")
+
+
+def test_pressure_releases_layers_and_relief_restores_them(servers):
+    stock, remap = servers["stock"], servers["remap"]
+    status = remap.request("/memx/status")["schedulers"][0]["elastic_kv"]
+    w = status["weights"]
+    assert w["lent_layers"] == 0 and w["streamed_layers"] == 0  # no pressure yet: every layer resident
+    kv_room_tokens = (
+        (int(float(TIGHT_GB) * (1 << 30)) - w["held_bytes"]) // status["group_bytes"] * status["group_tokens"]
+    )
+    prompt = " ".join(["one two three four five six seven eight"] * 60)  # ~480 tokens
+    n_new = 200
+    # 3 requests of ~680 tokens each need ~4x the KV room left beside the full weights
+    assert 3 * (480 + n_new) > 2 * kv_room_tokens
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(_gen, remap, prompt + f" {i}", n_new) for i in range(3)]
+        lent = _wait(remap, lambda w: w["lent_layers"] > 0, timeout=120)
+        outs = [f.result(timeout=600)["output_ids"] for f in futures]
+    assert lent["decisions"]["remap"] >= 1
+    assert outs == [_gen(stock, prompt + f" {i}", n_new)["output_ids"] for i in range(3)]
+    peak = remap.request("/memx/status")["schedulers"][0]["elastic_kv"]
+    assert peak["weights"]["decisions"]["remap"] >= 1
+    # relief: nothing waits, the lent memory empties, layers come back one by one
+    restored = _wait(remap, lambda w: w["lent_layers"] == 0 and w["streamed_layers"] == 0, timeout=120)
+    assert restored["decisions"]["restore"] >= 1 and restored["restores"] >= 1
+    assert _gen(remap, PROMPTS[0])["output_ids"] == _gen(stock, PROMPTS[0])["output_ids"]
