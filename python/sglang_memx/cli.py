@@ -145,6 +145,20 @@ def _cmd_hooks(args) -> int:
     return 0
 
 
+def _cmd_profile(args) -> int:
+    from sglang_memx.weights.profiler import profile
+
+    batches = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    extra = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
+    record = profile(args.model_path, args.out, batch_sizes=batches, decode_tokens=args.decode_tokens,
+                     device=args.device, extra_args=extra, log_path=args.log)  # fmt: skip
+    per_batch = ", ".join(f"b{b}: {s * 1e3:.3f} ms" for b, s in record.decode_layer_s.items())
+    print(f"{args.out}: {record.n_layers} layers of {record.layer_bytes / (1 << 20):.2f} MiB; copy "
+          f"{record.link_bytes_per_s / 1e9:.2f} GB/s (T_T {record.layer_transfer_s * 1e3:.3f} ms); decode per layer "
+          f"{per_batch}; prefill {record.prefill_layer_s_per_token * 1e6:.2f} us/token/layer")  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sglang-memx", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -198,6 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     hooks = sub.add_parser("hooks", help="print the table of upstream targets memx hooks (Markdown)")
     hooks.set_defaults(func=_cmd_hooks)
+
+    prof = sub.add_parser("profile", help="measure a model's layer profile here (for --memx-weights-profile)")
+    prof.add_argument("--model-path", required=True)
+    prof.add_argument("--out", required=True, help="where to write the profile (JSON)")
+    prof.add_argument("--batch-sizes", default="1,2,4,8", help="decode batch sizes to time (default 1,2,4,8)")
+    prof.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per request")
+    prof.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    prof.add_argument("--log", default="sglang-memx-profile.log", help="the profiling server's log file")
+    prof.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: more launch_server flags")
+    prof.set_defaults(func=_cmd_profile)
 
     ver = sub.add_parser("version", help="print versions")
     ver.set_defaults(func=_cmd_version)

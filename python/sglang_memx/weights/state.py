@@ -32,7 +32,7 @@ class WeightsState:
     decode_layer_s: float | None = None  # EMA of one layer's compute in a decode step (t_c)
     last_decode_batch: int = 1
     decode_layer_by_batch: dict = field(default_factory=dict)  # batch -> recent per-layer decode samples
-    prefill_layer_per_token: list = field(default_factory=list)  # recent per-layer, per-token prefill samples
+    prefill_layer_per_token: list = field(default_factory=list)  # recent (tokens, per-layer s per token) prefills
     profile: object = None  # LayerProfile from --memx-weights-profile, or None
     last_busy: float = field(default_factory=time.monotonic)
     decisions: dict = field(default_factory=lambda: {"remap": 0, "restore": 0, "hold": 0})
@@ -67,7 +67,7 @@ class WeightsState:
             samples.append(per_layer)
             del samples[:-SAMPLES]
         elif not decode and tokens > 0:
-            self.prefill_layer_per_token.append(per_layer / tokens)
+            self.prefill_layer_per_token.append((tokens, per_layer / tokens))
             del self.prefill_layer_per_token[:-SAMPLES]
 
     def _ema(self, name: str, value: float) -> None:
@@ -98,7 +98,7 @@ class WeightsState:
             },
             "prefill_layer_s_per_token": None
             if not self.prefill_layer_per_token
-            else round(statistics.median(self.prefill_layer_per_token), 9),
+            else round(max(self.prefill_layer_per_token)[1], 9),  # the largest recent prefill
             "profile": None if self.profile is None else self.profile.model,
             "decisions": dict(self.decisions),
             "last_reason": self.last_reason,

@@ -1,0 +1,71 @@
+"""The server-side weights state and controller glue, without a server: the profile flag's
+checks, T_T from the profile, the TBT cap through IntervalManager."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from memory_ext.policy.layer_profile import LayerProfile
+from memory_ext.pool import ChunkPool
+from memory_ext.vmm import host_backend
+from memory_ext.weights import LayerPipeline, WeightStore
+from sglang_memx.config import MemxConfigError
+from sglang_memx.weights.attach import load_profile
+from sglang_memx.weights.remap import tbt_cap
+from sglang_memx.weights.state import WeightsState
+
+
+def _profile(n_layers=8, layer_bytes=1 << 20, bw=1e9, t_c=1e-3) -> LayerProfile:
+    return LayerProfile(model="m", device="cpu", dtype="float32", n_layers=n_layers, layer_bytes=layer_bytes,
+                        link_bytes_per_s=bw, decode_layer_s={1: t_c, 8: 2 * t_c}, prefill_layer_s_per_token=1e-5,
+                        seq_len=32, measured_at="2026-11-25T00:00:00+00:00", command="sglang-memx profile")  # fmt: skip
+
+
+def _state(n_layers=8, **kw) -> WeightsState:
+    store = WeightStore(ChunkPool(host_backend(1 << 16), 64))
+    for i in range(n_layers):
+        store.add_layer(i, [torch.zeros(1000)])
+    return WeightsState("remap", store, LayerPipeline(store, list(range(n_layers))), list(range(n_layers)),
+                        layer_bytes=1 << 20, link_bytes_per_s=1e9, **kw)  # fmt: skip
+
+
+def test_profile_of_another_model_or_broken_file_is_refused_naming_the_flag(tmp_path):
+    good = tmp_path / "p.json"
+    _profile().save(good)
+    assert load_profile(str(good), 8).n_layers == 8
+    with pytest.raises(MemxConfigError, match="--memx-weights-profile.*profiles 8 decoder layers.*has 30"):
+        load_profile(str(good), 30)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "memx.layer_profile/1", "model": "x"}))
+    with pytest.raises(MemxConfigError, match="--memx-weights-profile.*layer profile field"):
+        load_profile(str(bad), 8)
+    with pytest.raises(MemxConfigError, match="--memx-weights-profile"):
+        load_profile(str(tmp_path / "missing.json"), 8)
+
+
+def test_transfer_time_comes_from_the_profile_when_given():
+    w = _state()
+    assert w.layer_transfer_s == pytest.approx((1 << 20) / 1e9)
+    w.profile = _profile(bw=2e9)
+    assert w.layer_transfer_s == pytest.approx((1 << 20) / 2e9)
+
+
+def test_tbt_cap_follows_the_interval_manager():
+    w = _state(tbt_slo_s=None)
+    assert tbt_cap(w) == 7  # no SLO: never a whole model
+    w = _state(tbt_slo_s=0.1)
+    assert tbt_cap(w) == 0  # nothing measured yet: nothing lent
+    w.decode_layer_s, w.decode_step_s = 1e-3, 8e-3
+    # T_T ~1.05 ms, two slots: m layers take max(8 ms, m T_T) <= 100 ms -> all 8 stream; lend 8 - 2
+    assert tbt_cap(w) == 6
+    w.tbt_slo_s = 0.0085  # 8 layers of compute + a little: m T_T <= 8.5 ms -> 8 layers... minus slots
+    assert tbt_cap(w) == 6
+    w.tbt_slo_s = 0.005  # compute alone misses the SLO: nothing may stream
+    assert tbt_cap(w) == 0
+    w.tbt_slo_s, w.profile = 0.1, _profile(bw=1e8)  # slow link: 10.5 ms a layer -> 9 fit, capped at n - 1
+    assert tbt_cap(w) == 6
+    w.tbt_slo_s = 0.05  # 4 layers' copies within 50 ms: lend 4 - 2
+    assert tbt_cap(w) == 2
