@@ -119,8 +119,22 @@ def profile(model_path: str, out: str, *, batch_sizes=(1, 2, 4, 8), decode_token
         prefill_layer_s_per_token=w["prefill_layer_s_per_token"],
         seq_len=prompt_words + decode_tokens // 2,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        command=shlex.join(["sglang-memx", "profile", "--model-path", model_path, "--out", out, "--batch-sizes",
-                            ",".join(map(str, batch_sizes)), "--device", device, "--", *extra_args]),
+        command=shlex.join(
+            [
+                "sglang-memx",
+                "profile",
+                "--model-path",
+                model_path,
+                "--out",
+                out,
+                "--batch-sizes",
+                ",".join(map(str, batch_sizes)),
+                "--device",
+                device,
+                "--",
+                *extra_args,
+            ]
+        ),
     )
     record.save(out)
     return record
