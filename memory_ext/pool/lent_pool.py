@@ -64,6 +64,7 @@ class LentPool:
         self.last_denied_available = 0  # what the arbiter said it could lend at its last refusal
         self.late_grants = 0
         self._outstanding = 0  # borrows whose reply had not come when we stopped waiting
+        self._early_late_replies = 0  # late replies that beat their borrower's own timeout bookkeeping
         self.client = ArbiterClient(
             socket_path, name, backend, on_reclaim=self._on_reclaim, timeout=timeout, on_late_reply=self._on_late_reply
         )
@@ -101,7 +102,10 @@ class LentPool:
             if exc.field is not None or not self.client.connected:
                 raise
             with self._lock:  # no reply in time: it will come to _on_late_reply
-                self._outstanding += 1
+                if self._early_late_replies:  # ... unless it came already, before this line ran
+                    self._early_late_replies -= 1
+                else:
+                    self._outstanding += 1
             return 0
         try:
             self.pool.adopt(chunks)
@@ -120,7 +124,10 @@ class LentPool:
 
     def _on_late_reply(self, msg: dict, chunks: list[PhysicalChunk]) -> bool:
         with self._lock:
-            if msg["type"] not in ("GRANT", "DENY") or self._outstanding == 0:
+            if msg["type"] not in ("GRANT", "DENY"):
+                return False
+            if self._outstanding == 0:  # the borrower timed out but has not counted it yet:
+                self._early_late_replies += 1  # returned (a grant) and not waited for any more
                 return False
             self._outstanding -= 1
             if msg["type"] == "DENY":

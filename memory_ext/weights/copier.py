@@ -86,6 +86,9 @@ class HostCopier:
     def fence(self, event=None) -> None:
         """Nothing to order on the host: a forward's reads are done when its hook returns."""
 
+    def wait_fence(self) -> None:
+        """Nothing to wait for on the host (see ``fence``)."""
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
@@ -108,6 +111,12 @@ class CudaCopier:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         self._fence = event
+
+    def wait_fence(self) -> None:
+        """Block the host until the kernels before the last fence finished: a slot is unmapped
+        only once nothing queued can still read it."""
+        if self._fence is not None:
+            self._fence.synchronize()
 
     def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Callable[[], None] | None = None) -> Ticket:
         ticket = _CudaTicket(sum(d.numel() * d.element_size() for d, _ in pairs), self.device)

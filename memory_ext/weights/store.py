@@ -27,7 +27,8 @@ Invariants (``check_invariants``)
 ---------------------------------
 1. A layer's range is mapped only while it is resident or holds a slot; its bytes are read
    only after ``ensure`` returned (the copy that filled them has landed).
-2. Chunks held by ``WEIGHTS`` in the pool == own chunks of resident layers + slot chunks.
+2. Chunks held by ``WEIGHTS`` in the pool == own chunks of resident layers + slot chunks +
+   chunks reserved for the next restore.
 3. A slot is mapped behind at most one layer; a layer holds at most one slot; resident
    layers hold none.
 4. No layer is released or evicted while a copy into its range is in flight (those calls
@@ -114,6 +115,7 @@ class WeightStore:
         self._pin = self.backend.device.type == "cuda"
         self._layers: dict[Hashable, _Layer] = {}
         self._slots: list[_Slot] = []
+        self._reserved: list[PhysicalChunk] = []  # taken for the next set_streamed's restores
         self._lock = threading.RLock()
         self.stats = WeightStats()
         self._closed = False
@@ -151,7 +153,19 @@ class WeightStore:
         return mapped and (lay.ticket is None or lay.ticket.done())
 
     def held_chunks(self) -> int:
-        return sum(len(lay.own) for lay in self._layers.values() if lay.own) + sum(len(s.chunks) for s in self._slots)
+        own = sum(len(lay.own) for lay in self._layers.values() if lay.own)
+        return own + sum(len(s.chunks) for s in self._slots) + len(self._reserved)
+
+    def reserve(self, n: int) -> None:
+        """Take ``n`` more chunks from the pool now for the next ``set_streamed``'s restores (which
+        may run on another thread later): memory the engine may count as free is never taken
+        behind its back. ``PoolExhausted`` if the pool cannot; unused ones go back then."""
+        with self._lock:
+            self._reserved += self.pool.acquire(self.owner, n)
+
+    @property
+    def reserved_chunks(self) -> int:
+        return len(self._reserved)
 
     def total_chunks(self) -> int:
         """Chunks every layer resident would hold (what the store had when all were added)."""
@@ -269,7 +283,7 @@ class WeightStore:
         """Make exactly ``streamed`` stream through ``slots`` staging slots; the rest resident.
 
         Releases first (their chunks fill the staging slots, the rest go to the pool), then
-        restores (chunks from the pool, copies started). A restore the pool cannot back leaves
+        restores (chunks reserved beforehand, then from the pool; copies started). A restore the pool cannot back leaves
         that layer streamed (reported under ``not_restored``). Returns what changed."""
         with self._lock:
             self._check_open()
@@ -282,7 +296,8 @@ class WeightStore:
             if want and slots == 0:
                 raise ValueError("slots must be >= 1 while any layer is streamed")
             slots = min(slots, len(want))
-            spare: list[PhysicalChunk] = []
+            spare: list[PhysicalChunk] = self._reserved
+            self._reserved = []
             released = []
             for key, lay in self._layers.items():
                 if key in want and lay.own is not None:
@@ -380,7 +395,8 @@ class WeightStore:
             if lay.slot is None:
                 return
             self._settle(lay)
-            self.copier.fence()  # CUDA: later copies into this slot wait for its readers
+            self.copier.fence()  # CUDA: later copies into this slot wait for its readers ...
+            self.copier.wait_fence()  # ... and it is unmapped only once they are done
             self._unmap(lay, lay.chunks)
             self._slots[lay.slot].layer = None
             lay.slot = None
@@ -423,5 +439,8 @@ class WeightStore:
             for s in self._slots:
                 self.pool.release(self.owner, s.chunks)
             self._slots.clear()
+            if self._reserved:
+                self.pool.release(self.owner, self._reserved)
+                self._reserved = []
             self.copier.close()
             self._closed = True

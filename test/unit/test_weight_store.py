@@ -105,3 +105,20 @@ def test_close_returns_every_chunk():
     store.close()
     assert pool.usage()[Owner.WEIGHTS] == 0
     pool.check_invariants()
+
+
+def test_reserved_chunks_back_the_next_restore_and_nothing_else():
+    model = _model()
+    pool, store, pipe = _pooled(model)
+    pipe.request((0, 1, 2, 3), 1)
+    pipe.apply_pending()
+    store.reserve(store.layer_chunks(2))  # the scheduler's thread takes the memory now
+    kv = pool.acquire(Owner.KV, pool.available())  # the rest is the KV side's
+    pipe.request((0, 1, 3), 1)
+    assert pipe.apply_pending()["restored"] == [2]  # later, on the forward's thread
+    assert store.reserved_chunks == 0
+    store.check_invariants()
+    pool.release(Owner.KV, kv)
+    store.reserve(3)
+    store.close()  # unused reservations go back
+    assert pool.usage()[Owner.WEIGHTS] == 0

@@ -36,6 +36,7 @@ from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import radix as up_radix
 from sglang_memx.upstream import scheduler as up_sched
+from sglang_memx.weights import lending
 
 logger = logging.getLogger("sglang_memx")
 
@@ -219,6 +220,8 @@ def answer_reclaim(kv, allocator, tree, scheduler) -> int:
     if kv.activation is not None:  # idle activation memory is the cheapest to give
         kv.activation.release_idle(keep=demand.decode_activation_chunks(kv, scheduler))
     free_groups(kv, allocator, tree, -(-pending // kv.buffers.chunks_per_group))
+    if kv.weights is not None:  # an inactive server's layers go next (Oneiros: inactive models first)
+        lending.release_for_reclaim(kv, pending - spare_free_chunks(kv, allocator, scheduler))
     return kv.lent.give_back(min(pending, spare_free_chunks(kv, allocator, scheduler)))
 
 
@@ -231,6 +234,7 @@ def report(kv, allocator, tree, scheduler) -> None:
     if not kv.lent.report_due(busy):
         return
     idle = spare_free_chunks(kv, allocator, scheduler) + idle_kv_chunks(kv, allocator, tree)
+    idle += lending.lendable_chunks(kv)  # 0 unless remappable weights of an inactive model
     if kv.activation is not None:
         idle += max(0, kv.activation.idle() - demand.decode_activation_chunks(kv, scheduler))
     wanted = demand.queue_demand_tokens(scheduler) - demand.running_demand_tokens(scheduler)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 
 from memory_ext.policy.interval_manager import IntervalManager, stream_budget
-from memory_ext.policy.oneiros import Action, BufferMode, ModelState, OneirosController, plan_layers
+from memory_ext.policy.oneiros import Action, BufferMode, ModelState, OneirosController, RemapDecision, plan_layers
+from memory_ext.pool import PoolError
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.eviction import free_groups
 from sglang_memx.upstream import kv as up_kv
@@ -29,12 +30,29 @@ def buffer_mode(depth: int | None) -> BufferMode:
 
 
 def free_kv_groups(kv, allocator, tree, scheduler) -> int:
-    """KV groups left once the queue head and the running requests got what they need."""
+    """KV groups left once the queue head and the running requests got what they need. With a
+    shared pool, what the arbiter could lend at once counts too (the lent layers' memory may
+    have gone to a peer, which gives it back to the arbiter when it no longer needs it)."""
     if kv.host is not None and len(kv.host.buffer) > 0:
         return 0
     supply = up_kv.available_tokens(allocator) + (up_radix.evictable_tokens(tree) if tree is not None else 0)
+    if kv.lent is not None and kv.weights.alpha > 0 and not up_sched.waiting(scheduler):
+        # only with nothing waiting: a restore never competes with admission for the arbiter's memory
+        supply += arbiter_free_chunks(kv) // kv.buffers.chunks_per_group * kv.buffers.group_rows
     left = supply - demand.queue_demand_tokens(scheduler)
     return max(0, left) // kv.buffers.group_rows
+
+
+RESTORE_BORROW_WAIT_S = 0.02  # longest an iteration waits for the arbiter to lend a layer back
+ARBITER_POLL_S = 0.5  # a lender with lent layers asks the arbiter what is free at most this often
+
+
+def arbiter_free_chunks(kv) -> int:
+    w = kv.weights
+    now = time.monotonic()
+    if now - w.arbiter_polled_at >= ARBITER_POLL_S:
+        w.arbiter_free, w.arbiter_polled_at = kv.lent.available_now(), now
+    return w.arbiter_free
 
 
 def model_state(w, kv, busy: bool) -> ModelState:
@@ -44,7 +62,8 @@ def model_state(w, kv, busy: bool) -> ModelState:
     active = now - w.last_busy < w.idle_after_s
     compute = w.decode_step_s if active else (w.prefill_step_s or w.decode_step_s)
     blocks = max(1, w.store.slot_chunks // kv.buffers.chunks_per_group)
-    return ModelState(MODEL, w.n_layers, max(w.layer_transfer_s, 1e-9), compute, active, tbt_cap(w),
+    cap = tbt_cap(w) if active else w.n_layers - 1  # the TBT SLO binds decode steps, not an idle model
+    return ModelState(MODEL, w.n_layers, max(w.layer_transfer_s, 1e-9), compute, active, cap,
                       remapped=min(w.alpha, w.n_layers - 1), blocks_per_layer=blocks)  # fmt: skip
 
 
@@ -72,6 +91,19 @@ def tbt_cap(w) -> int:
     return max(0, min(w.n_layers - 1, budget.layers - slots))
 
 
+def shared_pool_holds(kv, action: Action, active: bool) -> str:
+    """Across processes Oneiros's model order is the arbiter's: an active server remaps its own
+    layers only after the arbiter refused (inactive peers' layers and idle KV go first), and
+    an inactive server's layers lent to peers come back when it has traffic again."""
+    if kv.lent is None:
+        return ""
+    if action is Action.REMAP and time.monotonic() >= kv.borrow_backoff_until:
+        return "the arbiter has not refused a borrow (peers' idle memory goes first)"
+    if action is Action.RESTORE and not active:
+        return "inactive: layers lent to peers come back with traffic"
+    return ""
+
+
 def step(kv, allocator, scheduler) -> None:
     w = kv.weights
     if w is None or w.mode != "remap" or w.pipeline.pending() is not None:
@@ -85,6 +117,10 @@ def step(kv, allocator, scheduler) -> None:
     controller.observe(free_kv_groups(kv, allocator, tree, scheduler), [state])
     decision = controller.decide()
     w.last_reason = decision.reason
+    held_back = shared_pool_holds(kv, decision.action, state.active)
+    if held_back:
+        decision = RemapDecision(Action.HOLD, None, 0, None, f"{decision.reason}; held: {held_back}")
+        w.last_reason = decision.reason
     if decision.action is Action.HOLD:
         w.decisions["hold"] += 1
         return
@@ -97,11 +133,19 @@ def step(kv, allocator, scheduler) -> None:
     if decision.action is Action.RESTORE:
         need = _chunks_needed(w, streamed, slots)
         short = need - kv.buffers.pool.available()
+        if short > 0 and kv.lent is not None:  # the lent memory may be the arbiter's again
+            kv.lent.borrow(short, wait=RESTORE_BORROW_WAIT_S)
+            short = need - kv.buffers.pool.available()
         if short > 0:
             groups = -(-short // kv.buffers.chunks_per_group)
             if free_groups(kv, allocator, tree, groups) < groups:
                 w.last_reason += "; restore waits: KV still holds the lent memory"
                 return
+        try:  # taken now, on the scheduler's thread: admission never counts them as free
+            w.store.reserve(need)
+        except PoolError:
+            w.last_reason += "; restore waits: the pool cannot back it yet"
+            return
     w.decisions[decision.action.value] += 1
     w.pipeline.request(streamed, slots)
     w.pipeline.apply_if_idle()  # a waiting request may need this memory before any forward runs

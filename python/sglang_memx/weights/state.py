@@ -34,6 +34,9 @@ class WeightsState:
     decode_layer_by_batch: dict = field(default_factory=dict)  # batch -> recent per-layer decode samples
     prefill_layer_per_token: list = field(default_factory=list)  # recent (tokens, per-layer s per token) prefills
     profile: object = None  # LayerProfile from --memx-weights-profile, or None
+    arbiter_free: int = 0  # shared pool: chunks the arbiter could lend at the last poll
+    arbiter_polled_at: float = 0.0
+    lent_to_peers: int = 0  # shared pool: layers released to answer the arbiter's reclaims
     last_busy: float = field(default_factory=time.monotonic)
     decisions: dict = field(default_factory=lambda: {"remap": 0, "restore": 0, "hold": 0})
     last_reason: str = ""
@@ -101,6 +104,7 @@ class WeightsState:
             else round(max(self.prefill_layer_per_token)[1], 9),  # the largest recent prefill
             "profile": None if self.profile is None else self.profile.model,
             "decisions": dict(self.decisions),
+            "released_for_peers": self.lent_to_peers,
             "last_reason": self.last_reason,
             "streamed": sorted(self.store.streamed()),
             "forwards": self.pipeline.forwards,

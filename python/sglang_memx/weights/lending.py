@@ -1,0 +1,54 @@
+"""Shared pool: an inactive server's weights lent to its peers through the arbiter.
+
+Oneiros remaps layers of inactive models first. Across processes that order is the
+arbiter's: an inactive server reports the chunks it could free by releasing layers (up to
+its Oneiros limit as an inactive model) among what it could give back, so the arbiter's
+planner (``plan_takes``) may reclaim them for a busy peer; the server answers such a reclaim
+by releasing layers (applied at once, no forward runs on an idle server) and giving their
+chunks back. The layers come back through the normal restore (``remap.step``) once the server
+is active again and the arbiter can lend the memory.
+"""
+
+from __future__ import annotations
+
+from memory_ext.policy.oneiros import model_limit, plan_layers
+from sglang_memx.weights import remap
+
+
+def lendable_chunks(kv) -> int:
+    """Chunks releasing layers could free now: 0 for an active model (it remaps only under its
+    own KV pressure), else up to its Oneiros limit as an inactive model."""
+    w = kv.weights
+    if w is None or w.mode != "remap":
+        return 0
+    state = remap.model_state(w, kv, busy=False)
+    if state.active or state.compute_s is None:
+        return 0
+    limit, _ = model_limit(state, remap.buffer_mode(w.depth))
+    more = max(0, limit - w.alpha)
+    first_slots = (w.depth or 2) * w.store.slot_chunks if w.alpha == 0 else 0  # the first release keeps slots
+    return max(0, more * w.store.slot_chunks - first_slots)
+
+
+def release_for_reclaim(kv, chunks: int) -> int:
+    """Release enough layers to free ``chunks`` (within ``lendable_chunks``); returns the layers
+    newly lent. The change applies at once when no forward runs."""
+    w = kv.weights
+    if chunks <= 0 or lendable_chunks(kv) <= 0:
+        return 0
+    state = remap.model_state(w, kv, busy=False)
+    limit, _ = model_limit(state, remap.buffer_mode(w.depth))
+    first_slots = 0 if w.alpha else (w.depth or 2)  # the first release keeps its slots' chunks
+    target = min(limit, w.alpha + -(-chunks // w.store.slot_chunks) + first_slots)
+    if target <= w.alpha:
+        return 0
+    plan = plan_layers(w.n_layers, target, state.layer_transfer_s, state.compute_s / w.n_layers,
+                       remap.buffer_mode(w.depth))  # fmt: skip
+    if not plan.feasible:
+        return 0
+    before = w.alpha
+    w.pipeline.request([w.layer_keys[j] for j in plan.shared_layers], plan.beta)
+    w.pipeline.apply_if_idle()
+    gained = w.alpha - before
+    w.lent_to_peers += max(0, gained)
+    return gained
