@@ -63,7 +63,7 @@ def make_servers(model, weights: int, memory: int, activation: int, args) -> dic
     servers = {"stock": SGLangServer(model, name="bench-w-stock", stock=True, max_total_tokens=args.kv_tokens,
                                      extra_args=common)}  # fmt: skip
     if "offload" in args.setups:
-        offload = common + ["--cpu-offload-gb", f"{weights / (1 << 30):.6f}"]
+        offload = common + ["--cpu-offload-gb", str(-(-weights // (1 << 30)))]  # an int: every weight byte
         servers["offload"] = SGLangServer(model, name="bench-w-offload", stock=True, max_total_tokens=args.kv_tokens,
                                           extra_args=offload)  # fmt: skip
     memx = common + ["--memx-elastic-kv", "--memx-chunk-kb", str(CHUNK_KB), "--memx-weights", "remap",
@@ -112,8 +112,8 @@ def main() -> int:
     ap.add_argument("--kv-tokens", type=int, default=512, help="stock's KV pool beside the full weights")
     ap.add_argument("--chunk", type=int, default=64, help="--chunked-prefill-size of every setup")
     ap.add_argument("--requests", type=int, default=6)
-    ap.add_argument("--prompt-words", type=int, default=120)
-    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--prompt-words", type=int, default=40)
+    ap.add_argument("--new-tokens", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--setups", default="stock,offload,memx", help="comma list of stock, offload, memx")
     args = ap.parse_args()

@@ -1,11 +1,12 @@
 """Once per scheduler iteration: the Oneiros controller's step for this server's weights.
 
-Signal (Oneiros Alg. 1 line 3, "running out of KV cache blocks"): what the head of the
-waiting queue and the running requests' remaining decode need (``elastic.demand``) against
-what KV could hold now (free + mappable + evictable cache), in KV groups; KV parked in the
-host buffer counts as running out too. The decision is ``OneirosController``'s; applying it
-is a request to the layer pipeline (released / restored at the next forward boundary). A
-restore first makes room in the pool (empty groups unmapped, cached prefixes evicted).
+Signal (Oneiros Alg. 1 line 3, "running out of KV cache blocks"): upstream refused to admit
+the waiting head, or KV is parked in the host buffer, or what the head of the waiting queue
+and the running requests' remaining decode need (``elastic.demand``) exceeds what KV could
+hold now (free + mappable + evictable cache), in KV groups. The decision is
+``OneirosController``'s; applying it is a request to the layer pipeline (released / restored
+at the next forward boundary, or at once between forwards). A restore first makes room in
+the pool (empty groups unmapped, cached prefixes evicted) and reserves its chunks.
 """
 
 from __future__ import annotations
@@ -29,11 +30,19 @@ def buffer_mode(depth: int | None) -> BufferMode:
     return BufferMode.AUTO if depth is None else (BufferMode.SINGLE if depth == 1 else BufferMode.DOUBLE)
 
 
+def admission_denied(scheduler) -> bool:
+    """Upstream refused to admit the waiting head (it closes admission until a request leaves)."""
+    batch = up_sched.running_batch(scheduler)
+    return bool(up_sched.waiting(scheduler)) and batch is not None and up_sched.admission_closed(batch)
+
+
 def free_kv_groups(kv, allocator, tree, scheduler) -> int:
     """KV groups left once the queue head and the running requests got what they need. With a
     shared pool, what the arbiter could lend at once counts too (the lent layers' memory may
     have gone to a peer, which gives it back to the arbiter when it no longer needs it)."""
     if kv.host is not None and len(kv.host.buffer) > 0:
+        return 0
+    if admission_denied(scheduler):
         return 0
     supply = up_kv.available_tokens(allocator) + (up_radix.evictable_tokens(tree) if tree is not None else 0)
     if kv.lent is not None and kv.weights.alpha > 0 and not up_sched.waiting(scheduler):
@@ -149,6 +158,9 @@ def step(kv, allocator, scheduler) -> None:
     w.decisions[decision.action.value] += 1
     w.pipeline.request(streamed, slots)
     w.pipeline.apply_if_idle()  # a waiting request may need this memory before any forward runs
+    batch = up_sched.running_batch(scheduler)
+    if decision.action is Action.REMAP and batch is not None and up_sched.admission_closed(batch):
+        up_sched.reopen_admission(batch)  # upstream tries the head again with the memory released
 
 
 def _chunks_needed(w, streamed, slots) -> int:
