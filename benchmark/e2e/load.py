@@ -101,3 +101,19 @@ def server_timeline(log_text: str, t0_wall: float) -> list[dict]:
         out.append({"t": t, "running": int(m.group(2)), "usage": float(m.group(3)),
                     "throughput": float(m.group(4)), "queue": int(m.group(5))})  # fmt: skip
     return out
+
+
+def serve_rounds(servers: dict, rounds: int, run_once) -> list[dict]:
+    """Start every server, warm each up, run ``rounds`` interleaved rounds of ``run_once(server)``,
+    stop them all (whatever happens); returns the rounds (``benchmark.pairs.run_rounds``)."""
+    from benchmark.pairs import run_rounds
+    from support.server import start_all
+
+    start_all(list(servers.values()))
+    try:
+        for s in servers.values():
+            s.generate("warm up", max_new_tokens=4, temperature=0)
+        return run_rounds(rounds, list(servers), lambda name, r: run_once(servers[name]))
+    finally:
+        for s in servers.values():
+            s.stop()

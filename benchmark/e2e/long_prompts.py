@@ -37,9 +37,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "test"))
 sys.path.insert(0, str(REPO))
 
-from benchmark.e2e.load import play, summarize  # noqa: E402
-from benchmark.pairs import plot_ratios, ratio_stats, run_rounds  # noqa: E402
-from support.server import SGLangServer, start_all  # noqa: E402
+from benchmark.e2e.load import play, serve_rounds, summarize  # noqa: E402
+from benchmark.pairs import plot_ratios, ratio_stats  # noqa: E402
+from support.server import SGLangServer  # noqa: E402
 
 RESULTS = REPO / "benchmark" / "results" / "e2e"
 CHUNK_KB = 4
@@ -127,14 +127,7 @@ def main() -> int:
     memory = args.kv_tokens * kv_token_bytes + activation
     servers = make_servers(model, memory, args)
     base = "stock" if args.baseline == "stock" else "memx_no_buffer"
-    start_all(list(servers.values()))
-    try:
-        for s in servers.values():
-            s.generate("warm up", max_new_tokens=4, temperature=0)
-        rounds = run_rounds(args.rounds, list(servers), lambda name, r: run_once(servers[name], args))
-    finally:
-        for s in servers.values():
-            s.stop()
+    rounds = serve_rounds(servers, args.rounds, lambda s: run_once(s, args))
     doc = {
         "command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
         "memory_bytes": memory, "kv_bytes_stock": args.kv_tokens * kv_token_bytes, "activation_bytes": activation,

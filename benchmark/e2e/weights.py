@@ -33,10 +33,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "test"))
 sys.path.insert(0, str(REPO))
 
-from benchmark.e2e.load import play, summarize  # noqa: E402
+from benchmark.e2e.load import play, serve_rounds, summarize  # noqa: E402
 from benchmark.e2e.long_prompts import max_concurrent  # noqa: E402
-from benchmark.pairs import plot_ratios, ratio_stats, run_rounds  # noqa: E402
-from support.server import SGLangServer, start_all  # noqa: E402
+from benchmark.pairs import plot_ratios, ratio_stats  # noqa: E402
+from support.server import SGLangServer  # noqa: E402
 
 RESULTS = REPO / "benchmark" / "results" / "e2e"
 CHUNK_KB = 16
@@ -122,14 +122,7 @@ def main() -> int:
     model, weights, kv_token_bytes, activation = model_and_sizes(args.chunk)
     memory = weights + args.kv_tokens * kv_token_bytes
     servers = make_servers(model, weights, memory, activation, args)
-    start_all(list(servers.values()))
-    try:
-        for s in servers.values():
-            s.generate("warm up", max_new_tokens=4, temperature=0)
-        rounds = run_rounds(args.rounds, list(servers), lambda name, r: run_once(servers[name], args))
-    finally:
-        for s in servers.values():
-            s.stop()
+    rounds = serve_rounds(servers, args.rounds, lambda s: run_once(s, args))
     doc = {
         "command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
         "memory_bytes": memory, "weights_bytes": weights, "kv_bytes_stock": args.kv_tokens * kv_token_bytes,

@@ -53,7 +53,13 @@ def test_kv_pool_numbers_follow_upstream_formula():
 def test_scheduler_status_counts_requests_and_features():
     st = scheduler_status(fake_scheduler(), MemxConfig())
     assert st["requests"] == {"running": 2, "waiting": 3}
-    assert st["features"] == {"status_endpoint": True, "elastic_kv": False, "shared_pool": False, "host_buffer": False}
+    assert st["features"] == {
+        "status_endpoint": True,
+        "elastic_kv": False,
+        "shared_pool": False,
+        "host_buffer": False,
+        "weights": False,
+    }
 
 
 def test_status_document_merges_ranks_and_flags_missing_ones():
