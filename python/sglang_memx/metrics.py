@@ -45,6 +45,14 @@ _HELP = {
         "CUDA: segments that did not fit the arena and came from plain device memory.",
     ),
     "memx_host_buffer_used_bytes": ("gauge", "Host bytes holding parked KV."),
+    "memx_weights_resident_layers": ("gauge", "Decoder layers whose weights own their pool chunks."),
+    "memx_weights_streamed_layers": ("gauge", "Decoder layers streamed from the host copy before they run."),
+    "memx_weights_lent_bytes": ("gauge", "Weight bytes lent to the KV cache (or to peers) by released layers."),
+    "memx_weights_copy_bytes_total": ("counter", "Bytes copied from the host copy (fetches and restores)."),
+    "memx_weights_copy_seconds_total": ("counter", "Time the weight copies took."),
+    "memx_weights_stall_seconds_total": ("counter", "Time forwards waited for a layer's copy."),
+    "memx_weights_hidden_fraction": ("gauge", "Fraction of weight copy time hidden under compute."),
+    "memx_weights_decisions_total": ("counter", "Remap controller decisions, by action."),
     "memx_host_buffer_logical_bytes": ("gauge", "Host buffer size the SLO rule allows now."),
     "memx_host_buffer_parked_total": ("counter", "Requests whose KV was parked on the host."),
     "memx_host_buffer_restored_total": ("counter", "Parked requests whose KV was fetched back."),
@@ -127,6 +135,18 @@ def _samples(rank: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any], float]
         yield "memx_host_buffer_dropped_total", base, host["dropped"]
         yield "memx_host_buffer_fetched_total", base, host["fetched"]
         yield "memx_host_buffer_prefill_offloads_total", base, host["prefill_offloads"]
+    w = el.get("weights")
+    if w:
+        yield "memx_weights_resident_layers", base, w["resident_layers"]
+        yield "memx_weights_streamed_layers", base, w["streamed_layers"]
+        yield "memx_weights_lent_bytes", base, w["lent_bytes"]
+        yield "memx_weights_copy_bytes_total", base, w["fetch_bytes"] + w["restore_bytes"]
+        yield "memx_weights_copy_seconds_total", base, w["copy_seconds"]
+        yield "memx_weights_stall_seconds_total", base, w["stall_seconds"]
+        if w["hidden_fraction"] is not None:
+            yield "memx_weights_hidden_fraction", base, w["hidden_fraction"]
+        for action, n in sorted(w["decisions"].items()):
+            yield "memx_weights_decisions_total", dict(base, action=action), n
     shared = el.get("shared_pool")
     if shared:
         chunk = shared.get("chunk_bytes", el["chunk_bytes"])

@@ -117,6 +117,12 @@ def render(snap: dict[str, Any]) -> str:
                     f" / {_gib(el['logical_bytes'])}  map {el['groups_mapped_total']} unmap "
                     f"{el['groups_unmapped_total']}"
                 )
+                w = el.get("weights")
+                if w:
+                    head += (
+                        f"  layers {w['resident_layers']}/{w['layers']} resident, lent {_gib(w['lent_bytes'])},"
+                        f" copy {_gib(w['copy_bytes_per_s'] or 0)}/s, stall {w['stall_seconds']:.2f} s"
+                    )
             else:
                 head += f"  KV static {_gib(kv['bytes'])}"
             lines.append(head + (f"  pool {rank['pool_name']}" if rank.get("pool_name") else ""))

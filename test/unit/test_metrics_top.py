@@ -121,3 +121,23 @@ def test_top_frame_shows_pools_clients_and_servers():
     assert "sglang-11" in frame and "sglang-memx-top" not in frame
     assert "dead" in frame and "unreachable" in frame
     assert "http://127.0.0.1:30001" in frame and "map 9 unmap 5" in frame and "pool gpu0" in frame
+
+
+WEIGHTS = {
+    "layers": 8, "resident_layers": 2, "streamed_layers": 6, "lent_bytes": 4 << 20, "fetch_bytes": 3 << 20,
+    "restore_bytes": 1 << 20, "copy_seconds": 0.5, "stall_seconds": 0.01, "hidden_fraction": 0.98,
+    "copy_bytes_per_s": 8 << 20, "decisions": {"remap": 6, "restore": 4, "hold": 90},
+}  # fmt: skip
+
+
+def test_weights_metrics_and_top_columns():
+    rank = dict(RANK, elastic_kv=dict(RANK["elastic_kv"], weights=WEIGHTS))
+    text = render_prometheus({"schedulers": [rank]})
+    assert re.search(r"^memx_weights_lent_bytes\{.*\} 4194304$", text, re.M)
+    assert re.search(r"^memx_weights_copy_bytes_total\{.*\} 4194304$", text, re.M)
+    assert re.search(r'^memx_weights_decisions_total\{.*action="remap".*\} 6$', text, re.M)
+    assert "# TYPE memx_weights_stall_seconds_total counter" in text
+    frame = render(
+        {"time": time.time(), "pools": [], "servers": [{"url": "http://x", "status": {"schedulers": [rank]}}]}
+    )
+    assert "layers 2/8 resident" in frame and "stall 0.01 s" in frame
