@@ -69,3 +69,27 @@ def test_tbt_cap_follows_the_interval_manager():
     assert tbt_cap(w) == 6
     w.tbt_slo_s = 0.05  # 4 layers' copies within 50 ms: lend 4 - 2
     assert tbt_cap(w) == 2
+
+
+def test_a_model_not_shaped_like_llama_cannot_be_hooked():
+    from sglang_memx.upstream.model import NotHookable, decoder_layers
+
+    class Body(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+
+    class LlamaLike(torch.nn.Module):
+        start_layer, end_layer = 1, 3
+
+        def __init__(self):
+            super().__init__()
+            self.model = Body()
+
+    assert [i for i, _ in decoder_layers(LlamaLike())] == [1, 2]
+    with pytest.raises(NotHookable, match="Linear is not shaped like LlamaForCausalLM"):
+        decoder_layers(torch.nn.Linear(2, 2))
+    odd = LlamaLike()
+    odd.model.layers = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(NotHookable, match="not a ModuleList"):
+        decoder_layers(odd)
