@@ -54,6 +54,7 @@ DEFAULTS = {
     "weights_streamed": None,
     "prefetch_depth": None,
     "tbt_slo_ms": None,
+    "weights_profile": None,
     "weights_idle_after_s": 30.0,
 }
 
