@@ -174,8 +174,13 @@ class WeightStore:
     def lent_chunks(self) -> int:
         return self.total_chunks() - self.held_chunks()
 
-    def status(self) -> dict:
+    def copy_bytes_per_s(self) -> float | None:
+        """Bandwidth of the finished copies so far (fetches and restores), or None before any."""
         s = self.stats
+        return None if s.copy_seconds <= 0 else (s.fetch_bytes + s.restore_bytes) / s.copy_seconds
+
+    def status(self) -> dict:
+        s, bandwidth = self.stats, self.copy_bytes_per_s()
         hidden = None if s.copy_seconds <= 0 else max(0.0, 1.0 - s.stall_seconds / s.copy_seconds)
         g = self.pool.chunk_bytes
         return {
@@ -191,9 +196,7 @@ class WeightStore:
             "restore_bytes": s.restore_bytes,
             "releases": s.releases,
             "copy_seconds": round(s.copy_seconds, 6),
-            "copy_bytes_per_s": None
-            if s.copy_seconds <= 0
-            else round((s.fetch_bytes + s.restore_bytes) / s.copy_seconds),  # fmt: skip
+            "copy_bytes_per_s": None if bandwidth is None else round(bandwidth),
             "stall_seconds": round(s.stall_seconds, 6),
             "stalls": s.stalls,
             "unfetched_waits": s.unfetched_waits,

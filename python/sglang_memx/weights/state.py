@@ -56,7 +56,7 @@ class WeightsState:
         reach (measured at attach, then over every fetch and restore)."""
         if self.profile is not None:
             return self.profile.layer_transfer_s
-        measured = self.store.status()["copy_bytes_per_s"]
+        measured = self.store.copy_bytes_per_s()  # on every tick: not the whole status
         return self.layer_bytes / (measured or self.link_bytes_per_s)
 
     def note_forward(self, decode: bool, seconds: float, layer_seconds: float, tokens: int, batch: int) -> None:
