@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from .core.batching import ContinuousBatchingScheduler
+from .core.batching import ContinuousBatchingScheduler, VllmV0Scheduler
 from .core.engine import Instance, InstanceConfig
 from .mechanisms.ellm import EllmElasticScheduler, EllmScheduler
 from .mechanisms.fineserve import FineServeScheduler
@@ -33,6 +33,7 @@ __all__ = ["SCHEDULERS", "HOOKS", "X1_AVAILABLE", "UnknownKind", "make_scheduler
 SCHEDULERS: Mapping[str, Callable[..., Any]] = MappingProxyType(
     {
         "continuous": lambda cfg, **opts: ContinuousBatchingScheduler(**opts),  # stock baseline
+        "vllm_v0": VllmV0Scheduler,  # vLLM v0 default: prefill-only iterations, recompute preemption
         "ellm": EllmScheduler,  # eLLM Alg. 1
         "ellm_elastic": EllmElasticScheduler,  # eLLM Alg. 1 + CPU buffer + Alg. 2
         "fineserve": FineServeScheduler,  # FineServe slab KV + EDF batching

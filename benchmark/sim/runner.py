@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .core.batching import OptionError
 from .core.engine import Gpu, Instance, InstanceConfig, Simulator
 from .core.hardware import gpu_spec
 from .core.models import model_spec
@@ -109,6 +110,8 @@ def build_simulation(spec: ScenarioSpec, seed: int | None = None, rate_scale: fl
             sched = make_scheduler(m.scheduler, cfg, m.scheduler_options)
         except UnknownKind as e:
             raise ScenarioError(f"{spec.source}: models[{i}].scheduler.kind: {e}") from None
+        except OptionError as e:
+            raise ScenarioError(f"{spec.source}: models[{i}].scheduler.options.{e}") from None
         except (TypeError, ValueError) as e:
             raise ScenarioError(f"{spec.source}: models[{i}].scheduler.options: {e}") from None
         instances.append(Instance(i, cfg, g, sched))
