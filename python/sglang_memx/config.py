@@ -386,8 +386,17 @@ class MemxConfig:
         ):
             raise MemxConfigError("--memx-weights-profile", f"must be a file path, got {self.weights_profile!r}")
 
-    def check_server_args(self, disable_radix_cache: bool) -> None:
-        """Checks that need upstream's own flags too (run at parse time and again at pool build)."""
+    def check_server_args(self, disable_radix_cache: bool, cuda_graphs: bool) -> None:
+        """Checks that need upstream's own flags too (run at parse time and again at pool build).
+        ``cuda_graphs``: upstream may capture CUDA graphs (CUDA device, a phase not disabled)."""
+        moving = self.weights == "remap" or (self.weights == "static" and (self.weights_streamed or 0) > 0)
+        if moving and cuda_graphs:
+            raise MemxConfigError(
+                "--memx-weights",
+                "cannot run with CUDA graphs: a captured graph replays fixed addresses and "
+                "skips the layer hooks that bring released layers back; add "
+                "--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled",
+            )
         if self.host_buffer_gb is not None and disable_radix_cache:
             raise MemxConfigError(
                 "--memx-host-buffer-gb",

@@ -37,6 +37,11 @@ BAD_CASES = [
         "--memx-host-buffer-gb",
         "needs the radix cache",
     ),
+    (
+        ["--device", "cuda", "--memx-elastic-kv", "--memx-pool-budget-gb", "1", "--memx-weights", "remap"],
+        "--memx-weights",
+        "cannot run with CUDA graphs",
+    ),
 ]
 DEFAULTS = {
     "disabled": False,

@@ -13,7 +13,9 @@ pressure is gone the layers are restored.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
+import urllib.error
 
 import pytest
 
@@ -86,6 +88,16 @@ def test_batched_requests_while_streaming_match_stock(servers):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda p: _gen(server, p, 24)["output_ids"], PROMPTS + [LONG]))
     assert got == [_gen(stock, p, 24)["output_ids"] for p in PROMPTS + [LONG]]
+
+
+def test_online_weight_updates_are_refused_and_the_server_keeps_serving(servers):
+    stock, server = servers["stock"], servers["s50"]
+    try:
+        out = server.request("/update_weights_from_disk", {"model_path": server.model_path})
+    except urllib.error.HTTPError as exc:  # upstream answers a failed update with 400 and the message
+        out = json.load(exc)
+    assert out["success"] is False and "--memx-weights" in out["message"], out
+    assert _gen(server, PROMPTS[0])["output_ids"] == _gen(stock, PROMPTS[0])["output_ids"]
 
 
 def _wait(server, predicate, timeout=60.0):

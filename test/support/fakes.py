@@ -71,8 +71,9 @@ class FakeBatch:
 
 class FakeScheduler:
     def __init__(self, waiting=(), running=(), decode=True, last=None, allocator=None, tree=None, page_size=1,
-                 chunked_prefill_size=None, ratio=0.7):  # fmt: skip
+                 chunked_prefill_size=None, ratio=0.7, max_running=1 << 20):  # fmt: skip
         self.waiting_queue = list(waiting)
+        self.max_running = max_running
         self.running_batch = FakeBatch(running, decode=True, allocator=allocator)
         self.last_batch = self.running_batch if last is None else last
         if last is None and not decode:
@@ -90,3 +91,6 @@ class FakeScheduler:
         self.req_to_token_pool = None
         self.hisparse_coordinator = None
         self.idle_sleeper = None
+
+    def get_num_allocatable_reqs(self, running_bs, *args, **kwargs):
+        return self.max_running - running_bs

@@ -198,3 +198,12 @@ def test_weights_flags_parse():
     assert cfg.features["weights"] is True
     cfg = _parse(["--memx-elastic-kv", "--memx-pool", "p", "--memx-weights", "static", "--memx-weights-streamed", "1"])
     assert cfg.weights_streamed == 1.0 and pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_weights_refused_when_cuda_graphs_may_be_captured():
+    cfg = _parse(BUDGET + ["--memx-weights", "remap"])
+    with pytest.raises(MemxConfigError) as err:
+        cfg.check_server_args(disable_radix_cache=False, cuda_graphs=True)
+    assert err.value.flag == "--memx-weights" and "--cuda-graph-backend-decode disabled" in str(err.value)
+    cfg.check_server_args(disable_radix_cache=False, cuda_graphs=False)
+    _parse(BUDGET).check_server_args(disable_radix_cache=False, cuda_graphs=True)  # no weights: graphs are fine

@@ -93,3 +93,21 @@ def test_a_model_not_shaped_like_llama_cannot_be_hooked():
     odd.model.layers = torch.nn.Sequential(torch.nn.Linear(2, 2))
     with pytest.raises(NotHookable, match="not a ModuleList"):
         decoder_layers(odd)
+
+
+def test_admission_closed_at_the_request_limit_is_no_kv_pressure():
+    """Upstream closes admission both for want of KV and at --max-running-requests; only the
+    first is Oneiros's signal (a release would not admit anyone at the request limit)."""
+    from sglang_memx.weights.remap import admission_denied
+    from support.fakes import FakeScheduler
+
+    def scheduler(max_running):
+        s = FakeScheduler(waiting=[object()], running=[object(), object()], max_running=max_running)
+        s.running_batch.batch_is_full = True
+        return s
+
+    assert admission_denied(scheduler(max_running=4))
+    assert not admission_denied(scheduler(max_running=2))
+    open_ = scheduler(max_running=4)
+    open_.running_batch.batch_is_full = False
+    assert not admission_denied(open_)

@@ -87,6 +87,9 @@ def finish(build: Build, result) -> None:
         )
     up_kv.attach_elastic(allocator, kv)
     kv.restrict_free_list(allocator)
-    if build.config.host_buffer_gb is not None:  # also for servers built without the CLI parser
-        build.config.check_server_args(up_args.radix_cache_disabled(build.server_args))
+    # again here: a server may be built without the CLI parser
+    build.config.check_server_args(
+        up_args.radix_cache_disabled(build.server_args), up_args.cuda_graphs_possible(build.server_args)
+    )
+    if build.config.host_buffer_gb is not None:
         kv.host = build_host_buffer(build.config, kv.buffers.group_bytes)

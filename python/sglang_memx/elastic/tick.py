@@ -60,14 +60,12 @@ def cap_request_lengths(scheduler, kv) -> None:
 def reopen_admission_for_offload(kv, scheduler) -> None:
     """Upstream stops trying to admit after a refusal until a running request leaves; with room
     in the host buffer a new request may still prefill there."""
-    batch = up_sched.running_batch(scheduler)
     if (
-        batch is not None
-        and up_sched.admission_closed(batch)
+        up_sched.admission_closed_for_memory(scheduler)
         and kv.host.offload_room() > 0
         and any(up_req.is_plain_text_request(r) for r in up_sched.waiting(scheduler))
     ):
-        up_sched.reopen_admission(batch)
+        up_sched.reopen_admission(up_sched.running_batch(scheduler))
 
 
 def premap_pages(kv, scheduler) -> int:

@@ -5,6 +5,10 @@
   ``elastic.forward.run_forward``: the activation profile is measured on the first forwards
   (and later larger ones), and on CUDA with the activation arena every forward allocates its
   activations from the pool's chunks.
+* ``ModelRunner.alloc_memory_pool`` (after): with ``--memx-weights``, the decoder layers move
+  into the pool.
+* ``WeightUpdater.update_weights_from_*`` / ``load_weights_from_distributed`` (around): refused
+  with upstream's ``(False, message)`` while memx holds the layers.
 """
 
 from __future__ import annotations
@@ -37,6 +41,23 @@ def after_alloc_memory_pool(result, runner, *args, **kwargs):
     attach(runner)
 
 
+WEIGHT_UPDATE_REFUSED = (
+    "memx: online weight updates are not supported with --memx-weights (released layers have no "
+    "memory behind their parameters, and the host master copies would go stale); restart the "
+    "server without --memx-weights to update weights"
+)
+
+
+def around_weight_update(original, updater, *args, **kwargs):
+    """Upstream's (success, message) answer: refused while memx holds the decoder layers."""
+    kv = up_model.runner_elastic(up_model.updater_runner(updater))
+    if kv is not None and kv.weights is not None:
+        return False, WEIGHT_UPDATE_REFUSED
+    return original(updater, *args, **kwargs)
+
+
+_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
+
 HOOKS = (
     HookSpec("sglang.srt.model_executor.model_runner.ModelRunner.forward", "around", around_forward, "elastic_kv",
              "count request-path maps per decode step; measure the activation profile on real forwards; "
@@ -44,4 +65,8 @@ HOOKS = (
              "layers between forwards, time the steps"),
     HookSpec("sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool", "after",
              after_alloc_memory_pool, "weights", "move the decoder layers into the pool once model and pool exist"),
+    *(HookSpec(f"{_UPDATER}.{name}", "around", around_weight_update, "weights",
+               "refuse online weight updates (success false, reason named) while layers are in the pool")
+      for name in ("update_weights_from_disk", "update_weights_from_tensor", "load_weights_from_distributed",
+                   "update_weights_from_ipc")),
 )  # fmt: skip

@@ -28,7 +28,7 @@ def check_namespace(ns: argparse.Namespace) -> MemxConfig:
     requested = config.requested_flags()
     if requested and not version.is_supported(version.installed_sglang()):
         raise MemxConfigError(requested[0], version.unsupported_message(version.installed_sglang(), requested[0]))
-    config.check_server_args(up_args.radix_cache_disabled(ns))
+    config.check_server_args(up_args.radix_cache_disabled(ns), up_args.cuda_graphs_possible(ns))
     return config
 
 

@@ -24,6 +24,7 @@ import pkgutil
 
 _M = "sglang.srt.managers."
 _C = "sglang.srt.mem_cache."
+_U = "sglang.srt.model_executor.model_runner_components.weight_updater."
 
 CLASSES: dict[str, str] = {
     "ServerArgs": "sglang.srt.server_args.ServerArgs",
@@ -39,6 +40,7 @@ CLASSES: dict[str, str] = {
     "ForwardMode": "sglang.srt.model_executor.forward_batch_info.ForwardMode",
     "ForwardBatch": "sglang.srt.model_executor.forward_batch_info.ForwardBatch",
     "ModelRunner": "sglang.srt.model_executor.model_runner.ModelRunner",
+    "WeightUpdater": "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater",
     "LlamaForCausalLM": "sglang.srt.models.llama.LlamaForCausalLM",
     "LlamaModel": "sglang.srt.models.llama.LlamaModel",
     "PrefillAdder": _M + "schedule_policy.PrefillAdder",
@@ -72,7 +74,10 @@ CLASSES: dict[str, str] = {
 
 MEMBERS: dict[str, dict[str, str | None]] = {
     "ServerArgs": {"disable_radix_cache": None, "host": None, "port": None, "chunked_prefill_size": None,
-                   "max_prefill_tokens": None},
+                   "max_prefill_tokens": None,
+                   "device": None, "disable_cuda_graph": None, "disable_decode_cuda_graph": None,
+                   "disable_prefill_cuda_graph": None, "cuda_graph_backend_decode": None,
+                   "cuda_graph_backend_prefill": None, "cuda_graph_config": None},
     "HookRegistry": {"register": None},
     "HookType": {"BEFORE": None, "AFTER": None, "AROUND": None, "REPLACE": None},
     "Scheduler": {
@@ -82,6 +87,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
         "max_total_num_tokens": None, "new_token_ratio_tracker": "NewTokenRatioTracker", "max_req_len": None,
         "max_req_input_len": None, "req_to_token_pool": "ReqToTokenPool", "hisparse_coordinator": None,
         "_add_request_to_queue": None, "abort_request": None, "idle_sleeper": "IdleSleeper",
+        "get_num_allocatable_reqs": None,
     },
     "IdleSleeper": {"poller": None},
     "ScheduleBatch": {"reqs": None, "forward_mode": "ForwardMode",
@@ -138,6 +144,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     "InsertParams": {"key": None, "value": None},
     "ModelRunner": {"token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator", "device": None,
                     "model": "LlamaForCausalLM", "server_args": "ServerArgs"},
+    "WeightUpdater": {"get_model_runner": None},
     # remappable weights: the decoder layers of a causal LM shaped like Llama's (most SGLang models)
     "LlamaForCausalLM": {"model": "LlamaModel", "start_layer": None, "end_layer": None},
     "LlamaModel": {"layers": None},
@@ -187,6 +194,10 @@ TARGETS: dict[str, tuple[str, ...]] = {
     _SC + "pool_stats_observer.SchedulerPoolStatsObserver._get_token_info": ("self",),
     "sglang.srt.model_executor.model_runner.ModelRunner.forward": ("self", "forward_batch"),
     "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool": ("self",),
+    _U + "WeightUpdater.update_weights_from_disk": ("self",),
+    _U + "WeightUpdater.update_weights_from_tensor": ("self",),
+    _U + "WeightUpdater.load_weights_from_distributed": ("self",),
+    _U + "WeightUpdater.update_weights_from_ipc": ("self",),
     _C + "kv_cache_configurator.KVCacheConfigurator.configure": ("self",),
     _C + "memory_pool.MHATokenToKVPool._create_buffers_normal": ("self",),
     _A + "token.TokenToKVPoolAllocator.clear": ("self",),

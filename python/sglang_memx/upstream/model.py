@@ -42,6 +42,11 @@ def runner_elastic(runner):
     return elastic_of(runner.token_to_kv_pool_allocator)
 
 
+def updater_runner(updater):
+    """The ModelRunner a ``WeightUpdater`` writes into."""
+    return updater.get_model_runner()
+
+
 def runner_device(runner) -> str:
     return str(runner.device)
 

@@ -190,6 +190,19 @@ def admission_closed(batch) -> bool:
     return bool(batch.batch_is_full)
 
 
+def request_slots_left(scheduler) -> int:
+    """More requests upstream's request limits would admit now (``--max-running-requests``,
+    request rows), KV memory aside."""
+    return int(scheduler.get_num_allocatable_reqs(len(batch_reqs(scheduler.running_batch))))
+
+
+def admission_closed_for_memory(scheduler) -> bool:
+    """Upstream closed admission while request slots remain: the refusal was KV memory.
+    (``batch_is_full`` is also set when the request limits are reached; that is no pressure.)"""
+    batch = scheduler.running_batch
+    return batch is not None and admission_closed(batch) and request_slots_left(scheduler) > 0
+
+
 def reopen_admission(batch) -> None:
     """Upstream stops admitting after a refusal until a running request leaves; clear that."""
     batch.batch_is_full = False

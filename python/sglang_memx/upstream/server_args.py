@@ -11,6 +11,7 @@ from __future__ import annotations
 from sglang_memx.config import MemxConfig
 
 CONFIG_ATTR = "_memx_config"
+GRAPH_DISABLED = "disabled"  # upstream's CUDA-graph backend name for "no capture"
 DEFAULT_MAX_PREFILL_TOKENS = 16384  # upstream's documented default of --max-prefill-tokens
 
 
@@ -26,6 +27,34 @@ def config_of(server_args) -> MemxConfig:
 def radix_cache_disabled(args) -> bool:
     """``--disable-radix-cache`` of a parsed namespace or a ServerArgs record."""
     return bool(args.disable_radix_cache)
+
+
+def _phase_disabled(args, phase: str) -> bool:
+    """Whether a CUDA-graph phase ("decode" / "prefill") was switched off on the command
+    line: ``--disable-cuda-graph``, ``--disable-<phase>-cuda-graph``,
+    ``--cuda-graph-backend-<phase> disabled`` or ``--cuda-graph-config``'s phase backend."""
+    if args.disable_cuda_graph or getattr(args, f"disable_{phase}_cuda_graph"):
+        return True
+    config = args.cuda_graph_config
+    if config is not None:
+        entry = config.get(phase) if isinstance(config, dict) else getattr(config, phase, None)
+        backend = entry.get("backend") if isinstance(entry, dict) else getattr(entry, "backend", None)
+        if backend is not None:
+            return str(backend) == GRAPH_DISABLED
+    return str(getattr(args, f"cuda_graph_backend_{phase}")) == GRAPH_DISABLED
+
+
+def cuda_graphs_possible(args) -> bool:
+    """Whether upstream may capture CUDA graphs: a CUDA device (``--device`` given, or
+    auto-detected when absent) and a decode or prefill phase not switched off."""
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not str(device).startswith("cuda"):
+        return False
+    return not (_phase_disabled(args, "decode") and _phase_disabled(args, "prefill"))
 
 
 def server_url(server_args) -> str:

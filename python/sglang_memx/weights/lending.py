@@ -15,6 +15,12 @@ from memory_ext.policy.oneiros import model_limit, plan_layers
 from sglang_memx.weights import remap
 
 
+def _slots_kept_by_first_release(w) -> int:
+    """Staging slots the first release keeps mapped (a streamed layer needs a slot to run in);
+    later releases keep none more."""
+    return 0 if w.alpha else (w.depth or 2)
+
+
 def lendable_chunks(kv) -> int:
     """Chunks releasing layers could free now: 0 for an active model (it remaps only under its
     own KV pressure), else up to its Oneiros limit as an inactive model."""
@@ -26,8 +32,7 @@ def lendable_chunks(kv) -> int:
         return 0
     limit, _ = model_limit(state, remap.buffer_mode(w.depth))
     more = max(0, limit - w.alpha)
-    first_slots = (w.depth or 2) * w.store.slot_chunks if w.alpha == 0 else 0  # the first release keeps slots
-    return max(0, more * w.store.slot_chunks - first_slots)
+    return max(0, (more - _slots_kept_by_first_release(w)) * w.store.slot_chunks)
 
 
 def release_for_reclaim(kv, chunks: int) -> int:
@@ -38,8 +43,7 @@ def release_for_reclaim(kv, chunks: int) -> int:
         return 0
     state = remap.model_state(w, kv, busy=False)
     limit, _ = model_limit(state, remap.buffer_mode(w.depth))
-    first_slots = 0 if w.alpha else (w.depth or 2)  # the first release keeps its slots' chunks
-    target = min(limit, w.alpha + -(-chunks // w.store.slot_chunks) + first_slots)
+    target = min(limit, w.alpha + -(-chunks // w.store.slot_chunks) + _slots_kept_by_first_release(w))
     if target <= w.alpha:
         return 0
     plan = plan_layers(w.n_layers, target, state.layer_transfer_s, state.compute_s / w.n_layers,

@@ -31,9 +31,9 @@ def buffer_mode(depth: int | None) -> BufferMode:
 
 
 def admission_denied(scheduler) -> bool:
-    """Upstream refused to admit the waiting head (it closes admission until a request leaves)."""
-    batch = up_sched.running_batch(scheduler)
-    return bool(up_sched.waiting(scheduler)) and batch is not None and up_sched.admission_closed(batch)
+    """Upstream refused to admit the waiting head for want of KV (it closes admission until a
+    request leaves); a refusal at the request limits is not pressure."""
+    return bool(up_sched.waiting(scheduler)) and up_sched.admission_closed_for_memory(scheduler)
 
 
 def free_kv_groups(kv, allocator, tree, scheduler) -> int:
@@ -121,7 +121,9 @@ def step(kv, allocator, scheduler) -> None:
     if not busy and w.alpha == 0 and not w.store.streamed():
         return  # idle with every layer resident: nothing to decide
     tree = up_sched.tree_cache(scheduler)
-    controller = OneirosController(LOW_WATERMARK_GROUPS, LOW_WATERMARK_GROUPS, buffer_mode(w.depth))
+    if w.controller is None:  # stateless between observations; one per server
+        w.controller = OneirosController(LOW_WATERMARK_GROUPS, LOW_WATERMARK_GROUPS, buffer_mode(w.depth))
+    controller = w.controller
     state = model_state(w, kv, busy)
     controller.observe(free_kv_groups(kv, allocator, tree, scheduler), [state])
     decision = controller.decide()
@@ -158,9 +160,9 @@ def step(kv, allocator, scheduler) -> None:
     w.decisions[decision.action.value] += 1
     w.pipeline.request(streamed, slots)
     w.pipeline.apply_if_idle()  # a waiting request may need this memory before any forward runs
-    batch = up_sched.running_batch(scheduler)
-    if decision.action is Action.REMAP and batch is not None and up_sched.admission_closed(batch):
-        up_sched.reopen_admission(batch)  # upstream tries the head again with the memory released
+    if decision.action is Action.REMAP and up_sched.admission_closed_for_memory(scheduler):
+        # upstream tries the head again with the memory released
+        up_sched.reopen_admission(up_sched.running_batch(scheduler))
 
 
 def _chunks_needed(w, streamed, slots) -> int:

@@ -39,6 +39,7 @@ class WeightsState:
     lent_to_peers: int = 0  # shared pool: layers released to answer the arbiter's reclaims
     last_busy: float = field(default_factory=time.monotonic)
     decisions: dict = field(default_factory=lambda: {"remap": 0, "restore": 0, "hold": 0})
+    controller: object = None  # the OneirosController (remap only), built on the first step
     last_reason: str = ""
 
     @property
