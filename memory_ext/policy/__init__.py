@@ -8,5 +8,6 @@ Modules: ``oneiros`` (remap controller, O2-O5), ``select_n`` (performance
 record and bandwidth coordinator, S2-S3), ``ellm`` (ballooning admission and
 SLO buffer scaling, E4), ``fineserve`` (KV slab sizing, placement, EDF
 batching, F1-F4), ``swiftcache`` (LSC sizing, minimum elastic unit, scale
-up/down, W2-W4), ``arbiter`` (node-wide memory arbiter that composes them, X1).
+up/down, W2-W4), ``edf_admission`` (router admission: EDF over TTFT deadlines, priority,
+in-flight caps, shedding; F3's second level), ``arbiter`` (node-wide memory arbiter that composes them, X1).
 """

@@ -1,0 +1,361 @@
+"""``models.yaml`` for ``sglang-memx serve``: YAML in, frozen dataclasses out.
+
+Invariants:
+
+* Every error is a ``ServeConfigError`` whose ``field`` is the path of the offending
+  value in the YAML document (``models[1].name``, ``router.port``, ``devices[0]``) and
+  is raised by ``load_config`` / ``parse_config`` before anything is started.
+* Unknown fields are errors (a typo never silently falls back to a default).
+* The result is immutable (frozen dataclasses, tuples) and already cross-checked:
+  model names and device names are unique, a model's ``device`` names a declared
+  device, replicas are within what is implemented, every model path is a directory
+  holding a ``config.json``.
+
+Whether each model fits on a device is the placement's question
+(``sglang_memx.serve.placement``), which raises the same error type.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "ServeConfigError",
+    "ModelConfig",
+    "DeviceConfig",
+    "RouterConfig",
+    "LaunchConfig",
+    "ServeConfig",
+    "parse_config",
+    "load_config",
+    "LAUNCHER_FLAGS",
+]
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
+DEVICE_KINDS = ("cpu", "cuda")
+MAX_REPLICAS_SUPPORTED = 1
+
+# Flags the launcher sets itself; a model's server_args may not repeat them.
+LAUNCHER_FLAGS = (
+    "--model-path",
+    "--host",
+    "--port",
+    "--device",
+    "--dtype",
+    "--kv-cache-dtype",
+    "--served-model-name",
+    "--max-total-tokens",
+    "--memx-elastic-kv",
+    "--memx-pool",
+    "--memx-pool-budget-gb",
+    "--memx-pool-dir",
+    "--memx-disable",
+)
+
+# The model name is the OpenAI ``model`` id and a URL path segment prefix (/models/<name>/...).
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*(/[A-Za-z0-9._:@+-]+)*")
+_DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
+
+
+class ServeConfigError(ValueError):
+    """A bad ``models.yaml``: ``field`` is the YAML path of the bad value."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One served model. ``priority``: higher is more important (0 default)."""
+
+    name: str
+    path: str
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    ttft_slo_ms: float = 1000.0
+    tpot_slo_ms: float | None = None
+    priority: int = 0
+    min_replicas: int = 1
+    max_replicas: int = 1
+    max_inflight: int | None = None  # None: router.max_inflight_per_engine
+    max_queued: int | None = None  # None: router.max_queued
+    max_total_tokens: int | None = None  # logical KV tokens; None: what the device pool holds (capped)
+    kv_reserve_tokens: int = 1024  # KV tokens charged to the model's base footprint in placement
+    device: str | None = None  # pin to one device; None: placement chooses
+    server_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """One placement candidate. ``cores``: CPU cores its servers share (cpu only; None = all);
+    ``index``: the CUDA ordinal (cuda only; None = the device's position among cuda devices)."""
+
+    name: str
+    kind: str = "cpu"
+    memory_gb: float = 1.0
+    cores: tuple[int, ...] | None = None
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The OpenAI-compatible front: where it listens and how it admits.
+
+    ``hopeless_after_slo_x``: a queued request is shed once it has waited this many times
+    its model's TTFT SLO past its deadline (it could only ever miss).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    max_queued: int = 64
+    max_inflight_per_engine: int = 8
+    hopeless_after_slo_x: float = 4.0
+    request_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How engines are started: logs, pool sockets, start-up timeout, extra memx flags for all."""
+
+    log_dir: str | None = None  # None: ./sglang-memx-serve-logs
+    pool_dir: str | None = None  # None: memx's default pool directory
+    startup_timeout_s: float = 600.0
+    memx_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    models: tuple[ModelConfig, ...]
+    devices: tuple[DeviceConfig, ...]
+    router: RouterConfig = field(default_factory=RouterConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    source: str | None = None  # the file it was read from
+
+    def model(self, name: str) -> ModelConfig:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def device(self, name: str) -> DeviceConfig:
+        for d in self.devices:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    def inflight_cap(self, model: ModelConfig) -> int:
+        return model.max_inflight if model.max_inflight is not None else self.router.max_inflight_per_engine
+
+    def queue_cap(self, model: ModelConfig) -> int:
+        return model.max_queued if model.max_queued is not None else self.router.max_queued
+
+
+# ------------------------------------------------------------------ value checks
+
+
+def _str(path, v, pattern=None, choices=None):
+    if not isinstance(v, str) or not v:
+        raise ServeConfigError(path, f"must be a non-empty string, got {v!r}")
+    if choices is not None and v not in choices:
+        raise ServeConfigError(path, f"must be one of {', '.join(choices)}, got {v!r}")
+    if pattern is not None and not pattern.fullmatch(v):
+        raise ServeConfigError(path, f"{v!r} has characters not allowed here (letters, digits, . _ - and inner /)")
+    return v
+
+
+def _int(path, v, minimum=None, maximum=None):
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ServeConfigError(path, f"must be an integer, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise ServeConfigError(path, f"must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise ServeConfigError(path, f"must be <= {maximum}, got {v}")
+    return v
+
+
+def _pos(path, v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
+        raise ServeConfigError(path, f"must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _opt(check):
+    return lambda path, v: None if v is None else check(path, v)
+
+
+def _args(path, v):
+    if isinstance(v, str):
+        v = v.split()
+    if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
+        raise ServeConfigError(path, f"must be a list of strings, got {v!r}")
+    return tuple(v)
+
+
+def _cores(path, v):
+    if not isinstance(v, list) or not v:
+        raise ServeConfigError(path, f"must be a non-empty list of core ids, got {v!r}")
+    cores = tuple(_int(f"{path}[{i}]", c, 0) for i, c in enumerate(v))
+    if len(set(cores)) != len(cores):
+        raise ServeConfigError(path, f"lists a core twice: {list(cores)}")
+    return cores
+
+
+def _fields(path: str, doc, spec: dict) -> dict:
+    """Check a mapping against ``spec`` (field -> (checker, required)); return the checked values."""
+    if not isinstance(doc, dict):
+        raise ServeConfigError(path, f"must be a mapping, got {type(doc).__name__}")
+    for key in doc:
+        if key not in spec:
+            raise ServeConfigError(f"{path}.{key}" if path else str(key), f"unknown field (known: {', '.join(spec)})")
+    out = {}
+    for key, (check, required) in spec.items():
+        sub = f"{path}.{key}" if path else key
+        if key not in doc:
+            if required:
+                raise ServeConfigError(sub, "is required")
+            continue
+        out[key] = check(sub, doc[key])
+    return out
+
+
+# ------------------------------------------------------------------- sections
+
+_MODEL_SPEC = {
+    "name": (lambda p, v: _str(p, v, _NAME), True),
+    "path": (_str, True),
+    "dtype": (lambda p, v: _str(p, v, choices=DTYPES), False),
+    "precision": (lambda p, v: _str(p, v, choices=DTYPES), False),  # alias of dtype
+    "kv_cache_dtype": (lambda p, v: _str(p, v, choices=KV_DTYPES), False),
+    "ttft_slo_ms": (_pos, False),
+    "tpot_slo_ms": (_opt(_pos), False),
+    "priority": (lambda p, v: _int(p, v, -1000, 1000), False),
+    "min_replicas": (lambda p, v: _int(p, v, 1), False),
+    "max_replicas": (lambda p, v: _int(p, v, 1), False),
+    "max_inflight": (_opt(lambda p, v: _int(p, v, 1)), False),
+    "max_queued": (_opt(lambda p, v: _int(p, v, 0)), False),
+    "max_total_tokens": (_opt(lambda p, v: _int(p, v, 16)), False),
+    "kv_reserve_tokens": (lambda p, v: _int(p, v, 0), False),
+    "device": (_opt(lambda p, v: _str(p, v, _DEVICE_NAME)), False),
+    "server_args": (_args, False),
+}
+
+_DEVICE_SPEC = {
+    "name": (lambda p, v: _str(p, v, _DEVICE_NAME), True),
+    "kind": (lambda p, v: _str(p, v, choices=DEVICE_KINDS), False),
+    "memory_gb": (_pos, True),
+    "cores": (_opt(_cores), False),
+    "index": (_opt(lambda p, v: _int(p, v, 0)), False),
+}
+
+_ROUTER_SPEC = {
+    "host": (_str, False),
+    "port": (lambda p, v: _int(p, v, 0, 65535), False),
+    "max_queued": (lambda p, v: _int(p, v, 0), False),
+    "max_inflight_per_engine": (lambda p, v: _int(p, v, 1), False),
+    "hopeless_after_slo_x": (_pos, False),
+    "request_timeout_s": (_pos, False),
+}
+
+_LAUNCH_SPEC = {
+    "log_dir": (_opt(_str), False),
+    "pool_dir": (_opt(_str), False),
+    "startup_timeout_s": (_pos, False),
+    "memx_args": (_args, False),
+}
+
+_TOP_SPEC = {
+    "models": (lambda p, v: v, True),
+    "devices": (lambda p, v: v, True),
+    "router": (lambda p, v: v, False),
+    "launch": (lambda p, v: v, False),
+}
+
+
+def _check_server_args(path: str, args: tuple[str, ...]) -> None:
+    for i, a in enumerate(args):
+        flag = a.split("=", 1)[0]
+        if flag in LAUNCHER_FLAGS:
+            raise ServeConfigError(f"{path}[{i}]", f"{flag} is set by the launcher from the config, not here")
+
+
+def _model(i: int, doc, base: Path) -> ModelConfig:
+    path = f"models[{i}]"
+    v = _fields(path, doc, _MODEL_SPEC)
+    if "precision" in v:
+        if "dtype" in v and v["dtype"] != v["precision"]:
+            raise ServeConfigError(f"{path}.precision", f"contradicts dtype {v['dtype']!r} (give one of them)")
+        v["dtype"] = v.pop("precision")
+    model_dir = Path(os.path.expanduser(v["path"]))
+    if not model_dir.is_absolute():
+        model_dir = base / model_dir
+    if not model_dir.is_dir():
+        raise ServeConfigError(f"{path}.path", f"{str(model_dir)!r} is not a directory")
+    if not (model_dir / "config.json").is_file():
+        raise ServeConfigError(f"{path}.path", f"{str(model_dir)!r} has no config.json (not a model checkpoint)")
+    v["path"] = str(model_dir.resolve())
+    if v.get("max_replicas", 1) > MAX_REPLICAS_SUPPORTED:
+        raise ServeConfigError(
+            f"{path}.max_replicas", f"{v['max_replicas']} replicas are not supported yet (one engine per model)"
+        )
+    if v.get("min_replicas", 1) > v.get("max_replicas", 1):
+        raise ServeConfigError(f"{path}.min_replicas", f"{v['min_replicas']} > max_replicas {v.get('max_replicas', 1)}")
+    if "server_args" in v:
+        _check_server_args(f"{path}.server_args", v["server_args"])
+    return ModelConfig(**v)
+
+
+def _list(path: str, doc) -> list:
+    if not isinstance(doc, list) or not doc:
+        raise ServeConfigError(path, "must be a non-empty list")
+    return doc
+
+
+def parse_config(doc, base_dir: str | os.PathLike = ".", source: str | None = None) -> ServeConfig:
+    """Validate a parsed YAML document (relative model paths resolve against ``base_dir``)."""
+    if doc is None:
+        raise ServeConfigError("models", "is required (the file is empty)")
+    top = _fields("", doc, _TOP_SPEC)
+    base = Path(base_dir)
+    devices = []
+    for i, d in enumerate(_list("devices", top["devices"])):
+        dev = DeviceConfig(**_fields(f"devices[{i}]", d, _DEVICE_SPEC))
+        if dev.kind == "cuda" and dev.cores is not None:
+            raise ServeConfigError(f"devices[{i}].cores", "only a cpu device has cores")
+        if dev.kind == "cpu" and dev.index is not None:
+            raise ServeConfigError(f"devices[{i}].index", "only a cuda device has an index")
+        if any(o.name == dev.name for o in devices):
+            raise ServeConfigError(f"devices[{i}].name", f"duplicate {dev.name!r}")
+        devices.append(dev)
+    models = []
+    for i, m in enumerate(_list("models", top["models"])):
+        model = _model(i, m, base)
+        if any(o.name == model.name for o in models):
+            raise ServeConfigError(f"models[{i}].name", f"duplicate {model.name!r}")
+        if model.device is not None and all(d.name != model.device for d in devices):
+            raise ServeConfigError(f"models[{i}].device", f"{model.device!r} is not a declared device")
+        models.append(model)
+    router = RouterConfig(**_fields("router", top.get("router") or {}, _ROUTER_SPEC))
+    launch = LaunchConfig(**_fields("launch", top.get("launch") or {}, _LAUNCH_SPEC))
+    return ServeConfig(tuple(models), tuple(devices), router, launch, source)
+
+
+def load_config(path: str | os.PathLike) -> ServeConfig:
+    """Read and validate ``path`` (a YAML file)."""
+    import yaml
+
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ServeConfigError("--config", f"cannot read {str(p)!r}: {exc.strerror or exc}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ServeConfigError("--config", f"{str(p)!r} is not valid YAML: {exc}") from None
+    return parse_config(doc, base_dir=p.resolve().parent, source=str(p))

@@ -1,0 +1,124 @@
+"""``sglang-memx serve`` config: YAML -> frozen dataclasses, every error names its field."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_memx.serve.config import ServeConfigError, load_config, parse_config
+from support.fake_checkpoint import fake_model
+
+
+def doc(tmp_path, **over):
+    a = fake_model(tmp_path, "a")
+    fake_model(tmp_path, "b")
+    base = {
+        "models": [{"name": "a", "path": str(a), "ttft_slo_ms": 500, "priority": 1}, {"name": "b", "path": "b"}],
+        "devices": [{"name": "cpu0", "kind": "cpu", "memory_gb": 1}],
+    }
+    base.update(over)
+    return base
+
+
+def err(tmp_path, d) -> ServeConfigError:
+    with pytest.raises(ServeConfigError) as e:
+        parse_config(d, base_dir=tmp_path)
+    return e.value
+
+
+def test_valid_config_is_frozen_and_defaults_apply(tmp_path):
+    cfg = parse_config(doc(tmp_path), base_dir=tmp_path)
+    a, b = cfg.models
+    assert a.name == "a" and a.ttft_slo_ms == 500 and a.priority == 1
+    assert b.path == str((tmp_path / "b").resolve())  # relative to the config file's folder
+    assert cfg.router.host == "127.0.0.1" and cfg.inflight_cap(b) == cfg.router.max_inflight_per_engine
+    assert cfg.devices[0].memory_gb == 1.0
+    with pytest.raises(AttributeError):
+        a.name = "x"  # frozen
+
+
+def test_duplicate_model_name_names_the_second(tmp_path):
+    d = doc(tmp_path)
+    d["models"][1]["name"] = "a"
+    e = err(tmp_path, d)
+    assert e.field == "models[1].name" and "duplicate 'a'" in str(e)
+
+
+def test_unknown_fields_at_every_level(tmp_path):
+    d = doc(tmp_path)
+    d["models"][0]["ttft_slo"] = 3
+    assert err(tmp_path, d).field == "models[0].ttft_slo"
+    assert err(tmp_path, doc(tmp_path, router={"prot": 1})).field == "router.prot"
+    assert err(tmp_path, doc(tmp_path, extra=1)).field == "extra"
+    d = doc(tmp_path)
+    d["devices"][0]["gpu"] = True
+    e = err(tmp_path, d)
+    assert e.field == "devices[0].gpu" and "unknown field" in str(e)
+
+
+def test_bad_paths(tmp_path):
+    d = doc(tmp_path)
+    d["models"][1]["path"] = str(tmp_path / "nope")
+    e = err(tmp_path, d)
+    assert e.field == "models[1].path" and "not a directory" in str(e)
+    (tmp_path / "empty").mkdir()
+    d["models"][1]["path"] = "empty"
+    assert "no config.json" in str(err(tmp_path, d))
+
+
+@pytest.mark.parametrize(
+    "field,value,where",
+    [
+        ("ttft_slo_ms", 0, "models[0].ttft_slo_ms"),
+        ("ttft_slo_ms", "fast", "models[0].ttft_slo_ms"),
+        ("dtype", "int3", "models[0].dtype"),
+        ("priority", True, "models[0].priority"),
+        ("max_replicas", 2, "models[0].max_replicas"),
+        ("min_replicas", 0, "models[0].min_replicas"),
+        ("device", "gpu9", "models[0].device"),
+        ("server_args", ["--chunked-prefill-size", "64", "--port", "1"], "models[0].server_args[2]"),
+        ("name", "bad name", "models[0].name"),
+    ],
+)
+def test_bad_model_values_name_the_field(tmp_path, field, value, where):
+    d = doc(tmp_path)
+    d["models"][0][field] = value
+    assert err(tmp_path, d).field == where
+
+
+def test_replicas_beyond_one_are_refused_clearly(tmp_path):
+    d = doc(tmp_path)
+    d["models"][0]["max_replicas"] = 3
+    assert "not supported yet" in str(err(tmp_path, d))
+
+
+def test_devices_and_router_checks(tmp_path):
+    assert err(tmp_path, doc(tmp_path, devices=[])).field == "devices"
+    assert err(tmp_path, doc(tmp_path, devices=[{"name": "c", "memory_gb": -1}])).field == "devices[0].memory_gb"
+    two = [{"name": "c", "memory_gb": 1}, {"name": "c", "memory_gb": 2}]
+    assert err(tmp_path, doc(tmp_path, devices=two)).field == "devices[1].name"
+    assert err(tmp_path, doc(tmp_path, devices=[{"name": "c", "memory_gb": 1, "kind": "tpu"}])).field == (
+        "devices[0].kind"
+    )
+    assert err(tmp_path, doc(tmp_path, router={"port": 70000})).field == "router.port"
+    assert err(tmp_path, doc(tmp_path, models=None)).field == "models"
+    e = err(tmp_path, {"devices": [{"name": "c", "memory_gb": 1}]})
+    assert e.field == "models" and "required" in str(e)
+
+
+def test_precision_is_an_alias_of_dtype(tmp_path):
+    d = doc(tmp_path)
+    d["models"][0]["precision"] = "float32"
+    assert parse_config(d, base_dir=tmp_path).models[0].dtype == "float32"
+    d["models"][0]["dtype"] = "bfloat16"
+    assert err(tmp_path, d).field == "models[0].precision"
+
+
+def test_load_config_reads_yaml_and_reports_bad_files(tmp_path):
+    fake_model(tmp_path, "a")
+    p = tmp_path / "models.yaml"
+    p.write_text("models:\n  - {name: a, path: a}\ndevices:\n  - {name: cpu0, memory_gb: 0.5}\n")
+    cfg = load_config(p)
+    assert cfg.models[0].path == str((tmp_path / "a").resolve()) and cfg.source == str(p)
+    p.write_text("models: [\n")
+    assert load_config.__name__ and "not valid YAML" in str(pytest.raises(ServeConfigError, load_config, p).value)
+    assert pytest.raises(ServeConfigError, load_config, tmp_path / "none.yaml").value.field == "--config"
