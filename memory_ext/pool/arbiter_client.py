@@ -203,19 +203,23 @@ class ArbiterClient:
         chunks are destroyed locally; mapped ones make this raise unless ``force``."""
         if self._closed:
             return
+        # The held chunks become close's in one step, so a concurrent give_back (a late grant's
+        # return) either took them before or finds them gone; never both destroy one chunk.
         with self._lock:
+            mapped = [c for c in self._held.values() if self.backend.mappings_of(c)]
+            if mapped and not force:
+                raise ValueError(
+                    f"chunks {', '.join(map(str, mapped))} are still mapped; unmap them "
+                    f"(the arbiter will lend them to others) or close(force=True)"
+                )
             held = list(self._held.values())
-        mapped = [c for c in held if self.backend.mappings_of(c)]
-        if mapped and not force:
-            raise ValueError(
-                f"chunks {', '.join(map(str, mapped))} are still mapped; unmap them "
-                f"(the arbiter will lend them to others) or close(force=True)"
-            )
+            self._held.clear()
         self._shutdown()
-        with self._lock:
+        with self._lock:  # a grant delivered before the reader stopped
+            held += self._held.values()
             self._held.clear()
         for c in held:
-            if c not in mapped:
+            if not self.backend.mappings_of(c):
                 self.backend.destroy_chunk(c)
 
     def __enter__(self) -> ArbiterClient:
