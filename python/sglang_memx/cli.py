@@ -6,6 +6,7 @@ sglang-memx models tiny --out DIR ...    write a deterministic tiny random model
 sglang-memx status [--url URL]           print a running server's /memx/status
 sglang-memx top [--once] [--url URL ...] live view of every pool and server on this machine
 sglang-memx pool list | stop NAME        shared pools (arbiters) on this machine
+sglang-memx serve --config models.yaml   several models behind one OpenAI router (docs/router.md)
 sglang-memx version                      plugin and upstream versions
 """
 
@@ -159,6 +160,12 @@ def _cmd_profile(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    from sglang_memx.serve.main import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sglang-memx", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -222,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--log", default="sglang-memx-profile.log", help="the profiling server's log file")
     prof.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: more launch_server flags")
     prof.set_defaults(func=_cmd_profile)
+
+    from sglang_memx.serve.main import add_arguments as serve_arguments
+
+    serve = sub.add_parser("serve", help="serve several models behind one OpenAI-compatible router")
+    serve_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
 
     ver = sub.add_parser("version", help="print versions")
     ver.set_defaults(func=_cmd_version)

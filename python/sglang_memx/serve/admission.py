@@ -1,0 +1,115 @@
+"""The router's glue around ``memory_ext.policy.edf_admission.EdfAdmission``.
+
+The policy decides; this module turns its decisions into awaitables on the router's
+event loop: a request ``enter``s (returns when the policy starts it, raises ``Rejected``
+when it is refused or shed) and ``leave``s when its response is done.
+
+Invariants: every call into the policy happens on the event loop thread (no locks); a
+started request is released exactly once (``leave`` is idempotent); a waiting request
+whose client goes away is withdrawn from the queue, or released if it had just started;
+nothing waits without bound (the policy sheds hopeless requests; ``expire`` runs on a
+timer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from memory_ext.policy.edf_admission import ENGINE_DOWN, EdfAdmission, ModelLimits
+
+from .config import ServeConfig
+
+__all__ = ["Rejected", "AdmissionGate", "policy_from_config", "STATUS"]
+
+# HTTP status of each refusal reason: a full queue or a hopeless deadline is "slow down"
+# (429), a dead engine is "unavailable" (503). All carry Retry-After.
+STATUS = {ENGINE_DOWN: 503}
+
+
+class Rejected(Exception):
+    def __init__(self, model: str, reason: str, retry_after_s: float):
+        self.model = model
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.status = STATUS.get(reason, 429)
+        super().__init__(f"{model}: {reason}")
+
+
+def policy_from_config(config: ServeConfig, device_of: dict[str, str]) -> EdfAdmission:
+    limits = {
+        m.name: ModelLimits(
+            ttft_slo_s=m.ttft_slo_ms / 1000.0,
+            priority=m.priority,
+            max_inflight=config.inflight_cap(m),
+            max_queued=config.queue_cap(m),
+            group=device_of.get(m.name),
+        )
+        for m in config.models
+    }
+    return EdfAdmission(limits, max_queued_total=config.router.max_queued,
+                        hopeless_after_slo_x=config.router.hopeless_after_slo_x)  # fmt: skip
+
+
+class AdmissionGate:
+    def __init__(self, policy: EdfAdmission, clock=time.monotonic):
+        self.policy = policy
+        self.clock = clock
+        self._ids = itertools.count()
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._active: set[str] = set()
+
+    def _wake(self, started) -> None:
+        for t in started:
+            self._active.add(t.rid)
+            fut = self._waiting.pop(t.rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    def _shed(self, sheds) -> None:
+        for s in sheds:
+            fut = self._waiting.pop(s.ticket.rid, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(Rejected(s.ticket.model, s.reason, s.retry_after_s))
+
+    async def enter(self, model: str, priority: int | None = None) -> str:
+        """Wait for a slot of ``model``; returns the ticket id to pass to ``leave``."""
+        rid = f"r{next(self._ids)}"
+        offer = self.policy.offer(rid, model, self.clock(), priority)
+        self._shed(offer.shed)
+        if offer.verdict == "reject":
+            raise Rejected(model, offer.reason, offer.retry_after_s)
+        fut = None
+        if offer.verdict == "queue":
+            fut = asyncio.get_running_loop().create_future()
+            self._waiting[rid] = fut
+        self._wake(offer.started)
+        if fut is None:
+            return rid
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self._waiting.pop(rid, None)
+            if not self.policy.cancel(rid):  # started meanwhile: give the slot back
+                self.leave(rid)
+            raise
+        return rid
+
+    def leave(self, rid: str) -> None:
+        if rid not in self._active:
+            return
+        self._active.discard(rid)
+        self._wake(self.policy.finish(rid, self.clock()))
+
+    def expire(self) -> None:
+        self._shed(self.policy.expire(self.clock()))
+
+    def engine_down(self, model: str) -> None:
+        self._shed(self.policy.engine_down(model))
+
+    def engine_up(self, model: str) -> None:
+        self._wake(self.policy.engine_up(model, self.clock()))
+
+    def retry_after_s(self, model: str) -> float:
+        return self.policy.retry_after_s(model)

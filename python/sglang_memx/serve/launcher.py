@@ -1,0 +1,325 @@
+"""One SGLang server per placed model, a shared memx pool per device, nothing left behind.
+
+``engine_specs`` is pure (config + placement -> command lines and environments);
+``Engine`` runs one ``python -m sglang.launch_server`` and ``Launcher`` runs them all.
+
+Invariants:
+
+* Every model of a device gets ``--memx-elastic-kv --memx-pool <device pool>
+  --memx-pool-budget-gb <device budget>`` with the same pool name and budget, so the first
+  server to start creates the device's arbiter and the others join it.
+* CPU devices: their cores are split among the device's servers (each server's OpenMP
+  threads on its own cores; two unpinned CPU servers on shared cores run many times
+  slower); CUDA devices: ``CUDA_VISIBLE_DEVICES`` is the device's ordinal.
+* Each engine runs in its own session (its scheduler and detokenizer in its process
+  group) and gets SIGTERM if this process dies (``PR_SET_PDEATHSIG``). ``stop_all`` kills
+  every group and stops the pool arbiters the engines started: after it returns, no
+  process this launcher started is running.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import ServeConfig
+from .placement import GIB, Placement
+
+__all__ = ["EngineSpec", "engine_specs", "default_pool_dir", "Engine", "Launcher", "EngineStartError"]
+
+CPU_DEFAULTS = {
+    "--attention-backend": "torch_native",
+    "--cuda-graph-backend-decode": "disabled",
+    "--cuda-graph-backend-prefill": "disabled",
+}
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+def default_pool_dir() -> str:
+    """memx's own default for --memx-pool-dir ($XDG_RUNTIME_DIR/sglang-memx, else /tmp/sglang-memx-$UID)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return str(Path(runtime) / "sglang-memx") if runtime else f"/tmp/sglang-memx-{os.getuid()}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str
+    device: str
+    pool: str
+    pool_dir: str
+    port: int
+    argv: tuple[str, ...]
+    env: dict = field(hash=False)  # only the variables set on top of os.environ
+    log_path: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _has(args, flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _split_cores(cores: list[int], n: int) -> list[list[int]]:
+    """n near-equal contiguous shares of ``cores`` (shared round-robin when there are fewer cores)."""
+    if len(cores) >= n:
+        per, extra = divmod(len(cores), n)
+        out, i = [], 0
+        for k in range(n):
+            take = per + (1 if k < extra else 0)
+            out.append(cores[i : i + take])
+            i += take
+        return out
+    return [[cores[k % len(cores)]] for k in range(n)]
+
+
+def engine_specs(
+    config: ServeConfig,
+    placement: Placement,
+    run_id: str,
+    *,
+    ports: dict[str, int] | None = None,
+    python: str = sys.executable,
+    log_dir: str | None = None,
+) -> list[EngineSpec]:
+    """The command line and environment of every engine, in config order."""
+    log_root = Path(log_dir or config.launch.log_dir or "sglang-memx-serve-logs")
+    pool_dir = config.launch.pool_dir or default_pool_dir()
+    cuda_seen = 0
+    cuda_index, shares = {}, {}
+    for d in config.devices:
+        if d.kind == "cuda":
+            cuda_index[d.name] = d.index if d.index is not None else cuda_seen
+            cuda_seen += 1
+        else:
+            residents = placement.devices[d.name].models
+            if residents:
+                cores = list(d.cores) if d.cores is not None else sorted(os.sched_getaffinity(0))
+                shares.update(zip(residents, _split_cores(cores, len(residents))))
+    specs = []
+    for m in config.models:
+        placed = placement.models[m.name]
+        dev = config.device(placed.device)
+        plan = placement.devices[dev.name]
+        pool = f"serve-{dev.name}-{run_id}"
+        port = (ports or {}).get(m.name) or free_port()
+        args = [python, "-m", "sglang.launch_server", "--model-path", m.path, "--host", "127.0.0.1",
+                "--port", str(port), "--served-model-name", m.name, "--device", dev.kind,
+                "--max-total-tokens", str(placed.max_total_tokens)]  # fmt: skip
+        if m.dtype != "auto":
+            args += ["--dtype", m.dtype]
+        if m.kv_cache_dtype != "auto":
+            args += ["--kv-cache-dtype", m.kv_cache_dtype]
+        env = {"PYTHONUNBUFFERED": "1"}
+        if dev.kind == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            for flag, value in CPU_DEFAULTS.items():
+                if not _has(m.server_args, flag):
+                    args += [flag, value]
+            mine = shares[m.name]
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
+            env["OMP_NUM_THREADS"] = str(len(mine))
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = str(cuda_index[dev.name])
+        args += ["--memx-elastic-kv", "--memx-pool", pool, "--memx-pool-budget-gb",
+                 repr(plan.pool_budget_bytes / GIB), "--memx-pool-dir", pool_dir]  # fmt: skip
+        args += list(config.launch.memx_args) + list(m.server_args)
+        log = log_root / f"{m.name.replace('/', '_')}.log"
+        specs.append(EngineSpec(m.name, dev.name, pool, pool_dir, port, tuple(args), env, str(log)))
+    return specs
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Engine:
+    """One engine process (``launch_server`` in its own process group)."""
+
+    def __init__(self, spec: EngineSpec):
+        self.spec = spec
+        self.port = spec.port
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _argv(self) -> list[str]:
+        argv = list(self.spec.argv)
+        argv[argv.index("--port") + 1] = str(self.port)
+        return argv
+
+    def start(self) -> None:
+        Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.spec.log_path, "w")
+        self._t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            self._argv(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, **self.spec.env}, start_new_session=True, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(Path(self.spec.log_path).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "<no log>"
+
+    def port_taken(self) -> bool:
+        try:
+            return "address already in use" in Path(self.spec.log_path).read_text(errors="replace").lower()
+        except OSError:
+            return False
+
+    def restart_on_new_port(self) -> None:
+        self.stop()
+        self.port = free_port()
+        self.start()
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        if self.proc.poll() is None:
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+                self.proc.wait(timeout=grace_s)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(pgid, signal.SIGKILL)  # scheduler / detokenizer leftovers
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        if self._log is not None:
+            self._log.close()
+        self.proc = None
+
+
+class Launcher:
+    """Start every engine concurrently, wait until all answer /health, stop them all."""
+
+    def __init__(self, specs: list[EngineSpec], log=None):
+        self.engines = {s.model: Engine(s) for s in specs}
+        self._pools = sorted({(s.pool, s.pool_dir) for s in specs})
+        self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def start_all(self, timeout_s: float) -> None:
+        for e in self.engines.values():
+            e.start()
+            self._log(f"sglang-memx serve: starting {e.spec.model} on {e.spec.device} (pid {e.pid}, port {e.port}, "
+                      f"log {e.spec.log_path})")  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        waiting = dict(self.engines)
+        retried = set()
+        try:
+            while waiting:
+                for name, e in list(waiting.items()):
+                    if name not in retried and e.port_taken():
+                        retried.add(name)
+                        e.restart_on_new_port()
+                        continue
+                    if not e.alive():
+                        raise EngineStartError(f"engine {name!r} exited with status {e.proc.returncode} during "
+                                               f"start-up; log {e.spec.log_path}:\n{e.log_tail()}")  # fmt: skip
+                    if e.healthy():
+                        e.startup_s = time.monotonic() - e._t0
+                        self._log(f"sglang-memx serve: {name} ready at {e.url} in {e.startup_s:.1f} s")
+                        del waiting[name]
+                if waiting and time.monotonic() > deadline:
+                    names = ", ".join(waiting)
+                    raise EngineStartError(f"engine(s) {names} not healthy after {timeout_s:.0f} s")
+                if waiting:
+                    time.sleep(0.5)
+        except BaseException:
+            self.stop_all()
+            raise
+
+    def dead(self) -> list[str]:
+        return [n for n, e in self.engines.items() if not e.alive()]
+
+    def stop_all(self) -> None:
+        for e in self.engines.values():
+            if e.alive():
+                try:
+                    os.killpg(e.proc.pid, signal.SIGTERM)  # all at once, then wait for each
+                except ProcessLookupError:
+                    pass
+        for e in self.engines.values():
+            e.stop()
+        for pool, directory in self._pools:
+            stop_pool(pool, directory)
+
+
+def stop_pool(name: str, directory: str, timeout_s: float = 10.0) -> bool:
+    """SIGTERM the arbiter of pool ``name`` (its pid file) and wait for it; False if none ran."""
+    pid_file = Path(directory) / f"{name}.pid"
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pid_file.unlink(missing_ok=True)
+        return False
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _running(pid):
+            return True
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (an exited arbiter may wait for its reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

@@ -1,0 +1,120 @@
+"""``sglang-memx serve --config models.yaml`` (also ``python -m sglang_memx.serve``).
+
+Order: read and validate the config, place the models, (``--dry-run``: print and stop),
+start every engine and wait until all are healthy, then serve the router until SIGINT /
+SIGTERM; on the way out every engine and pool arbiter is stopped.
+
+Exit status: 0 after a clean stop, 2 for a bad config (one line
+``sglang-memx serve: error: <field>: <problem>``, nothing started), 1 if an engine fails
+to start (its log tail is printed, the others are stopped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+from .config import ServeConfigError, load_config
+from .placement import plan_placement
+
+__all__ = ["add_arguments", "run", "main"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="models.yaml (docs/router.md)")
+    p.add_argument("--host", default=None, help="router host (overrides router.host)")
+    p.add_argument("--port", type=int, default=None, help="router port (overrides router.port)")
+    p.add_argument("--log-dir", default=None, help="engine logs (overrides launch.log_dir)")
+    p.add_argument("--dry-run", action="store_true", help="validate, place, print the engine commands, exit")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+        placement = plan_placement(config)
+    except ServeConfigError as exc:
+        print(f"sglang-memx serve: error: {exc}", file=sys.stderr)
+        return 2
+    from .launcher import EngineStartError, Launcher, engine_specs
+
+    specs = engine_specs(config, placement, run_id=str(os.getpid()), log_dir=args.log_dir)
+    _log("sglang-memx serve: placement (FineServe Alg. 1)\n" + placement.describe())
+    if args.dry_run:
+        for s in specs:
+            print(json.dumps({"model": s.model, "device": s.device, "pool": s.pool, "env": s.env, "argv": s.argv}))
+        return 0
+
+    host = args.host or config.router.host
+    port = config.router.port if args.port is None else args.port
+    launcher = Launcher(specs, log=_log)
+
+    def on_term(signum, frame):  # during start-up: unwind through finally (stops the engines)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        try:
+            launcher.start_all(config.launch.startup_timeout_s)
+        except EngineStartError as exc:
+            print(f"sglang-memx serve: error: {exc}", file=sys.stderr)
+            return 1
+        signal.signal(signal.SIGTERM, previous)
+        return _serve_router(config, placement, launcher, host, port)
+    finally:
+        launcher.stop_all()
+        _log("sglang-memx serve: every engine stopped")
+
+
+def _serve_router(config, placement, launcher, host: str, port: int) -> int:
+    import uvicorn
+
+    from .admission import AdmissionGate, policy_from_config
+    from .router import EngineRoute, build_app
+
+    device_of = {n: pm.device for n, pm in placement.models.items()}
+    routes = {m.name: EngineRoute(m.name, launcher.engines[m.name].url, m.path, device_of[m.name])
+              for m in config.models}  # fmt: skip
+    gate = AdmissionGate(policy_from_config(config, device_of))
+    started = time.time()
+
+    def status() -> dict:
+        return {
+            "started_at": started,
+            "engines": {
+                n: {
+                    "pid": e.pid,
+                    "alive": e.alive(),
+                    "pool": e.spec.pool,
+                    "pool_dir": e.spec.pool_dir,
+                    "log": e.spec.log_path,
+                    "startup_s": e.startup_s,
+                }
+                for n, e in launcher.engines.items()
+            },  # fmt: skip
+            "devices": {
+                d.name: {"kind": d.kind, "models": list(d.models), "pool_budget_gb": d.pool_budget_gb}
+                for d in placement.devices.values()
+            },  # fmt: skip
+        }
+
+    app = build_app(routes, gate, alive=lambda n: launcher.engines[n].alive(),
+                    request_timeout_s=config.router.request_timeout_s, status=status)  # fmt: skip
+    _log(f"sglang-memx serve: router on http://{host}:{port} for {', '.join(routes)}")
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    server.run()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="sglang-memx serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_arguments(p)
+    return run(p.parse_args(argv))

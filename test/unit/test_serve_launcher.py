@@ -1,0 +1,72 @@
+"""Engine command lines from config + placement, and the command's config errors (nothing started)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from sglang_memx.serve.config import parse_config
+from sglang_memx.serve.launcher import _split_cores, engine_specs
+from sglang_memx.serve.placement import GIB, plan_placement
+from support.fake_checkpoint import fake_model
+
+
+def _flag(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def test_models_on_one_device_share_its_pool_and_split_its_cores(tmp_path):
+    for n in "ab":
+        fake_model(tmp_path, n, weight_bytes=1 << 20)
+    cfg = parse_config({
+        "models": [{"name": "a", "path": "a", "dtype": "float32", "server_args": ["--attention-backend=sdpa"]},
+                   {"name": "b", "path": "b", "server_args": ["--chunked-prefill-size", "64"]}],
+        "devices": [{"name": "cpu0", "memory_gb": 0.5, "cores": [2, 3, 4]}],
+        "launch": {"pool_dir": str(tmp_path / "pools"), "memx_args": ["--memx-chunk-kb", "4"]},
+    }, base_dir=tmp_path)  # fmt: skip
+    p = plan_placement(cfg)
+    a, b = engine_specs(cfg, p, run_id="7", ports={"a": 1001, "b": 1002}, python="py", log_dir=str(tmp_path))
+    assert a.pool == b.pool == "serve-cpu0-7" and a.url == "http://127.0.0.1:1001"
+    for s in (a, b):
+        assert s.argv[:3] == ("py", "-m", "sglang.launch_server") and "--memx-elastic-kv" in s.argv
+        assert _flag(s.argv, "--memx-pool") == "serve-cpu0-7" and _flag(s.argv, "--memx-pool-dir") == str(
+            tmp_path / "pools"
+        )
+        assert abs(float(_flag(s.argv, "--memx-pool-budget-gb")) * GIB - p.devices["cpu0"].pool_budget_bytes) < 1
+        assert _flag(s.argv, "--served-model-name") == s.model and s.env["SGLANG_USE_CPU_ENGINE"] == "1"
+        assert _flag(s.argv, "--memx-chunk-kb") == "4"
+    assert _flag(a.argv, "--dtype") == "float32" and "--dtype" not in b.argv
+    assert "--attention-backend" not in a.argv and _flag(b.argv, "--attention-backend") == "torch_native"
+    assert (a.env["SGLANG_CPU_OMP_THREADS_BIND"], b.env["SGLANG_CPU_OMP_THREADS_BIND"]) == ("2,3", "4")
+    assert a.env["OMP_NUM_THREADS"] == "2"
+
+
+def test_split_cores():
+    assert _split_cores([0, 1], 2) == [[0], [1]]
+    assert _split_cores([0], 3) == [[0], [0], [0]]
+    assert _split_cores([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]
+
+
+def _serve(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "sglang_memx.serve", *args], capture_output=True, text=True,
+                          timeout=60, cwd=cwd)  # fmt: skip
+
+
+def test_bad_config_exits_2_naming_the_field(tmp_path):
+    fake_model(tmp_path, "a")
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text("models:\n  - {name: a, path: a}\n  - {name: a, path: a}\ndevices:\n  - {name: c, memory_gb: 1}\n")
+    r = _serve("--config", str(cfg), cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == "sglang-memx serve: error: models[1].name: duplicate 'a'"
+    assert not (tmp_path / "sglang-memx-serve-logs").exists()  # nothing started
+
+
+def test_dry_run_prints_the_plan(tmp_path):
+    fake_model(tmp_path, "a")
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text("models:\n  - {name: a, path: a}\ndevices:\n  - {name: c, memory_gb: 1}\n")
+    r = _serve("--config", str(cfg), "--dry-run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    [line] = r.stdout.splitlines()
+    assert json.loads(line)["model"] == "a" and "c (cpu): a" in r.stderr

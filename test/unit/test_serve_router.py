@@ -1,0 +1,136 @@
+"""The router app against in-process fake engines (no SGLang): routing, errors, admission."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from memory_ext.policy.edf_admission import EdfAdmission, ModelLimits
+from sglang_memx.serve.admission import AdmissionGate
+from sglang_memx.serve.router import EngineRoute, build_app
+
+
+def fake_engine(tag: str, gate: asyncio.Event | None = None) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/get_model_info")
+    async def info():
+        return {"model_path": f"/models/{tag}"}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        if gate is not None and body.get("block"):
+            await gate.wait()
+        return {"text": f"{tag}:{body['text']}"}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        if body.get("stream"):
+
+            async def events():
+                for i in range(3):
+                    yield f"data: {json.dumps({'model': body['model'], 'i': i, 'engine': tag})}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return {"engine": tag, "model": body["model"]}
+
+    return app
+
+
+def run(scenario, limits=None, alive=lambda n: True):
+    block = asyncio.Event()
+    engines = {"a": fake_engine("A", block), "org/b": fake_engine("B", block)}
+    routes = {n: EngineRoute(n, f"http://engine-{i}", f"/models/{n}") for i, n in enumerate(engines)}
+    mounts = {f"http://engine-{i}": httpx.ASGITransport(app=app) for i, app in enumerate(engines.values())}
+    limits = limits or {n: ModelLimits(1.0, max_inflight=4, max_queued=4) for n in engines}
+    gate = AdmissionGate(EdfAdmission(limits))
+    app = build_app(routes, gate, alive, monitor_interval_s=0.01, client_kwargs={"mounts": mounts})
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+                return await scenario(c, block)
+
+    return asyncio.run(main())
+
+
+def test_models_listed_and_routed_by_model_field():
+    async def s(c, _):
+        models = (await c.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["a", "org/b"] and models["object"] == "list"
+        ra = await c.post("/v1/chat/completions", json={"model": "a", "messages": []})
+        rb = await c.post("/v1/chat/completions", json={"model": "org/b", "messages": []})
+        return ra.json(), rb.json()
+
+    assert run(s) == ({"engine": "A", "model": "a"}, {"engine": "B", "model": "org/b"})
+
+
+def test_unknown_or_missing_model_is_an_openai_error():
+    async def s(c, _):
+        r = await c.post("/v1/completions", json={"model": "zzz", "prompt": "x"})
+        assert r.status_code == 404
+        err = r.json()["error"]
+        assert err["code"] == "model_not_found" and err["param"] == "model" and "zzz" in err["message"]
+        assert (await c.post("/v1/completions", json={"prompt": "x"})).status_code == 400
+        assert (await c.post("/models/nope/generate", json={"text": "x"})).status_code == 404
+        assert (await c.get("/v1/models/zzz")).status_code == 404
+
+    run(s)
+
+
+def test_native_routes_by_longest_prefix_including_slashes():
+    async def s(c, _):
+        ga = await c.post("/models/a/generate", json={"text": "hi"})
+        gb = await c.post("/models/org/b/generate", json={"text": "hi"})
+        info = await c.get("/models/org/b/get_model_info")
+        return ga.json()["text"], gb.json()["text"], info.json()["model_path"]
+
+    assert run(s) == ("A:hi", "B:hi", "/models/B")
+
+
+def test_streaming_passes_through_as_sse():
+    async def s(c, _):
+        r = await c.post("/v1/chat/completions", json={"model": "a", "stream": True})
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return [line for line in r.text.split("\n\n") if line]
+
+    events = run(s)
+    assert events[-1] == "data: [DONE]" and [json.loads(e[6:])["i"] for e in events[:-1]] == [0, 1, 2]
+
+
+def test_overload_gets_429_with_retry_after_and_slot_frees_after():
+    limits = {"a": ModelLimits(1.0, max_inflight=1, max_queued=0), "org/b": ModelLimits(1.0)}
+
+    async def s(c, block):
+        first = asyncio.create_task(c.post("/models/a/generate", json={"text": "x", "block": True}))
+        await asyncio.sleep(0.05)
+        r = await c.post("/v1/chat/completions", json={"model": "a"})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "queue_full"
+        assert (await c.post("/v1/chat/completions", json={"model": "org/b"})).status_code == 200  # untouched
+        block.set()
+        assert (await first).status_code == 200
+        assert (await c.post("/v1/chat/completions", json={"model": "a"})).status_code == 200
+        return (await c.get("/memx/serve")).json()["admission"]["a"]
+
+    snap = run(s, limits)
+    assert snap["queue_full"] == 1 and snap["inflight"] == 0 and snap["finished"] == 2
+
+
+def test_dead_engine_answers_503_with_retry_after():
+    async def s(c, _):
+        await asyncio.sleep(0.05)  # the monitor marks it down
+        r = await c.post("/v1/chat/completions", json={"model": "a"})
+        assert r.status_code == 503 and "retry-after" in r.headers and r.json()["error"]["code"] == "engine_down"
+        assert (await c.get("/health")).status_code == 503
+        assert (await c.post("/v1/chat/completions", json={"model": "org/b"})).status_code == 200
+
+    run(s, alive=lambda n: n != "a")
