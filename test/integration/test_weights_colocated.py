@@ -1,6 +1,7 @@
 """Two servers with remappable weights under one shared pool (--memx-pool): the idle one's
 layers are lent to the busy one's KV through the arbiter and come back when it gets
-traffic; SIGKILL of the lender mid-stream spares the borrower, and no chunk leaks.
+traffic; SIGKILL of the lender mid-stream spares the borrower, SIGKILL of the borrower gives
+a (new) lender its layers back, and no chunk leaks.
 
 Tiny 8-layer Llama, float32, 16 KiB chunks: a layer is 145 chunks, a KV group of 32 tokens
 16. The budget (0.045 GB = 2880 chunks) holds both models' weights (2320 chunks) and ~35
@@ -43,7 +44,7 @@ def pair(tmp_path_factory, tiny_model_root):
     b = SGLangServer(model, name="wcolo-b", max_total_tokens=4096, extra_args=args)
     stock = SGLangServer(model, name="wcolo-stock", stock=True, max_total_tokens=4096, extra_args=COMMON)
     start_all([a, b, stock])
-    yield {"a": a, "b": b, "stock": stock, "sock": pool_dir / f"{name}.sock"}
+    yield {"a": a, "b": b, "stock": stock, "sock": pool_dir / f"{name}.sock", "model": model, "args": args}
     for s in (a, b, stock):
         s.stop()
     subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir", str(pool_dir)],
@@ -121,3 +122,38 @@ def test_killing_the_lender_mid_stream_spares_the_borrower_and_leaks_nothing(pai
     held = sum(c["held"] for c in st["clients"])
     assert held + st["free"] + (st["budget"] - st["created"]) == st["budget"], st  # every chunk accounted for
     assert _gen(a, "one two three", 8)["meta_info"]["completion_tokens"] == 8  # a keeps serving
+
+
+def test_killing_the_borrower_mid_stream_gives_the_lender_its_layers_back(pair):
+    """The other way round: a fresh lender c lends layers to a's KV, a is SIGKILLed mid-stream;
+    c keeps serving as stock does, its layers come back, and every chunk is accounted for."""
+    a, stock = pair["a"], pair["stock"]
+    c = SGLangServer(pair["model"], name="wcolo-c", max_total_tokens=4096, extra_args=pair["args"])
+    start_all([c])
+
+    def doomed_load(tag):
+        try:
+            for i in range(2):
+                _gen(a, PROMPT + f" {tag}{i}", 200)
+        except Exception:  # noqa: BLE001 - a is killed under this load on purpose
+            pass
+
+    try:
+        a_pid = a.request("/memx/status")["schedulers"][0]["pid"]
+        time.sleep(4)  # c idle for longer than --memx-weights-idle-after-s
+        for tag in "zy":
+            threading.Thread(target=doomed_load, args=(tag,), daemon=True).start()
+        assert _wait(lambda: _weights(c)["lent_layers"] > 0, 120), _weights(c)
+        os.killpg(a.proc.pid, signal.SIGKILL)  # the borrower dies while decoding in c's memory
+        assert _wait(lambda: all(x["pid"] != a_pid for x in query_arbiter_status(pair["sock"])["clients"]))
+        assert _gen(c, PROMPT, 40)["output_ids"] == _gen(stock, PROMPT, 40)["output_ids"]
+        for _ in range(20):
+            _gen(c, "hello world", 8)
+            if _weights(c)["lent_layers"] == 0:
+                break
+        assert _weights(c)["lent_layers"] == 0, _weights(c)
+        st = query_arbiter_status(pair["sock"])
+        held = sum(x["held"] for x in st["clients"])
+        assert held + st["free"] + (st["budget"] - st["created"]) == st["budget"], st
+    finally:
+        c.stop()
