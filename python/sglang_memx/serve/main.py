@@ -54,26 +54,55 @@ def run(args: argparse.Namespace) -> int:
 
     host = args.host or config.router.host
     port = config.router.port if args.port is None else args.port
+    problem = _port_problem(host, port)
+    if problem:
+        print(f"sglang-memx serve: error: router.port: {problem}", file=sys.stderr)
+        return 2
     launcher = Launcher(specs, log=_log)
 
-    def on_term(signum, frame):  # during start-up: unwind through finally (stops the engines)
-        raise SystemExit(128 + signum)
+    # SIGTERM / SIGINT unwind through ``finally`` (which stops every engine), during start-up
+    # and after the router: uvicorn handles them while it serves, then raises them again.
+    def on_signal(signum, frame):
+        raise _Stop(signum)
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
-        try:
-            launcher.start_all(config.launch.startup_timeout_s)
-        except EngineStartError as exc:
-            print(f"sglang-memx serve: error: {exc}", file=sys.stderr)
-            return 1
-        signal.signal(signal.SIGTERM, previous)
-        return _serve_router(config, placement, launcher, host, port)
+        launcher.start_all(config.launch.startup_timeout_s)
+        _serve_router(config, placement, launcher, host, port)
+    except EngineStartError as exc:
+        print(f"sglang-memx serve: error: {exc}", file=sys.stderr)
+        return 1
+    except _Stop as stop:
+        _log(f"sglang-memx serve: {signal.Signals(stop.signum).name}, stopping")
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)  # a second signal must not interrupt the clean-up
         launcher.stop_all()
         _log("sglang-memx serve: every engine stopped")
+    return 0
 
 
-def _serve_router(config, placement, launcher, host: str, port: int) -> int:
+def _port_problem(host: str, port: int) -> str | None:
+    """Why the router could not listen on host:port (checked before any engine starts)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
+class _Stop(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signum)
+
+
+def _serve_router(config, placement, launcher, host: str, port: int) -> None:
     import uvicorn
 
     from .admission import AdmissionGate, policy_from_config
@@ -110,7 +139,6 @@ def _serve_router(config, placement, launcher, host: str, port: int) -> int:
     _log(f"sglang-memx serve: router on http://{host}:{port} for {', '.join(routes)}")
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     server.run()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,290 @@
+"""``sglang-memx serve``: two tiny models of different KV cell sizes behind one router, real SGLang on CPU.
+
+One ``sglang-memx serve`` process (started once for the module) places both models on one
+CPU device, starts one SGLang server per model sharing the device's memx pool, and fronts
+them with the router. Greedy answers through the router must equal the same engine's
+answers asked directly (that a memx engine answers as stock SGLang does is what
+test_serving_tiny_llama.py and test_colocated.py check; a stock server per model here would
+double the module's start-up on 2 cores). Then: /v1/models, streaming, the OpenAI client,
+a frontend program through ``RuntimeEndpoint(<router>/models/<name>)``, 404 for an unknown
+model, 429 with Retry-After under overload, bad configs refused before anything starts,
+and a SIGTERM that leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from memory_ext.pool.arbiter_client import query_arbiter_status
+from sglang_memx.models.tiny import TinyModelSpec, tiny_model
+from support.server import LOG_DIR, free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+# KV per token in float32: A 2 layers x 2 heads x 16 x 2 x 4 B = 512 B; B 3 x 2 x 32 x 2 x 4 B = 1536 B.
+SPEC_A = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=1)
+SPEC_B = TinyModelSpec(arch="llama", num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, seed=2)
+PROMPTS = ["The capital of France is", "one two three four", "Memory pages map to chunks when"]
+
+
+def _http(url, payload=None, timeout=120.0, method=None):
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method=method)
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def _config(tmp: Path, a: Path, b: Path, port: int, **model_b) -> Path:
+    common = {"dtype": "float32", "max_total_tokens": 4096, "server_args": ["--chunked-prefill-size", "64"]}
+    doc = {
+        "models": [
+            {"name": "tiny-a", "path": str(a), "ttft_slo_ms": 2000, **common},
+            {
+                "name": "tiny-b",
+                "path": str(b),
+                "ttft_slo_ms": 5000,
+                "priority": 1,
+                "max_inflight": 1,
+                "max_queued": 1,
+                **common,
+                **model_b,
+            },
+        ],  # fmt: skip
+        "devices": [{"name": "cpu0", "kind": "cpu", "memory_gb": 0.25}],
+        "router": {"port": port},
+        "launch": {"log_dir": str(LOG_DIR / "serve-router"), "pool_dir": str(tmp / "pools")},
+    }
+    path = tmp / "models.yaml"
+    path.write_text(json.dumps(doc))  # JSON is YAML
+    return path
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory, tiny_model_root):
+    tmp = tmp_path_factory.mktemp("serve")
+    a, b = tiny_model(SPEC_A, tiny_model_root), tiny_model(SPEC_B, tiny_model_root)
+    port = free_port()
+    cfg = _config(tmp, a, b, port)
+    LOG_DIR.mkdir(exist_ok=True)
+    log = open(LOG_DIR / "serve-router.log", "w")
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_memx.cli", "serve", "--config", str(cfg)], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve exited with {proc.returncode}: {(LOG_DIR / 'serve-router.log').read_text()}")
+            try:
+                if _http(url + "/health", timeout=5)["status"] == "ok":
+                    break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() - t0 > 600:
+                raise TimeoutError("router not healthy after 600 s")
+            time.sleep(1)
+        status = _http(url + "/memx/serve")
+        print(f"serve ready in {time.monotonic() - t0:.1f} s")
+        yield {"url": url, "proc": proc, "status": status, "tmp": tmp, "a": a, "b": b}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _engine(serve, name):
+    return serve["status"]["models"][name]["url"]
+
+
+def test_models_lists_both_and_they_share_one_pool(serve):
+    doc = _http(serve["url"] + "/v1/models")
+    assert [m["id"] for m in doc["data"]] == ["tiny-a", "tiny-b"]
+    engines = serve["status"]["engines"]
+    [pool] = {e["pool"] for e in engines.values()}
+    st = query_arbiter_status(Path(serve["tmp"] / "pools" / f"{pool}.sock"))
+    assert len([c for c in st["clients"] if c["name"].startswith("sglang-")]) == 2
+    assert serve["status"]["devices"]["cpu0"]["models"] == ["tiny-b", "tiny-a"]  # Alg. 1: larger footprint first
+
+
+@pytest.mark.parametrize("name", ["tiny-a", "tiny-b"])
+def test_routing_by_model_answers_as_the_engine_itself(serve, name):
+    router, engine = serve["url"], _engine(serve, name)
+    for prompt in PROMPTS:
+        req = {"model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        via = _http(router + "/v1/completions", req)
+        assert via["model"] == name
+        assert via["choices"][0]["text"] == _http(engine + "/v1/completions", req)["choices"][0]["text"]
+        native = {"text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+        assert (_http(f"{router}/models/{name}/generate", native)["output_ids"]
+                == _http(engine + "/generate", native)["output_ids"])  # fmt: skip
+    one = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+    a = _http(router + "/v1/completions", {"model": "tiny-a", **one})["choices"][0]["text"]
+    b = _http(router + "/v1/completions", {"model": "tiny-b", **one})["choices"][0]["text"]
+    assert a != b  # two different random models: the router really picked by model
+
+
+def test_streaming_through_the_router_chunk_by_chunk(serve):
+    req = {"model": "tiny-b", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10, "temperature": 0}
+    whole = _http(serve["url"] + "/v1/chat/completions", req)["choices"][0]["message"]["content"]
+    r = urllib.request.Request(serve["url"] + "/v1/chat/completions", data=json.dumps({**req, "stream": True}).encode(),
+                               headers={"Content-Type": "application/json"})  # fmt: skip
+    events = []
+    with urllib.request.urlopen(r, timeout=120) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp:
+            if line.startswith(b"data: "):
+                events.append(line[6:].strip())
+    assert events[-1] == b"[DONE]" and len(events) > 3
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert text == whole
+
+
+def test_openai_client(serve):
+    from openai import NotFoundError, OpenAI
+
+    client = OpenAI(base_url=serve["url"] + "/v1", api_key="none")
+    assert [m.id for m in client.models.list()] == ["tiny-a", "tiny-b"]
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model="tiny-a", messages=msgs, max_tokens=8, temperature=0)
+    assert r.model == "tiny-a" and r.usage.completion_tokens == 8
+    chunks = client.chat.completions.create(model="tiny-a", messages=msgs, max_tokens=8, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == r.choices[0].message.content
+    c = client.completions.create(model="tiny-b", prompt=PROMPTS[1], max_tokens=6, temperature=0)
+    assert c.usage.completion_tokens == 6
+    with pytest.raises(NotFoundError) as err:
+        client.chat.completions.create(model="no-such-model", messages=msgs, max_tokens=4)
+    assert err.value.status_code == 404
+
+
+def test_frontend_program_through_runtime_endpoint(serve):
+    import sglang as sgl
+
+    @sgl.function
+    def program(s, topic):
+        s += "Topic: " + topic + "."
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f" Point {i}:" + sgl.gen("point", max_tokens=6, temperature=0)
+        s += " Summary:" + forks[0]["point"] + forks[1]["point"]
+        s += sgl.gen("summary", max_tokens=6, temperature=0)
+
+    got = {}
+    for where in (serve["url"] + "/models/tiny-a", _engine(serve, "tiny-a")):
+        backend = sgl.RuntimeEndpoint(where)
+        assert Path(backend.get_model_name()).resolve() == Path(serve["a"]).resolve()
+        states = program.run_batch([{"topic": "memory"}, {"topic": "cache"}], backend=backend)
+        got[where] = [st["summary"] for st in states]
+    routed, direct = got.values()
+    assert routed == direct
+
+
+def test_unknown_model_is_404(serve):
+    for path, body in (("/v1/chat/completions", {"model": "nope", "messages": []}),
+                       ("/models/nope/generate", {"text": "x"})):  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as err:
+            _http(serve["url"] + path, body)
+        assert err.value.code == 404
+        assert json.load(err.value)["error"]["code"] == "model_not_found"
+
+
+def test_overload_sheds_with_429_and_retry_after(serve):
+    """tiny-b takes one request at a time and queues one: of four concurrent long requests two are
+    refused at once with 429 + Retry-After, the other two are answered in turn."""
+    results = []
+
+    def ask(i):
+        req = {"model": "tiny-b", "prompt": f"load {i} " + "w " * 10, "max_tokens": 300, "temperature": 0,
+               "ignore_eos": True}  # fmt: skip
+        t0 = time.monotonic()
+        try:
+            _http(serve["url"] + "/v1/completions", req, timeout=300)
+            results.append((200, None, time.monotonic() - t0))
+        except urllib.error.HTTPError as e:
+            results.append((e.code, e.headers.get("Retry-After"), time.monotonic() - t0))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    for t in threads:
+        t.join(300)
+    codes = sorted(r[0] for r in results)
+    assert codes == [200, 200, 429, 429], results
+    for code, retry_after, took in results:
+        if code == 429:
+            assert int(retry_after) >= 1 and took < 5  # refused at once, never a hang
+    snap = _http(serve["url"] + "/memx/serve")["admission"]["tiny-b"]
+    assert snap["queue_full"] >= 2 and snap["inflight"] == 0 and snap["queued"] == 0
+    ok = {"model": "tiny-b", "prompt": "after", "max_tokens": 2, "temperature": 0}
+    assert _http(serve["url"] + "/v1/completions", ok)["usage"]["completion_tokens"] == 2  # recovered
+
+
+def _serve_cmd(cfg, timeout=60):
+    return subprocess.run([sys.executable, "-m", "sglang_memx.serve", "--config", str(cfg)], capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def test_bad_config_fails_before_anything_starts(serve, tmp_path):
+    cfg = _config(tmp_path, serve["a"], serve["b"], free_port(), ttft_slo=5)
+    t0 = time.monotonic()
+    r = _serve_cmd(cfg)
+    assert r.returncode == 2 and "models[1].ttft_slo: unknown field" in r.stderr
+    doc = json.loads(_config(tmp_path, serve["a"], serve["b"], free_port()).read_text())
+    doc["devices"][0]["memory_gb"] = 0.001  # tiny-b's float32 weights alone are ~1.6 MB
+    cfg.write_text(json.dumps(doc))
+    r = _serve_cmd(cfg)
+    assert r.returncode == 2 and "models[1]: 'tiny-b' needs" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 30 and not (tmp_path / "pools").exists()  # no engine, no pool
+
+
+def test_sigterm_stops_every_engine_and_pool(serve):
+    """Last in the module: the router's SIGTERM leaves no engine, scheduler, detokenizer or arbiter."""
+    status = _http(serve["url"] + "/memx/serve")
+    pids = [e["pid"] for e in status["engines"].values()]
+    groups = [p for pg in pids for p in _group(pg)]
+    assert len(groups) >= 2 * len(pids)  # launch_server + its scheduler (+ detokenizer) each
+    [pool] = {e["pool"] for e in status["engines"].values()}
+    arbiter = int((serve["tmp"] / "pools" / f"{pool}.pid").read_text())
+    proc = serve["proc"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(90) == 0
+    time.sleep(0.5)
+    left = [p for p in groups + [arbiter] if _alive(p)]
+    assert left == [], left
+    assert "every engine stopped" in (LOG_DIR / "serve-router.log").read_text()
+
+
+def _group(pgid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getpgid(int(d.name)) == pgid:
+                    out.append(int(d.name))
+            except ProcessLookupError:
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
