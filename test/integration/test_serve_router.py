@@ -2,10 +2,9 @@
 
 One ``sglang-memx serve`` process (started once for the module) places both models on one
 CPU device, starts one SGLang server per model sharing the device's memx pool, and fronts
-them with the router. Greedy answers through the router must equal the same engine's
-answers asked directly (that a memx engine answers as stock SGLang does is what
-test_serving_tiny_llama.py and test_colocated.py check; a stock server per model here would
-double the module's start-up on 2 cores). Then: /v1/models, streaming, the OpenAI client,
+them with the router. Meanwhile a stock SGLang server per model (plugin filtered out)
+starts; greedy answers through the router (OpenAI routes by ``model``, native ``/generate``
+under ``/models/<name>``, a frontend program) must equal stock's. Then: /v1/models, streaming, the OpenAI client,
 a frontend program through ``RuntimeEndpoint(<router>/models/<name>)``, 404 for an unknown
 model, 429 with Retry-After under overload, bad configs refused before anything starts,
 and a SIGTERM that leaves no process behind.
@@ -26,15 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from memory_ext.pool.arbiter_client import query_arbiter_status
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import LOG_DIR, free_port
+from support.server import LOG_DIR, SGLangServer, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 # KV per token in float32: A 2 layers x 2 heads x 16 x 2 x 4 B = 512 B; B 3 x 2 x 32 x 2 x 4 B = 1536 B.
 SPEC_A = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=1)
 SPEC_B = TinyModelSpec(arch="llama", num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, seed=2)
+STOCK_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "64"]  # as the serve config's engines
 PROMPTS = ["The capital of France is", "one two three four", "Memory pages map to chunks when"]
 
 
@@ -82,6 +81,12 @@ def serve(tmp_path_factory, tiny_model_root):
     proc = subprocess.Popen([sys.executable, "-m", "sglang_memx.cli", "serve", "--config", str(cfg)], stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    # One stock server per model (memx filtered out), started meanwhile on the same two cores.
+    stock = {n: SGLangServer(m, name=f"serve-stock-{n}", stock=True, max_total_tokens=4096, extra_args=STOCK_ARGS,
+                             env={"SGLANG_CPU_OMP_THREADS_BIND": str(i % 2), "OMP_NUM_THREADS": "1"})
+             for i, (n, m) in enumerate((("tiny-a", a), ("tiny-b", b)))}  # fmt: skip
+    for s in stock.values():
+        s.start()
     try:
         while True:
             if proc.poll() is not None:
@@ -95,9 +100,13 @@ def serve(tmp_path_factory, tiny_model_root):
                 raise TimeoutError("router not healthy after 600 s")
             time.sleep(1)
         status = _http(url + "/memx/serve")
-        print(f"serve ready in {time.monotonic() - t0:.1f} s")
-        yield {"url": url, "proc": proc, "status": status, "tmp": tmp, "a": a, "b": b}
+        for s in stock.values():
+            s.wait_ready(600)
+        print(f"serve and stock servers ready in {time.monotonic() - t0:.1f} s")
+        yield {"url": url, "proc": proc, "status": status, "tmp": tmp, "a": a, "b": b, "stock": stock}
     finally:
+        for s in stock.values():
+            s.stop()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -116,19 +125,23 @@ def test_models_lists_both_and_they_share_one_pool(serve):
     assert [m["id"] for m in doc["data"]] == ["tiny-a", "tiny-b"]
     engines = serve["status"]["engines"]
     [pool] = {e["pool"] for e in engines.values()}
-    st = query_arbiter_status(Path(serve["tmp"] / "pools" / f"{pool}.sock"))
-    assert len([c for c in st["clients"] if c["name"].startswith("sglang-")]) == 2
+    assert (serve["tmp"] / "pools" / f"{pool}.sock").exists()
+    shared = [_http(u["url"] + "/memx/status")["schedulers"][0]["elastic_kv"]["shared_pool"]
+              for u in serve["status"]["models"].values()]  # fmt: skip
+    assert shared[0]["budget_chunks"] == shared[1]["budget_chunks"] > 0  # one arbiter, one budget
+    assert shared[0]["client_id"] != shared[1]["client_id"]
     assert serve["status"]["devices"]["cpu0"]["models"] == ["tiny-b", "tiny-a"]  # Alg. 1: larger footprint first
 
 
 @pytest.mark.parametrize("name", ["tiny-a", "tiny-b"])
-def test_routing_by_model_answers_as_the_engine_itself(serve, name):
-    router, engine = serve["url"], _engine(serve, name)
+def test_routing_by_model_answers_as_stock_sglang(serve, name):
+    router, engine = serve["url"], serve["stock"][name].url
     for prompt in PROMPTS:
         req = {"model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
         via = _http(router + "/v1/completions", req)
         assert via["model"] == name
-        assert via["choices"][0]["text"] == _http(engine + "/v1/completions", req)["choices"][0]["text"]
+        stock = _http(engine + "/v1/completions", {**req, "model": "default"})
+        assert via["choices"][0]["text"] == stock["choices"][0]["text"]
         native = {"text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
         assert (_http(f"{router}/models/{name}/generate", native)["output_ids"]
                 == _http(engine + "/generate", native)["output_ids"])  # fmt: skip
@@ -185,10 +198,10 @@ def test_frontend_program_through_runtime_endpoint(serve):
         s += sgl.gen("summary", max_tokens=6, temperature=0)
 
     got = {}
-    for where in (serve["url"] + "/models/tiny-a", _engine(serve, "tiny-a")):
+    for where in (serve["url"] + "/models/tiny-a", serve["stock"]["tiny-a"].url):
         backend = sgl.RuntimeEndpoint(where)
         assert Path(backend.get_model_name()).resolve() == Path(serve["a"]).resolve()
-        states = program.run_batch([{"topic": "memory"}, {"topic": "cache"}], backend=backend)
+        states = program.run_batch([{"topic": "memory"}], backend=backend)
         got[where] = [st["summary"] for st in states]
     routed, direct = got.values()
     assert routed == direct
@@ -209,7 +222,7 @@ def test_overload_sheds_with_429_and_retry_after(serve):
     results = []
 
     def ask(i):
-        req = {"model": "tiny-b", "prompt": f"load {i} " + "w " * 10, "max_tokens": 300, "temperature": 0,
+        req = {"model": "tiny-b", "prompt": f"load {i} " + "w " * 10, "max_tokens": 200, "temperature": 0,
                "ignore_eos": True}  # fmt: skip
         t0 = time.monotonic()
         try:
