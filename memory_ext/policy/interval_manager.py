@@ -47,7 +47,14 @@ from dataclasses import dataclass
 from .layer_profile import LayerProfile
 from .select_n import GpuDemand, LayerTiming, iteration_latency, no_offload_interval, offloaded_layers
 
-__all__ = ["StreamBudget", "IntervalManager", "stream_budget", "iteration_seconds", "demand_from_profile"]
+__all__ = [
+    "StreamBudget",
+    "IntervalManager",
+    "stream_budget",
+    "iteration_seconds",
+    "demand_from_timings",
+    "demand_from_profile",
+]
 
 
 def _pos(name: str, v, zero_ok: bool = False) -> float:
@@ -166,6 +173,33 @@ class IntervalManager:
         return stream_budget(p.n_layers, t_c, p.layer_transfer_s, slo_s, self.slots, self.fixed_s)
 
 
+def demand_from_timings(
+    name: str,
+    n_layers: int,
+    layer_bytes: int,
+    t_c: float,
+    t_tr: float,
+    slo_s: float,
+    slots: int = 1,
+    fixed_s: float = 0.0,
+    max_interval: int | None = None,
+) -> GpuDemand:
+    """A ``LinkCoordinator`` demand for the GPU ``name``: ``n_layers`` of ``layer_bytes``,
+    one layer's compute ``t_c`` at the batch it serves, one layer's uncontended copy
+    ``t_tr``, under ``slo_s`` per iteration.
+
+    ``min_interval``: the smallest interval meeting the SLO (None if none does), so a GPU
+    with more SLO slack may take smaller intervals; ``iter_times``: the modelled iteration
+    time at every interval, so each interval's transfer rate is bytes per *its* iteration
+    (Fig. 8 l. 4-13 with the per-interval time).
+    """
+    n = _int("n_layers", n_layers)
+    b = stream_budget(n, t_c, t_tr, slo_s, slots, fixed_s)
+    times = {i: iteration_seconds(n, i, t_c, t_tr, slots, fixed_s) for i in range(1, n + 2)}
+    min_i = b.interval if b.feasible else None
+    return GpuDemand(name, n, _int("layer_bytes", layer_bytes), b.iteration_s, min_i, max_interval, iter_times=times)
+
+
 def demand_from_profile(
     name: str,
     manager: IntervalManager,
@@ -173,21 +207,10 @@ def demand_from_profile(
     max_interval: int | None = None,
     link_bytes_per_s: float | None = None,
 ) -> GpuDemand:
-    """A ``LinkCoordinator`` demand for the GPU ``name`` serving ``batch``.
-
-    ``min_interval``: the smallest interval meeting the GPU's SLO (None if
-    none does), so a GPU with more SLO slack may take smaller intervals;
-    ``iter_times``: the modelled iteration time at every interval, so each
-    interval's transfer rate is bytes per *its* iteration (Fig. 8 l. 4-13
-    with the per-interval time). ``link_bytes_per_s`` overrides the
-    profile's bandwidth (e.g. the share left on a contended link).
-    """
+    """``demand_from_timings`` from a performance record at ``batch``. ``link_bytes_per_s``
+    overrides the profile's bandwidth (e.g. the share left on a contended link)."""
     p = manager.profile
-    n = p.n_layers
     t_c = p.decode_layer_seconds(_int("batch", batch))
     bw = p.link_bytes_per_s if link_bytes_per_s is None else _pos("link_bytes_per_s", link_bytes_per_s)
-    t_tr = p.layer_bytes / bw
-    b = stream_budget(n, t_c, t_tr, manager.tbt_slo_s, manager.slots, manager.fixed_s)
-    times = {i: iteration_seconds(n, i, t_c, t_tr, manager.slots, manager.fixed_s) for i in range(1, n + 2)}
-    min_i = b.interval if b.feasible else None
-    return GpuDemand(name, n, p.layer_bytes, b.iteration_s, min_i, max_interval, iter_times=times)
+    return demand_from_timings(name, p.n_layers, p.layer_bytes, t_c, p.layer_bytes / bw, manager.tbt_slo_s,
+                               manager.slots, manager.fixed_s, max_interval)  # fmt: skip

@@ -32,6 +32,15 @@ are FREE (all-or-nothing); a waiting borrow that is not satisfied within
 ``reclaim_timeout`` seconds (default 2) is DENIED. The requester is never
 asked to give chunks back for its own borrow.
 
+The shared host link (Select-N §4.5)
+------------------------------------
+The pool's processes stream weights over one host link. ``LINK`` carries a client's
+demand (``policy.select_n.GpuDemand``); the arbiter keeps the last active one per
+client and answers with the interval ``policy.select_n.LinkCoordinator`` picks jointly
+for every active demand, at the slowest link bandwidth any of them measured (the
+simulator's coordinator is the same object). A client's demand goes with it when it
+withdraws (``active`` false) or disconnects.
+
 Client death
 ------------
 When a client's socket reaches EOF or errors (including the process being
@@ -66,6 +75,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..policy.arbiter import DEFAULT_TIERS, AccountKey, Donor, Kind, plan_takes
+from ..policy.select_n import GpuDemand, LinkCoordinator
 from ..vmm.base import PhysicalChunk, VmmBackend
 from ..vmm.ipc import MAX_FDS, listen_unix, send_chunks
 from . import arbiter_protocol as proto
@@ -89,6 +99,9 @@ class _Client:
     idle: int | None = None  # last REPORT: chunks it could give back now (None: never reported)
     headroom: int = 0  # last REPORT: idle chunks its own queue wants to keep
     busy: bool = True  # last REPORT: whether it has work
+    link: GpuDemand | None = None  # last active LINK demand
+    link_bytes_per_s: float = 0.0  # the link bandwidth that client measured
+    link_interval: int | None = None  # last interval the coordinator gave it
 
 
 @dataclass
@@ -154,8 +167,9 @@ class Arbiter:
         self._stopping = False
         self._started = False
         self.stats = dict.fromkeys(
-            ("granted", "denied", "returned", "reclaim_sent", "errors", "clients_dropped", "chunks_freed_on_drop"), 0
-        )
+            ("granted", "denied", "returned", "reclaim_sent", "errors", "clients_dropped", "chunks_freed_on_drop",
+             "link_decisions"), 0
+        )  # fmt: skip
         self.reclaim_by_tier: dict[str, int] = {}  # chunks asked for, by policy tier
 
     # ------------------------------------------------------------ lifecycle
@@ -252,6 +266,7 @@ class Arbiter:
                     "idle": c.idle,
                     "headroom": c.headroom,
                     "busy": c.busy,
+                    "link_interval": c.link_interval if c.link is not None else None,
                 }
             )
         return {
@@ -386,6 +401,8 @@ class Arbiter:
             self._send(client, dict(self._status_locked(), type="STATUS", req_id=msg["req_id"]))
         elif kind == "REPORT":
             self._on_report(client, msg)
+        elif kind == "LINK":
+            self._on_link(client, msg)
 
     # ------------------------------------------------------------- handlers
     def _available_now(self) -> int:
@@ -447,6 +464,37 @@ class Arbiter:
 
     def _on_report(self, client: _Client, msg: dict) -> None:
         client.idle, client.headroom, client.busy = msg["idle"], msg["headroom"], msg["busy"]
+
+    def _on_link(self, client: _Client, msg: dict) -> None:
+        n, times = msg["num_layers"], msg["iter_times"]
+        if len(times) != n + 1:
+            self._error(client, msg["req_id"], "iter_times", f"expected {n + 1} entries (intervals 1..{n + 1})")
+            return
+        if msg["min_interval"] is not None and msg["min_interval"] > n + 1:
+            self._error(client, msg["req_id"], "min_interval", f"expected <= {n + 1}")
+            return
+        if not msg["active"]:
+            client.link, client.link_interval = None, None
+            self._send(client, {"type": "LINKED", "req_id": msg["req_id"], "interval": None, "sharing": 0,
+                                "reason": "withdrawn"})  # fmt: skip
+            return
+        own_interval = msg["min_interval"] or n + 1
+        client.link = GpuDemand(_owner(client), n, msg["layer_bytes"], times[own_interval - 1], msg["min_interval"],
+                                None, iter_times={i + 1: t for i, t in enumerate(times)})  # fmt: skip
+        client.link_bytes_per_s = float(msg["link_bytes_per_s"])
+        others = [c for c in self._clients.values() if c is not client and c.link is not None]
+        bandwidth = min([client.link_bytes_per_s] + [c.link_bytes_per_s for c in others])
+        decision = LinkCoordinator(bandwidth).decide(client.link, [c.link for c in others])
+        if decision.accepted:
+            for c in [client] + others:
+                c.link_interval = decision.intervals[c.link.name]
+            reason = f"{len(others) + 1} on the link, {decision.total_rate / bandwidth:.0%} of it"
+        else:  # nothing fits with this one in: it streams nothing more, the others keep theirs
+            client.link_interval = None
+            reason = decision.reason
+        self.stats["link_decisions"] += 1
+        self._send(client, {"type": "LINKED", "req_id": msg["req_id"], "interval": client.link_interval,
+                            "sharing": len(others) + 1, "reason": reason[:4096]})  # fmt: skip
 
     def _on_return(self, client: _Client, msg: dict) -> None:
         ids = msg["chunks"]

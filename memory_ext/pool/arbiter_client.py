@@ -186,6 +186,17 @@ class ArbiterClient:
             except OSError as exc:
                 raise ArbiterError(f"sending REPORT failed: {exc}") from None
 
+    def link(self, *, active: bool, num_layers: int, layer_bytes: int, link_bytes_per_s: float,
+             min_interval: int | None, iter_times: Sequence[float], timeout: float | None = None) -> dict:  # fmt: skip
+        """Send this process's demand on the shared host link (``arbiter_protocol``: LINK);
+        returns the LINKED reply: ``interval`` (None: stream nothing more), ``sharing``,
+        ``reason``. Raises ``ArbiterError`` on a refusal or no reply."""
+        msg = {"type": "LINK", "active": active, "num_layers": num_layers, "layer_bytes": layer_bytes,
+               "link_bytes_per_s": float(link_bytes_per_s), "min_interval": min_interval,
+               "iter_times": [float(t) for t in iter_times]}  # fmt: skip
+        reply = self._request(msg, timeout).reply
+        return {k: reply[k] for k in ("interval", "sharing", "reason")}
+
     def status(self) -> dict:
         reply = self._request({"type": "STATUS"}).reply
         return {k: v for k, v in reply.items() if k not in ("type", "req_id")}

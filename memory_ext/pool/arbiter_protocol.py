@@ -15,10 +15,18 @@ Client -> arbiter::
     {"type": "RETURN", "req_id": R, "chunks": [arbiter chunk id, ...]}
     {"type": "STATUS", "req_id": R}
     {"type": "REPORT", "req_id": R, "idle": int, "headroom": int, "busy": bool}   (no reply)
+    {"type": "LINK",   "req_id": R, "active": bool, "num_layers": int, "layer_bytes": int,
+     "link_bytes_per_s": number, "min_interval": int|null, "iter_times": [number, ...]}
 
 ``REPORT`` is the client's numbers for the arbiter's policy (chunks it could give back
 now, chunks of those its own queue wants to keep, whether it has work); the arbiter
 answers only a malformed one (ERROR).
+
+``LINK`` is the client's Select-N demand on the host link the pool's processes share
+(``policy.select_n.GpuDemand``: ``iter_times[i - 1]`` is the modelled iteration time at
+interval ``i``, ``num_layers + 1`` entries; ``active`` false withdraws it). The arbiter
+answers ``LINKED`` with the interval ``LinkCoordinator`` picks jointly for every active
+demand (``null``: none fits, stream nothing more).
 
 Arbiter -> client::
 
@@ -29,6 +37,7 @@ Arbiter -> client::
     {"type": "ACK",     "req_id": R, "returned": int}
     {"type": "STATUS",  "req_id": R, "budget": int, "created": int, "free": int,
      "floor": int, "pending": int, "reclaim_by_tier": {tier: chunks}, "clients": [{...}, ...]}
+    {"type": "LINKED",  "req_id": R, "interval": int|null, "sharing": int, "reason": str}
     {"type": "RECLAIM", "n": int}                       (unsolicited)
     {"type": "ERROR",   "req_id": R|null, "field": str, "message": str}
 
@@ -41,16 +50,18 @@ raises ``ProtocolError(field, message)``; the arbiter answers it with ERROR.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .ownership import Owner
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: LINK / LINKED (the shared host link)
 MAX_MESSAGE_BYTES = 1 << 16
 MAX_CHUNKS_PER_MESSAGE = 253  # SCM_MAX_FD: one GRANT carries at most this many fds
 MAX_RETURN_IDS = 4096
 MAX_NAME_LEN = 128
+MAX_LINK_LAYERS = 1024  # decoder layers a LINK demand may describe
 OWNERS = tuple(o.value for o in Owner if o is not Owner.FREE)
 
 
@@ -137,6 +148,23 @@ def _clients(field: str, v: Any) -> None:
         raise ProtocolError(field, "expected a list of objects")
 
 
+def _positive_number(field: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ProtocolError(field, f"expected a finite number > 0, got {v!r:.40}")
+
+
+def _opt_interval(field: str, v: Any) -> None:
+    if v is not None:
+        _int(1, MAX_LINK_LAYERS + 1)(field, v)
+
+
+def _iter_times(field: str, v: Any) -> None:
+    if not isinstance(v, list) or not 2 <= len(v) <= MAX_LINK_LAYERS + 1:
+        raise ProtocolError(field, f"expected a list of 2..{MAX_LINK_LAYERS + 1} iteration times")
+    for i, t in enumerate(v):
+        _positive_number(f"{field}[{i}]", t)
+
+
 _REQ = _int(0)
 _COUNT = _int(0)
 
@@ -146,6 +174,15 @@ CLIENT_SCHEMAS: dict[str, dict[str, Validator]] = {
     "RETURN": {"req_id": _REQ, "chunks": _ids(MAX_RETURN_IDS)},
     "STATUS": {"req_id": _REQ},
     "REPORT": {"req_id": _REQ, "idle": _COUNT, "headroom": _COUNT, "busy": _bool},
+    "LINK": {
+        "req_id": _REQ,
+        "active": _bool,
+        "num_layers": _int(1, MAX_LINK_LAYERS),
+        "layer_bytes": _int(1),
+        "link_bytes_per_s": _positive_number,
+        "min_interval": _opt_interval,
+        "iter_times": _iter_times,
+    },
 }
 
 SERVER_SCHEMAS: dict[str, dict[str, Validator]] = {
@@ -163,6 +200,7 @@ SERVER_SCHEMAS: dict[str, dict[str, Validator]] = {
         "reclaim_by_tier": _counts,
         "clients": _clients,
     },
+    "LINKED": {"req_id": _REQ, "interval": _opt_interval, "sharing": _COUNT, "reason": _str(4096)},
     "RECLAIM": {"n": _int(1)},
     "ERROR": {"req_id": _opt_req_id, "field": _str(), "message": _str(4096)},
 }

@@ -155,6 +155,22 @@ class LentPool:
                 self.returned_total += len(chunks)
         return len(chunks)
 
+    def link(self, demand, link_bytes_per_s: float, active: bool = True, timeout: float = 0.2) -> dict | None:
+        """Send ``demand`` (a ``policy.select_n.GpuDemand`` with ``iter_times`` for every
+        interval) and the link bandwidth this process measured, as its demand on the shared
+        host link; returns the arbiter's LINKED answer, or None when it could not be asked
+        (the caller keeps its own limit)."""
+        n = demand.num_layers
+        try:
+            return self.client.link(active=active, num_layers=n, layer_bytes=demand.layer_bytes,
+                                    link_bytes_per_s=link_bytes_per_s,
+                                    min_interval=demand.min_interval,
+                                    iter_times=[demand.iter_times[i] for i in range(1, n + 2)],
+                                    timeout=timeout)  # fmt: skip
+        except ArbiterError as exc:
+            log.warning("lent pool: LINK not answered: %s", exc)
+            return None
+
     def report_due(self, busy: bool) -> bool:
         """Whether ``report`` could send now (the interval passed, or ``busy`` flips): lets the
         caller skip computing the numbers."""

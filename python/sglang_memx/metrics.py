@@ -53,6 +53,7 @@ _HELP = {
     "memx_weights_stall_seconds_total": ("counter", "Time forwards waited for a layer's copy."),
     "memx_weights_hidden_fraction": ("gauge", "Fraction of weight copy time hidden under compute."),
     "memx_weights_decisions_total": ("counter", "Remap controller decisions, by action."),
+    "memx_weights_link_layers": ("gauge", "Layers per iteration the shared host link leaves this server."),
     "memx_host_buffer_logical_bytes": ("gauge", "Host buffer size the SLO rule allows now."),
     "memx_host_buffer_parked_total": ("counter", "Requests whose KV was parked on the host."),
     "memx_host_buffer_restored_total": ("counter", "Parked requests whose KV was fetched back."),
@@ -147,6 +148,8 @@ def _samples(rank: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any], float]
             yield "memx_weights_hidden_fraction", base, w["hidden_fraction"]
         for action, n in sorted(w["decisions"].items()):
             yield "memx_weights_decisions_total", dict(base, action=action), n
+        if w.get("link") is not None and w["link"]["layers"] is not None:
+            yield "memx_weights_link_layers", base, w["link"]["layers"]
     shared = el.get("shared_pool")
     if shared:
         chunk = shared.get("chunk_bytes", el["chunk_bytes"])

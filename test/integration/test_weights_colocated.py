@@ -1,7 +1,8 @@
 """Two servers with remappable weights under one shared pool (--memx-pool): the idle one's
 layers are lent to the busy one's KV through the arbiter and come back when it gets
 traffic; SIGKILL of the lender mid-stream spares the borrower, SIGKILL of the borrower gives
-a (new) lender its layers back, and no chunk leaks.
+a (new) lender its layers back, and no chunk leaks. With a TBT SLO the busy server's demand
+on the shared host link is decided by the arbiter (Select-N's LinkCoordinator).
 
 Tiny 8-layer Llama, float32, 16 KiB chunks: a layer is 145 chunks, a KV group of 32 tokens
 16. The budget (0.045 GB = 2880 chunks) holds both models' weights (2320 chunks) and ~35
@@ -39,7 +40,7 @@ def pair(tmp_path_factory, tiny_model_root):
     name = f"w{os.getpid()}"
     args = COMMON + ["--memx-elastic-kv", "--memx-chunk-kb", "16", "--memx-pool", name, "--memx-pool-budget-gb",
                      "0.045", "--memx-pool-dir", str(pool_dir), "--memx-weights", "remap",
-                     "--memx-weights-idle-after-s", "3"]  # fmt: skip
+                     "--memx-weights-idle-after-s", "3", "--memx-tbt-slo-ms", "5000"]  # fmt: skip
     a = SGLangServer(model, name="wcolo-a", max_total_tokens=4096, extra_args=args)
     b = SGLangServer(model, name="wcolo-b", max_total_tokens=4096, extra_args=args)
     stock = SGLangServer(model, name="wcolo-stock", stock=True, max_total_tokens=4096, extra_args=COMMON)
@@ -72,17 +73,20 @@ def _wait(predicate, timeout=90.0):
 def test_idle_servers_layers_go_to_the_busy_ones_kv_and_come_back_with_traffic(pair):
     a, b, stock = pair["a"], pair["b"], pair["stock"]
     time.sleep(4)  # b has had no request for longer than --memx-weights-idle-after-s
-    lent_seen = []
+    lent_seen, links_seen = [], []
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(_gen, a, PROMPT + f" {i}", 200) for i in range(4)]
         while not all(f.done() for f in futures):
             lent_seen.append(_weights(b)["lent_layers"])
+            links_seen.append(_weights(a)["link"])
             time.sleep(0.5)
         outs = [f.result()["output_ids"] for f in futures]
     assert outs == [_gen(stock, PROMPT + f" {i}", 200)["output_ids"] for i in range(4)]
     wb = _weights(b)
     assert max(lent_seen) > 0 and wb["released_for_peers"] > 0, (lent_seen, wb)  # b lent layers to a's KV
     assert _weights(a)["released_for_peers"] == 0  # a was active: nobody took its layers
+    # while busy, a's demand on the shared host link went through the arbiter (LINK); idle, it withdrew
+    assert any(x is not None and x["interval"] is not None and x["sharing"] >= 1 for x in links_seen), links_seen
     # b gets traffic: it answers as stock while streaming, and its layers come back
     try:
         got = _gen(b, PROMPT, 40)["output_ids"]

@@ -137,6 +137,10 @@ def test_weights_metrics_and_top_columns():
     assert re.search(r"^memx_weights_copy_bytes_total\{.*\} 4194304$", text, re.M)
     assert re.search(r'^memx_weights_decisions_total\{.*action="remap".*\} 6$', text, re.M)
     assert "# TYPE memx_weights_stall_seconds_total counter" in text
+    assert "memx_weights_link_layers" not in text  # no shared link asked
+    linked = dict(WEIGHTS, link={"interval": 2, "sharing": 2, "reason": "2 on the link", "layers": 4})
+    text = render_prometheus({"schedulers": [dict(RANK, elastic_kv=dict(RANK["elastic_kv"], weights=linked))]})
+    assert re.search(r"^memx_weights_link_layers\{.*\} 4$", text, re.M)
     frame = render(
         {"time": time.time(), "pools": [], "servers": [{"url": "http://x", "status": {"schedulers": [rank]}}]}
     )

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import time
 
-from memory_ext.policy.interval_manager import IntervalManager, stream_budget
+from memory_ext.policy.interval_manager import IntervalManager, demand_from_profile, demand_from_timings, stream_budget
 from memory_ext.policy.oneiros import Action, BufferMode, ModelState, OneirosController, RemapDecision, plan_layers
+from memory_ext.policy.select_n import offloaded_layers
 from memory_ext.pool import PoolError
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.eviction import free_groups
@@ -72,8 +73,18 @@ def model_state(w, kv, busy: bool) -> ModelState:
     compute = w.decode_step_s if active else (w.prefill_step_s or w.decode_step_s)
     blocks = max(1, w.store.slot_chunks // kv.buffers.chunks_per_group)
     cap = tbt_cap(w) if active else w.n_layers - 1  # the TBT SLO binds decode steps, not an idle model
+    shared = link_cap(w, kv, active)
+    if shared is not None:
+        cap = min(cap, shared)
     return ModelState(MODEL, w.n_layers, max(w.layer_transfer_s, 1e-9), compute, active, cap,
                       remapped=min(w.alpha, w.n_layers - 1), blocks_per_layer=blocks)  # fmt: skip
+
+
+def _fixed_s(w) -> float:
+    """The part of a decode step outside the decoder layers, as measured (0 until measured)."""
+    if w.decode_step_s is None or w.decode_layer_s is None:
+        return 0.0
+    return max(0.0, w.decode_step_s - w.n_layers * w.decode_layer_s)
 
 
 def tbt_cap(w) -> int:
@@ -87,17 +98,57 @@ def tbt_cap(w) -> int:
         return w.n_layers - 1
     slots = w.depth or 2
     if w.profile is not None:
-        fixed = 0.0
-        if w.decode_step_s is not None and w.decode_layer_s is not None:
-            fixed = max(0.0, w.decode_step_s - w.n_layers * w.decode_layer_s)
-        budget = IntervalManager(w.profile, w.tbt_slo_s, slots, fixed).decide(w.last_decode_batch)
+        budget = IntervalManager(w.profile, w.tbt_slo_s, slots, _fixed_s(w)).decide(w.last_decode_batch)
     elif w.decode_layer_s is None or w.decode_step_s is None:
         return 0
     else:
-        fixed = max(0.0, w.decode_step_s - w.n_layers * w.decode_layer_s)
         budget = stream_budget(w.n_layers, max(w.decode_layer_s, 1e-9), max(w.layer_transfer_s, 1e-9),
-                               w.tbt_slo_s, slots, fixed)  # fmt: skip
+                               w.tbt_slo_s, slots, _fixed_s(w))  # fmt: skip
     return max(0, min(w.n_layers - 1, budget.layers - slots))
+
+
+LINK_POLL_S = 0.5  # an active server re-asks the arbiter for its link share at most this often
+
+
+def link_demand(w):
+    """This server's Select-N demand on the shared host link (``GpuDemand``), from the same
+    numbers as ``tbt_cap``; None while nothing is measured or no TBT SLO is set."""
+    if w.tbt_slo_s is None:
+        return None
+    slots = w.depth or 2
+    if w.profile is not None:
+        manager = IntervalManager(w.profile, w.tbt_slo_s, slots, _fixed_s(w))
+        return demand_from_profile(MODEL, manager, w.last_decode_batch)
+    if w.decode_layer_s is None or w.decode_step_s is None:
+        return None
+    return demand_from_timings(MODEL, w.n_layers, w.layer_bytes, max(w.decode_layer_s, 1e-9),
+                               max(w.layer_transfer_s, 1e-9), w.tbt_slo_s, slots, _fixed_s(w))  # fmt: skip
+
+
+def link_cap(w, kv, active: bool) -> int | None:
+    """Most layers the host link the pool's servers share leaves this one (Select-N §4.5: the
+    arbiter runs ``LinkCoordinator`` over every active server's demand). None: no shared
+    link to ask (private pool, no TBT SLO, nothing measured, or the arbiter did not answer).
+    An inactive server withdraws its demand once."""
+    if kv.lent is None:
+        return None
+    if not active:
+        if w.link_demand is not None:
+            kv.lent.link(w.link_demand, w.layer_bytes / w.layer_transfer_s, active=False)
+            w.link_demand, w.link, w.link_layers = None, None, None
+        return None
+    demand = link_demand(w)
+    if demand is None:
+        return None
+    now = time.monotonic()
+    changed = w.link_demand is None or demand.min_interval != w.link_demand.min_interval
+    if changed or now - w.link_asked_at >= LINK_POLL_S:
+        reply = kv.lent.link(demand, w.layer_bytes / w.layer_transfer_s)
+        w.link_asked_at, w.link_demand, w.link = now, demand, reply
+        w.link_layers = None if reply is None else offloaded_layers(w.n_layers, reply["interval"] or w.n_layers + 1)
+    if w.link_layers is None:
+        return None
+    return max(0, min(w.n_layers - 1, w.link_layers - (w.depth or 2)))
 
 
 def shared_pool_holds(kv, action: Action, active: bool) -> str:

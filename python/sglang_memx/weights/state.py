@@ -40,6 +40,10 @@ class WeightsState:
     last_busy: float = field(default_factory=time.monotonic)
     decisions: dict = field(default_factory=lambda: {"remap": 0, "restore": 0, "hold": 0})
     controller: object = None  # the OneirosController (remap only), built on the first step
+    link_demand: object = None  # shared pool + TBT SLO: the GpuDemand last sent to the arbiter (LINK)
+    link: dict | None = None  # the arbiter's LINKED answer to it (None: not asked / no answer)
+    link_layers: int | None = None  # layers that answer lets stream per iteration
+    link_asked_at: float = 0.0
     last_reason: str = ""
 
     @property
@@ -106,6 +110,7 @@ class WeightsState:
             "profile": None if self.profile is None else self.profile.model,
             "decisions": dict(self.decisions),
             "released_for_peers": self.lent_to_peers,
+            "link": None if self.link is None else dict(self.link, layers=self.link_layers),
             "last_reason": self.last_reason,
             "streamed": sorted(self.store.streamed()),
             "forwards": self.pipeline.forwards,
