@@ -15,7 +15,10 @@ Overload never waits forever:
 * a queued request ``hopeless_after_slo_x`` SLOs past its deadline is shed (``deadline``;
   429): waiting longer cannot save its TTFT;
 * a model whose engine is down refuses new requests and sheds its queue (``engine_down``;
-  HTTP 503).
+  HTTP 503);
+* a model whose engine is restarting keeps queueing (nothing starts until ``engine_up``);
+  a queued request that reaches the hopeless horizon meanwhile is shed as
+  ``engine_restarting`` (HTTP 503) with ``retry_after_s`` = the restart's expected rest.
 
 Every refusal comes with ``retry_after_s``: the expected time until a slot frees, from
 the measured service time of the model's requests.
@@ -33,11 +36,13 @@ from dataclasses import dataclass
 
 from ._checks import check_int as _int
 
-__all__ = ["ModelLimits", "Ticket", "Shed", "Offer", "EdfAdmission", "QUEUE_FULL", "DEADLINE", "ENGINE_DOWN"]
+__all__ = ["ModelLimits", "Ticket", "Shed", "Offer", "EdfAdmission", "QUEUE_FULL", "DEADLINE", "ENGINE_DOWN",
+           "ENGINE_RESTARTING"]  # fmt: skip
 
 QUEUE_FULL = "queue_full"
 DEADLINE = "deadline"
 ENGINE_DOWN = "engine_down"
+ENGINE_RESTARTING = "engine_restarting"
 
 ADMIT = "admit"
 QUEUE = "queue"
@@ -89,7 +94,7 @@ class Ticket:
 @dataclass(frozen=True)
 class Shed:
     ticket: Ticket
-    reason: str  # QUEUE_FULL | DEADLINE | ENGINE_DOWN
+    reason: str  # QUEUE_FULL | DEADLINE | ENGINE_DOWN | ENGINE_RESTARTING
     retry_after_s: float
 
 
@@ -129,9 +134,11 @@ class EdfAdmission:
         self._queued: dict[str, Ticket] = {}
         self._inflight: dict[str, tuple[Ticket, float]] = {}  # rid -> (ticket, start time)
         self._down: set[str] = set()
+        self._restarting: dict[str, float] = {}  # model -> expected time it is back
+        self._now = 0.0  # the latest time passed in (for Retry-After of a restarting engine)
         self._service_s: dict[str, float] = {}
         self.counters = {m: {"accepted": 0, "started": 0, "finished": 0, QUEUE_FULL: 0, DEADLINE: 0,
-                             ENGINE_DOWN: 0, "cancelled": 0} for m in self.models}  # fmt: skip
+                             ENGINE_DOWN: 0, ENGINE_RESTARTING: 0, "cancelled": 0} for m in self.models}  # fmt: skip
 
     # ------------------------------------------------------------------ queries
     def queued(self, model: str | None = None) -> list[Ticket]:
@@ -154,9 +161,16 @@ class EdfAdmission:
     def is_down(self, model: str) -> bool:
         return model in self._down
 
+    def is_restarting(self, model: str) -> bool:
+        return model in self._restarting
+
+    def _tick(self, now: float) -> float:
+        self._now = max(self._now, now)
+        return now
+
     def _has_slot(self, model: str) -> bool:
         lim = self.models[model]
-        if model in self._down or self.inflight(model) >= lim.max_inflight:
+        if model in self._down or model in self._restarting or self.inflight(model) >= lim.max_inflight:
             return False
         cap = self.group_inflight.get(lim.group) if lim.group is not None else None
         return cap is None or self._group_inflight(lim.group) < cap
@@ -165,6 +179,8 @@ class EdfAdmission:
         """Expected seconds until ``model`` could take one more request (at least 1)."""
         if model in self._down:
             return 5.0
+        if model in self._restarting:
+            return float(max(1, min(600, math.ceil(self._restarting[model] - self._now))))
         lim = self.models[model]
         waves = 1 + len(self.queued(model)) // lim.max_inflight
         return float(max(1, min(60, math.ceil(self._service_s.get(model, 1.0) * waves))))
@@ -175,6 +191,7 @@ class EdfAdmission:
                 "queued": len(self.queued(m)),
                 "inflight": self.inflight(m),
                 "down": m in self._down,
+                "state": "down" if m in self._down else "restarting" if m in self._restarting else "up",
                 "service_s": self._service_s.get(m),
                 **self.counters[m],
             }
@@ -199,6 +216,7 @@ class EdfAdmission:
         if rid in self._queued or rid in self._inflight:
             raise ValueError(f"rid {rid!r} is already known")
         lim = self.models[model]
+        self._tick(now)
         self._seq += 1
         t = Ticket(rid, model, now, now + lim.ttft_slo_s, lim.priority if priority is None else priority, self._seq)
         shed = list(self.expire(now))
@@ -238,6 +256,7 @@ class EdfAdmission:
 
     def finish(self, rid: str, now: float) -> tuple[Ticket, ...]:
         """An in-flight request ended (any outcome); returns the requests that start in its place."""
+        self._tick(now)
         entry = self._inflight.pop(rid, None)
         if entry is not None:
             t, start = entry
@@ -255,18 +274,30 @@ class EdfAdmission:
         return t is not None
 
     def expire(self, now: float) -> tuple[Shed, ...]:
-        """Shed queued requests that are ``hopeless_after_slo_x`` SLOs past their deadline."""
+        """Shed queued requests that are ``hopeless_after_slo_x`` SLOs past their deadline (as
+        ``engine_restarting`` when their engine is restarting: it, not the load, kept them)."""
+        self._tick(now)
         if self.hopeless_after_slo_x is None:
             return ()
         late = [t for t in self._queued.values()
                 if now > t.deadline + self.hopeless_after_slo_x * self.models[t.model].ttft_slo_s]  # fmt: skip
-        return tuple(self._shed(t, DEADLINE) for t in late)
+        return tuple(self._shed(t, ENGINE_RESTARTING if t.model in self._restarting else DEADLINE) for t in late)
 
     def engine_down(self, model: str) -> tuple[Shed, ...]:
-        """``model``'s engine is gone: refuse it until ``engine_up``; its queue is shed."""
+        """``model``'s engine is gone for good: refuse it until ``engine_up``; its queue is shed."""
+        self._restarting.pop(model, None)
         self._down.add(model)
         return tuple(self._shed(t, ENGINE_DOWN) for t in self.queued(model))
 
-    def engine_up(self, model: str, now: float) -> tuple[Ticket, ...]:
+    def engine_restarting(self, model: str, now: float, expected_s: float = 5.0) -> None:
+        """``model``'s engine is being restarted, back in about ``expected_s``: its requests queue
+        (within the caps) and nothing of it starts until ``engine_up``; ``expire`` sheds the hopeless."""
+        self._tick(now)
         self._down.discard(model)
+        self._restarting[model] = now + max(0.0, float(expected_s))
+
+    def engine_up(self, model: str, now: float) -> tuple[Ticket, ...]:
+        self._tick(now)
+        self._down.discard(model)
+        self._restarting.pop(model, None)
         return self.dispatch(now)

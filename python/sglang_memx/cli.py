@@ -5,6 +5,7 @@ sglang-memx models path                  print where the embedded model lives
 sglang-memx models tiny --out DIR ...    write a deterministic tiny random model
 sglang-memx status [--url URL]           print a running server's /memx/status
 sglang-memx top [--once] [--url URL ...] live view of every pool and server on this machine
+                 [--router URL]          ... and the models of a `serve` router (placement, state)
 sglang-memx pool list | stop NAME        shared pools (arbiters) on this machine
 sglang-memx serve --config models.yaml   several models behind one OpenAI router (docs/router.md)
 sglang-memx version                      plugin and upstream versions
@@ -87,7 +88,10 @@ def _cmd_top(args) -> int:
     if args.interval <= 0:
         print("sglang-memx top: error: argument --interval: must be positive", file=sys.stderr)
         return 2
-    return run(_pool_dir(args), args.url or [], args.interval, args.once)
+    import os
+
+    api_key = args.api_key or os.environ.get("SGLANG_MEMX_API_KEY") or None
+    return run(_pool_dir(args), args.url or [], args.interval, args.once, routers=args.router or [], api_key=api_key)
 
 
 def _cmd_pool_list(args) -> int:
@@ -202,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     top = sub.add_parser("top", help="live view of every memx pool and server on this machine")
     top.add_argument("--url", action="append", help="also show this server (repeatable)")
+    top.add_argument("--router", action="append", help="an `sglang-memx serve` router: its models, placement and "
+                     "engine states (repeatable)")  # fmt: skip
+    top.add_argument("--api-key", default=None, help="bearer key for routers / servers that need one "
+                     "(default $SGLANG_MEMX_API_KEY)")  # fmt: skip
     top.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     top.add_argument("--pool-dir", default=None, help="pool sockets directory (as --memx-pool-dir)")

@@ -6,6 +6,13 @@ files that servers joining a pool leave there, plus any ``--url`` given.
 Each frame shows, per pool, the budget split between its clients, and per
 server its KV (mapped vs logical bytes, tokens used / capacity), requests,
 and map / unmap counts. ``--once`` prints one frame (for scripts and tests).
+
+``--router URL`` (repeatable) adds an ``sglang-memx serve`` router: its
+``/memx/serve`` gives the served models, their device, engine state (awake /
+starting / restarting / dead; sleeping / waking once sleep / wake lands),
+restarts, router queue / in flight and TTFT; its engines are shown as servers.
+``--api-key`` (or ``SGLANG_MEMX_API_KEY``) is sent as a bearer token to routers
+and servers started with one.
 """
 
 from __future__ import annotations
@@ -42,12 +49,36 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def collect(pool_dir: Path, urls: list[str], timeout: float = 2.0) -> dict[str, Any]:
-    """One snapshot: ``{"pools": [...], "servers": [...]}``; unreachable things carry ``error``."""
+def _get_json(url: str, timeout: float, api_key: str | None = None) -> Any:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def collect(
+    pool_dir: Path,
+    urls: list[str],
+    timeout: float = 2.0,
+    routers: list[str] | None = None,
+    api_key: str | None = None,
+) -> dict[str, Any]:
+    """One snapshot: ``{"pools": [...], "servers": [...], "routers": [...]}``; unreachable things
+    carry ``error``."""
     from memory_ext.pool.arbiter_client import ArbiterError, query_arbiter_status
 
-    pools, servers = [], []
+    pools, servers, routed = [], [], []
     known = {u.rstrip("/"): None for u in urls}
+    for rurl in routers or []:
+        rurl = rurl.rstrip("/")
+        entry = {"url": rurl}
+        try:
+            entry["serve"] = _get_json(rurl + "/memx/serve", timeout, api_key)
+            for m in entry["serve"].get("models", {}).values():
+                if m.get("url"):
+                    known.setdefault(str(m["url"]).rstrip("/"), None)
+        except (OSError, ValueError) as exc:
+            entry["error"] = str(exc)
+        routed.append(entry)
     if pool_dir.is_dir():
         for sock in sorted(pool_dir.glob("*.sock")):
             entry: dict[str, Any] = {"name": sock.stem, "socket": str(sock)}
@@ -66,12 +97,40 @@ def collect(pool_dir: Path, urls: list[str], timeout: float = 2.0) -> dict[str, 
     for url, pool in known.items():
         entry = {"url": url, "pool": pool}
         try:
-            with urllib.request.urlopen(url + "/memx/status", timeout=timeout) as r:
-                entry["status"] = json.load(r)
+            entry["status"] = _get_json(url + "/memx/status", timeout, api_key)
         except (OSError, ValueError) as exc:
             entry["error"] = str(exc)
         servers.append(entry)
-    return {"time": time.time(), "pools": pools, "servers": servers}
+    return {"time": time.time(), "pools": pools, "servers": servers, "routers": routed}
+
+
+def _fmt_s(v) -> str:
+    return "-" if v is None else f"{v * 1000:.0f} ms" if v < 10 else f"{v:.1f} s"
+
+
+def _router_lines(r: dict[str, Any]) -> list[str]:
+    if "error" in r:
+        return [f"  {r['url']:<28} unreachable: {r['error']}"]
+    doc = r["serve"]
+    models, engines = doc.get("models", {}), doc.get("engines", {})
+    adm, measured = doc.get("admission", {}), doc.get("router", {})
+    lines = [f"  {r['url']}  {len(models)} model(s)"]
+    lines.append(f"    {'MODEL':<20} {'DEVICE':<8} {'STATE':<11} {'PID':<8} {'QUEUE':>5} {'RUN':>4} {'RESTARTS':>8}"
+                 f"  {'TTFT':>8} {'SLO':>5}  ENGINE")  # fmt: skip
+    for name, m in models.items():
+        e, a, me = engines.get(name, {}), adm.get(name, {}), measured.get(name, {})
+        state = m.get("state") or e.get("state") or ("awake" if e.get("alive") else "dead")
+        att = me.get("ttft_slo_attainment")
+        restarts = e.get("restarts", 0)
+        line = (f"    {name:<20} {str(m.get('device') or '-'):<8} {state:<11} {str(e.get('pid') or '-'):<8} "
+                f"{a.get('queued', 0):>5} {a.get('inflight', 0):>4} {restarts:>8}  {_fmt_s(me.get('ttft_mean_s')):>8} "
+                f"{'-' if att is None else f'{att:.0%}':>5}  {m.get('url', '')}")  # fmt: skip
+        if e.get("last_exit") and state != "awake":
+            line += f"  ({e['last_exit']})"
+        elif e.get("last_restart_s") is not None:
+            line += f"  (last restart {e['last_restart_s']:.1f} s)"
+        lines.append(line)
+    return lines
 
 
 def render(snap: dict[str, Any]) -> str:
@@ -80,6 +139,11 @@ def render(snap: dict[str, Any]) -> str:
         f"{len(snap['pools'])} pool(s), {len(snap['servers'])} server(s)",
         "",
     ]
+    if snap.get("routers"):
+        lines.append("MODELS (sglang-memx serve)")
+        for r in snap["routers"]:
+            lines += _router_lines(r)
+        lines.append("")
     lines.append("POOLS")
     if not snap["pools"]:
         lines.append("  (none)")
@@ -129,10 +193,18 @@ def render(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(pool_dir: Path, urls: list[str], interval: float, once: bool, frames: int | None = None) -> int:
+def run(
+    pool_dir: Path,
+    urls: list[str],
+    interval: float,
+    once: bool,
+    frames: int | None = None,
+    routers: list[str] | None = None,
+    api_key: str | None = None,
+) -> int:
     shown = 0
     while True:
-        frame = render(collect(pool_dir, urls))
+        frame = render(collect(pool_dir, urls, routers=routers, api_key=api_key))
         if once:
             print(frame)
             return 0

@@ -128,3 +128,25 @@ def test_bad_inputs():
     a.offer("r", "m", 0.0)
     with pytest.raises(ValueError, match="already known"):
         a.offer("r", "m", 0.0)
+
+
+def test_restarting_engine_queues_then_sheds_the_hopeless_as_engine_restarting():
+    from memory_ext.policy.edf_admission import ENGINE_RESTARTING
+
+    a = EdfAdmission({"m": ModelLimits(1.0, max_inflight=2, max_queued=4)}, hopeless_after_slo_x=1.0)
+    a.engine_restarting("m", now=0.0, expected_s=30.0)
+    assert a.offer("r1", "m", 0.0).verdict == "queue" and a.offer("r2", "m", 1.5).verdict == "queue"
+    assert a.retry_after_s("m") == 29.0 and a.snapshot()["m"]["state"] == "restarting"  # ceil(30 - 1.5)
+    shed = a.expire(2.5)  # r1 is past deadline + 1 SLO; r2 not yet
+    assert [(s.ticket.rid, s.reason) for s in shed] == [("r1", ENGINE_RESTARTING)]
+    assert 27.0 <= shed[0].retry_after_s <= 28.0  # the restart's expected rest
+    assert [t.rid for t in a.engine_up("m", 3.0)] == ["r2"]  # back: the queue starts
+    assert a.counters["m"][ENGINE_RESTARTING] == 1 and a.snapshot()["m"]["state"] == "up"
+
+
+def test_restarting_then_dead_sheds_the_queue_as_engine_down():
+    a = EdfAdmission({"m": ModelLimits(1.0, max_inflight=1, max_queued=4)})
+    a.engine_restarting("m", 0.0)
+    a.offer("r1", "m", 0.0)
+    assert [(s.ticket.rid, s.reason) for s in a.engine_down("m")] == [("r1", ENGINE_DOWN)]
+    assert not a.is_restarting("m") and a.offer("r2", "m", 0.1).verdict == "reject"

@@ -17,15 +17,15 @@ import asyncio
 import itertools
 import time
 
-from memory_ext.policy.edf_admission import ENGINE_DOWN, EdfAdmission, ModelLimits
+from memory_ext.policy.edf_admission import ENGINE_DOWN, ENGINE_RESTARTING, EdfAdmission, ModelLimits
 
 from .config import ServeConfig
 
 __all__ = ["Rejected", "AdmissionGate", "policy_from_config", "STATUS"]
 
 # HTTP status of each refusal reason: a full queue or a hopeless deadline is "slow down"
-# (429), a dead engine is "unavailable" (503). All carry Retry-After.
-STATUS = {ENGINE_DOWN: 503}
+# (429), a dead or restarting engine is "unavailable" (503). All carry Retry-After.
+STATUS = {ENGINE_DOWN: 503, ENGINE_RESTARTING: 503}
 
 
 class Rejected(Exception):
@@ -108,8 +108,15 @@ class AdmissionGate:
     def engine_down(self, model: str) -> None:
         self._shed(self.policy.engine_down(model))
 
+    def engine_restarting(self, model: str, expected_s: float = 5.0) -> None:
+        self.policy.engine_restarting(model, self.clock(), expected_s)
+
     def engine_up(self, model: str) -> None:
         self._wake(self.policy.engine_up(model, self.clock()))
+
+    def state(self, model: str) -> str:
+        """``up`` / ``restarting`` / ``down`` as admission sees the model."""
+        return "down" if self.policy.is_down(model) else "restarting" if self.policy.is_restarting(model) else "up"
 
     def retry_after_s(self, model: str) -> float:
         return self.policy.retry_after_s(model)

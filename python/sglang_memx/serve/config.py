@@ -54,6 +54,7 @@ LAUNCHER_FLAGS = (
     "--memx-pool-budget-gb",
     "--memx-pool-dir",
     "--memx-disable",
+    "--api-key",
 )
 
 # The model name is the OpenAI ``model`` id and a URL path segment prefix (/models/<name>/...).
@@ -108,7 +109,9 @@ class RouterConfig:
     """The OpenAI-compatible front: where it listens and how it admits.
 
     ``hopeless_after_slo_x``: a queued request is shed once it has waited this many times
-    its model's TTFT SLO past its deadline (it could only ever miss).
+    its model's TTFT SLO past its deadline (it could only ever miss). ``api_key``: every
+    route but /health needs ``Authorization: Bearer <key>``; the engines get it as
+    ``--api-key`` (None: no key).
     """
 
     host: str = "127.0.0.1"
@@ -117,16 +120,21 @@ class RouterConfig:
     max_inflight_per_engine: int = 8
     hopeless_after_slo_x: float = 4.0
     request_timeout_s: float = 600.0
+    api_key: str | None = None
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """How engines are started: logs, pool sockets, start-up timeout, extra memx flags for all."""
+    """How engines are started: logs, pool sockets, start-up timeout, extra memx flags for all,
+    and how a dead engine is restarted (``launcher.RestartPolicy``)."""
 
     log_dir: str | None = None  # None: ./sglang-memx-serve-logs
     pool_dir: str | None = None  # None: memx's default pool directory
     startup_timeout_s: float = 600.0
     memx_args: tuple[str, ...] = ()
+    max_restarts: int = 3  # restart attempts within restart_window_s; then the engine stays dead
+    restart_backoff_s: float = 1.0  # before the first attempt, doubling (at most 30 s)
+    restart_window_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -260,6 +268,7 @@ _ROUTER_SPEC = {
     "max_inflight_per_engine": (lambda p, v: _int(p, v, 1), False),
     "hopeless_after_slo_x": (_pos, False),
     "request_timeout_s": (_pos, False),
+    "api_key": (_opt(_str), False),
 }
 
 _LAUNCH_SPEC = {
@@ -267,6 +276,9 @@ _LAUNCH_SPEC = {
     "pool_dir": (_opt(_str), False),
     "startup_timeout_s": (_pos, False),
     "memx_args": (_args, False),
+    "max_restarts": (lambda p, v: _int(p, v, 0, 100), False),
+    "restart_backoff_s": (_pos, False),
+    "restart_window_s": (_pos, False),
 }
 
 _TOP_SPEC = {

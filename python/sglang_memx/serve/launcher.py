@@ -15,6 +15,14 @@ Invariants:
   group) and gets SIGTERM if this process dies (``PR_SET_PDEATHSIG``). ``stop_all`` kills
   every group and stops the pool arbiters the engines started: after it returns, no
   process this launcher started is running.
+* Health (``Launcher.supervise``): one supervisor thread polls every engine; an engine
+  whose process exited (crash, SIGKILL, OOM kill) is cleaned up (its process group is
+  killed, the pool's arbiter frees its chunks when its socket closes) and started again
+  with the same command line on the same port after a backoff (``RestartPolicy``:
+  exponential, at most ``max_restarts`` attempts within ``window_s``, then the engine is
+  ``dead``). Every restart, failure and its duration is logged and counted. The supervisor
+  thread is also the one that spawns restarted engines and lives until ``stop_all``
+  (``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits).
 """
 
 from __future__ import annotations
@@ -25,16 +33,25 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ServeConfig
 from .placement import GIB, Placement
 
-__all__ = ["EngineSpec", "engine_specs", "default_pool_dir", "Engine", "Launcher", "EngineStartError"]
+__all__ = ["EngineSpec", "engine_specs", "default_pool_dir", "Engine", "Launcher", "EngineStartError",
+           "RestartPolicy", "RestartBudget", "ENGINE_STATES", "STARTING", "AWAKE", "RESTARTING", "DEAD",
+           "SLEEPING", "WAKING", "describe_exit"]  # fmt: skip
+
+# Engine states, as /memx/serve, `sglang-memx top` and the router's metrics show them.
+STARTING, AWAKE, RESTARTING, DEAD = "starting", "awake", "restarting", "dead"
+SLEEPING, WAKING = "sleeping", "waking"  # reserved for sleep / wake (issue 17 item 3): never set here yet
+ENGINE_STATES = (STARTING, AWAKE, SLEEPING, WAKING, RESTARTING, DEAD)
 
 CPU_DEFAULTS = {
     "--attention-backend": "torch_native",
@@ -75,6 +92,57 @@ class EngineSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a dead engine is brought back: the k-th attempt within ``window_s`` waits
+    ``min(backoff_max_s, backoff_s * 2**k)`` first; after ``max_restarts`` attempts within
+    the window the engine is left ``dead`` (``max_restarts=0``: never restart)."""
+
+    max_restarts: int = 3
+    window_s: float = 600.0
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+
+    def __post_init__(self):
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        for name in ("window_s", "backoff_s", "backoff_max_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+
+
+class RestartBudget:
+    """The attempts of one engine within the policy's window (pure: time is passed in)."""
+
+    def __init__(self, policy: RestartPolicy):
+        self.policy = policy
+        self.attempts: deque[float] = deque()
+
+    def next_delay(self, now: float) -> float | None:
+        """Seconds to wait before the next attempt, or None when the budget is spent."""
+        while self.attempts and now - self.attempts[0] > self.policy.window_s:
+            self.attempts.popleft()
+        k = len(self.attempts)
+        if k >= self.policy.max_restarts:
+            return None
+        return min(self.policy.backoff_max_s, self.policy.backoff_s * (2**k))
+
+    def record(self, now: float) -> None:
+        self.attempts.append(now)
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
 def _has(args, flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
@@ -100,8 +168,10 @@ def engine_specs(
     ports: dict[str, int] | None = None,
     python: str = sys.executable,
     log_dir: str | None = None,
+    api_key: str | None = None,
 ) -> list[EngineSpec]:
-    """The command line and environment of every engine, in config order."""
+    """The command line and environment of every engine, in config order (``api_key``:
+    upstream's ``--api-key``, so the engines answer only the router)."""
     log_root = Path(log_dir or config.launch.log_dir or "sglang-memx-serve-logs")
     pool_dir = config.launch.pool_dir or default_pool_dir()
     cuda_seen = 0
@@ -142,6 +212,8 @@ def engine_specs(
             env["CUDA_VISIBLE_DEVICES"] = str(cuda_index[dev.name])
         args += ["--memx-elastic-kv", "--memx-pool", pool, "--memx-pool-budget-gb",
                  repr(plan.pool_budget_bytes / GIB), "--memx-pool-dir", pool_dir]  # fmt: skip
+        if api_key:
+            args += ["--api-key", api_key]
         args += list(config.launch.memx_args) + list(m.server_args)
         log = log_root / f"{m.name.replace('/', '_')}.log"
         specs.append(EngineSpec(m.name, dev.name, pool, pool_dir, port, tuple(args), env, str(log)))
@@ -164,6 +236,16 @@ class Engine:
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
         self._log = None
+        self.state = STARTING
+        self.restarts = 0  # successful restarts
+        self.restart_failures = 0  # attempts that exited or never became healthy
+        self.restart_seconds_total = 0.0  # death noticed -> healthy again, summed over restarts
+        self.last_restart_s: float | None = None
+        self.last_exit: str | None = None  # how the engine last died
+        self.budget: RestartBudget | None = None
+        self._down_since: float | None = None
+        self._try_at: float | None = None
+        self._ready_by: float | None = None
 
     @property
     def url(self) -> str:
@@ -174,9 +256,12 @@ class Engine:
         argv[argv.index("--port") + 1] = str(self.port)
         return argv
 
-    def start(self) -> None:
+    def start(self, append: bool = False) -> None:
         Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.spec.log_path, "w")
+        self._log = open(self.spec.log_path, "a" if append else "w")
+        if append:  # a restart: keep the crash above
+            self._log.write(f"\n===== sglang-memx serve: restart of {self.spec.model} at {time.ctime()} =====\n")
+            self._log.flush()
         self._t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self._argv(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
@@ -184,15 +269,37 @@ class Engine:
         )  # fmt: skip
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        proc = self.proc  # read once: the supervisor thread may replace it meanwhile
+        return proc is not None and proc.poll() is None
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
+        proc = self.proc
+        return proc.pid if proc is not None else None
 
-    def healthy(self) -> bool:
+    def expected_ready_s(self) -> float:
+        """How long a (re)start is expected to take: the last restart's, else the first start's."""
+        return self.last_restart_s or self.startup_s or 30.0
+
+    def info(self) -> dict:
+        return {
+            "pid": self.pid,
+            "port": self.port,
+            "url": self.url,
+            "state": self.state,
+            "alive": self.alive(),
+            "startup_s": self.startup_s,
+            "restarts": self.restarts,
+            "restart_failures": self.restart_failures,
+            "restart_seconds_total": self.restart_seconds_total,
+            "last_restart_s": self.last_restart_s,
+            "last_exit": self.last_exit,
+            "expected_ready_s": self.expected_ready_s(),
+        }
+
+    def healthy(self, timeout: float = 5.0) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
@@ -265,6 +372,7 @@ class Launcher:
                                                f"start-up; log {e.spec.log_path}:\n{e.log_tail()}")  # fmt: skip
                     if e.healthy():
                         e.startup_s = time.monotonic() - e._t0
+                        e.state = AWAKE
                         self._log(f"sglang-memx serve: {name} ready at {e.url} in {e.startup_s:.1f} s")
                         del waiting[name]
                 if waiting and time.monotonic() > deadline:
@@ -279,7 +387,95 @@ class Launcher:
     def dead(self) -> list[str]:
         return [n for n, e in self.engines.items() if not e.alive()]
 
+    # ------------------------------------------------------------------ health
+    def supervise(self, policy: RestartPolicy | None = None, startup_timeout_s: float = 600.0,
+                  interval_s: float = 0.2, clock=time.monotonic) -> None:  # fmt: skip
+        """Start the supervisor thread (after ``start_all``): dead engines are restarted."""
+        self.configure_restarts(policy, startup_timeout_s, clock)
+        self._stop_evt = threading.Event()
+        self._thread = threading.Thread(target=self._supervise_loop, args=(interval_s,), name="memx-serve-supervisor",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def configure_restarts(self, policy: RestartPolicy | None, startup_timeout_s: float, clock=time.monotonic):
+        self._policy = policy or RestartPolicy()
+        self._startup_timeout_s = startup_timeout_s
+        self._clock = clock
+        for e in self.engines.values():
+            if e.budget is None:
+                e.budget = RestartBudget(self._policy)
+
+    def _supervise_loop(self, interval_s: float) -> None:
+        while not self._stop_evt.wait(interval_s):
+            try:
+                self.tick(self._clock())
+            except Exception as exc:  # never let the supervisor die: log and go on
+                self._log(f"sglang-memx serve: supervisor error: {type(exc).__name__}: {exc}")
+
+    def tick(self, now: float) -> None:
+        """One supervision step over every engine (the thread calls it; tests call it directly)."""
+        for e in self.engines.values():
+            if getattr(self, "_stop_evt", None) is not None and self._stop_evt.is_set():
+                return
+            self._tick_engine(e, now)
+
+    def _schedule(self, e: Engine, now: float) -> None:
+        delay = e.budget.next_delay(now)
+        if delay is None:
+            e.state = DEAD
+            e._try_at = None
+            n = len(e.budget.attempts)
+            self._log(f"sglang-memx serve: {e.spec.model} is dead: {n} restart attempt(s) within "
+                      f"{self._policy.window_s:g} s; not restarting it again (log {e.spec.log_path})")  # fmt: skip
+            return
+        e._try_at = now + delay
+        self._log(f"sglang-memx serve: restarting {e.spec.model} in {delay:g} s (attempt "
+                  f"{len(e.budget.attempts) + 1} of {self._policy.max_restarts})")  # fmt: skip
+
+    def _tick_engine(self, e: Engine, now: float) -> None:
+        name = e.spec.model
+        if e.state == AWAKE:
+            if e.alive():
+                return
+            e.last_exit = describe_exit(e.proc.returncode if e.proc is not None else None)
+            self._log(f"sglang-memx serve: {name} (pid {e.pid}, port {e.port}) {e.last_exit}; log tail:\n"
+                      f"{e.log_tail(10)}")  # fmt: skip
+            e.stop(grace_s=2.0)  # its scheduler / detokenizer leftovers
+            e.state = RESTARTING
+            e._down_since = now
+            self._schedule(e, now)
+        elif e.state == RESTARTING:
+            if e.proc is None:
+                if e._try_at is not None and now >= e._try_at:
+                    e.budget.record(now)
+                    e.start(append=True)
+                    e._ready_by = now + self._startup_timeout_s
+                    self._log(f"sglang-memx serve: started {name} again (pid {e.pid}, port {e.port})")
+                return
+            if not e.alive() or now > e._ready_by:
+                why = describe_exit(e.proc.returncode) if not e.alive() else "not healthy in time"
+                e.restart_failures += 1
+                self._log(f"sglang-memx serve: restart of {name} failed ({why}); log tail:\n{e.log_tail(10)}")
+                e.stop(grace_s=2.0)
+                self._schedule(e, now)
+            elif e.healthy(timeout=1.0):
+                took = now - e._down_since
+                e.restarts += 1
+                e.restart_seconds_total += took
+                e.last_restart_s = took
+                e.state = AWAKE
+                self._log(f"sglang-memx serve: {name} restarted at {e.url} in {took:.1f} s "
+                          f"(restart {e.restarts})")  # fmt: skip
+
+    def stop_supervising(self) -> None:
+        evt, thread = getattr(self, "_stop_evt", None), getattr(self, "_thread", None)
+        if evt is not None:
+            evt.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=30)
+
     def stop_all(self) -> None:
+        self.stop_supervising()
         for e in self.engines.values():
             if e.alive():
                 try:

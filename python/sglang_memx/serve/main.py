@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="router port (overrides router.port)")
     p.add_argument("--log-dir", default=None, help="engine logs (overrides launch.log_dir)")
     p.add_argument("--dry-run", action="store_true", help="validate, place, print the engine commands, exit")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
+                   "(overrides router.api_key; the engines get it as --api-key)")  # fmt: skip
 
 
 def _log(msg: str) -> None:
@@ -45,11 +47,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from .launcher import EngineStartError, Launcher, engine_specs
 
-    specs = engine_specs(config, placement, run_id=str(os.getpid()), log_dir=args.log_dir)
+    api_key = getattr(args, "api_key", None) or config.router.api_key
+    specs = engine_specs(config, placement, run_id=str(os.getpid()), log_dir=args.log_dir, api_key=api_key)
     _log("sglang-memx serve: placement (FineServe Alg. 1)\n" + placement.describe())
     if args.dry_run:
         for s in specs:
-            print(json.dumps({"model": s.model, "device": s.device, "pool": s.pool, "env": s.env, "argv": s.argv}))
+            argv = [("***" if api_key and a == api_key else a) for a in s.argv]  # never print the key
+            print(json.dumps({"model": s.model, "device": s.device, "pool": s.pool, "env": s.env, "argv": argv}))
         return 0
 
     host = args.host or config.router.host
@@ -69,7 +73,14 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     try:
         launcher.start_all(config.launch.startup_timeout_s)
-        _serve_router(config, placement, launcher, host, port)
+        from .launcher import RestartPolicy
+
+        launcher.supervise(RestartPolicy(max_restarts=config.launch.max_restarts,
+                                         window_s=config.launch.restart_window_s,
+                                         backoff_s=config.launch.restart_backoff_s,
+                                         backoff_max_s=max(30.0, config.launch.restart_backoff_s)),
+                           startup_timeout_s=config.launch.startup_timeout_s)  # fmt: skip
+        _serve_router(config, placement, launcher, host, port, api_key)
     except EngineStartError as exc:
         print(f"sglang-memx serve: error: {exc}", file=sys.stderr)
         return 1
@@ -102,14 +113,15 @@ class _Stop(Exception):
         super().__init__(signum)
 
 
-def _serve_router(config, placement, launcher, host: str, port: int) -> None:
+def _serve_router(config, placement, launcher, host: str, port: int, api_key: str | None = None) -> None:
     import uvicorn
 
     from .admission import AdmissionGate, policy_from_config
     from .router import EngineRoute, build_app
 
     device_of = {n: pm.device for n, pm in placement.models.items()}
-    routes = {m.name: EngineRoute(m.name, launcher.engines[m.name].url, m.path, device_of[m.name])
+    routes = {m.name: EngineRoute(m.name, launcher.engines[m.name].url, m.path, device_of[m.name],
+                                  None if m.tpot_slo_ms is None else m.tpot_slo_ms / 1000.0)
               for m in config.models}  # fmt: skip
     gate = AdmissionGate(policy_from_config(config, device_of))
     started = time.time()
@@ -119,12 +131,11 @@ def _serve_router(config, placement, launcher, host: str, port: int) -> None:
             "started_at": started,
             "engines": {
                 n: {
-                    "pid": e.pid,
-                    "alive": e.alive(),
+                    **e.info(),
+                    "device": e.spec.device,
                     "pool": e.spec.pool,
                     "pool_dir": e.spec.pool_dir,
                     "log": e.spec.log_path,
-                    "startup_s": e.startup_s,
                 }
                 for n, e in launcher.engines.items()
             },  # fmt: skip
@@ -135,7 +146,8 @@ def _serve_router(config, placement, launcher, host: str, port: int) -> None:
         }
 
     app = build_app(routes, gate, alive=lambda n: launcher.engines[n].alive(),
-                    request_timeout_s=config.router.request_timeout_s, status=status)  # fmt: skip
+                    engine_state=lambda n: launcher.engines[n].state, engine_info=lambda n: launcher.engines[n].info(),
+                    api_key=api_key, request_timeout_s=config.router.request_timeout_s, status=status)  # fmt: skip
     _log(f"sglang-memx serve: router on http://{host}:{port} for {', '.join(routes)}")
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     server.run()

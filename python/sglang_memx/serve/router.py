@@ -10,8 +10,9 @@ Routes:
   ``RuntimeEndpoint("http://router/models/<name>")`` calls ``get_model_info``,
   ``generate``, ``flush_cache``, ``server_info``... under that prefix. Model names may hold
   ``/``; the longest served name that prefixes the path wins.
-* ``GET /health`` (200 when every engine is up, else 503), ``GET /memx/serve`` (placement,
-  engines, admission counters).
+* ``GET /health`` (200 when every engine is awake, else 503), ``GET /memx/serve``
+  (placement, engines and their state, admission counters, router measurements),
+  ``GET /metrics`` (Prometheus, ``memx_router_*``; ``serve/metrics.py``).
 
 Invariants:
 
@@ -19,16 +20,29 @@ Invariants:
   ``/v1/...``) pass the admission gate before reaching the engine and hold their slot
   until the last byte of the response; other native calls pass straight through.
 * Responses stream through chunk by chunk (SSE included) with the engine's status and
-  content type; nothing is buffered whole.
+  content type; nothing is buffered whole. The router waits for the engine's first chunk
+  before it answers (that instant is the TTFT it measures), so until then nothing has
+  reached the client and a failed engine can still be retried.
 * A refusal is an OpenAI-style error with ``Retry-After`` (429 queue full / hopeless
-  deadline, 503 engine down); a request never hangs on a dead engine (the monitor marks
-  it down within ``monitor_interval_s``; a broken connection ends the response).
+  deadline, 503 engine down or restarting); a request never hangs on a dead engine (the
+  connection breaks at once; the monitor sees the engine's state within
+  ``monitor_interval_s``).
+* Engine failure of an in-flight request: before any byte was sent it is retried once,
+  after the engine restarted (it waits in the admission queue like a new request, within
+  the same horizon, else 503 ``engine_restarting``); a native call that is not a
+  generation ends with 503. After bytes were sent an SSE stream ends with a
+  ``data: {"error": ...}`` event and any other body is cut (the connection is aborted, the
+  client sees an incomplete response rather than a truncated one that looks whole).
+* With an API key every route but ``/health`` needs ``Authorization: Bearer <key>`` (401,
+  OpenAI-style error, otherwise); the router sends the key to the engines (started with
+  upstream's ``--api-key``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import math
 import time
@@ -41,13 +55,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from .admission import AdmissionGate, Rejected
+from .metrics import CONTENT_TYPE, RouterMetrics
 
-__all__ = ["EngineRoute", "build_app", "error_response"]
+__all__ = ["EngineRoute", "build_app", "error_response", "ENGINE_STATES"]
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server", "upgrade", "te",
         "trailer", "proxy-authenticate", "proxy-authorization", "host"}  # fmt: skip
-_ERROR_TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_exceeded",
-               502: "engine_error", 503: "service_unavailable"}  # fmt: skip
+_ERROR_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               429: "rate_limit_exceeded", 502: "engine_error", 503: "service_unavailable",
+               504: "engine_error"}  # fmt: skip
+
+# The launcher's engine states (``launcher.ENGINE_STATES``; not imported: the router runs without it).
+AWAKE, DEAD = "awake", "dead"
+ENGINE_STATES = ("starting", "awake", "sleeping", "waking", "restarting", "dead")
 
 
 @dataclass(frozen=True)
@@ -56,11 +76,14 @@ class EngineRoute:
     url: str  # the engine's base URL
     path: str  # the model's checkpoint directory (shown in /v1/models)
     device: str | None = None
+    tpot_slo_s: float | None = None  # the model's TPOT SLO (metrics; admission uses the TTFT SLO)
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
-                   retry_after_s: float | None = None) -> JSONResponse:  # fmt: skip
-    headers = {} if retry_after_s is None else {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+                   retry_after_s: float | None = None, headers: dict | None = None) -> JSONResponse:  # fmt: skip
+    headers = dict(headers or {})
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
     body = {"error": {"message": message, "type": _ERROR_TYPE.get(status, "error"), "param": param,
                       "code": code or str(status)}}  # fmt: skip
     return JSONResponse(body, status_code=status, headers=headers)
@@ -71,6 +94,7 @@ def _rejected(exc: Rejected) -> JSONResponse:
         "queue_full": f"model {exc.model!r} is overloaded: its queue is full",
         "deadline": f"model {exc.model!r} is overloaded: the request waited far past its TTFT SLO",
         "engine_down": f"model {exc.model!r} is unavailable: its engine is down",
+        "engine_restarting": f"model {exc.model!r} is unavailable: its engine is restarting",
     }.get(exc.reason, exc.reason)
     return error_response(exc.status, text, code=exc.reason, retry_after_s=exc.retry_after_s)
 
@@ -79,32 +103,85 @@ def _admitted(method: str, sub: str) -> bool:
     return method == "POST" and (sub == "/generate" or sub.startswith("/v1/"))
 
 
+def _sse_events(chunk: bytes) -> int:
+    """SSE data events in ``chunk`` that carry output (``[DONE]`` excluded); approximate when an
+    event straddles two chunks (it then counts in the chunk holding its ``data:``)."""
+    return chunk.count(b"data:") - chunk.count(b"data: [DONE]")
+
+
+class _ApiKeyGate:
+    """ASGI middleware: every HTTP route but /health needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                why = "no API key given" if not got else "incorrect API key"
+                resp = error_response(401, f"{why}: send 'Authorization: Bearer <key>' (the router's api_key)",
+                                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _EngineFailedMidBody(Exception):
+    """Raised inside a non-SSE body after bytes were sent: the server aborts the connection."""
+
+
 def build_app(
     routes: dict[str, EngineRoute],
     gate: AdmissionGate,
     alive: Callable[[str], bool] = lambda name: True,
     *,
+    engine_state: Callable[[str], str] | None = None,
+    engine_info: Callable[[str], dict] | None = None,
+    api_key: str | None = None,
     request_timeout_s: float = 600.0,
     monitor_interval_s: float = 0.25,
+    failure_detect_s: float = 2.0,
     status: Callable[[], dict] | None = None,
     client_kwargs: dict | None = None,
 ) -> FastAPI:
-    """The router app over ``routes`` (model name -> engine). ``alive(name)`` is polled by a
-    monitor; ``client_kwargs`` go to ``httpx.AsyncClient`` (tests pass in-process transports)."""
+    """The router app over ``routes`` (model name -> engine).
+
+    ``engine_state(name)`` (one of ``ENGINE_STATES``; default: ``awake`` / ``dead`` from
+    ``alive(name)``) is polled by a monitor and before each request; ``engine_info(name)``
+    (restarts, ...) feeds ``/metrics``; ``failure_detect_s``: how long a request whose
+    engine connection broke waits to see the engine leave ``awake`` before it is retried
+    (else it ends with 502); ``client_kwargs`` go to ``httpx.AsyncClient`` (tests pass
+    in-process transports)."""
     created = int(time.time())
     by_length = sorted(routes, key=len, reverse=True)
-    state: dict = {"down": set()}
+    state_of = engine_state or (lambda name: AWAKE if alive(name) else DEAD)
+    info_of = engine_info or (lambda name: {})
+    known: dict[str, str] = {}  # the engine state the gate was last told
+    metrics = RouterMetrics(routes)
+    state: dict = {}
+
+    def expected_ready_s(name: str) -> float:
+        return float(info_of(name).get("expected_ready_s") or 5.0)
+
+    def sync(name: str) -> str:
+        """Tell the gate the engine's current state (when it changed); returns it."""
+        st = state_of(name)
+        if known.get(name) != st:
+            known[name] = st
+            if st == AWAKE:
+                gate.engine_up(name)
+            elif st == DEAD:
+                gate.engine_down(name)
+            else:  # starting / restarting / sleeping / waking: requests wait for it
+                gate.engine_restarting(name, expected_ready_s(name))
+        return st
 
     async def monitor():
         while True:
             for name in routes:
-                ok = alive(name)
-                if not ok and name not in state["down"]:
-                    state["down"].add(name)
-                    gate.engine_down(name)
-                elif ok and name in state["down"]:
-                    state["down"].discard(name)
-                    gate.engine_up(name)
+                sync(name)
             gate.expire()
             await asyncio.sleep(monitor_interval_s)
 
@@ -121,46 +198,123 @@ def build_app(
                 task.cancel()
 
     app = FastAPI(title="sglang-memx router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    if api_key:
+        app.add_middleware(_ApiKeyGate, api_key=api_key)
+
+    def refuse(name: str, resp: JSONResponse, reason: str) -> JSONResponse:
+        metrics.shed_one(name, reason)
+        metrics.response(name, resp.status_code)
+        return resp
+
+    async def engine_failed(name: str) -> bool:
+        """True when the engine left ``awake`` (died) within ``failure_detect_s``."""
+        deadline = time.monotonic() + failure_detect_s
+        while True:
+            if sync(name) != AWAKE:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
 
     async def forward(name: str, method: str, sub: str, request: Request, body: bytes) -> Response:
+        arrival = time.monotonic()
         route = routes[name]
-        if name in state["down"] or not alive(name):
-            return error_response(503, f"model {name!r} is unavailable: its engine is down", code="engine_down",
-                                  retry_after_s=gate.retry_after_s(name))  # fmt: skip
+        admitted = _admitted(method, sub)
+        st = sync(name)
+        if st == DEAD:
+            return refuse(name, error_response(503, f"model {name!r} is unavailable: its engine is down",
+                                               code="engine_down", retry_after_s=gate.retry_after_s(name)),
+                          "engine_down")  # fmt: skip
+        if st != AWAKE and not admitted:
+            return refuse(name, error_response(503, f"model {name!r} is unavailable: its engine is {st}",
+                                               code="engine_restarting", retry_after_s=gate.retry_after_s(name)),
+                          "engine_restarting")  # fmt: skip
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        if api_key:
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers["Authorization"] = f"Bearer {api_key}"
+        client: httpx.AsyncClient = state["client"]
         rid = None
-        if _admitted(method, sub):
-            try:
-                rid = await gate.enter(name)
-            except Rejected as exc:
-                return _rejected(exc)
 
         def release():
+            nonlocal rid
             if rid is not None:
                 gate.leave(rid)
+                rid = None
 
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        client: httpx.AsyncClient = state["client"]
-        url = route.url + sub
-        try:
-            upstream = await client.send(
-                client.build_request(method, url, content=body, headers=headers, params=request.query_params),
-                stream=True,
-            )
-        except httpx.HTTPError as exc:
-            release()
-            return error_response(503, f"model {name!r}: engine unreachable ({type(exc).__name__})",
-                                  code="engine_down", retry_after_s=gate.retry_after_s(name))  # fmt: skip
+        for attempt in (0, 1):
+            if admitted:
+                try:
+                    rid = await gate.enter(name)
+                except Rejected as exc:
+                    if attempt:
+                        metrics.retry(name, "shed")
+                    return refuse(name, _rejected(exc), exc.reason)
+            upstream = None
+            try:
+                upstream = await client.send(
+                    client.build_request(method, route.url + sub, content=body, headers=headers,
+                                         params=request.query_params),
+                    stream=True,
+                )  # fmt: skip
+                body_iter = upstream.aiter_raw()
+                try:
+                    first = await body_iter.__anext__()
+                except StopAsyncIteration:
+                    first = b""
+                break
+            except httpx.HTTPError as exc:
+                if upstream is not None:
+                    await upstream.aclose()
+                release()
+                metrics.engine_failure(name, streamed=False)
+                if isinstance(exc, httpx.TimeoutException):
+                    return refuse(name, error_response(504, f"model {name!r}: the engine did not answer within "
+                                                            f"{request_timeout_s:g} s", code="engine_timeout"),
+                                  "engine_timeout")  # fmt: skip
+                died = await engine_failed(name)
+                if attempt == 0 and died and admitted:
+                    continue  # nothing reached the client: once more, after the restart
+                if attempt:
+                    metrics.retry(name, "failed")
+                if died:
+                    st = sync(name)
+                    code = "engine_down" if st == DEAD else "engine_restarting"
+                    msg = f"model {name!r}: its engine failed during the request ({type(exc).__name__}); it is {st}"
+                    return refuse(name, error_response(503, msg, code=code, retry_after_s=gate.retry_after_s(name)),
+                                  code)  # fmt: skip
+                msg = f"model {name!r}: the engine broke the connection ({type(exc).__name__})"
+                return refuse(name, error_response(502, msg, code="engine_error"), "engine_error")
+        if attempt:
+            metrics.retry(name, "ok")
+        t_first = time.monotonic()
+        ok = upstream.status_code < 400
+        if admitted and ok:
+            metrics.observe_ttft(name, t_first - arrival, gate.policy.models[name].ttft_slo_s)
+        metrics.response(name, upstream.status_code)
         sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
         async def chunks():
+            events, t_last = _sse_events(first), t_first
             try:
-                async for chunk in upstream.aiter_raw():
+                if first:
+                    yield first
+                async for chunk in body_iter:
+                    n = _sse_events(chunk)
+                    if n:
+                        events, t_last = events + n, time.monotonic()
                     yield chunk
             except httpx.HTTPError as exc:  # the engine died mid-response
-                if sse:
-                    err = {"error": {"message": f"engine of {name!r} failed mid-stream: {type(exc).__name__}",
-                                     "type": "engine_error", "code": "engine_down"}}  # fmt: skip
-                    yield f"data: {json.dumps(err)}\n\n".encode()
+                metrics.engine_failure(name, streamed=True)
+                metrics.shed_one(name, "engine_failed_mid_response")
+                if not sse:
+                    raise _EngineFailedMidBody(f"engine of {name!r} failed mid-response: {type(exc).__name__}") from exc
+                err = {"error": {"message": f"engine of {name!r} failed mid-stream: {type(exc).__name__}",
+                                 "type": "engine_error", "param": None, "code": "engine_down"}}  # fmt: skip
+                yield f"data: {json.dumps(err)}\n\n".encode()
+            else:
+                if sse and admitted and ok and events > 1:
+                    metrics.observe_tpot(name, (t_last - t_first) / (events - 1), route.tpot_slo_s)
             finally:
                 await upstream.aclose()
                 release()
@@ -194,8 +348,8 @@ def build_app(
         if not isinstance(model, str) or not model:
             return error_response(400, "the request needs a 'model' field naming a served model", param="model")
         if model not in routes:
-            known = ", ".join(routes)
-            return error_response(404, f"the model {model!r} does not exist (served: {known})",
+            known_models = ", ".join(routes)
+            return error_response(404, f"the model {model!r} does not exist (served: {known_models})",
                                   code="model_not_found", param="model")  # fmt: skip
         return await forward(model, "POST", "/v1/" + rest, request, body)
 
@@ -205,22 +359,34 @@ def build_app(
             if rest == name or rest.startswith(name + "/"):
                 sub = rest[len(name) :] or "/"
                 return await forward(name, request.method, sub, request, await request.body())
-        known = ", ".join(routes)
-        return error_response(404, f"no served model prefixes /models/{rest} (served: {known})",
+        known_models = ", ".join(routes)
+        return error_response(404, f"no served model prefixes /models/{rest} (served: {known_models})",
                               code="model_not_found")  # fmt: skip
 
     @app.get("/health")
     async def health():
-        models = {n: ("down" if n in state["down"] or not alive(n) else "up") for n in routes}
+        models = {}
+        for n in routes:
+            st = state_of(n)
+            models[n] = "up" if st == AWAKE else st
         ok = all(v == "up" for v in models.values())
         return JSONResponse({"status": "ok" if ok else "degraded", "models": models}, status_code=200 if ok else 503)
 
+    def engines_doc() -> dict:
+        return {n: {"device": r.device, "url": r.url, **info_of(n), "state": state_of(n)} for n, r in routes.items()}
+
     @app.get("/memx/serve")
     async def serve_status():
-        doc = {"models": {n: {"url": r.url, "device": r.device, "path": r.path} for n, r in routes.items()},
-               "admission": gate.policy.snapshot()}  # fmt: skip
+        doc = {"models": {n: {"url": r.url, "device": r.device, "path": r.path, "state": state_of(n)}
+                          for n, r in routes.items()},
+               "admission": gate.policy.snapshot(), "router": metrics.snapshot()}  # fmt: skip
         if status is not None:
             doc.update(status())
         return doc
+
+    @app.get("/metrics")
+    async def prometheus():
+        text = metrics.render(gate.policy.snapshot(), engines_doc(), ENGINE_STATES)
+        return Response(text, media_type=CONTENT_TYPE)
 
     return app
