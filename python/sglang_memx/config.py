@@ -234,6 +234,16 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         help="With --memx-weights remap: a model without requests for S seconds is inactive: its "
         "layers are released first and more of them may stream (default 30).",
     ),
+    MemxFlag(
+        "--memx-sleep-after-s",
+        "sleep_after_s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="With --memx-weights remap and --memx-pool: a model without requests for S seconds sleeps: "
+        "its KV cache and all but one staging slot of its weights go back to the pool; the first "
+        "request wakes it (wake time in /memx/status). Default: never sleeps.",
+    ),
 )
 
 WEIGHT_MODES = ("off", "remap", "static")
@@ -260,6 +270,7 @@ class MemxConfig:
     tbt_slo_ms: float | None = None
     weights_profile: str | None = None
     weights_idle_after_s: float = 30.0
+    sleep_after_s: float | None = None
 
     def validate(self) -> MemxConfig:
         path = self.status_path
@@ -346,7 +357,8 @@ class MemxConfig:
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise MemxConfigError("--memx-prefetch-depth", f"must be a positive number of slots, got {d!r}")
         for option, value in (("--memx-tbt-slo-ms", self.tbt_slo_ms),
-                              ("--memx-weights-idle-after-s", self.weights_idle_after_s)):  # fmt: skip
+                              ("--memx-weights-idle-after-s", self.weights_idle_after_s),
+                              ("--memx-sleep-after-s", self.sleep_after_s)):  # fmt: skip
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0
             ):
@@ -359,6 +371,9 @@ class MemxConfig:
                     raise MemxConfigError(option, "needs --memx-weights remap or static")
             if self.weights_idle_after_s != 30.0:
                 raise MemxConfigError("--memx-weights-idle-after-s", "needs --memx-weights remap")
+            if self.sleep_after_s is not None:
+                raise MemxConfigError("--memx-sleep-after-s", "needs --memx-weights remap (a sleeping model "
+                                      "releases its layers)")  # fmt: skip
             return
         if not self.elastic_kv:
             raise MemxConfigError("--memx-weights", "needs --memx-elastic-kv (released layers lend to the KV cache)")
@@ -378,9 +393,13 @@ class MemxConfig:
                 ("--memx-tbt-slo-ms", self.tbt_slo_ms),
                 ("--memx-weights-profile", self.weights_profile),
                 ("--memx-weights-idle-after-s", None if self.weights_idle_after_s == 30.0 else 1),
+                ("--memx-sleep-after-s", self.sleep_after_s),
             ):
                 if value is not None:
                     raise MemxConfigError(option, "only applies to --memx-weights remap")
+        if self.sleep_after_s is not None and self.pool is None:
+            raise MemxConfigError("--memx-sleep-after-s", "needs --memx-pool (a sleeping model gives its memory "
+                                  "to the other servers of a shared pool)")  # fmt: skip
         if self.weights_profile is not None and (
             not isinstance(self.weights_profile, str) or not self.weights_profile.strip()
         ):

@@ -54,6 +54,9 @@ _HELP = {
     "memx_weights_hidden_fraction": ("gauge", "Fraction of weight copy time hidden under compute."),
     "memx_weights_decisions_total": ("counter", "Remap controller decisions, by action."),
     "memx_weights_link_layers": ("gauge", "Layers per iteration the shared host link leaves this server."),
+    "memx_weights_sleeping": ("gauge", "1 while the server sleeps (--memx-sleep-after-s), else 0."),
+    "memx_weights_wakes_total": ("counter", "Times the server woke up from sleep."),
+    "memx_weights_last_wake_seconds": ("gauge", "How long the last wake took (layers restored and copied)."),
     "memx_host_buffer_logical_bytes": ("gauge", "Host buffer size the SLO rule allows now."),
     "memx_host_buffer_parked_total": ("counter", "Requests whose KV was parked on the host."),
     "memx_host_buffer_restored_total": ("counter", "Parked requests whose KV was fetched back."),
@@ -150,6 +153,11 @@ def _samples(rank: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any], float]
             yield "memx_weights_decisions_total", dict(base, action=action), n
         if w.get("link") is not None and w["link"]["layers"] is not None:
             yield "memx_weights_link_layers", base, w["link"]["layers"]
+        if w.get("sleep") is not None:
+            yield "memx_weights_sleeping", base, int(w["sleep"]["state"] == "sleeping")
+            yield "memx_weights_wakes_total", base, w["sleep"]["wakes"]
+            if w["sleep"]["last_wake_s"] is not None:
+                yield "memx_weights_last_wake_seconds", base, w["sleep"]["last_wake_s"]
     shared = el.get("shared_pool")
     if shared:
         chunk = shared.get("chunk_bytes", el["chunk_bytes"])

@@ -61,6 +61,7 @@ DEFAULTS = {
     "tbt_slo_ms": None,
     "weights_profile": None,
     "weights_idle_after_s": 30.0,
+    "sleep_after_s": None,
 }
 
 PARSE_SCRIPT = r"""

@@ -1,7 +1,8 @@
 """Two servers with remappable weights under one shared pool (--memx-pool): the idle one's
 layers are lent to the busy one's KV through the arbiter and come back when it gets
-traffic; SIGKILL of the lender mid-stream spares the borrower, SIGKILL of the borrower gives
-a (new) lender its layers back, and no chunk leaks. With a TBT SLO the busy server's demand
+traffic; SIGKILL of the lender mid-stream spares the borrower; a lender that sleeps
+(--memx-sleep-after-s) wakes with all its layers after the borrower is SIGKILLed, and no
+chunk leaks. With a TBT SLO the busy server's demand
 on the shared host link is decided by the arbiter (Select-N's LinkCoordinator).
 
 Tiny 8-layer Llama, float32, 16 KiB chunks: a layer is 145 chunks, a KV group of 32 tokens
@@ -128,11 +129,14 @@ def test_killing_the_lender_mid_stream_spares_the_borrower_and_leaks_nothing(pai
     assert _gen(a, "one two three", 8)["meta_info"]["completion_tokens"] == 8  # a keeps serving
 
 
-def test_killing_the_borrower_mid_stream_gives_the_lender_its_layers_back(pair):
-    """The other way round: a fresh lender c lends layers to a's KV, a is SIGKILLed mid-stream;
-    c keeps serving as stock does, its layers come back, and every chunk is accounted for."""
+def test_a_sleeping_lender_wakes_and_answers_as_stock_after_the_borrower_is_killed(pair):
+    """A fresh server c with --memx-sleep-after-s falls asleep (every layer but one staging slot
+    and its KV back to the pool); a borrows that memory and is SIGKILLed mid-stream; c's first
+    request wakes it (every layer restored, wake time in status), it answers as stock does, and
+    every chunk is accounted for."""
     a, stock = pair["a"], pair["stock"]
-    c = SGLangServer(pair["model"], name="wcolo-c", max_total_tokens=4096, extra_args=pair["args"])
+    c = SGLangServer(pair["model"], name="wcolo-c", max_total_tokens=4096,
+                     extra_args=pair["args"] + ["--memx-sleep-after-s", "5"])  # fmt: skip
     start_all([c])
 
     def doomed_load(tag):
@@ -144,18 +148,18 @@ def test_killing_the_borrower_mid_stream_gives_the_lender_its_layers_back(pair):
 
     try:
         a_pid = a.request("/memx/status")["schedulers"][0]["pid"]
-        time.sleep(4)  # c idle for longer than --memx-weights-idle-after-s
+        assert _wait(lambda: _weights(c)["sleep"]["state"] == "sleeping", 60), _weights(c)
+        asleep = _weights(c)
+        assert asleep["lent_layers"] == 7 and asleep["sleep"]["sleeps"] == 1, asleep  # 8 layers, 1 slot
         for tag in "zy":
             threading.Thread(target=doomed_load, args=(tag,), daemon=True).start()
-        assert _wait(lambda: _weights(c)["lent_layers"] > 0, 120), _weights(c)
-        os.killpg(a.proc.pid, signal.SIGKILL)  # the borrower dies while decoding in c's memory
+        time.sleep(3)  # a decodes, partly in the memory c gave back
+        os.killpg(a.proc.pid, signal.SIGKILL)  # the borrower dies mid-stream
         assert _wait(lambda: all(x["pid"] != a_pid for x in query_arbiter_status(pair["sock"])["clients"]))
-        assert _gen(c, PROMPT, 40)["output_ids"] == _gen(stock, PROMPT, 40)["output_ids"]
-        for _ in range(20):
-            _gen(c, "hello world", 8)
-            if _weights(c)["lent_layers"] == 0:
-                break
-        assert _weights(c)["lent_layers"] == 0, _weights(c)
+        assert _gen(c, PROMPT, 40)["output_ids"] == _gen(stock, PROMPT, 40)["output_ids"]  # wakes c
+        woke = _weights(c)
+        assert woke["sleep"]["wakes"] >= 1 and woke["sleep"]["last_wake_s"] is not None, woke
+        assert woke["sleep"]["last_wake_full"] is True, woke  # a's memory was free again: a full wake
         st = query_arbiter_status(pair["sock"])
         held = sum(x["held"] for x in st["clients"])
         assert held + st["free"] + (st["budget"] - st["created"]) == st["budget"], st

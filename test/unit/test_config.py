@@ -207,3 +207,24 @@ def test_weights_refused_when_cuda_graphs_may_be_captured():
     assert err.value.flag == "--memx-weights" and "--cuda-graph-backend-decode disabled" in str(err.value)
     cfg.check_server_args(disable_radix_cache=False, cuda_graphs=False)
     _parse(BUDGET).check_server_args(disable_radix_cache=False, cuda_graphs=True)  # no weights: graphs are fine
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--memx-sleep-after-s", "5"], "needs --memx-weights remap"),
+        (BUDGET + ["--memx-weights", "remap", "--memx-sleep-after-s", "5"], "needs --memx-pool"),
+        (["--memx-elastic-kv", "--memx-pool", "p", "--memx-weights", "remap", "--memx-sleep-after-s", "0"], "positive"),
+        (["--memx-elastic-kv", "--memx-pool", "p", "--memx-weights", "static", "--memx-weights-streamed", "0.5",
+          "--memx-sleep-after-s", "5"], "only applies to --memx-weights remap"),
+    ],
+)  # fmt: skip
+def test_sleep_flag_refused_with_the_flag_named(argv, words):
+    with pytest.raises(MemxConfigError) as err:
+        _parse(argv)
+    assert err.value.flag == "--memx-sleep-after-s" and words in str(err.value)
+
+
+def test_sleep_flag_parses():
+    cfg = _parse(["--memx-elastic-kv", "--memx-pool", "p", "--memx-weights", "remap", "--memx-sleep-after-s", "60"])
+    assert cfg.sleep_after_s == 60.0

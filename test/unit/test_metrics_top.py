@@ -141,6 +141,10 @@ def test_weights_metrics_and_top_columns():
     linked = dict(WEIGHTS, link={"interval": 2, "sharing": 2, "reason": "2 on the link", "layers": 4})
     text = render_prometheus({"schedulers": [dict(RANK, elastic_kv=dict(RANK["elastic_kv"], weights=linked))]})
     assert re.search(r"^memx_weights_link_layers\{.*\} 4$", text, re.M)
+    asleep = dict(WEIGHTS, sleep={"state": "sleeping", "sleeps": 2, "wakes": 1, "last_wake_s": 0.25})
+    text = render_prometheus({"schedulers": [dict(RANK, elastic_kv=dict(RANK["elastic_kv"], weights=asleep))]})
+    assert re.search(r"^memx_weights_sleeping\{.*\} 1$", text, re.M)
+    assert re.search(r"^memx_weights_last_wake_seconds\{.*\} 0.25$", text, re.M)
     frame = render(
         {"time": time.time(), "pools": [], "servers": [{"url": "http://x", "status": {"schedulers": [rank]}}]}
     )

@@ -31,7 +31,7 @@ from sglang_memx.elastic.ballooning import hold_head_activation
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
-from sglang_memx.weights import remap
+from sglang_memx.weights import remap, sleep
 
 logger = logging.getLogger("sglang_memx")
 
@@ -104,6 +104,7 @@ def _tick(scheduler, allocator, kv) -> None:
         host_buffer.fetch_parked(kv, scheduler, int(demand.decode_reserve_tokens(scheduler)))
         reopen_admission_for_offload(kv, scheduler)
     if kv.weights is not None:  # after the reclaims and borrows: the demand it sees is this iteration's
+        sleep.step(kv, allocator, tree, scheduler)
         remap.step(kv, allocator, scheduler)
     hold_head_activation(kv, allocator, tree, scheduler)
     if busy:  # idle activation may back the premap only when no prefill waits to take it back

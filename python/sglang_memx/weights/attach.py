@@ -102,6 +102,7 @@ def attach(runner) -> WeightsState | None:
         layer_bytes=max(sum(p.numel() * p.element_size() for p in ps) for ps in params.values()),
         link_bytes_per_s=store.measure_copy(keys[0]),
         idle_after_s=config.weights_idle_after_s,
+        sleep_after_s=config.sleep_after_s,
         tbt_slo_s=None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1e3,
         depth=config.prefetch_depth,
     )

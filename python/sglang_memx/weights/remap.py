@@ -193,7 +193,7 @@ def step(kv, allocator, scheduler) -> None:
     streamed = [w.layer_keys[j] for j in plan.shared_layers]
     slots = w.depth if (w.depth and streamed) else plan.beta
     if decision.action is Action.RESTORE:
-        need = _chunks_needed(w, streamed, slots)
+        need = chunks_needed(w, streamed, slots)
         short = need - kv.buffers.pool.available()
         if short > 0 and kv.lent is not None:  # the lent memory may be the arbiter's again
             kv.lent.borrow(short, wait=RESTORE_BORROW_WAIT_S)
@@ -216,7 +216,7 @@ def step(kv, allocator, scheduler) -> None:
         up_sched.reopen_admission(up_sched.running_batch(scheduler))
 
 
-def _chunks_needed(w, streamed, slots) -> int:
+def chunks_needed(w, streamed, slots) -> int:
     """Extra chunks the store needs to go from its current state to ``streamed`` / ``slots``."""
     store = w.store
     keep = set(streamed)

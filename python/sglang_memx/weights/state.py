@@ -44,6 +44,13 @@ class WeightsState:
     link: dict | None = None  # the arbiter's LINKED answer to it (None: not asked / no answer)
     link_layers: int | None = None  # layers that answer lets stream per iteration
     link_asked_at: float = 0.0
+    sleep_after_s: float | None = None  # --memx-sleep-after-s (see weights/sleep.py)
+    sleeping: bool = False
+    slept_at: float | None = None
+    sleeps: int = 0
+    wakes: int = 0
+    last_wake_s: float | None = None
+    last_wake_full: bool | None = None
     last_reason: str = ""
 
     @property
@@ -89,6 +96,15 @@ class WeightsState:
             return self.store.held_chunks()
         return self.store.slot_chunks * (1 + (self.depth or 2))
 
+    def sleep_status(self) -> dict | None:
+        """``--memx-sleep-after-s``: awake or sleeping, counts, the last wake's time."""
+        if self.sleep_after_s is None:
+            return None
+        return {"state": "sleeping" if self.sleeping else "awake", "sleep_after_s": self.sleep_after_s,
+                "sleeps": self.sleeps, "wakes": self.wakes,
+                "last_wake_s": None if self.last_wake_s is None else round(self.last_wake_s, 4),
+                "last_wake_full": self.last_wake_full}  # fmt: skip
+
     def status(self) -> dict:
         return {
             "mode": self.mode,
@@ -110,6 +126,7 @@ class WeightsState:
             "profile": None if self.profile is None else self.profile.model,
             "decisions": dict(self.decisions),
             "released_for_peers": self.lent_to_peers,
+            "sleep": self.sleep_status(),
             "link": None if self.link is None else dict(self.link, layers=self.link_layers),
             "last_reason": self.last_reason,
             "streamed": sorted(self.store.streamed()),

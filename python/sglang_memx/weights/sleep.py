@@ -1,0 +1,85 @@
+"""Sleep and wake (FineServe D4) for a server with remappable weights in a shared pool.
+
+``--memx-sleep-after-s S``: a server with no request for ``S`` seconds falls asleep on its
+scheduler's tick. Every decoder layer is released to stream through one staging slot (the
+most the store can lend), its KV cache empties (cached prefixes evicted, groups unmapped) and
+every spare chunk goes back to the arbiter, so the other servers of the pool can use the
+memory at once. The first request wakes it: the chunks for every layer are borrowed from
+the arbiter (which may reclaim them from peers), the layers are restored and their copies
+awaited, and the wake time is recorded. A wake the arbiter cannot back at once is partial:
+the server answers with streamed layers, and the remap controller restores the rest as
+memory comes back.
+
+Invariant: a sleeping server holds only its staging slot, the memory its running requests
+need (none: it sleeps only when idle), and what its activation keeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from memory_ext.pool import PoolError
+from sglang_memx.elastic import shared_pool
+from sglang_memx.elastic.eviction import free_groups
+from sglang_memx.upstream import scheduler as up_sched
+from sglang_memx.weights import remap
+
+logger = logging.getLogger("sglang_memx")
+
+WAKE_BORROW_WAIT_S = 5.0  # longest a wake waits for the arbiter to gather the layers' memory
+
+
+def step(kv, allocator, tree, scheduler) -> None:
+    """Once per iteration, before the remap controller: fall asleep or wake up."""
+    w = kv.weights
+    if w is None or w.sleep_after_s is None or kv.lent is None:
+        return
+    busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
+    if w.sleeping and busy:
+        wake(kv)
+    elif not w.sleeping and not busy and time.monotonic() - w.last_busy >= w.sleep_after_s:
+        fall_asleep(kv, allocator, tree, scheduler)
+
+
+def fall_asleep(kv, allocator, tree, scheduler) -> None:
+    w = kv.weights
+    if w.pipeline.pending() is not None:
+        return  # a release or restore is still to apply: sleep on a later tick
+    w.pipeline.request(list(w.layer_keys), 1)
+    w.pipeline.apply_if_idle()
+    free_groups(kv, allocator, tree, kv.num_groups)
+    if kv.activation is not None:
+        kv.activation.release_idle(keep=0)
+    given = kv.lent.give_back(shared_pool.spare_free_chunks(kv, allocator, scheduler))
+    w.sleeping, w.slept_at = True, time.monotonic()
+    w.sleeps += 1
+    logger.info("memx: asleep after %.0f s idle: %d of %d layers released, %d chunk(s) back to the pool",
+                w.sleep_after_s, len(w.store.streamed()), w.n_layers, given)  # fmt: skip
+
+
+def wake(kv) -> None:
+    w = kv.weights
+    t0 = time.perf_counter()
+    pool = kv.buffers.pool
+    need = remap.chunks_needed(w, [], 0)
+    short = need - pool.available()
+    if short > 0:
+        kv.lent.borrow(short, wait=WAKE_BORROW_WAIT_S)
+    full = pool.available() >= need
+    if full and need > 0:
+        try:
+            w.store.reserve(need)
+        except PoolError:
+            full = False
+    if full:
+        w.pipeline.request([], 0)
+        w.pipeline.apply_if_idle()
+        for key in w.layer_keys:  # the wake ends when every layer's bytes are in place
+            w.store.ensure(key)
+    w.sleeping = False
+    w.wakes += 1
+    w.last_wake_s = time.perf_counter() - t0
+    w.last_wake_full = full
+    logger.info("memx: awake in %.3f s (%s)", w.last_wake_s,
+                "every layer resident" if full else "partial: layers come back as memory frees")  # fmt: skip
