@@ -6,14 +6,17 @@ them with the router. Meanwhile a stock SGLang server per model (plugin filtered
 starts; greedy answers through the router (OpenAI routes by ``model``, native ``/generate``
 under ``/models/<name>``, a frontend program) must equal stock's. Then: /v1/models, streaming, the OpenAI client,
 a frontend program through ``RuntimeEndpoint(<router>/models/<name>)``, 404 for an unknown
-model, 429 with Retry-After under overload, bad configs refused before anything starts,
-and a SIGTERM that leaves no process behind.
+model, 429 with Retry-After under overload, an engine SIGKILLed mid-request (restarted on its
+port, the other model answering meanwhile, no chunk leaked, /metrics and ``sglang-memx top``
+showing it), bad configs refused before anything starts, and a SIGTERM that leaves no
+process behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,7 +51,7 @@ def _config(tmp: Path, a: Path, b: Path, port: int, **model_b) -> Path:
     common = {"dtype": "float32", "max_total_tokens": 4096, "server_args": ["--chunked-prefill-size", "64"]}
     doc = {
         "models": [
-            {"name": "tiny-a", "path": str(a), "ttft_slo_ms": 2000, **common},
+            {"name": "tiny-a", "path": str(a), "ttft_slo_ms": 2000, "tpot_slo_ms": 1000, **common},
             {
                 "name": "tiny-b",
                 "path": str(b),
@@ -61,8 +64,9 @@ def _config(tmp: Path, a: Path, b: Path, port: int, **model_b) -> Path:
             },
         ],  # fmt: skip
         "devices": [{"name": "cpu0", "kind": "cpu", "memory_gb": 0.25}],
-        "router": {"port": port},
-        "launch": {"log_dir": str(LOG_DIR / "serve-router"), "pool_dir": str(tmp / "pools")},
+        # A request queued while its engine restarts may wait 30 SLOs (tiny-a: 62 s) for it.
+        "router": {"port": port, "hopeless_after_slo_x": 30},
+        "launch": {"log_dir": str(LOG_DIR / "serve-router"), "pool_dir": str(tmp / "pools"), "restart_backoff_s": 0.5},
     }
     path = tmp / "models.yaml"
     path.write_text(json.dumps(doc))  # JSON is YAML
@@ -246,6 +250,132 @@ def test_overload_sheds_with_429_and_retry_after(serve):
     assert snap["queue_full"] >= 2 and snap["inflight"] == 0 and snap["queued"] == 0
     ok = {"model": "tiny-b", "prompt": "after", "max_tokens": 2, "temperature": 0}
     assert _http(serve["url"] + "/v1/completions", ok)["usage"]["completion_tokens"] == 2  # recovered
+
+
+def _pool_status(serve) -> dict:
+    from memory_ext.pool.arbiter_client import query_arbiter_status
+
+    [pool] = {e["pool"] for e in _http(serve["url"] + "/memx/serve")["engines"].values()}
+    return query_arbiter_status(serve["tmp"] / "pools" / f"{pool}.sock", name="test-probe")
+
+
+def _conserved(st: dict) -> int:
+    """held + free + not yet created == budget; returns the chunks held by engines."""
+    held = sum(c["held"] for c in st["clients"])
+    assert held + st["free"] + (st["budget"] - st["created"]) == st["budget"] and st["created"] <= st["budget"], st
+    return held
+
+
+def _stream(url: str, req: dict, events: list, done: threading.Event) -> None:
+    """POST a streamed request, appending each SSE payload (or an ('error', exc) tuple) to ``events``."""
+    r = urllib.request.Request(url, data=json.dumps(req).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(r, timeout=300) as resp:
+            for line in resp:
+                if line.startswith(b"data: "):
+                    events.append(line[6:].strip())
+    except Exception as exc:  # noqa: BLE001 - recorded for the assertions
+        events.append(("error", exc))
+    finally:
+        done.set()
+
+
+def test_engine_sigkill_mid_request_restarts_it_and_leaves_the_rest_untouched(serve):
+    """SIGKILL tiny-a's engine while it streams one request and computes another: the streamed one
+    ends with an SSE error event, the other (nothing sent yet) is retried on the restarted engine
+    (or refused with 503 + Retry-After if the restart outlasts its horizon); tiny-b answers all
+    along; the engine comes back on the same port with the same greedy answers; the pool's
+    arbiter dropped the dead engine's chunks (held + free + uncreated == budget, one client per
+    live engine); /metrics and ``sglang-memx top`` show the restart."""
+    router = serve["url"]
+    ask = {"model": "tiny-a", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+    before = _http(router + "/v1/completions", ask)["choices"][0]["text"]
+    st0 = _http(router + "/memx/serve")
+    old = st0["engines"]["tiny-a"]
+    _conserved(_pool_status(serve))
+
+    long_req = {"model": "tiny-a", "prompt": "stream " * 8, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    events, streamed = [], threading.Event()
+    threading.Thread(target=_stream, args=(router + "/v1/completions", {**long_req, "stream": True}, events, streamed),
+                     daemon=True).start()  # fmt: skip
+    t0 = time.monotonic()
+    while len(events) < 3:  # bytes have reached the client
+        assert time.monotonic() - t0 < 60 and not streamed.is_set(), events
+        time.sleep(0.05)
+    plain: dict = {}
+
+    def unstreamed():
+        req = {"model": "tiny-a", "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        try:
+            plain["body"] = _http(router + "/v1/completions", req, timeout=300)
+            plain["code"] = 200
+        except urllib.error.HTTPError as e:
+            plain.update(code=e.code, retry_after=e.headers.get("Retry-After"), body=json.load(e))
+
+    t_plain = threading.Thread(target=unstreamed, daemon=True)
+    t_plain.start()
+    time.sleep(0.3)  # in flight (its answer, 400 tokens beside the stream, is not sent yet)
+
+    os.kill(old["pid"], signal.SIGKILL)
+    t_kill = time.monotonic()
+    assert streamed.wait(30), "the streamed request hung after its engine died"
+    err = json.loads(events[-1])["error"]
+    assert err["code"] == "engine_down" and "mid-stream" in err["message"]
+    assert time.monotonic() - t_kill < 10
+
+    # tiny-b keeps answering while tiny-a restarts
+    b_latency, states = [], set()
+    while True:
+        t = time.monotonic()
+        r = _http(router + "/v1/completions", {"model": "tiny-b", "prompt": "hi", "max_tokens": 4, "temperature": 0})
+        assert r["usage"]["completion_tokens"] == 4
+        b_latency.append(time.monotonic() - t)
+        eng = _http(router + "/memx/serve")["engines"]["tiny-a"]
+        states.add(eng["state"])
+        if eng["state"] == "awake" and eng["restarts"] == 1:
+            break
+        assert eng["state"] == "restarting", eng
+        assert time.monotonic() - t_kill < 180, "tiny-a not restarted within 180 s"
+        time.sleep(0.5)
+    restart_s = time.monotonic() - t_kill
+    assert "restarting" in states
+    t_plain.join(120)
+    assert not t_plain.is_alive(), "the in-flight request hung"
+    if plain["code"] == 200:  # retried on the restarted engine
+        assert plain["body"]["usage"]["completion_tokens"] == 400
+    else:  # the restart outlasted its horizon: a clear refusal, never a hang
+        assert plain["code"] == 503 and int(plain["retry_after"]) >= 1, plain
+        assert plain["body"]["error"]["code"] in ("engine_restarting", "engine_down")
+    print(f"tiny-a restarted in {restart_s:.1f} s (router says {eng['last_restart_s']:.1f} s); unstreamed request "
+          f"{plain['code']}; tiny-b: {len(b_latency)} answers meanwhile, max {max(b_latency):.2f} s")  # fmt: skip
+
+    new = _http(router + "/memx/serve")["engines"]["tiny-a"]
+    assert new["port"] == old["port"] and new["pid"] != old["pid"] and new["last_exit"] == "killed by SIGKILL"
+    assert _http(router + "/health")["status"] == "ok"
+    assert _http(router + "/v1/completions", ask)["choices"][0]["text"] == before  # same greedy answer
+
+    st = _pool_status(serve)
+    _conserved(st)
+    engines = [c for c in st["clients"] if c["name"] != "test-probe"]
+    assert len(engines) == 2 and all(_alive(c["pid"]) for c in engines), engines  # the dead client is gone
+
+    text = urllib.request.urlopen(router + "/metrics", timeout=10).read().decode()
+    assert 'memx_router_engine_restarts_total{model="tiny-a"} 1' in text
+    assert 'memx_router_engine_state{model="tiny-a",state="awake"} 1' in text
+    assert 'memx_router_engine_restarts_total{model="tiny-b"} 0' in text
+    assert 'memx_router_engine_failures_total{model="tiny-a",streamed="true"} 1' in text
+    assert 'memx_router_engine_failures_total{model="tiny-a",streamed="false"} 1' in text
+    assert re.search(r'^memx_router_shed_total\{model="tiny-b",reason="queue_full"\} [1-9]', text, re.M)
+    assert re.search(r'^memx_router_ttft_seconds_count\{model="tiny-b"\} [1-9]', text, re.M)
+    assert re.search(r'^memx_router_tpot_seconds_count\{model="tiny-b"\} [1-9]', text, re.M)  # streaming test
+    assert re.search(r'^memx_router_slo_total\{model="tiny-a",result="met",slo="ttft"\} [1-9]', text, re.M)
+
+    top = subprocess.run([sys.executable, "-m", "sglang_memx.cli", "top", "--once", "--router", router, "--pool-dir",
+                          str(serve["tmp"] / "pools")], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert top.returncode == 0, top.stderr
+    [line] = [ln for ln in top.stdout.splitlines() if ln.strip().startswith("tiny-a ")]
+    assert "cpu0" in line and "awake" in line and f" {new['pid']} " in line and "last restart" in line
+    assert top.stdout.count(":" + str(new["port"])) >= 2  # in MODELS and as a server under SERVERS
 
 
 def _serve_cmd(cfg, timeout=60):

@@ -502,3 +502,21 @@ def test_top_shows_the_routers_models_placement_and_state():
     assert "awake" in b and "250 ms" in b and "90%" in b
     assert "http://127.0.0.1:30001" in frame and "unreachable" in frame
     assert "MODELS" not in render({"time": time.time(), "pools": [], "servers": []})
+
+
+def test_dry_run_never_prints_the_api_key(tmp_path):
+    import subprocess
+
+    from support.fake_checkpoint import fake_model
+
+    fake_model(tmp_path, "a")
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(
+        "models:\n  - {name: a, path: a}\ndevices:\n  - {name: c, memory_gb: 1}\nrouter: {api_key: sk-file}\n"
+    )
+    for extra, key in (([], "sk-file"), (["--api-key", "sk-flag"], "sk-flag")):
+        r = subprocess.run([sys.executable, "-m", "sglang_memx.serve", "--config", str(cfg), "--dry-run", *extra],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        argv = json.loads(r.stdout)["argv"]
+        assert argv[argv.index("--api-key") + 1] == "***" and key not in r.stdout + r.stderr
