@@ -440,9 +440,9 @@ class Launcher:
             e.last_exit = describe_exit(e.proc.returncode if e.proc is not None else None)
             self._log(f"sglang-memx serve: {name} (pid {e.pid}, port {e.port}) {e.last_exit}; log tail:\n"
                       f"{e.log_tail(10)}")  # fmt: skip
-            e.stop(grace_s=2.0)  # its scheduler / detokenizer leftovers
-            e.state = RESTARTING
+            e.state = RESTARTING  # first: the router stops sending to it at once
             e._down_since = now
+            e.stop(grace_s=2.0)  # its scheduler / detokenizer leftovers
             self._schedule(e, now)
         elif e.state == RESTARTING:
             if e.proc is None:
