@@ -1,6 +1,7 @@
 """``sglang-memx serve --config models.yaml`` (also ``python -m sglang_memx.serve``).
 
-Order: read and validate the config, place the models, (``--dry-run``: print and stop),
+Order: read and validate the config, place the models, (``--dry-run``: print and stop;
+``--emit gateway|k8s``: write the gateway / Kubernetes artefacts and stop),
 start every engine and wait until all are healthy, then serve the router until SIGINT /
 SIGTERM; on the way out every engine and pool arbiter is stopped.
 
@@ -30,6 +31,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="router port (overrides router.port)")
     p.add_argument("--log-dir", default=None, help="engine logs (overrides launch.log_dir)")
     p.add_argument("--dry-run", action="store_true", help="validate, place, print the engine commands, exit")
+    e = p.add_argument_group("beyond one machine (docs/router.md): write artefacts, start nothing")
+    e.add_argument("--emit", choices=("gateway", "k8s"), default=None,
+                   help="gateway: upstream's model gateway (multi-model mode) command + worker registrations; "
+                   "k8s: Kubernetes manifests (one Pod per device, a Service per model, the gateway)")  # fmt: skip
+    e.add_argument("--out", default=None, help="directory for --emit (default ./sglang-memx-<gateway|k8s>)")
+    e.add_argument("--namespace", default="default", help="Kubernetes namespace (--emit)")
+    e.add_argument("--image", default=None, help="engine image (default: sglang-memx:cpu / sglang-memx:gpu by device)")
+    e.add_argument("--gateway-image", default="sglang-memx:gpu", help="image with sglang_router (--emit k8s)")
+    e.add_argument("--worker-url-template", default="http://{service}.{namespace}.svc:{port}",
+                   help="each engine's URL as the gateway reaches it; {service} {namespace} {port} "
+                   "{engine_port} {model} {device}")  # fmt: skip
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
                    "(overrides router.api_key; the engines get it as --api-key)")  # fmt: skip
 
@@ -45,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
     except ServeConfigError as exc:
         print(f"sglang-memx serve: error: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "emit", None):
+        from .emit import emit_command
+
+        return emit_command(config, placement, args)
     from .launcher import EngineStartError, Launcher, engine_specs
 
     api_key = getattr(args, "api_key", None) or config.router.api_key
