@@ -50,10 +50,20 @@ the bytes of returned chunks (the next borrower may see old contents).
 
 Robustness
 ----------
-A malformed message gets an ERROR naming the field and changes nothing;
+A malformed message gets an ERROR naming the field and changes nothing (an
+empty packet included: field ``message``; only EOF ends a connection);
 fds sent to the arbiter are closed on arrival; one event-loop thread does all
 the work under one lock, so ``status()``/``check_invariants()`` are safe from
-other threads.
+other threads. ``test/unit/test_arbiter_fuzz.py`` drives a live arbiter with
+random message sequences and checks all of this after every step.
+
+Who may connect
+---------------
+The socket file is 0600 and ``vmm.ipc.listen_unix`` refuses a directory that another
+user owns or may write to. On top of that the arbiter reads each connection's peer
+credentials (``SO_PEERCRED``) and refuses a uid outside ``allowed_uids`` (default: its
+own effective uid): one ERROR with field ``peer_uid``, then the connection is closed,
+before anything is read from it.
 
 Run as a process::
 
@@ -66,12 +76,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import selectors
 import signal
 import socket
 import struct
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..policy.arbiter import DEFAULT_TIERS, AccountKey, Donor, Kind, plan_takes
@@ -139,6 +151,7 @@ class Arbiter:
         floor_per_client: int = 0,
         reclaim_timeout: float = 2.0,
         send_timeout: float = 5.0,
+        allowed_uids: Iterable[int] | None = None,
     ):
         if not isinstance(backend, VmmBackend):
             raise TypeError(f"backend must be a VmmBackend, got {type(backend).__name__}")
@@ -153,6 +166,9 @@ class Arbiter:
         self.floor = floor_per_client
         self.reclaim_timeout = float(reclaim_timeout)
         self.send_timeout = float(send_timeout)
+        self.allowed_uids = frozenset([os.geteuid()] if allowed_uids is None else allowed_uids)
+        if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in self.allowed_uids):
+            raise ValueError(f"allowed_uids must be non-negative ints, got {sorted(self.allowed_uids, key=str)!r}")
         self._lock = threading.RLock()
         self._chunks: dict[int, PhysicalChunk] = {}  # every chunk created, by handle id
         self._free: list[int] = []  # LIFO: most recently returned first
@@ -168,7 +184,7 @@ class Arbiter:
         self._started = False
         self.stats = dict.fromkeys(
             ("granted", "denied", "returned", "reclaim_sent", "errors", "clients_dropped", "chunks_freed_on_drop",
-             "link_decisions"), 0
+             "link_decisions", "refused"), 0
         )  # fmt: skip
         self.reclaim_by_tier: dict[str, int] = {}  # chunks asked for, by policy tier
 
@@ -340,10 +356,22 @@ class Arbiter:
         except (BlockingIOError, InterruptedError):
             return
         try:
-            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+            pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         except OSError:
-            pid = 0
+            pid, uid = 0, -1
         sock.settimeout(self.send_timeout)
+        if uid not in self.allowed_uids:
+            self.stats["refused"] += 1
+            log.warning("arbiter: refused a connection from uid %d (pid %d): allowed %s", uid, pid,
+                        sorted(self.allowed_uids))  # fmt: skip
+            msg = {"type": "ERROR", "req_id": None, "field": "peer_uid",
+                   "message": f"uid {uid} may not use this pool (allowed: {sorted(self.allowed_uids)})"}  # fmt: skip
+            try:
+                sock.send(proto.encode(msg))
+            except OSError:
+                pass
+            sock.close()
+            return
         client = _Client(self._next_cid, sock, pid)
         self._next_cid += 1
         self._clients[client.cid] = client
@@ -358,8 +386,11 @@ class Arbiter:
             self._drop(client, f"recv failed: {exc}")
             return
         _close_fds(fds)  # clients never send fds; close whatever arrived so nothing leaks
-        if not data and not fds:
-            self._drop(client, "EOF")
+        if not data and not fds and not flags:
+            if self._at_eof(client.sock):
+                self._drop(client, "EOF")
+            else:
+                self._error(client, None, "message", "empty packet")
             return
         if fds or flags & socket.MSG_CTRUNC:
             self._error(client, None, "fds", "the arbiter accepts no file descriptors")
@@ -403,6 +434,14 @@ class Arbiter:
             self._on_report(client, msg)
         elif kind == "LINK":
             self._on_link(client, msg)
+
+    @staticmethod
+    def _at_eof(sock: socket.socket) -> bool:
+        """After a 0-byte read: EOF (the peer closed or shut down writing: the kernel flags
+        RDHUP on our end) or an empty SEQPACKET record from a live peer?"""
+        poller = select.poll()
+        poller.register(sock, select.POLLRDHUP)
+        return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
 
     # ------------------------------------------------------------- handlers
     def _available_now(self) -> int:

@@ -45,6 +45,10 @@ Every message is validated strictly: the ``type`` must be known, the set of
 fields must be exactly the schema's (a missing or extra field is an error
 naming it), ints are real ints (not bools) inside their range. A violation
 raises ``ProtocolError(field, message)``; the arbiter answers it with ERROR.
+``decode`` raises nothing else, whatever the bytes (invalid UTF-8 or JSON, an
+int literal too long for Python to convert, nesting too deep to parse: field
+``message``); ``test/unit/test_arbiter_fuzz.py`` checks this against a live
+arbiter.
 """
 
 from __future__ import annotations
@@ -246,8 +250,8 @@ def decode(data: bytes, schemas: Mapping[str, Mapping[str, Validator]]) -> dict:
         raise ProtocolError("message", f"{len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError("message", f"not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, an int of > 4300 digits, deep nesting
+        raise ProtocolError("message", f"not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     return validate(obj, schemas)
 
 

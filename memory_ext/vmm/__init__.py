@@ -15,7 +15,16 @@ See ``base`` for the model and invariants, ``host`` for the host backend,
 from .base import COUNTER_NAMES, PhysicalChunk, VirtualRange, VmmBackend
 from .cuda import CudaVmmBackend, cuda_available, cuda_backend
 from .host import DEFAULT_GRANULARITY, HostVmmBackend
-from .ipc import ReceivedChunk, connect_unix, listen_unix, recv_chunks, send_chunks
+from .ipc import (
+    ReceivedChunk,
+    UnsafeDirectoryError,
+    check_private_dir,
+    connect_unix,
+    listen_unix,
+    private_dir,
+    recv_chunks,
+    send_chunks,
+)
 
 
 def host_backend(granularity: int = DEFAULT_GRANULARITY, **kwargs) -> HostVmmBackend:
@@ -30,13 +39,16 @@ __all__ = [
     "HostVmmBackend",
     "PhysicalChunk",
     "ReceivedChunk",
+    "UnsafeDirectoryError",
     "VirtualRange",
     "VmmBackend",
+    "check_private_dir",
     "connect_unix",
     "cuda_available",
     "cuda_backend",
     "host_backend",
     "listen_unix",
+    "private_dir",
     "recv_chunks",
     "send_chunks",
 ]

@@ -16,6 +16,12 @@ SOCK_SEQPACKET (what ``listen_unix``/``connect_unix`` make) keeps message
 boundaries; SOCK_STREAM also works (the fds ride on the first 4 bytes and the
 rest is read in full). ``listen_unix`` changes the process umask around
 ``bind``; do not create files from other threads at that moment.
+
+Who can reach a socket: ``listen_unix`` makes the socket file 0600 and binds only in a
+*private directory* (``check_private_dir``: owned by this process's effective uid, not
+writable by group or others), so no other user can connect to it, replace it or plant
+one under its name. ``private_dir`` creates such a directory (0700) or checks an
+existing one.
 """
 
 from __future__ import annotations
@@ -203,9 +209,47 @@ def recv_chunks(sock: socket.socket, backend: VmmBackend | None = None, *, with_
     return (out, header.get("meta", {})) if with_meta else out
 
 
-def listen_unix(path: str | os.PathLike, *, type: int = socket.SOCK_SEQPACKET, backlog: int = 8) -> socket.socket:
-    """A listening Unix socket at ``path`` whose file has mode 0600 (verified)."""
+class UnsafeDirectoryError(PermissionError):
+    """A directory for control sockets that another user owns or may write to."""
+
+
+def check_private_dir(path: str | os.PathLike) -> None:
+    """Raise ``UnsafeDirectoryError`` unless ``path`` is a directory owned by this process's
+    effective uid and not writable by group or others (0700 or stricter on the write bits;
+    a sticky bit does not help: others could still create names that are not taken yet)."""
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectoryError(f"directory {os.fspath(path)}: not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeDirectoryError(
+            f"directory {os.fspath(path)}: owned by uid {st.st_uid}, not by this process (uid {os.geteuid()})"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise UnsafeDirectoryError(
+            f"directory {os.fspath(path)}: mode {mode:#o} lets group or others write in it; "
+            f"chmod go-w it (memx creates its own directories 0700) or choose another"
+        )
+
+
+def private_dir(path: str | os.PathLike) -> str:
+    """Create ``path`` with mode 0700 (missing parents with the default mode) or accept an
+    existing one; either way ``check_private_dir`` must pass. Returns the path."""
     path = os.fspath(path)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        os.mkdir(path, 0o700)  # the umask can only take bits away
+    except FileExistsError:
+        pass
+    check_private_dir(path)
+    return path
+
+
+def listen_unix(path: str | os.PathLike, *, type: int = socket.SOCK_SEQPACKET, backlog: int = 8) -> socket.socket:
+    """A listening Unix socket at ``path`` whose file has mode 0600 (verified), in a directory
+    that passes ``check_private_dir`` (else ``UnsafeDirectoryError``, nothing created)."""
+    path = os.fspath(path)
+    check_private_dir(os.path.dirname(os.path.abspath(path)))
     if os.path.lexists(path):
         raise FileExistsError(f"path {path} already exists")
     sock = socket.socket(socket.AF_UNIX, type)

@@ -3,6 +3,14 @@
 
 The handlers ask every scheduler for its internal state (upstream's own request/response
 pair, now carrying a ``memx`` section, see ``hooks.scheduler``) and combine the answers.
+
+Both routes are read-only and GET-only (any other method: 405; any other ``/memx/`` path:
+404; query strings and request bodies are ignored), and memx adds no state-changing route.
+Keys: upstream's ``--api-key`` / ``--admin-api-key`` middleware covers the whole app; the
+memx routes carry no auth level, so upstream treats them as it treats its own read-only
+``/server_info``: with ``--api-key`` they need ``Authorization: Bearer <api key>``, with
+only ``--admin-api-key`` they are open. (Upstream's ``/metrics`` is exempt by its path;
+``/memx/metrics`` is not: a scraper sends the API key.) ``test/unit/test_memx_http.py``.
 """
 
 from __future__ import annotations

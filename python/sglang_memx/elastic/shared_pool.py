@@ -8,7 +8,9 @@ own session so it outlives that server, with the budget of
 ``--memx-pool-budget-gb``; a ``flock`` on ``NAME.lock`` makes concurrent first
 starts spawn only one. Later servers join it; a budget or chunk size that differs
 from the running arbiter's is refused, naming the flag. ``sglang-memx pool stop
-NAME`` ends an arbiter.
+NAME`` ends an arbiter. The pool directory is private (created 0700; an existing one
+that another user owns or may write to is refused, naming ``--memx-pool-dir``), the
+socket is 0600 and the arbiter refuses peers of another uid.
 
 Where a shortfall is taken from is the arbiter's decision
 (``memory_ext.policy.arbiter.plan_takes``, the simulator's too); this module feeds
@@ -30,6 +32,7 @@ from pathlib import Path
 from memory_ext.pool import Owner
 from memory_ext.pool.arbiter_client import ArbiterError
 from memory_ext.pool.lent_pool import LentPool
+from memory_ext.vmm import private_dir
 from sglang_memx.config import MemxConfig, MemxConfigError
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
@@ -74,7 +77,10 @@ def _answers(path: Path) -> bool:
 def ensure_arbiter(config: MemxConfig, chunk_bytes: int, timeout: float = 20.0) -> Path:
     """The pool's socket, starting its arbiter if none answers (needs the budget flag)."""
     directory = pool_dir(config)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        private_dir(directory)  # 0700 when memx creates it; refused if others own it or may write in it
+    except PermissionError as exc:
+        raise MemxConfigError("--memx-pool-dir", str(exc)) from None
     sock = pool_socket(config)
     with open(directory / f"{config.pool}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -18,3 +18,11 @@ async def scheduler_states() -> list:
     """Every scheduler's internal state (upstream's own request/response pair), in DP-rank order."""
     global_state = resolve("sglang.srt.entrypoints.http_server.get_global_state")()
     return await global_state.tokenizer_manager.get_internal_state()
+
+
+def add_api_key_middleware(application, api_key: str | None, admin_api_key: str | None) -> None:
+    """Upstream's API-key check, installed the way its ``launch_server`` does when ``--api-key`` or
+    ``--admin-api-key`` is given: one middleware over the whole app, so memx's routes are covered
+    like upstream's own (a route without an auth level counts as a normal one, as ``/server_info``).
+    Tests use it to check memx's routes against upstream's check without starting a server."""
+    resolve("sglang.srt.utils.auth.add_api_key_middleware")(application, api_key=api_key, admin_api_key=admin_api_key)

@@ -170,6 +170,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "HookRegistry.register": ("cls", "target", "hook", "hook_type"),
     _M + "schedule_batch.release_req": ("req", "remaing_req_count", "req_to_token_pool", "token_to_kv_pool_allocator",
                                         "tree_cache", "hisparse_coordinator", "offload_kv"),
+    "sglang.srt.utils.auth.add_api_key_middleware": ("app", "api_key", "admin_api_key"),
 }  # fmt: skip
 
 OBJECTS: dict[str, str] = {
@@ -177,6 +178,7 @@ OBJECTS: dict[str, str] = {
     _M + "schedule_policy.CLIP_MAX_NEW_TOKENS": "constant",
     "sglang.srt.entrypoints.http_server.app": "object",
     "sglang.srt.entrypoints.http_server.get_global_state": "function",
+    "sglang.srt.utils.auth.add_api_key_middleware": "function",
 }
 
 _A = _C + "allocator."
