@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         for d in fineserve.model_demands(sc.base, args.rate_scale):
             print(
                 f"{d.name:>10}: F_M {d.footprint / 1e9:6.2f} GB (weights {d.weights / 1e9:.2f}, act "
-                f"{d.activations / 1e9:.2f}, kv {d.kv_base / 1e9:.2f}), mu {d.mu:.0f} tok/GB, "
+                f"{d.activations / 1e9:.2f}, kv {d.kv_base / 1e9:.2f} at batch {d.batch}"
+                f"{'' if d.rate_met else ', rate not met'}), mu {d.mu * 1e9:.0f} tok/GB, "
                 f"rate/slo {d.slo_rate:.2f}"
             )
         print("fineserve:", fineserve.fineserve_placement(sc.base, args.rate_scale))

@@ -7,9 +7,15 @@ maps memory, touches tensors or imports an engine; only stdlib is used.
 F2  token / block sizes:   ``KVPrecision``, ``KVLayout``, ``token_kv_bytes``,
                            ``token_qparam_bytes``, ``kv_block_bytes``
 F1  slab arithmetic:       ``slab_bytes``, ``blocks_per_slab``,
-                           ``engine_block_id``, ``split_engine_block_id``
+                           ``engine_block_id``, ``split_engine_block_id``;
+                           ``SlabTable`` (the slab table of §5.2: FREE /
+                           PARTIAL / FULL slabs keyed by block format)
 F3  global placement:      ``ModelDemand``, ``GpuCandidate``,
-                           ``placement_score``, ``place_models``
+                           ``placement_score``, ``place_models``;
+                           sizes to demands: ``base_footprint``,
+                           ``model_demand``, ``smallest_batch_for_rate``;
+                           pinned models + Alg. 1: ``place_with_pins``
+Static* baseline (§7.1):   ``static_partition``
 F4  local batching:        ``Request``, ``ChunkedPrefillModel``,
                            ``adaptive_batch``
 
@@ -18,8 +24,9 @@ Readings of the paper where it is not explicit are marked "READING:".
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ._checks import check_int as _int
@@ -39,6 +46,7 @@ __all__ = [
     "blocks_per_slab",
     "engine_block_id",
     "split_engine_block_id",
+    "SlabTable",
     "ModelDemand",
     "GpuCandidate",
     "CandidateScore",
@@ -46,6 +54,12 @@ __all__ = [
     "PlacementInfeasible",
     "placement_score",
     "place_models",
+    "base_footprint",
+    "model_demand",
+    "smallest_batch_for_rate",
+    "PinnedPlacement",
+    "place_with_pins",
+    "static_partition",
     "Request",
     "ChunkedPrefillModel",
     "BatchDecision",
@@ -249,6 +263,230 @@ def split_engine_block_id(block_id: int, blocks_per_slab: int) -> tuple[int, int
     return divmod(block_id, blocks_per_slab)
 
 
+class SlabTable:
+    """The KV slab table of one GPU (paper §5.2): ``num_slabs`` uniform slabs
+    of ``slab_size`` bytes, each FREE or formatted for one key (a block
+    format) and then PARTIAL or FULL.
+
+    ``alloc(key, block_size, n)`` hands out ``n`` engine block ids
+    (``engine_block_id(slab, local, slab_size // block_size)``) from the key's
+    slabs, carving FREE slabs when those are full; ``free`` takes ids back and
+    returns a slab that became empty to FREE (unless ``keep_empty``).
+    ``carve`` formats slabs ahead of use (an engine growing its pool before it
+    places blocks); ``release_empty`` returns such slabs if still unused.
+    ``pin`` keeps a number of a key's slabs formatted even when empty.
+
+    Fragmentation, in the paper's terms: external fragmentation between keys
+    cannot arise (every slab has the same size, so any FREE slab fits any
+    key); what remains is internal to slabs -- free blocks inside a key's
+    PARTIAL slabs, usable by that key only (``stranded_blocks``).
+
+    READINGS: the paper says the key is the KV block size, so models with the
+    same block size may share slabs; callers choose the key (block size, or a
+    model name to keep one model per slab). Allocation order is not given:
+    the lowest-id non-full slab of the key first, then the lowest-id FREE
+    slab; inside a slab the lowest free local id first.
+    """
+
+    FREE, PARTIAL, FULL = "FREE", "PARTIAL", "FULL"
+
+    def __init__(self, num_slabs: int, slab_size: int):
+        self.num_slabs = _int("num_slabs", num_slabs, 0)
+        self.slab_size = _int("slab_size", slab_size, 1)
+        self._key: list[Hashable | None] = [None] * num_slabs
+        self._used = [0] * num_slabs
+        self._free_ids: list[list[int]] = [[] for _ in range(num_slabs)]  # heaps of free local ids
+        self._taken: list[bytearray] = [bytearray() for _ in range(num_slabs)]
+        self._free_slabs = list(range(num_slabs))  # heap of FREE slab ids
+        self._open: dict[Hashable, list[int]] = {}  # key -> heap of non-full slab ids (lazy)
+        self._bps: dict[Hashable, int] = {}
+        self._held: dict[Hashable, int] = {}
+        self._used_blocks: dict[Hashable, int] = {}
+        self._pinned: dict[Hashable, int] = {}
+        self._empty: dict[Hashable, set[int]] = {}  # formatted slabs holding no block
+
+    # -- queries
+    @property
+    def free_slabs(self) -> int:
+        return len(self._free_slabs)
+
+    def blocks_per_slab(self, key: Hashable) -> int:
+        return self._bps[key]
+
+    def held_slabs(self, key: Hashable) -> int:
+        return self._held.get(key, 0)
+
+    def used_blocks(self, key: Hashable) -> int:
+        return self._used_blocks.get(key, 0)
+
+    def stranded_blocks(self, key: Hashable) -> int:
+        """Free blocks inside the key's formatted slabs (usable by that key only)."""
+        return self.held_slabs(key) * self._bps.get(key, 0) - self.used_blocks(key)
+
+    def allocatable(self, key: Hashable, block_size: int) -> int:
+        """Blocks ``alloc(key, block_size, n)`` could hand out now."""
+        bps = self._format(key, block_size, check_only=True)
+        return self.stranded_blocks(key) + self.free_slabs * bps
+
+    def state(self, slab_id: int) -> str:
+        _int("slab_id", slab_id, 0)
+        if slab_id >= self.num_slabs:
+            raise ValueError(f"slab_id {slab_id} must be < num_slabs {self.num_slabs}")
+        key = self._key[slab_id]
+        if key is None:
+            return self.FREE
+        return self.FULL if self._used[slab_id] == self._bps[key] else self.PARTIAL
+
+    def key_of(self, slab_id: int) -> Hashable | None:
+        return self._key[slab_id]
+
+    def keys(self) -> tuple[Hashable, ...]:
+        return tuple(self._bps)
+
+    # -- changes
+    def _format(self, key: Hashable, block_size: int, check_only: bool = False) -> int:
+        bps = self._bps.get(key)
+        if bps is not None and bps * block_size == self.slab_size and type(block_size) is int:
+            return bps  # fast path: a known key, same block size
+        want = blocks_per_slab(self.slab_size, block_size)
+        if bps is None:
+            if not check_only:
+                self._bps[key] = want
+                self._open[key] = []
+                self._held[key] = 0
+                self._used_blocks[key] = 0
+                self._pinned[key] = 0
+                self._empty[key] = set()
+            return want
+        if bps != want:
+            raise ValueError(f"key {key!r} has block size {self.slab_size // bps}, got {block_size}")
+        return bps
+
+    def _carve_one(self, key: Hashable, bps: int) -> int:
+        sid = heapq.heappop(self._free_slabs)
+        self._key[sid] = key
+        self._used[sid] = 0
+        self._free_ids[sid] = list(range(bps))  # sorted = a valid heap
+        self._taken[sid] = bytearray(bps)
+        self._empty[key].add(sid)
+        heapq.heappush(self._open[key], sid)
+        self._held[key] += 1
+        return sid
+
+    def _release(self, sid: int) -> None:
+        key = self._key[sid]
+        self._key[sid] = None
+        self._free_ids[sid] = []
+        self._taken[sid] = bytearray()
+        self._empty[key].discard(sid)
+        self._held[key] -= 1
+        heapq.heappush(self._free_slabs, sid)
+
+    def carve(self, key: Hashable, block_size: int, n_slabs: int) -> int:
+        """Format up to ``n_slabs`` FREE slabs for ``key``; returns how many."""
+        bps = self._format(key, block_size)
+        k = min(_int("n_slabs", n_slabs, 0), self.free_slabs)
+        for _ in range(k):
+            self._carve_one(key, bps)
+        return k
+
+    def pin(self, key: Hashable, block_size: int, n_slabs: int) -> int:
+        """Keep at least ``n_slabs`` slabs formatted for ``key`` (carving what is
+        missing); returns the slabs carved. Raises if the FREE slabs are too few."""
+        bps = self._format(key, block_size)
+        _int("n_slabs", n_slabs, 0)
+        need = max(0, n_slabs - self._held[key])
+        if need > self.free_slabs:
+            raise ValueError(f"pin {key!r}: {need} slabs needed, {self.free_slabs} free")
+        for _ in range(need):
+            self._carve_one(key, bps)
+        self._pinned[key] = n_slabs
+        return need
+
+    def alloc(self, key: Hashable, block_size: int, n: int, carve: bool = True) -> list[int] | None:
+        """``n`` engine block ids for ``key``, or None (and no change) if the
+        key's slabs (plus FREE slabs when ``carve``) cannot hold them."""
+        bps = self._format(key, block_size)
+        if type(n) is not int or n < 0:
+            _int("n", n, 0)
+        room = self.stranded_blocks(key) + (self.free_slabs * bps if carve else 0)
+        if n > room:
+            return None
+        out: list[int] = []
+        heap = self._open[key]
+        while len(out) < n:
+            while heap and (self._key[heap[0]] != key or self._used[heap[0]] == bps):
+                heapq.heappop(heap)  # stale: released or full
+            sid = heap[0] if heap else self._carve_one(key, bps)
+            ids, taken = self._free_ids[sid], self._taken[sid]
+            k = min(n - len(out), len(ids))
+            for _ in range(k):
+                local = heapq.heappop(ids)
+                taken[local] = 1
+                out.append(sid * bps + local)
+            if k and self._used[sid] == 0:
+                self._empty[key].discard(sid)
+            self._used[sid] += k
+            if self._used[sid] == bps:
+                heapq.heappop(heap)
+        self._used_blocks[key] += n
+        return out
+
+    def free(self, key: Hashable, block_ids: Iterable[int], keep_empty: bool = False) -> int:
+        """Take back ``block_ids`` of ``key``; a slab left empty goes back to
+        FREE unless ``keep_empty`` or pinned slabs would drop below the pin.
+        Returns the slabs released."""
+        bps = self._bps.get(key)
+        if bps is None:
+            raise ValueError(f"unknown key {key!r}")
+        touched = set()
+        n = 0
+        for b in block_ids:
+            sid, local = split_engine_block_id(b, bps)
+            if sid >= self.num_slabs or self._key[sid] != key or not self._taken[sid][local]:
+                raise ValueError(f"block {b} is not allocated to {key!r}")
+            if self._used[sid] == bps:
+                heapq.heappush(self._open[key], sid)
+            heapq.heappush(self._free_ids[sid], local)
+            self._taken[sid][local] = 0
+            self._used[sid] -= 1
+            if self._used[sid] == 0:
+                self._empty[key].add(sid)
+            touched.add(sid)
+            n += 1
+        self._used_blocks[key] -= n
+        if keep_empty:
+            return 0
+        return self._release_empty(key, sorted(s for s in touched if self._used[s] == 0))
+
+    def _release_empty(self, key: Hashable, sids: Sequence[int]) -> int:
+        k = 0
+        for sid in reversed(sids):  # highest ids first: low ids stay formatted
+            if self._held[key] <= self._pinned[key]:
+                break
+            self._release(sid)
+            k += 1
+        return k
+
+    def release_empty(self, key: Hashable) -> int:
+        """Return every empty slab of ``key`` beyond its pin to FREE; returns how many."""
+        if key not in self._bps:
+            return 0
+        return self._release_empty(key, sorted(self._empty[key]))
+
+    def check(self) -> None:
+        """Assert the table's invariants (counts agree with the slabs)."""
+        assert len(self._free_slabs) == sum(1 for k in self._key if k is None)
+        for key, bps in self._bps.items():
+            sl = [s for s in range(self.num_slabs) if self._key[s] == key]
+            assert len(sl) == self._held[key], (key, len(sl), self._held[key])
+            assert sum(self._used[s] for s in sl) == self._used_blocks[key]
+            assert self._empty[key] == {s for s in sl if self._used[s] == 0}
+            for s in sl:
+                assert 0 <= self._used[s] <= bps and len(self._free_ids[s]) == bps - self._used[s]
+                assert sum(self._taken[s]) == self._used[s]
+
+
 # ----------------------------------------------------- F3: global placement
 
 
@@ -421,6 +659,133 @@ def place_models(
         unplaced=tuple(unplaced),
         scores=all_scores,
     )
+
+
+# ------------------------------------- F3: sizes to demands, pinned models
+
+
+def base_footprint(
+    weight_bytes: float, kv_bytes_per_token: float, kv_tokens: float = 0.0, activation_bytes: float = 0.0
+) -> float:
+    """F_M (§6.2): weights + activations + the KV of ``kv_tokens`` tokens."""
+    _num("weight_bytes", weight_bytes, 0.0)
+    _num("kv_bytes_per_token", kv_bytes_per_token, 0.0, strict=True)
+    _num("kv_tokens", kv_tokens, 0.0)
+    _num("activation_bytes", activation_bytes, 0.0)
+    return weight_bytes + activation_bytes + kv_tokens * kv_bytes_per_token
+
+
+def model_demand(
+    name: str,
+    weight_bytes: float,
+    kv_bytes_per_token: float,
+    kv_tokens: float = 0.0,
+    activation_bytes: float = 0.0,
+) -> ModelDemand:
+    """The ``ModelDemand`` of a model from its sizes: F_M = ``base_footprint``;
+    mu = 1 / KV bytes per token (tokens a byte of extra KV holds).
+
+    READING: mu is the slope of Fig. 3 (cached tokens per unit of KV memory),
+    taken as the inverse of the token size; only its ratios between models
+    matter to Alg. 1 (Eq. 3 is scale-invariant in mu).
+    """
+    fm = base_footprint(weight_bytes, kv_bytes_per_token, kv_tokens, activation_bytes)
+    return ModelDemand(name, fm, 1.0 / kv_bytes_per_token)
+
+
+def smallest_batch_for_rate(rate: float, throughput: Callable[[int], float], max_batch: int) -> tuple[int, bool]:
+    """§6.2: "F_M is measured at the smallest batch size whose profiled
+    throughput meets M's expected request rate". ``throughput(b)`` is the
+    profiled request rate at batch b (non-decreasing in b). Returns (b, met);
+    when no b <= ``max_batch`` meets ``rate``, (max_batch, False) -- the paper
+    then adds DP replicas, which is the caller's decision.
+    """
+    _num("rate", rate, 0.0)
+    _int("max_batch", max_batch, 1)
+    if rate == 0:
+        return 1, True
+    if throughput(max_batch) < rate:
+        return max_batch, False
+    lo, hi = 1, max_batch  # throughput(hi) >= rate
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if throughput(mid) >= rate:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, True
+
+
+@dataclass(frozen=True)
+class PinnedPlacement:
+    assignment: dict[str, str]  # every model that found a device -> its device
+    alg1: PlacementResult  # Alg. 1 over the unpinned models and what the pins left
+    left: dict[str, float]  # device -> memory after the pinned models' F_M
+    candidates: tuple[GpuCandidate, ...]  # what Alg. 1 was offered (devices with memory left)
+    overflow: tuple[tuple[str, str, float], ...]  # pinned (model, device, memory it had) that did not fit
+
+    @property
+    def feasible(self) -> bool:
+        return not self.overflow and self.alg1.feasible
+
+
+def place_with_pins(
+    models: Sequence[ModelDemand], devices: Sequence[GpuCandidate], pinned: Mapping[str, str] | None = None
+) -> PinnedPlacement:
+    """Placement of ``models`` on ``devices``: each model named in ``pinned``
+    (model -> device) is charged its F_M on that device first, in ``models``
+    order (a model that does not fit is listed in ``overflow`` and not
+    charged); the others go through ``place_models`` (Alg. 1) over the
+    devices with memory left, in ``devices`` order. With no pins this is
+    exactly ``place_models(models, devices)``.
+    """
+    models = list(models)
+    devices = list(devices)
+    pinned = dict(pinned or {})
+    names = {d.name for d in devices}
+    for m, d in pinned.items():
+        if d not in names:
+            raise ValueError(f"pinned[{m!r}] names unknown device {d!r}")
+    left = {d.name: d.total_memory for d in devices}
+    assignment: dict[str, str] = {}
+    overflow = []
+    for m in models:
+        dev = pinned.get(m.name)
+        if dev is None:
+            continue
+        if m.base_footprint > left[dev]:
+            overflow.append((m.name, dev, left[dev]))
+            continue
+        left[dev] -= m.base_footprint
+        assignment[m.name] = dev
+    free = [m for m in models if m.name not in pinned]
+    candidates = tuple(GpuCandidate(d.name, left[d.name]) for d in devices if left[d.name] > 0)
+    if free and candidates:
+        alg1 = place_models(free, candidates)
+    else:
+        order = tuple(m.name for m in sorted(free, key=lambda m: -m.base_footprint))
+        alg1 = PlacementResult(order, {}, {}, {}, order)
+    assignment.update(alg1.assignment)
+    return PinnedPlacement(assignment, alg1, left, candidates, tuple(overflow))
+
+
+# ---------------------------------------------------- Static* (§7.1)
+
+
+def static_partition(total_memory: float, footprints: Mapping[str, float]) -> dict[str, float]:
+    """Static* of §7.1: "GPU memory is statically partitioned per model,
+    proportional to its required footprint (weights, activations, KV cache)".
+    Returns model -> bytes of ``total_memory`` (each model's weights and
+    activations come out of its own share; the rest of the share is its KV).
+    """
+    _num("total_memory", total_memory, 0.0)
+    fs = {_name("footprints key", k): _num(f"footprints[{k!r}]", v, 0.0) for k, v in footprints.items()}
+    if not fs:
+        raise ValueError("footprints must name at least one model")
+    tot = sum(fs.values())
+    if tot <= 0:
+        return {k: total_memory / len(fs) for k in fs}
+    return {k: total_memory * v / tot for k, v in fs.items()}
 
 
 # ------------------------------------------------- F4: local adaptive batch

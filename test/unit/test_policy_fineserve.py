@@ -267,3 +267,113 @@ def test_empty_queue():
 def test_bad_inputs_raise_value_error_naming_field(build, field):
     with pytest.raises(ValueError, match=field):
         build()
+
+
+# ------------------------------------------------ F1: slab table (paper §5.2)
+
+from memory_ext.policy.fineserve import (  # noqa: E402
+    SlabTable,
+    base_footprint,
+    model_demand,
+    place_with_pins,
+    smallest_batch_for_rate,
+    static_partition,
+)
+
+
+def test_slab_table_formats_slabs_per_key_and_numbers_blocks_like_the_paper():
+    # 4 slabs of 4 MiB; key "fp16" blocks of 2 MiB (2 per slab), key "fp8" of 1 MiB (4 per slab)
+    t = SlabTable(4, 4 * MiB)
+    a = t.alloc("fp16", 2 * MiB, 3)
+    assert a == [0, 1, 2]  # slab 0 local 0,1 then slab 1 local 0: id = slab x 2 + local
+    assert [split_engine_block_id(b, 2) for b in a] == [(0, 0), (0, 1), (1, 0)]
+    assert (t.state(0), t.state(1), t.state(2)) == (t.FULL, t.PARTIAL, t.FREE)
+    b = t.alloc("fp8", 1 * MiB, 5)
+    assert b == [8, 9, 10, 11, 12]  # slabs 2 and 3 (id = slab x 4 + local)
+    assert t.free_slabs == 0 and t.alloc("fp8", MiB, 4) is None  # all or nothing: 3 fp8 blocks are free
+    assert t.used_blocks("fp8") == 5 and t.stranded_blocks("fp8") == 3 and t.stranded_blocks("fp16") == 1
+    # a block of the fp16 key can never land in an fp8 slab
+    assert t.alloc("fp16", 2 * MiB, 2) is None and t.alloc("fp16", 2 * MiB, 1) == [3]
+    t.check()
+
+
+def test_slab_goes_back_to_free_only_when_empty_and_then_serves_any_key():
+    t = SlabTable(2, 4 * MiB)
+    a = t.alloc("x", MiB, 5)  # slab 0 full, slab 1 holds one block
+    assert t.free(("x"), a[:4]) == 1 and t.state(0) == t.FREE  # slab 0 emptied -> FREE
+    assert t.free("x", a[4:], keep_empty=True) == 0 and t.state(1) == t.PARTIAL  # kept formatted
+    assert t.held_slabs("x") == 1 and t.release_empty("x") == 1 and t.free_slabs == 2
+    # no external fragmentation: freed slabs take another block size
+    assert len(t.alloc("y", 2 * MiB, 4)) == 4 and t.free_slabs == 0
+    t.check()
+
+
+def test_partially_used_slab_strands_its_free_blocks():
+    t = SlabTable(3, 4 * MiB)
+    ids = t.alloc("x", MiB, 12)  # three full slabs
+    t.free("x", [ids[0], ids[4], ids[8]])  # one block freed in each: no slab empties
+    assert t.held_slabs("x") == 3 and t.free_slabs == 0 and t.stranded_blocks("x") == 3
+    assert t.alloc("y", MiB, 1) is None  # 3 MiB free in all, none usable by another key
+    assert t.alloc("x", MiB, 2) == [0, 4]  # reused by its own key, lowest slab first
+    t.check()
+
+
+def test_slab_table_pin_and_bad_inputs():
+    t = SlabTable(3, 4 * MiB)
+    assert t.pin("x", MiB, 2) == 2 and t.held_slabs("x") == 2
+    ids = t.alloc("x", MiB, 1)
+    t.free("x", ids)
+    assert t.held_slabs("x") == 2 and t.release_empty("x") == 0  # pinned slabs stay
+    with pytest.raises(ValueError, match="block size"):
+        t.alloc("x", 2 * MiB, 1)
+    with pytest.raises(ValueError, match="not a multiple"):
+        t.alloc("z", 3 * MiB, 1)
+    with pytest.raises(ValueError, match="not allocated"):
+        t.free("x", [5])
+    with pytest.raises(ValueError, match="pin"):
+        t.pin("y", MiB, 5)
+    t.check()
+
+
+# ---------------------------------- F3: sizes -> demands, pins, Static* split
+
+
+def test_model_demand_from_sizes():
+    assert base_footprint(1000, 10, 50, 7) == 1000 + 7 + 500
+    d = model_demand("m", 1000, 10, 50, 7)
+    assert d == ModelDemand("m", 1507, 0.1)
+    with pytest.raises(ValueError, match="kv_bytes_per_token"):
+        model_demand("m", 1, 0)
+
+
+def test_smallest_batch_for_rate():
+    thr = lambda b: 2.0 * b  # noqa: E731
+    assert smallest_batch_for_rate(7.0, thr, 100) == (4, True)  # 2x3 = 6 < 7 <= 8
+    assert smallest_batch_for_rate(8.0, thr, 100) == (4, True)
+    assert smallest_batch_for_rate(500.0, thr, 100) == (100, False)
+    assert smallest_batch_for_rate(0.0, thr, 100) == (1, True)
+
+
+def test_place_with_pins_is_place_models_without_pins_and_charges_pins_first():
+    ms = [ModelDemand("a", 6, 1.0), ModelDemand("b", 3, 2.0), ModelDemand("c", 2, 1.0)]
+    gs = [GpuCandidate("g0", 10), GpuCandidate("g1", 10)]
+    free = place_with_pins(ms, gs)
+    assert free.alg1 == place_models(ms, gs) and free.assignment == place_models(ms, gs).assignment
+    p = place_with_pins(ms, gs, {"a": "g1"})
+    assert p.assignment["a"] == "g1" and p.left == {"g0": 10, "g1": 4}
+    assert p.alg1 == place_models(ms[1:], [GpuCandidate("g0", 10), GpuCandidate("g1", 4)])
+    over = place_with_pins(ms, gs, {"a": "g1", "b": "g1", "c": "g1"})
+    assert over.overflow == (("c", "g1", 1),) and not over.feasible
+    full = place_with_pins([ModelDemand("a", 10, 1), ModelDemand("b", 1, 1)], [GpuCandidate("g", 10)], {"a": "g"})
+    assert full.candidates == () and full.alg1.unplaced == ("b",)
+    with pytest.raises(ValueError, match="unknown device"):
+        place_with_pins(ms, gs, {"a": "g9"})
+
+
+def test_static_partition_is_proportional_to_footprint():
+    # 72 GB, F = 19.5 / 35 GB: shares 25.76 / 46.24 GB; weights come out of each share
+    s = static_partition(72.0, {"a": 19.5, "d": 35.0})
+    assert s["a"] == pytest.approx(72 * 19.5 / 54.5) and s["d"] == pytest.approx(72 * 35 / 54.5)
+    assert sum(s.values()) == pytest.approx(72.0)
+    with pytest.raises(ValueError, match="footprints"):
+        static_partition(1.0, {})

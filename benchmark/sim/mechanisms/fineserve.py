@@ -2,17 +2,29 @@
 models of different precisions, placement (Alg. 1, Eq. 3), EDF adaptive
 batching (Alg. 2), and the Prism-like / static baselines of FineServe §7.1.
 
-* ``SlabPool`` -- one per GPU. The KV memory the runner planned for the
-  GPU's instances is pooled and cut into uniform slabs of
+* ``SlabPool`` -- one per GPU, over the KV memory the runner planned for the
+  GPU's instances (GPU memory - weights - activation reserves).
+  Mode ``shared`` (FineServe, Prism*): the memory is cut into uniform slabs of
   ``memory_ext.policy.fineserve.slab_bytes`` (smallest multiple of the LCM of
-  the co-located models' KV block sizes that is >= ``min_slab_mb``). Each
-  instance keeps a floor of blocks for its longest possible request (the
-  simulator rejects at arrival a request larger than the current capacity)
-  and grows by whole slabs on demand; fully free slabs beyond one of
-  headroom go back after every iteration. Mode ``static`` (Static*) splits
-  the same pool once, proportionally to the models' base footprints F_M.
-  Approximation: blocks are counted, not placed, so a slab is returned as
-  soon as a slab's worth of blocks is free (perfect compaction).
+  the co-located models' KV block sizes that is >= ``min_slab_mb``) and
+  managed by ``memory_ext.policy.fineserve.SlabTable`` (the paper's slab
+  table, §5.2), keyed by instance: every block a request holds is placed in a
+  slab formatted for its model (lowest partly used slab first), a slab goes
+  back to FREE as soon as its last block is freed, and an instance's KV
+  capacity is the slabs it holds. So a model keeps the free blocks of its
+  partly used slabs (slab-internal fragmentation, ``stranded_bytes_*``) and
+  no co-located model can use them; external fragmentation cannot arise (any
+  FREE slab fits any block size). Each instance keeps enough slabs pinned for
+  its longest possible request (the simulator rejects at arrival a request
+  larger than the current capacity). Blocks are placed after every
+  iteration; within one plan the instance's slab count is what bounds it.
+  Mode ``static`` (Static*, FineServe §7.1): GPU memory is split once in
+  proportion to each model's F_M (``footprint_gb``;
+  ``memory_ext.policy.fineserve.static_partition``); each model's weights and
+  activations come out of its share and the rest is a private pool of its
+  own block size (no slabs; the free blocks of a partition are stranded
+  too). ``block_tail_bytes_mean``: the unused tail of every running
+  request's last block (block-internal fragmentation), in both modes.
 * ``FineServeScheduler`` (kind ``fineserve``) -- stock iteration structure
   (decodes, continuing prefill chunks, then admission) whose admission is
   ``batching``: ``edf`` = ``fineserve.adaptive_batch`` (Alg. 2) with a
@@ -23,12 +35,16 @@ batching (Alg. 2), and the Prism-like / static baselines of FineServe §7.1.
   request that can still meet its deadline alone, not batch-aware (Prism*).
   ``fcfs`` = stock FCFS (Static*). Preempted requests (already past their
   first token) are re-admitted first, FCFS.
-* Placement: ``fineserve_placement`` (``place_models`` with F_M = weights +
-  activation reserve + Little's-law average KV, mu = tokens per GB of KV,
-  i.e. 1 / KV bytes per token -- the slope of FineServe Fig. 3) and
-  ``prism_placement`` (order by SLO-weighted rate ``rate / ttft_slo``,
-  descending; each model goes to the GPU maximising remaining memory after
-  weights+activations per unit of SLO-weighted rate, precision-agnostic).
+* Placement: ``fineserve_placement`` (Alg. 1 through
+  ``memory_ext.policy.fineserve.place_with_pins`` -- with no pins exactly
+  ``place_models`` -- on demands from ``model_demand``, the functions the
+  router's placement shares: F_M = weights + activation reserve + KV at the
+  smallest batch whose profiled throughput meets the rate (§6.2;
+  ``smallest_batch_for_rate`` over ``profiled_throughput``), mu = 1 / KV
+  bytes per token, the slope of FineServe Fig. 3) and ``prism_placement``
+  (order by SLO-weighted rate ``rate / ttft_slo``, descending; each model
+  goes to the GPU maximising remaining memory after weights+activations per
+  unit of SLO-weighted rate, precision-agnostic).
   ``python -m benchmark.sim placement <scenario>`` prints both; the
   scenario file records them in its variants and ``test_sim_fineserve.py``
   checks that they agree.
@@ -43,7 +59,7 @@ from typing import TYPE_CHECKING
 from ..core.hardware import gpu_spec
 from ..core.models import model_spec
 from ..core.plan import BatchPlan
-from ..core.request import FINISHED, Request
+from ..core.request import FINISHED, RUNNING, Request
 from ..core.roofline import BatchShape, Roofline
 from ..core.stats import mechanism_stats
 
@@ -69,72 +85,150 @@ _KV_MODES = ("shared", "static")
 
 
 class SlabPool:
-    """Shared KV memory of one GPU, in slabs (see module docstring)."""
+    """The KV memory of one GPU's FineServe instances (see module docstring)."""
 
     def __init__(
-        self, insts: list[Instance], mode: str, min_slab_mb: float, weights: dict[int, float] | None = None
+        self, insts: list[Instance], mode: str, min_slab_mb: float, footprints: dict[int, float] | None = None
     ) -> None:
-        from memory_ext.policy.fineserve import blocks_per_slab, slab_bytes
+        from memory_ext.policy.fineserve import SlabTable, slab_bytes, static_partition
 
         if mode not in _KV_MODES:
             raise ValueError(f"kv must be one of {', '.join(_KV_MODES)}, got {mode!r}")
         self.mode = mode
         self.insts = insts
-        sizes = [int(round(i.cfg.kv_block_bytes)) for i in insts]
+        self.block_bytes = {i.idx: int(round(i.cfg.kv_block_bytes)) for i in insts}
+        sizes = [self.block_bytes[i.idx] for i in insts]
         self.slab = slab_bytes(sizes, int(min_slab_mb * (1 << 20)))
-        self.bps = {i.idx: blocks_per_slab(self.slab, s) for i, s in zip(insts, sizes)}
-        self.total_bytes = sum(i.kv.capacity * s for i, s in zip(insts, sizes))
+        self.bps = {i.idx: self.slab // self.block_bytes[i.idx] for i in insts}
+        # the KV memory the runner planned for these instances (= GPU memory - weights - activations)
+        self.total_bytes = sum(i.kv.capacity * self.block_bytes[i.idx] for i in insts)
         self.floor = {}
         for i in insts:
             longest = max((r.prompt_len + r.output_len for r in i.sim.requests if r.model == i.idx), default=1)
             self.floor[i.idx] = -(-longest // i.kv.block_size)
-        floor_bytes = sum(self.floor[i.idx] * s for i, s in zip(insts, sizes))
-        self.total_slabs = int((self.total_bytes - floor_bytes) // self.slab)
-        if self.total_slabs < 0:
-            raise ValueError("KV pool smaller than the co-located models' longest requests")
-        self.held = {i.idx: 0 for i in insts}
+        self.table: SlabTable | None = None
+        self.partition: dict[int, float] = {}
+        self.blocks: dict[int, dict[int, tuple[Request, list[int]]]] = {i.idx: {} for i in insts}
+        self.cache_blocks: dict[int, list[int]] = {i.idx: [] for i in insts}
         if mode == "static":
-            w = weights or {i.idx: 1.0 for i in insts}
-            tot = sum(w[i.idx] for i in insts)
+            # Static* (FineServe 7.1): GPU memory split in proportion to F_M; each
+            # model's weights and activations come out of its own share, the rest
+            # is a private pool of its own block size.
+            fixed = {i.idx: i.cfg.model.weight_bytes(i.cfg.weight_dtype) + i.cfg.act_blocks * self.block_bytes[i.idx]
+                     for i in insts}  # fmt: skip
+            gpu_bytes = self.total_bytes + sum(fixed.values())
+            fm = {str(i.idx): (footprints or {}).get(i.idx, 1.0) for i in insts}
+            share = static_partition(gpu_bytes, fm)
             for i in insts:
-                self.held[i.idx] = int(self.total_slabs * w[i.idx] / tot)
-        for i in insts:
-            i.kv.resize(self.floor[i.idx] + self.held[i.idx] * self.bps[i.idx])
-        self.max_held = dict(self.held)
+                kv = share[str(i.idx)] - fixed[i.idx]
+                blocks = int(kv // self.block_bytes[i.idx]) if kv > 0 else 0
+                if blocks < self.floor[i.idx]:
+                    raise ValueError(
+                        f"static partition: {i.cfg.name} gets {kv / 1e9:.2f} GB of KV, less than its longest "
+                        f"request ({self.floor[i.idx]} blocks)"
+                    )
+                self.partition[i.idx] = kv
+                i.kv.resize(blocks)
+            self.total_slabs = 0
+            self.tail_bytes = sum(self.partition[i.idx] - i.kv.capacity * self.block_bytes[i.idx] for i in insts)
+        else:
+            self.total_slabs = int(self.total_bytes // self.slab)
+            self.tail_bytes = self.total_bytes - self.total_slabs * self.slab
+            self.table = SlabTable(self.total_slabs, self.slab)
+            for i in insts:  # floor: slabs for the longest request, kept formatted
+                pin = -(-self.floor[i.idx] // self.bps[i.idx])
+                if pin > self.table.free_slabs:
+                    raise ValueError("KV pool smaller than the co-located models' longest requests")
+                self.table.pin(i.idx, self.block_bytes[i.idx], pin)
+            for i in insts:
+                i.kv.resize(self.table.held_slabs(i.idx) * self.bps[i.idx])
+        self.max_held = {i.idx: self.held(i.idx) for i in insts}
+
+    def held(self, idx: int) -> int:
+        """Slabs formatted for instance ``idx`` (0 in static mode)."""
+        return self.table.held_slabs(idx) if self.table is not None else 0
 
     @property
     def free_slabs(self) -> int:
-        return self.total_slabs - sum(self.held.values())
+        return self.table.free_slabs if self.table is not None else 0
 
     def ensure(self, inst: Instance, blocks: int) -> None:
-        """Grow ``inst`` by whole slabs until ``blocks`` are available (or the pool is empty)."""
-        if self.mode != "shared":
+        """Format whole slabs for ``inst`` until ``blocks`` are available (or no slab is FREE)."""
+        if self.table is None:
             return
         short = blocks - inst.kv.available
         if short <= 0:
             return
         bps = self.bps[inst.idx]
-        k = min(-(-short // bps), self.free_slabs)
+        k = self.table.carve(inst.idx, self.block_bytes[inst.idx], -(-short // bps))
         if k > 0:
-            self.held[inst.idx] += k
-            self.max_held[inst.idx] = max(self.max_held[inst.idx], self.held[inst.idx])
             inst.kv.resize(inst.kv.capacity + k * bps)
+            self.max_held[inst.idx] = max(self.max_held[inst.idx], self.held(inst.idx))
 
-    def trim(self, inst: Instance) -> None:
-        """Return fully free slabs beyond one slab of headroom."""
-        if self.mode != "shared":
-            return
-        bps = self.bps[inst.idx]
-        k = min((inst.kv.available - bps) // bps, self.held[inst.idx])
-        if k > 0:
-            got = inst.kv.resize(inst.kv.capacity - k * bps)
-            k = (self.floor[inst.idx] + self.held[inst.idx] * bps - got) // bps
-            self.held[inst.idx] -= k
+    def sync(self, inst: Instance) -> int:
+        """Place the blocks ``inst`` reserved since the last call in its slabs,
+        take back those of finished / preempted requests (newest blocks first),
+        return emptied slabs to FREE and shrink the instance to what it holds.
+        Returns the tokens of the running requests' last, partly filled blocks
+        (internal fragmentation of blocks; computed on the way)."""
+        bs = inst.kv.block_size
+        t = self.table
+        if t is None:
+            return sum((r.private_blocks + len(r.cached_keys)) * bs - r.ctx for r in inst.running)
+        idx, size = inst.idx, self.block_bytes[inst.idx]
+        recs = self.blocks[idx]
+        cache = self.cache_blocks[idx]
+        grow = []
+        tail = 0
+        for r in inst.running:
+            want = r.private_blocks
+            tail += (want + len(r.cached_keys)) * bs - r.ctx
+            rec = recs.get(r.rid)
+            if rec is None:
+                rec = recs[r.rid] = (r, [])
+            ids = rec[1]
+            have = len(ids)
+            if want > have:
+                grow.append((ids, want - have))
+            elif want < have:  # published into the prefix cache (still held), or dropped and re-admitted
+                cache.extend(ids[want:])
+                del ids[want:]
+        if len(recs) > len(inst.running):
+            for rid, (r, ids) in list(recs.items()):
+                if r.state != RUNNING:  # finished or preempted: all its private blocks are free
+                    if ids:
+                        t.free(idx, ids, keep_empty=True)
+                    del recs[rid]
+        n_cached = len(inst.kv.refs)
+        if len(cache) > n_cached:  # evicted or deduplicated cache blocks (oldest first)
+            t.free(idx, cache[: len(cache) - n_cached], keep_empty=True)
+            del cache[: len(cache) - n_cached]
+        for ids, n in grow:
+            # capacity only grows through ``ensure``, so the instance's slabs hold
+            # these; another hook resizing the pool may need FREE slabs (or leave
+            # blocks unplaced until a later call)
+            got = t.alloc(idx, size, n, carve=False) or t.alloc(idx, size, n)
+            if got is not None:
+                ids.extend(got)
+        t.release_empty(idx)
+        inst.kv.resize(t.held_slabs(idx) * self.bps[idx])
+        return tail
+
+    def stranded_bytes(self, inst: Instance) -> int:
+        """Free KV inside the slabs (shared) or the partition (static) of ``inst``:
+        memory this model holds that no co-located model can use."""
+        return (inst.kv.capacity - inst.kv.used) * self.block_bytes[inst.idx]
 
     def check(self) -> None:
-        assert 0 <= sum(self.held.values()) <= self.total_slabs
-        used = sum(i.kv.capacity * i.cfg.kv_block_bytes for i in self.insts)
+        used = sum(i.kv.capacity * self.block_bytes[i.idx] for i in self.insts)
         assert used <= self.total_bytes + 1e-6, (used, self.total_bytes)
+        if self.table is not None:
+            self.table.check()
+            assert self.table.num_slabs == self.total_slabs
+            for i in self.insts:
+                assert i.kv.capacity == self.table.held_slabs(i.idx) * self.bps[i.idx]
+                placed = sum(len(ids) for _, ids in self.blocks[i.idx].values()) + len(self.cache_blocks[i.idx])
+                assert placed == self.table.used_blocks(i.idx) <= i.kv.capacity
 
 
 def slab_pool(inst: Instance) -> SlabPool | None:
@@ -146,7 +240,7 @@ def slab_pool(inst: Instance) -> SlabPool | None:
     if g not in pools:
         insts = [i for i in inst.sim.instances if i.cfg.gpu == g and isinstance(i.scheduler, FineServeScheduler)]
         s = inst.scheduler
-        pools[g] = SlabPool(insts, s.kv_mode, s.min_slab_mb, {i.idx: i.scheduler.weight for i in insts})
+        pools[g] = SlabPool(insts, s.kv_mode, s.min_slab_mb, {i.idx: i.scheduler.footprint for i in insts})
     return pools[g]
 
 
@@ -171,7 +265,8 @@ def _prefill_model(inst: Instance):
 
 class FineServeScheduler:
     """See module docstring. Options: ``batching`` (edf | prism | fcfs), ``kv``
-    (shared | static), ``min_slab_mb`` (2), ``weight`` (F_M share for static)."""
+    (shared | static), ``min_slab_mb`` (2), ``footprint_gb`` (F_M in GB; the
+    Static* partition needs it for every model of the GPU)."""
 
     def __init__(
         self,
@@ -179,7 +274,7 @@ class FineServeScheduler:
         batching: str = "edf",
         kv: str = "shared",
         min_slab_mb: float = 2.0,
-        weight: float = 1.0,
+        footprint_gb: float | None = None,
     ) -> None:
         if batching not in _BATCHING:
             raise ValueError(f"batching must be one of {', '.join(_BATCHING)}, got {batching!r}")
@@ -189,7 +284,17 @@ class FineServeScheduler:
             raise ValueError("edf/prism batching needs slo.ttft_s")
         self.name = cfg.name
         self.batching, self.kv_mode, self.min_slab_mb = batching, kv, float(min_slab_mb)
-        self.weight = float(weight)
+        if kv == "static" and footprint_gb is None:
+            raise ValueError("kv: static needs footprint_gb (F_M, python -m benchmark.sim placement prints it)")
+        if footprint_gb is not None and not (math.isfinite(footprint_gb) and footprint_gb > 0):
+            raise ValueError(f"footprint_gb must be > 0, got {footprint_gb!r}")
+        self.footprint = float(footprint_gb) * 1e9 if footprint_gb is not None else 1.0
+        self.footprint_gb = footprint_gb
+        # fragmentation accounting, weighted by iteration time
+        self._t = 0.0
+        self._stranded = 0.0
+        self._stranded_max = 0
+        self._tail = 0.0
         self.slo = cfg.ttft_slo_s
         self.pool: SlabPool | None = None
         self.idx = -1
@@ -203,7 +308,14 @@ class FineServeScheduler:
         pass
 
     def after_iteration(self, inst, plan, now, duration) -> None:
-        self.pool.trim(inst)
+        pool = self.pool
+        tail = pool.sync(inst)
+        stranded = pool.stranded_bytes(inst)
+        bs = inst.kv.block_size
+        self._t += duration
+        self._stranded += stranded * duration
+        self._stranded_max = max(self._stranded_max, stranded)
+        self._tail += tail * inst.cfg.kv_block_bytes / bs * duration
 
     def _drop(self, inst: Instance, r: Request) -> None:
         inst.waiting.remove(r)
@@ -307,18 +419,28 @@ class FineServeScheduler:
 
     def stats(self) -> dict:
         """Common shape (``core.stats``); slab figures are this instance's share of its GPU's pool."""
-        gauges: dict = {"weight": self.weight, "min_slab_mb": self.min_slab_mb}
+        gauges: dict = {"footprint_gb": self.footprint_gb or 0.0, "min_slab_mb": self.min_slab_mb}
         pool = self.pool
         if pool is not None:
             i = self.idx
+            t = max(self._t, 1e-12)
             gauges.update(
                 {
-                    "slab_bytes": pool.slab,
-                    "blocks_per_slab": pool.bps[i],
+                    "block_bytes": pool.block_bytes[i],
+                    "slab_bytes": pool.slab if pool.mode == "shared" else 0,
+                    "blocks_per_slab": pool.bps[i] if pool.mode == "shared" else 0,
                     "floor_blocks": pool.floor[i],
-                    "slabs_held_final": pool.held[i],
+                    "slabs_held_final": pool.held(i),
                     "slabs_held_max": pool.max_held[i],
                     "gpu_slabs_total": pool.total_slabs,
+                    "static_kv_bytes": pool.partition.get(i, 0.0),
+                    # KV this model holds but does not use (no co-located model can):
+                    # free blocks in its slabs (shared) or in its partition (static)
+                    "stranded_bytes_mean": self._stranded / t,
+                    "stranded_bytes_max": self._stranded_max,
+                    # tokens of the last, partly filled block of each running request
+                    "block_tail_bytes_mean": self._tail / t,
+                    "gpu_tail_bytes": pool.tail_bytes,
                 }
             )
         return mechanism_stats(
@@ -356,18 +478,60 @@ class Demand:
     weights: float
     activations: float
     kv_base: float
-    mu: float  # tokens per GB of KV
+    mu: float  # tokens per byte of KV (memory_ext.policy.fineserve.model_demand)
     slo_rate: float  # rate / ttft_slo (Prism's SLO-weighted rate)
+    batch: int = 0  # profiled batch size the KV part of F_M is taken at
+    rate_met: bool = True  # False: no batch <= max_running meets the rate (the paper would add DP replicas)
+    kv_bytes_per_token: float = 0.0
+    kv_tokens: float = 0.0
 
     @property
     def footprint(self) -> float:
-        return self.weights + self.activations + self.kv_base
+        from memory_ext.policy.fineserve import base_footprint
+
+        return base_footprint(self.weights, self.kv_bytes_per_token, self.kv_tokens, self.activations)
+
+    def model_demand(self):
+        """The ``ModelDemand`` Alg. 1 gets (the shared sizes -> demand function)."""
+        from memory_ext.policy.fineserve import model_demand
+
+        return model_demand(self.name, self.weights, self.kv_bytes_per_token, self.kv_tokens, self.activations)
+
+
+def profiled_throughput(ms, gpu, m, mean_in: float, mean_out: float):
+    """Requests/s a batch of b running requests completes, from the roofline
+    (the simulator's "profile"): every iteration decodes b requests at the mean
+    context (prompt + half the output) and carries the prompts of the requests
+    that replace finished ones (b x mean_in / mean_out tokens per iteration,
+    one chunked-prefill chunk); a request lives mean_out iterations."""
+    rf = Roofline(ms, gpu, m.weight_dtype, m.kv_dtype, m.overhead_s)
+    ctx = int(mean_in + mean_out / 2)
+    out = max(mean_out, 1.0)
+
+    def thr(b: int) -> float:
+        s = BatchShape()
+        s.tokens += b
+        s.attn_pairs += b * (ctx + 1)
+        s.kv_tokens += b * (ctx + 1)
+        s.sampled += b
+        pre = int(round(b * mean_in / out))
+        if pre:
+            s.add_prefill(0, pre, False)
+        return b / (out * rf.iteration_time(s))
+
+    return thr, ctx
 
 
 def model_demands(spec: ScenarioSpec, rate_scale: float = 1.0) -> list[Demand]:
     """F_M parts, mu and SLO-weighted rate of every model of ``spec``.
-    Average KV by Little's law: rate x (mean output x TPOT at batch 1) x
-    (mean prompt + mean output / 2) tokens."""
+
+    F_M (FineServe 6.2) = weights + activation reserve (what the runner
+    charges) + KV at "the smallest batch size whose profiled throughput meets
+    M's expected request rate" (``smallest_batch_for_rate`` over
+    ``profiled_throughput``, at most ``max_running``): that batch x the mean
+    context (prompt + output / 2) x KV bytes per token."""
+    from memory_ext.policy.fineserve import smallest_batch_for_rate
+
     g = gpu_spec(spec.node.gpu)
     out = []
     for m in spec.models:
@@ -376,12 +540,10 @@ def model_demands(spec: ScenarioSpec, rate_scale: float = 1.0) -> list[Demand]:
         rate = sum(w.arrival.rate for w in wls) * rate_scale
         mean_in = sum(w.input.expected_mean() for w in wls) / max(len(wls), 1) if wls else 0.0
         mean_out = sum(w.output.expected_mean() for w in wls) / max(len(wls), 1) if wls else 0.0
-        ctx = int(mean_in + mean_out / 2)
-        s = BatchShape()
-        s.add_decode(ctx)
-        tpot = Roofline(ms, g, m.weight_dtype, m.kv_dtype, m.overhead_s).iteration_time(s)
+        thr, ctx = profiled_throughput(ms, g, m, mean_in, mean_out)
+        batch, met = smallest_batch_for_rate(rate, thr, m.max_running)
         per_tok = ms.kv_bytes_per_token(m.kv_dtype)
-        kv_base = rate * mean_out * tpot * (mean_in + mean_out / 2) * per_tok
+        tokens = batch * ctx if rate > 0 else 0.0
         act = ms.activation_bytes(
             m.max_batched_tokens if m.activation_tokens is None else m.activation_tokens, m.weight_dtype
         )
@@ -390,9 +552,13 @@ def model_demands(spec: ScenarioSpec, rate_scale: float = 1.0) -> list[Demand]:
                 m.name,
                 ms.weight_bytes(m.weight_dtype),
                 act,
-                kv_base,
-                1e9 / per_tok,
+                tokens * per_tok,
+                1.0 / per_tok,
                 rate / m.ttft_slo_s if math.isfinite(m.ttft_slo_s) else rate,
+                batch,
+                met,
+                per_tok,
+                tokens,
             )
         )
     return out
@@ -403,15 +569,19 @@ def _budget(spec: ScenarioSpec) -> float:
 
 
 def fineserve_placement(spec: ScenarioSpec, rate_scale: float = 1.0) -> dict[str, int]:
-    """FineServe Alg. 1 via ``memory_ext.policy.fineserve.place_models``: model -> gpu."""
-    from memory_ext.policy.fineserve import GpuCandidate, ModelDemand, place_models
+    """FineServe Alg. 1: model -> gpu. Goes through
+    ``memory_ext.policy.fineserve.place_with_pins`` (no pins: exactly
+    ``place_models``) with demands from ``model_demand`` -- the functions the
+    router's placement is to share (docs/simulation.md, FineServe)."""
+    from memory_ext.policy.fineserve import GpuCandidate, PlacementInfeasible, place_with_pins
 
     ds = model_demands(spec, rate_scale)
-    res = place_models(
-        [ModelDemand(d.name, d.footprint, d.mu) for d in ds],
-        [GpuCandidate(str(g), _budget(spec)) for g in range(spec.node.count)],
+    res = place_with_pins(
+        [d.model_demand() for d in ds], [GpuCandidate(str(g), _budget(spec)) for g in range(spec.node.count)]
     )
-    res.raise_if_infeasible()
+    res.alg1.raise_if_infeasible()
+    if res.overflow:  # pragma: no cover - no pins here
+        raise PlacementInfeasible([o[0] for o in res.overflow])
     return {n: int(g) for n, g in res.assignment.items()}
 
 
