@@ -14,8 +14,8 @@ client holds exactly what it was granted and did not return; held + free = creat
 budget). At the end the arbiter still serves a well-behaved client the whole budget and no
 fd leaked.
 
-Runtime: ``MEMX_FUZZ_EXAMPLES`` runs (default 25, about 10 s here) of up to
-``MEMX_FUZZ_STEPS`` steps (default 40). Long mode: ``MEMX_FUZZ_EXAMPLES=2000``. A failure
+Runtime: ``MEMX_FUZZ_EXAMPLES`` runs (default 100, about 5 s here) of up to
+``MEMX_FUZZ_STEPS`` steps (default 50). Long mode: ``MEMX_FUZZ_EXAMPLES=2000``. A failure
 prints the falsifying step sequence and a ``@reproduce_failure`` blob; ``pytest
 --hypothesis-seed=N`` replays a run's random choices (docs/reliability.md, "Bad input").
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import tempfile
 import time
@@ -39,8 +40,8 @@ from memory_ext.pool.arbiter_client import ArbiterClient
 from memory_ext.vmm import host_backend
 from memory_ext.vmm.ipc import MAX_FDS, connect_unix
 
-EXAMPLES = int(os.environ.get("MEMX_FUZZ_EXAMPLES", "25"))
-STEPS = int(os.environ.get("MEMX_FUZZ_STEPS", "40"))
+EXAMPLES = int(os.environ.get("MEMX_FUZZ_EXAMPLES", "100"))
+STEPS = int(os.environ.get("MEMX_FUZZ_STEPS", "50"))
 PAGE = os.sysconf("SC_PAGE_SIZE")
 G = PAGE
 BUDGET = 6
@@ -52,6 +53,7 @@ JUNK = st.recursive(_leaf, lambda s: st.lists(s, max_size=3) | st.dictionaries(s
                     max_leaves=6)  # fmt: skip
 REQ_ID = st.integers(0, 2**63) | st.sampled_from([0, 1, 10**40])
 OWNERS = st.sampled_from(proto.OWNERS)
+KNOWN = {"", "message", "type", "fds"} | {f for schema in proto.CLIENT_SCHEMAS.values() for f in schema}
 
 
 def _nfds() -> int:
@@ -159,7 +161,9 @@ class ArbiterMachine(RuleBasedStateMachine):
                 msg = proto.decode_server(json.dumps(json.loads(data[4:])["meta"]).encode())
                 assert msg["type"] == "GRANT" and len(fds) == len(msg["chunks"])
             if msg["type"] != "RECLAIM":
-                event(f"answer {msg['type']}" + (f" {msg['field']}" if msg["type"] == "ERROR" else ""))
+                field = msg.get("field", "")
+                known = re.sub(r"\[\d+\]$", "", field) in KNOWN
+                event(f"answer {msg['type']} {field if known else '<extra field>'}")
                 return msg
 
     def _expect_error(self, conn: _Conn, field: str, req_id: int | None, what) -> None:
@@ -263,6 +267,20 @@ class ArbiterMachine(RuleBasedStateMachine):
         conn = self._pick(data)
         others = sorted({i for c in self.conns if c is not conn for i in c.held})
         self._send_and_check(conn, proto.encode(data.draw(client_message(sorted(conn.held), others))))
+
+    @precondition(lambda self: any(c.client_id is not None for c in self.conns))
+    @rule(data=st.data())
+    def borrow(self, data):
+        conn = data.draw(st.sampled_from([c for c in self.conns if c.client_id is not None]), label="conn")
+        msg = {"type": "BORROW", "req_id": data.draw(REQ_ID), "n": data.draw(st.integers(1, BUDGET)), "owner": "kv"}
+        self._send_and_check(conn, proto.encode(msg))
+
+    @precondition(lambda self: any(c.held for c in self.conns))
+    @rule(data=st.data())
+    def return_held(self, data):
+        conn = data.draw(st.sampled_from([c for c in self.conns if c.held]), label="conn")
+        ids = data.draw(st.lists(st.sampled_from(sorted(conn.held)), min_size=1, unique=True))
+        self._send_and_check(conn, proto.encode({"type": "RETURN", "req_id": data.draw(REQ_ID), "chunks": ids}))
 
     @precondition(lambda self: self.conns)
     @rule(data=st.data())
