@@ -54,8 +54,12 @@ A malformed message gets an ERROR naming the field and changes nothing (an
 empty packet included: field ``message``; only EOF ends a connection);
 fds sent to the arbiter are closed on arrival; one event-loop thread does all
 the work under one lock, so ``status()``/``check_invariants()`` are safe from
-other threads. ``test/unit/test_arbiter_fuzz.py`` drives a live arbiter with
-random message sequences and checks all of this after every step.
+other threads. A reply too big for one packet (a STATUS listing many clients with
+long names) is an ERROR with field ``message``, not a dropped connection. At most
+``max_clients`` connections (default 64) are served at once; one more gets ERROR
+``clients`` and is closed, so a flood of connections cannot exhaust the arbiter's
+fds. ``test/unit/test_arbiter_fuzz.py`` drives a live arbiter with random message
+sequences and checks all of this after every step.
 
 Who may connect
 ---------------
@@ -152,9 +156,12 @@ class Arbiter:
         reclaim_timeout: float = 2.0,
         send_timeout: float = 5.0,
         allowed_uids: Iterable[int] | None = None,
+        max_clients: int = 64,
     ):
         if not isinstance(backend, VmmBackend):
             raise TypeError(f"backend must be a VmmBackend, got {type(backend).__name__}")
+        if isinstance(max_clients, bool) or not isinstance(max_clients, int) or max_clients < 1:
+            raise ValueError(f"max_clients must be a positive int, got {max_clients!r}")
         for name, v in (("budget_chunks", budget_chunks), ("floor_per_client", floor_per_client)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
@@ -166,6 +173,7 @@ class Arbiter:
         self.floor = floor_per_client
         self.reclaim_timeout = float(reclaim_timeout)
         self.send_timeout = float(send_timeout)
+        self.max_clients = max_clients
         self.allowed_uids = frozenset([os.geteuid()] if allowed_uids is None else allowed_uids)
         if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in self.allowed_uids):
             raise ValueError(f"allowed_uids must be non-negative ints, got {sorted(self.allowed_uids, key=str)!r}")
@@ -360,14 +368,16 @@ class Arbiter:
         except OSError:
             pid, uid = 0, -1
         sock.settimeout(self.send_timeout)
+        refusal = None
         if uid not in self.allowed_uids:
+            refusal = ("peer_uid", f"uid {uid} may not use this pool (allowed: {sorted(self.allowed_uids)})")
+        elif len(self._clients) >= self.max_clients:
+            refusal = ("clients", f"the arbiter serves at most {self.max_clients} connections at once")
+        if refusal is not None:
             self.stats["refused"] += 1
-            log.warning("arbiter: refused a connection from uid %d (pid %d): allowed %s", uid, pid,
-                        sorted(self.allowed_uids))  # fmt: skip
-            msg = {"type": "ERROR", "req_id": None, "field": "peer_uid",
-                   "message": f"uid {uid} may not use this pool (allowed: {sorted(self.allowed_uids)})"}  # fmt: skip
+            log.warning("arbiter: refused a connection from uid %d (pid %d): %s", uid, pid, refusal[1])
             try:
-                sock.send(proto.encode(msg))
+                sock.send(proto.encode({"type": "ERROR", "req_id": None, "field": refusal[0], "message": refusal[1]}))
             except OSError:
                 pass
             sock.close()
@@ -584,7 +594,13 @@ class Arbiter:
 
     def _send(self, client: _Client, msg: dict) -> bool:
         try:
-            client.sock.send(proto.encode(msg))
+            try:
+                data = proto.encode(msg)
+            except proto.ProtocolError as exc:  # a reply too big for one packet: say so, keep the client
+                self.stats["errors"] += 1
+                why = f"the {msg['type']} reply does not fit one packet: {exc.detail}"
+                data = proto.encode({"type": "ERROR", "req_id": msg.get("req_id"), "field": exc.field, "message": why})
+            client.sock.send(data)
             return True
         except OSError as exc:  # includes a send timeout: a client that never reads is dropped
             self._drop(client, f"send failed: {exc}")

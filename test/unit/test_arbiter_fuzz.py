@@ -377,3 +377,62 @@ ArbiterMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 test_arbiter_survives_random_message_sequences = ArbiterMachine.TestCase
+
+
+def _hello(path: str, name: str) -> socket.socket:
+    s = connect_unix(path)
+    s.settimeout(REPLY_TIMEOUT)
+    s.send(proto.encode({"type": "HELLO", "req_id": 1, "version": proto.PROTOCOL_VERSION, "name": name, "pid": 1}))
+    return s
+
+
+def test_more_connections_than_max_clients_are_refused_naming_clients():
+    """A flood of connections: beyond ``max_clients`` each gets ERROR(clients) and is closed; a
+    slot freed is usable again, and the ledger never moves."""
+    d = tempfile.mkdtemp(prefix="cap-", dir="/tmp")
+    path = os.path.join(d, "arb.sock")
+    with Arbiter(path, host_backend(G), 2, max_clients=3) as arb:
+        kept = [_hello(path, f"c{i}") for i in range(3)]
+        assert all(proto.decode_server(s.recv(1 << 16))["type"] == "WELCOME" for s in kept)
+        for _ in range(5):
+            s = connect_unix(path)
+            s.settimeout(REPLY_TIMEOUT)
+            reply = proto.decode_server(s.recv(1 << 16))
+            assert (reply["type"], reply["field"]) == ("ERROR", "clients") and "at most 3" in reply["message"]
+            assert s.recv(16) == b""
+            s.close()
+        kept.pop().close()
+        deadline = time.monotonic() + REPLY_TIMEOUT
+        while len(arb.status()["clients"]) > 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        again = _hello(path, "again")
+        assert proto.decode_server(again.recv(1 << 16))["type"] == "WELCOME"
+        assert arb.stats["refused"] == 5
+        arb.check_invariants()
+        for s in kept + [again]:
+            s.close()
+    os.rmdir(d)
+
+
+def test_a_status_too_big_for_one_packet_is_an_error_not_a_dropped_client():
+    """64 clients with 128-character names that JSON escapes to 12 bytes each: the STATUS reply
+    would exceed one packet, so the asker gets ERROR(message) and stays connected."""
+    d = tempfile.mkdtemp(prefix="big-", dir="/tmp")
+    path = os.path.join(d, "arb.sock")
+    with Arbiter(path, host_backend(G), 2) as arb:
+        conns = [_hello(path, "\U0001f600" * proto.MAX_NAME_LEN) for _ in range(arb.max_clients)]
+        assert all(proto.decode_server(s.recv(1 << 16))["type"] == "WELCOME" for s in conns)
+        asker = conns[0]
+        asker.send(proto.encode({"type": "STATUS", "req_id": 7}))
+        reply = proto.decode_server(asker.recv(1 << 17))
+        assert (reply["type"], reply["field"], reply["req_id"]) == ("ERROR", "message", 7), reply
+        asker.send(proto.encode({"type": "BORROW", "req_id": 8, "n": 1, "owner": "kv"}))  # still served
+        data, fds, _, _ = socket.recv_fds(asker, 1 << 16, MAX_FDS)
+        assert len(fds) == 1 and data[:1] != b"{"
+        os.close(fds[0])
+        assert len(arb.status()["clients"]) == arb.max_clients
+        arb.check_invariants()
+        for s in conns:
+            s.close()
+    os.rmdir(d)
