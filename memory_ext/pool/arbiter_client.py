@@ -84,6 +84,7 @@ class ArbiterClient:
         self._held: dict[int, PhysicalChunk] = {}  # arbiter chunk id -> local import
         self._closed = False
         self._dead: str | None = None
+        self._refused: dict | None = None  # an ERROR answering no request (e.g. peer_uid), then EOF
         self.reclaim_requests: list[int] = []
         self._reclaims: queue.Queue[int | None] = queue.Queue()
         self._sock = connect_unix(socket_path)
@@ -177,7 +178,8 @@ class ArbiterClient:
         report comes back as an ERROR, logged as a late reply)."""
         with self._lock:
             if self._dead is not None or self._closed:
-                raise ArbiterError(f"not connected to the arbiter ({self._dead or 'closed'})")
+                field = self._refused["field"] if self._refused else None
+                raise ArbiterError(f"not connected to the arbiter ({self._dead or 'closed'})", field)
             req_id = self._next_req
             self._next_req += 1
             msg = {"type": "REPORT", "req_id": req_id, "idle": idle, "headroom": headroom, "busy": busy}
@@ -257,7 +259,8 @@ class ArbiterClient:
         w = _Waiter()
         with self._lock:
             if self._dead is not None or self._closed:
-                raise ArbiterError(f"not connected to the arbiter ({self._dead or 'closed'})")
+                field = self._refused["field"] if self._refused else None
+                raise ArbiterError(f"not connected to the arbiter ({self._dead or 'closed'})", field)
             req_id = self._next_req
             self._next_req += 1
             self._waiters[req_id] = w
@@ -271,7 +274,8 @@ class ArbiterClient:
                 self._waiters.pop(req_id, None)
             raise ArbiterError(f"no reply to {msg['type']} within {timeout or self.timeout:g} s")
         if w.reply is None:
-            raise ArbiterError(f"connection lost while waiting for {msg['type']} ({self._dead})")
+            field = self._refused["field"] if self._refused else None
+            raise ArbiterError(f"connection lost while waiting for {msg['type']} ({self._dead})", field)
         if w.reply["type"] == "ERROR":
             raise ArbiterError(
                 f"arbiter rejected {msg['type']}: {w.reply['field']}: {w.reply['message']}", w.reply["field"]
@@ -324,6 +328,8 @@ class ArbiterClient:
             why = str(exc)
         finally:
             with self._lock:
+                if self._refused is not None:
+                    why = f"{why} after ERROR {self._refused['field']}: {self._refused['message']}"
                 self._dead = why
                 waiters, self._waiters = self._waiters, {}
             for w in waiters.values():
@@ -337,6 +343,8 @@ class ArbiterClient:
         if w is None:
             if msg["type"] == "ERROR":
                 log.error("arbiter client: the arbiter rejected a message: %s: %s", msg["field"], msg["message"])
+                if msg["req_id"] is None:
+                    self._refused = msg
                 return
             kept = False
             if self.on_late_reply is not None:

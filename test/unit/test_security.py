@@ -16,7 +16,7 @@ import pytest
 
 from memory_ext.pool import arbiter_protocol as proto
 from memory_ext.pool.arbiter import Arbiter
-from memory_ext.pool.arbiter_client import ArbiterClient
+from memory_ext.pool.arbiter_client import ArbiterClient, ArbiterError
 from memory_ext.vmm import UnsafeDirectoryError, check_private_dir, connect_unix, host_backend, listen_unix, private_dir
 from sglang_memx.config import MemxConfig, MemxConfigError
 from sglang_memx.elastic.shared_pool import ensure_arbiter
@@ -110,7 +110,10 @@ def test_peer_of_another_uid_is_refused_with_an_error_naming_peer_uid(short_dir)
             assert f"uid {os.geteuid()}" in reply["message"]
             assert s.recv(16) == b""  # closed by the arbiter
             s.close()
-        assert arb.stats["refused"] == 2 and arb.status()["clients"] == []
+        with pytest.raises(ArbiterError) as e:  # memx's own client says why
+            ArbiterClient(path, "refused", host_backend(G), timeout=5)
+        assert e.value.field == "peer_uid" and "may not use this pool" in str(e.value)
+        assert arb.stats["refused"] == 3 and arb.status()["clients"] == []
         arb.check_invariants()
     with Arbiter(path, host_backend(G), 2) as arb:  # the default: the arbiter's own uid only
         assert arb.allowed_uids == {os.geteuid()}
