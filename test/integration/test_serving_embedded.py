@@ -131,3 +131,30 @@ def test_steady_decode_makes_no_map_call_on_the_request_path(servers):
     assert out["meta_info"]["completion_tokens"] == 600
     assert steps1 - steps0 >= 590  # one decode step per token after the first
     assert maps1 - maps0 == 0 and premap1 >= 2  # 600 tokens cross group boundaries: mapped ahead of time
+
+
+def test_malformed_requests_to_memx_get_a_4xx_never_a_5xx(servers):
+    """On the real server (upstream's app and middleware, memx's routes): wrong methods, unknown
+    sub-paths, bad bodies and query strings. ``test/unit/test_memx_http.py`` fuzzes the same routes."""
+    import urllib.error
+    import urllib.request
+
+    memx, _ = servers
+    cases = [
+        ("POST", "/memx/status", b"{not json", 405),
+        ("PUT", "/memx/metrics", b"[]", 405),
+        ("DELETE", "/memx/status", None, 405),
+        ("GET", "/memx/nope", None, 404),
+        ("GET", "/memx/status/x", None, 404),
+        ("GET", "/memx/status?dp_rank=x&&=%ff", None, 200),
+        ("GET", "/memx/status", b"\xff" * (1 << 20), 200),  # a 1 MiB body on a GET is ignored
+    ]
+    for method, path, body, want in cases:
+        req = urllib.request.Request(memx.url + path, data=body, method=method,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                code = r.status
+        except urllib.error.HTTPError as exc:
+            code = exc.code
+        assert code == want, (method, path, code)
