@@ -253,7 +253,7 @@ def test_every_model_once_colocated_models_share_one_pod_and_its_pool(tmp_path, 
         for c in pod["containers"]:
             argv = c["command"] + c["args"]
             mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-            assert _flag(argv, "--memx-pool-dir") == mount["memx-pool"]
+            assert _flag(argv, "--memx-pool-dir") == mount["memx-pool"] + "/pools"  # memx makes it 0700
             assert "--memx-elastic-kv" in argv and _flag(argv, "--host") == "0.0.0.0"
             pools.add((_flag(argv, "--memx-pool"), _flag(argv, "--memx-pool-budget-gb")))
             model = cfg.model(_model_of(c))
@@ -275,7 +275,7 @@ def test_containers_run_the_launchers_command_line(tmp_path):
         argv = argv[argv.index("python3") :]
         expected = list(s.argv)
         expected[expected.index("--host") + 1] = "0.0.0.0"
-        expected[expected.index("--memx-pool-dir") + 1] = emit.POOL_MOUNT
+        expected[expected.index("--memx-pool-dir") + 1] = emit.POOL_DIR
         assert argv == expected
         env = {e["name"]: e["value"] for e in c["env"]}
         assert "CUDA_VISIBLE_DEVICES" not in env  # the device plugin / DRA picks the GPU

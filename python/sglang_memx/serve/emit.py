@@ -53,7 +53,10 @@ __all__ = [
 
 API_KEY_ENV = "MEMX_API_KEY"  # router.api_key: read from the environment, never written into an artefact
 API_KEY_REF = f"$({API_KEY_ENV})"  # Kubernetes expands $(VAR) in command / args from the container's env
-POOL_MOUNT = "/run/memx-pool"  # the pool directory every container of a device's Pod shares
+POOL_MOUNT = "/run/memx-pool"  # the volume every container of a device's Pod shares
+# emptyDir volumes are world-writable (0777), which memx refuses for sockets: the pool
+# directory is a subdirectory memx creates 0700 inside the shared volume
+POOL_DIR = POOL_MOUNT + "/pools"
 APP = "sglang-memx"
 URL_FIELDS = ("service", "namespace", "port", "engine_port", "model", "device")
 
@@ -155,7 +158,7 @@ def model_units(config: ServeConfig, placement: Placement, opts: EmitOptions) ->
         plan = placement.devices[placed.device]
         argv = list(spec.argv)
         _set(argv, "--host", "0.0.0.0")
-        _set(argv, "--memx-pool-dir", POOL_MOUNT)
+        _set(argv, "--memx-pool-dir", POOL_DIR)
         env = {k: v for k, v in spec.env.items() if k not in ("CUDA_VISIBLE_DEVICES", "SGLANG_CPU_OMP_THREADS_BIND")}
         overhead = int(opts.overhead_gb * GIB)
         if plan.kind == "cpu":
