@@ -288,6 +288,8 @@ def test_engine_sigkill_mid_request_restarts_it_and_leaves_the_rest_untouched(se
     arbiter dropped the dead engine's chunks (held + free + uncreated == budget, one client per
     live engine); /metrics and ``sglang-memx top`` show the restart."""
     router = serve["url"]
+    for s in serve["stock"].values():  # done with (every comparison runs earlier): their cores go to the restart
+        s.stop()
     ask = {"model": "tiny-a", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
     before = _http(router + "/v1/completions", ask)["choices"][0]["text"]
     st0 = _http(router + "/memx/serve")
@@ -334,9 +336,10 @@ def test_engine_sigkill_mid_request_restarts_it_and_leaves_the_rest_untouched(se
         states.add(eng["state"])
         if eng["state"] == "awake" and eng["restarts"] == 1:
             break
-        assert eng["state"] == "restarting", eng
-        assert time.monotonic() - t_kill < 180, "tiny-a not restarted within 180 s"
-        time.sleep(0.5)
+        noticing = eng["state"] == "awake" and eng["restarts"] == 0 and time.monotonic() - t_kill < 3
+        assert eng["state"] == "restarting" or noticing, eng  # the supervisor polls every 0.2 s
+        assert time.monotonic() - t_kill < 240, "tiny-a not restarted within 240 s"
+        time.sleep(1.0)
     restart_s = time.monotonic() - t_kill
     assert "restarting" in states
     t_plain.join(120)
