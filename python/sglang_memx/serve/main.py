@@ -165,7 +165,10 @@ def _serve_router(config, placement, launcher, host: str, port: int, api_key: st
                     engine_state=lambda n: launcher.engines[n].state, engine_info=lambda n: launcher.engines[n].info(),
                     api_key=api_key, request_timeout_s=config.router.request_timeout_s, status=status)  # fmt: skip
     _log(f"sglang-memx serve: router on http://{host}:{port} for {', '.join(routes)}")
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    # On SIGTERM uvicorn waits for open requests; bounded, so a request queued for a restarting
+    # engine (or a long stream) cannot hold the shutdown for minutes.
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=30))  # fmt: skip
     server.run()
 
 
