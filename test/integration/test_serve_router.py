@@ -78,7 +78,7 @@ def serve(tmp_path_factory, tiny_model_root):
     tmp = tmp_path_factory.mktemp("serve")
     a, b = tiny_model(SPEC_A, tiny_model_root), tiny_model(SPEC_B, tiny_model_root)
     port = free_port()
-    cfg = _config(tmp, a, b, port)
+    cfg = _config(tmp, a, b, port, sleep_after_s=6)  # tiny-b sleeps when idle (weights remappable)
     LOG_DIR.mkdir(exist_ok=True)
     log = open(LOG_DIR / "serve-router.log", "w")
     t0 = time.monotonic()
@@ -278,6 +278,37 @@ def _stream(url: str, req: dict, events: list, done: threading.Event) -> None:
         events.append(("error", exc))
     finally:
         done.set()
+
+
+def test_an_idle_model_sleeps_and_its_next_request_wakes_it_with_the_same_answer(serve):
+    """tiny-b (``sleep_after_s: 6``) gives its weights and KV back to the pool when idle; the router
+    shows it sleeping but still routes to it; the next request wakes it (wake time reported) and
+    gets the same greedy answer as before."""
+    router = serve["url"]
+    ask = {"model": "tiny-b", "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0}
+    before = _http(router + "/v1/completions", ask)["choices"][0]["text"]
+
+    def weights():
+        return _http(_engine(serve, "tiny-b") + "/memx/status")["schedulers"][0]["elastic_kv"]["weights"]
+
+    t0 = time.monotonic()
+    while not (weights()["sleep"]["state"] == "sleeping"
+               and _http(router + "/memx/serve")["models"]["tiny-b"]["state"] == "sleeping"):  # fmt: skip
+        assert time.monotonic() - t0 < 60, (weights(), _http(router + "/memx/serve")["models"]["tiny-b"])
+        time.sleep(0.5)
+    asleep = weights()
+    assert asleep["sleep"]["state"] == "sleeping", asleep  # nothing woke it meanwhile (only this test asks)
+    assert asleep["streamed_layers"] == asleep["layers"] and asleep["slots"] == 1, asleep  # one slot held
+    wakes = asleep["sleep"]["wakes"]
+    assert _http(router + "/v1/completions", ask)["choices"][0]["text"] == before  # this request wakes it
+    t0 = time.monotonic()
+    while ((m := _http(router + "/memx/serve")["models"]["tiny-b"])["sleep"] or {}).get("wakes", 0) <= wakes:
+        assert time.monotonic() - t0 < 10, m
+        time.sleep(0.3)
+    assert m["sleep"]["last_wake_s"] is not None and m["sleep"]["last_wake_full"] is True, m
+    print(f"tiny-b woke in {m['sleep']['last_wake_s']:.3f} s")
+    metrics = urllib.request.urlopen(_engine(serve, "tiny-b") + "/memx/metrics", timeout=10).read().decode()
+    assert re.search(r"^memx_weights_wakes_total\{.*\} [1-9]", metrics, re.M)
 
 
 def test_engine_sigkill_mid_request_restarts_it_and_leaves_the_rest_untouched(serve):

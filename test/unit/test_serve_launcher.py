@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 
-from sglang_memx.serve.config import parse_config
+import pytest
+
+from sglang_memx.serve.config import ServeConfigError, parse_config
 from sglang_memx.serve.launcher import _split_cores, engine_specs
 from sglang_memx.serve.placement import GIB, plan_placement
 from support.fake_checkpoint import fake_model
@@ -70,3 +72,20 @@ def test_dry_run_prints_the_plan(tmp_path):
     assert r.returncode == 0, r.stderr
     [line] = r.stdout.splitlines()
     assert json.loads(line)["model"] == "a" and "c (cpu): a" in r.stderr
+
+
+def test_a_sleeping_model_gets_remappable_weights_and_its_weights_count_in_the_pool(tmp_path):
+    for n in "ab":
+        fake_model(tmp_path, n, weight_bytes=1 << 20)
+    doc = {"models": [{"name": "a", "path": "a"}, {"name": "b", "path": "b", "sleep_after_s": 30}],
+           "devices": [{"name": "cpu0", "memory_gb": 0.5}]}  # fmt: skip
+    cfg = parse_config(doc, base_dir=tmp_path)
+    p = plan_placement(cfg)
+    a, b = engine_specs(cfg, p, run_id="7", ports={"a": 1001, "b": 1002}, python="py", log_dir=str(tmp_path))
+    assert "--memx-weights" not in a.argv and "--memx-sleep-after-s" not in a.argv
+    assert _flag(b.argv, "--memx-weights") == "remap" and float(_flag(b.argv, "--memx-sleep-after-s")) == 30.0
+    sizes = {n: p.models[n].size.weight_bytes for n in "ab"}
+    assert p.devices["cpu0"].pool_budget_bytes == int(0.5 * GIB) - sizes["a"]  # b's weights live in the pool
+    with pytest.raises(ServeConfigError, match=r"models\[1\]\.sleep_after_s"):
+        parse_config({**doc, "models": [doc["models"][0], {**doc["models"][1], "sleep_after_s": -1}]},
+                     base_dir=tmp_path)  # fmt: skip

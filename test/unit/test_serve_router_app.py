@@ -134,3 +134,24 @@ def test_dead_engine_answers_503_with_retry_after():
         assert (await c.post("/v1/chat/completions", json={"model": "org/b"})).status_code == 200
 
     run(s, alive=lambda n: n != "a")
+
+
+def test_a_sleeping_engine_shows_as_sleeping_and_still_takes_requests():
+    engines = {"a": fake_engine("A", asyncio.Event())}
+    routes = {"a": EngineRoute("a", "http://engine-0", "/models/a")}
+    mounts = {"http://engine-0": httpx.ASGITransport(app=engines["a"])}
+    gate = AdmissionGate(EdfAdmission({"a": ModelLimits(1.0, max_inflight=4, max_queued=4)}))
+    sleep = {"state": "sleeping", "wakes": 0, "last_wake_s": None}
+    app = build_app(routes, gate, lambda n: True, engine_info=lambda n: {"sleep": sleep}, monitor_interval_s=0.01,
+                    client_kwargs={"mounts": mounts})  # fmt: skip
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+                doc = (await c.get("/memx/serve")).json()
+                answer = await c.post("/v1/chat/completions", json={"model": "a", "messages": []})
+                return doc, answer
+
+    doc, answer = asyncio.run(main())
+    assert doc["models"]["a"]["state"] == "sleeping" and doc["models"]["a"]["sleep"] == sleep
+    assert answer.status_code == 200 and answer.json()["engine"] == "A"  # the request is what wakes it

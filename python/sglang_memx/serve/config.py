@@ -90,6 +90,7 @@ class ModelConfig:
     kv_reserve_tokens: int = 1024  # KV tokens charged to the model's base footprint in placement
     device: str | None = None  # pin to one device; None: placement chooses
     server_args: tuple[str, ...] = ()
+    sleep_after_s: float | None = None  # idle this long: the engine sleeps (weights + KV back to the pool)
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,7 @@ _MODEL_SPEC = {
     "kv_reserve_tokens": (lambda p, v: _int(p, v, 0), False),
     "device": (_opt(lambda p, v: _str(p, v, _DEVICE_NAME)), False),
     "server_args": (_args, False),
+    "sleep_after_s": (_opt(_pos), False),
 }
 
 _DEVICE_SPEC = {

@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -50,7 +51,8 @@ __all__ = ["EngineSpec", "engine_specs", "default_pool_dir", "Engine", "Launcher
 
 # Engine states, as /memx/serve, `sglang-memx top` and the router's metrics show them.
 STARTING, AWAKE, RESTARTING, DEAD = "starting", "awake", "restarting", "dead"
-SLEEPING, WAKING = "sleeping", "waking"  # reserved for sleep / wake (issue 17 item 3): never set here yet
+SLEEPING, WAKING = "sleeping", "waking"  # reported from the engine's own status (``Engine.sleep``), not set here
+SLEEP_POLL_S = 1.0  # how often the supervisor reads a sleeping-capable engine's state
 ENGINE_STATES = (STARTING, AWAKE, SLEEPING, WAKING, RESTARTING, DEAD)
 
 CPU_DEFAULTS = {
@@ -214,6 +216,8 @@ def engine_specs(
                  repr(plan.pool_budget_bytes / GIB), "--memx-pool-dir", pool_dir]  # fmt: skip
         if api_key:
             args += ["--api-key", api_key]
+        if m.sleep_after_s is not None:  # remappable weights in the pool: what a sleeping engine releases
+            args += ["--memx-weights", "remap", "--memx-sleep-after-s", repr(float(m.sleep_after_s))]
         args += list(config.launch.memx_args) + list(m.server_args)
         log = log_root / f"{m.name.replace('/', '_')}.log"
         specs.append(EngineSpec(m.name, dev.name, pool, pool_dir, port, tuple(args), env, str(log)))
@@ -246,6 +250,8 @@ class Engine:
         self._down_since: float | None = None
         self._try_at: float | None = None
         self._ready_by: float | None = None
+        self.sleep: dict | None = None  # the engine's weights.sleep status (--memx-sleep-after-s), polled
+        self._sleep_polled = 0.0
 
     @property
     def url(self) -> str:
@@ -295,7 +301,23 @@ class Engine:
             "last_restart_s": self.last_restart_s,
             "last_exit": self.last_exit,
             "expected_ready_s": self.expected_ready_s(),
+            "sleep": self.sleep,
         }
+
+    def poll_sleep(self, timeout: float = 2.0) -> None:
+        """Read the engine's sleep state from its /memx/status (only engines started with
+        ``--memx-sleep-after-s``); None when the engine does not reply (never a stale state)."""
+        if "--memx-sleep-after-s" not in self.spec.argv:
+            return
+        req = urllib.request.Request(self.url + "/memx/status")
+        if "--api-key" in self.spec.argv:
+            req.add_header("Authorization", "Bearer " + self.spec.argv[self.spec.argv.index("--api-key") + 1])
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                doc = json.load(r)
+            self.sleep = doc["schedulers"][0]["elastic_kv"]["weights"]["sleep"]
+        except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
+            self.sleep = None
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:
@@ -436,6 +458,9 @@ class Launcher:
         name = e.spec.model
         if e.state == AWAKE:
             if e.alive():
+                if now - e._sleep_polled >= SLEEP_POLL_S:
+                    e._sleep_polled = now
+                    e.poll_sleep()
                 return
             e.last_exit = describe_exit(e.proc.returncode if e.proc is not None else None)
             self._log(f"sglang-memx serve: {name} (pid {e.pid}, port {e.port}) {e.last_exit}; log tail:\n"

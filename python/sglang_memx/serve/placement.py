@@ -116,7 +116,7 @@ class DevicePlan:
     kind: str
     models: tuple[str, ...]  # in placement order
     weight_bytes: int
-    pool_budget_bytes: int  # memory - weights: KV + activations of every resident model
+    pool_budget_bytes: int  # memory - weights outside the pool: KV + activations (+ sleepers' weights)
 
     @property
     def pool_budget_gb(self) -> float:
@@ -181,12 +181,14 @@ def plan_placement(config: ServeConfig, sizes: dict[str, ModelSize] | None = Non
         raise unfit(m, "no device: the largest free", best)
     assignment.update(result.assignment)
 
+    sleepers = {m.name: m.sleep_after_s is not None for m in config.models}
     devices = {}
     for d in config.devices:
         names = tuple(m.name for m in config.models if assignment[m.name] == d.name and m.device is not None)
         names += tuple(n for n in result.residents.get(d.name, ()) if n not in names)
         weights = sum(sizes[n].weight_bytes for n in names)
-        devices[d.name] = DevicePlan(d.name, d.kind, names, weights, int(mem[d.name] - weights))
+        in_pool = sum(sizes[n].weight_bytes for n in names if sleepers[n])  # remappable: inside the pool
+        devices[d.name] = DevicePlan(d.name, d.kind, names, weights, int(mem[d.name] - weights + in_pool))
     models = {}
     for m in config.models:
         dev = devices[assignment[m.name]]

@@ -66,7 +66,7 @@ _ERROR_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
                504: "engine_error"}  # fmt: skip
 
 # The launcher's engine states (``launcher.ENGINE_STATES``; not imported: the router runs without it).
-AWAKE, DEAD = "awake", "dead"
+AWAKE, DEAD, SLEEPING = "awake", "dead", "sleeping"
 ENGINE_STATES = ("starting", "awake", "sleeping", "waking", "restarting", "dead")
 
 
@@ -372,13 +372,20 @@ def build_app(
         ok = all(v == "up" for v in models.values())
         return JSONResponse({"status": "ok" if ok else "degraded", "models": models}, status_code=200 if ok else 503)
 
+    def shown_state(name: str) -> str:
+        """The supervisor's state, with an awake engine's own sleep state (``--memx-sleep-after-s``):
+        a sleeping engine still takes requests (the first one wakes it)."""
+        state = state_of(name)
+        sleep = info_of(name).get("sleep") or {}
+        return SLEEPING if state == AWAKE and sleep.get("state") == SLEEPING else state
+
     def engines_doc() -> dict:
-        return {n: {"device": r.device, "url": r.url, **info_of(n), "state": state_of(n)} for n, r in routes.items()}
+        return {n: {"device": r.device, "url": r.url, **info_of(n), "state": shown_state(n)} for n, r in routes.items()}
 
     @app.get("/memx/serve")
     async def serve_status():
-        doc = {"models": {n: {"url": r.url, "device": r.device, "path": r.path, "state": state_of(n)}
-                          for n, r in routes.items()},
+        doc = {"models": {n: {"url": r.url, "device": r.device, "path": r.path, "state": shown_state(n),
+                              "sleep": info_of(n).get("sleep")} for n, r in routes.items()},
                "admission": gate.policy.snapshot(), "router": metrics.snapshot()}  # fmt: skip
         if status is not None:
             doc.update(status())

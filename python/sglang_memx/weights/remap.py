@@ -168,6 +168,8 @@ def step(kv, allocator, scheduler) -> None:
     w = kv.weights
     if w is None or w.mode != "remap" or w.pipeline.pending() is not None:
         return
+    if w.sleeping:  # a sleeping server's layers stay released until a request wakes it (weights/sleep.py)
+        return
     busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
     if not busy and w.alpha == 0 and not w.store.streamed():
         return  # idle with every layer resident: nothing to decide
