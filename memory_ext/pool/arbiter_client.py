@@ -266,9 +266,20 @@ class ArbiterClient:
             self._waiters[req_id] = w
             try:
                 self._sock.send(proto.encode(dict(msg, req_id=req_id)))
+                failed = None
             except OSError as exc:
                 del self._waiters[req_id]
-                raise ArbiterError(f"sending {msg['type']} failed: {exc}") from None
+                failed = exc
+        if failed is not None:
+            # the arbiter may have refused this connection (ERROR, then close) before the send:
+            # the reader still gets that ERROR, so the refusal's field is the error's
+            if threading.current_thread() is not self._reader:
+                self._reader.join(2.0)
+            if self._refused:
+                why = f"{self._refused['field']}: {self._refused['message']}"
+                raise ArbiterError(f"sending {msg['type']} failed ({failed}): the arbiter refused: {why}",
+                                   self._refused["field"])  # fmt: skip
+            raise ArbiterError(f"sending {msg['type']} failed: {failed}")
         if not w.event.wait(self.timeout if timeout is None else timeout):
             with self._lock:
                 self._waiters.pop(req_id, None)
