@@ -1,7 +1,9 @@
 """``sglang-memx`` command line.
 
 sglang-memx models prepare [--force]     convert the embedded SmolLM2 once, print its path
-sglang-memx models path                  print where the embedded model lives
+           [--fp32 | --all]              ... its float32 copy (KV cell 2x) / both, one path a line
+sglang-memx models path [--fp32]         print where the embedded model (its float32 copy) lives
+sglang-memx models serve-config          prepare both, write the models.yaml scripts/serve.sh serves
 sglang-memx models tiny --out DIR ...    write a deterministic tiny random model
 sglang-memx status [--url URL]           print a running server's /memx/status
 sglang-memx top [--once] [--url URL ...] live view of every pool and server on this machine
@@ -22,21 +24,67 @@ import urllib.request
 
 def _cmd_models_prepare(args) -> int:
     from sglang_memx.models.embedded import EmbeddedModelError, prepare_embedded_model
+    from sglang_memx.models.embedded_fp32 import prepare_fp32_model
 
     log = lambda *a, **k: print(*a, file=sys.stderr, **k)
     try:
-        path = prepare_embedded_model(args.cache_root, force=args.force, log=log)
+        paths = []
+        if not args.fp32:  # --all: the bf16 copy too (--force rebuilds each named copy)
+            paths.append(prepare_embedded_model(args.cache_root, force=args.force, log=log))
+        if args.fp32 or args.all:
+            paths.append(prepare_fp32_model(args.cache_root, force=args.force, log=log))
     except EmbeddedModelError as exc:
         print(f"sglang-memx models prepare: error: {exc}", file=sys.stderr)
         return 1
-    print(path)
+    print("\n".join(map(str, paths)))
     return 0
 
 
 def _cmd_models_path(args) -> int:
     from sglang_memx.models.embedded import embedded_model_dir
+    from sglang_memx.models.embedded_fp32 import fp32_model_dir
 
-    print(embedded_model_dir(args.cache_root))
+    print(fp32_model_dir(args.cache_root) if args.fp32 else embedded_model_dir(args.cache_root))
+    return 0
+
+
+def _cmd_models_serve_config(args) -> int:
+    import shlex
+
+    from sglang_memx.models.embedded import EmbeddedModelError, embedded_model_dir
+    from sglang_memx.models.embedded_fp32 import prepare_fp32_model
+    from sglang_memx.models.serve_config import ServeOptions, default_config_path, write_serve_config
+    from sglang_memx.serve.config import ServeConfigError
+
+    prog = "sglang-memx models serve-config"
+    server_args = list(args.server_args)
+    if server_args[:1] == ["--"]:
+        server_args = server_args[1:]
+    defaults = ServeOptions()
+    opts = ServeOptions(
+        host=args.host,
+        port=args.port,
+        memory_gb=args.memory_gb,
+        max_total_tokens=args.max_total_tokens,
+        memx_args=defaults.memx_args if args.memx_args is None else tuple(shlex.split(args.memx_args)),
+        server_args=tuple(server_args),
+        log_dir=args.log_dir,
+    )
+    log = lambda *a, **k: print(*a, file=sys.stderr, **k)
+    try:
+        fp32 = prepare_fp32_model(args.cache_root, log=log)  # prepares (and verifies) the bf16 copy first
+        bf16 = embedded_model_dir(args.cache_root)
+        path = write_serve_config(args.out or default_config_path(args.port), bf16, fp32, opts)
+    except EmbeddedModelError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except ServeConfigError as exc:
+        hint = ""
+        if ".server_args" in exc.field:
+            hint = " (extra arguments go to every engine's launch_server; the router's port: --port or MEMX_PORT)"
+        print(f"{prog}: error: {exc}{hint}", file=sys.stderr)
+        return 2
+    print(path)
     return 0
 
 
@@ -181,10 +229,29 @@ def build_parser() -> argparse.ArgumentParser:
     prep = msub.add_parser("prepare", help="convert the embedded SmolLM2 to bf16 safetensors (idempotent)")
     prep.add_argument("--force", action="store_true", help="rebuild even if a valid copy exists")
     prep.add_argument("--cache-root", default=None, help="models folder (default: $SGLANG_MEMX_HOME/models)")
+    which = prep.add_mutually_exclusive_group()
+    which.add_argument("--fp32", action="store_true", help="the float32 copy (widened from the bf16 one) instead")
+    which.add_argument("--all", action="store_true", help="both copies, bf16 first, one path a line")
     prep.set_defaults(func=_cmd_models_prepare)
     path = msub.add_parser("path", help="print the embedded model directory")
     path.add_argument("--cache-root", default=None)
+    path.add_argument("--fp32", action="store_true", help="the float32 copy's directory")
     path.set_defaults(func=_cmd_models_path)
+    scfg = msub.add_parser("serve-config", help="prepare both embedded copies, write scripts/serve.sh's models.yaml "
+                           "(validated and placed as `serve` will), print its path")  # fmt: skip
+    scfg.add_argument("--out", default=None, help="default: $SGLANG_MEMX_HOME/serve/models-<port>.yaml")
+    scfg.add_argument("--host", default="127.0.0.1", help="router host")
+    scfg.add_argument("--port", type=int, default=30000, help="router port")
+    scfg.add_argument("--memory-gb", type=float, default=2.0, help="the CPU device's memory: weights + shared pool")
+    scfg.add_argument("--max-total-tokens", type=int, default=16384, help="logical KV tokens per model")
+    scfg.add_argument("--memx-args", default=None,
+                      help="memx flags for every engine besides elastic KV + the shared pool, one string "
+                      "(default '--memx-host-buffer-gb 1'; '' for none)")  # fmt: skip
+    scfg.add_argument("--log-dir", default=None, help="engine logs (default $SGLANG_MEMX_HOME/serve/logs-<port>)")
+    scfg.add_argument("--cache-root", default=None, help="models folder (default: $SGLANG_MEMX_HOME/models)")
+    scfg.add_argument("server_args", nargs=argparse.REMAINDER,
+                      help="after --: launch_server flags for every engine")  # fmt: skip
+    scfg.set_defaults(func=_cmd_models_serve_config)
     tiny = msub.add_parser("tiny", help="write a deterministic tiny random model")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])

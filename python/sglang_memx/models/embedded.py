@@ -179,7 +179,7 @@ def _write_manifest(model_dir: Path, info: dict) -> dict:
     return manifest
 
 
-def _read_manifest(model_dir: Path) -> dict:
+def _read_manifest(model_dir: Path, dtype: str = DTYPE) -> dict:
     path = model_dir / MANIFEST_NAME
     if not path.is_file():
         raise EmbeddedModelError(f"{path}: manifest is missing (not a prepared model); {_REBUILD_HINT}")
@@ -194,8 +194,8 @@ def _read_manifest(model_dir: Path) -> dict:
         raise EmbeddedModelError(
             f"{path}: manifest was made from another GGUF than {GGUF_NAME} ({GGUF_SHA256}); {_REBUILD_HINT}"
         )
-    if manifest.get("dtype") != DTYPE:
-        raise EmbeddedModelError(f"{path}: manifest dtype is not {DTYPE}; {_REBUILD_HINT}")
+    if manifest.get("dtype") != dtype:
+        raise EmbeddedModelError(f"{path}: manifest dtype is not {dtype}; {_REBUILD_HINT}")
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise EmbeddedModelError(f"{path}: manifest lists no files; {_REBUILD_HINT}")
@@ -214,15 +214,17 @@ def _read_manifest(model_dir: Path) -> dict:
     return manifest
 
 
-def verify_embedded_model(model_dir: Path) -> None:
+def verify_embedded_model(model_dir: Path, dtype: str = DTYPE) -> None:
     """Check ``model_dir`` against its manifest: every listed file present with its size and
-    sha256, nothing unlisted beside them. Raises :class:`EmbeddedModelError` naming the bad file."""
+    sha256, nothing unlisted beside them, made from the packaged GGUF in ``dtype`` (the
+    float32 copy of ``embedded_fp32`` passes ``float32``). Raises :class:`EmbeddedModelError`
+    naming the bad file."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise EmbeddedModelError(
             f"{model_dir}: no prepared model here; run prepare_embedded_model() (or scripts/serve.sh) to create it"
         )
-    files = _read_manifest(model_dir)["files"]
+    files = _read_manifest(model_dir, dtype)["files"]
     missing_kinds = [n for n in REQUIRED_FILES if n not in files]
     if not any(n.endswith(".safetensors") for n in files):
         missing_kinds.append("*.safetensors")
@@ -535,7 +537,7 @@ def _remove_stale_scratch(target: Path, locked: bool) -> None:
                     shutil.rmtree(path, ignore_errors=True)
 
 
-def _install(built: Path, target: Path, *, replace_valid: bool, log: Log) -> bool:
+def _install(built: Path, target: Path, *, replace_valid: bool, log: Log, dtype: str = DTYPE) -> bool:
     """Rename ``built`` to ``target``. An invalid existing ``target`` is moved aside first; a valid
     one is kept unless ``replace_valid``. Returns False when an existing valid ``target`` won."""
     for _ in range(10):
@@ -547,7 +549,7 @@ def _install(built: Path, target: Path, *, replace_valid: bool, log: Log) -> boo
                 raise
         if not replace_valid:
             try:
-                verify_embedded_model(target)
+                verify_embedded_model(target, dtype)
             except EmbeddedModelError:
                 pass
             else:
