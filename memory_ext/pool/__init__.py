@@ -21,8 +21,6 @@ See docs/memory-pool.md.
 
 from .arbiter import Arbiter
 from .arbiter_client import ArbiterClient, ArbiterDenied, ArbiterError
-from .layered_kv import LayeredKVBuffers
-from .lent_pool import LentPool
 from .ownership import (
     CeilingExceeded,
     ChunkPool,
@@ -32,6 +30,21 @@ from .ownership import (
     PoolError,
     PoolExhausted,
 )
+
+
+def __getattr__(name: str):
+    """``LayeredKVBuffers`` and ``LentPool`` (torch) load on first use: the arbiter process,
+    started as ``python -m memory_ext.pool.arbiter``, starts without importing torch."""
+    if name == "LayeredKVBuffers":
+        from .layered_kv import LayeredKVBuffers
+
+        return LayeredKVBuffers
+    if name == "LentPool":
+        from .lent_pool import LentPool
+
+        return LentPool
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Arbiter",

@@ -13,7 +13,6 @@ See ``base`` for the model and invariants, ``host`` for the host backend,
 """
 
 from .base import COUNTER_NAMES, PhysicalChunk, VirtualRange, VmmBackend
-from .cuda import CudaVmmBackend, cuda_available, cuda_backend
 from .host import DEFAULT_GRANULARITY, HostVmmBackend
 from .ipc import (
     ReceivedChunk,
@@ -25,6 +24,18 @@ from .ipc import (
     recv_chunks,
     send_chunks,
 )
+
+_LAZY = {"CudaVmmBackend", "cuda_available", "cuda_backend"}  # from .cuda, which imports torch
+
+
+def __getattr__(name: str):
+    """The CUDA names load on first use, so a process that only passes chunks around (the
+    pool arbiter) starts without importing torch."""
+    if name in _LAZY:
+        from . import cuda
+
+        return getattr(cuda, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def host_backend(granularity: int = DEFAULT_GRANULARITY, **kwargs) -> HostVmmBackend:

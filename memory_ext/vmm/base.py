@@ -61,13 +61,15 @@ import itertools
 import math
 import threading
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the arbiter process never needs it
+    from collections.abc import Sequence
 
-ShapeLike = int | Sequence[int] | torch.Size
+    import torch
+
+    ShapeLike = int | Sequence[int] | torch.Size
 
 
 @dataclass(frozen=True)
@@ -141,8 +143,8 @@ def _check_int(name: str, value: Any) -> int:
 class VmmBackend(abc.ABC):
     """Abstract virtual-memory backend. See the module docstring for the model."""
 
-    #: torch device of the tensors ``tensor_view`` returns.
-    device: torch.device = torch.device("cpu")
+    #: torch device of the tensors ``tensor_view`` returns (set by each backend).
+    device: torch.device
 
     def __init__(self, granularity: int):
         self._granularity = _check_int("granularity", granularity)
@@ -392,7 +394,7 @@ class VmmBackend(abc.ABC):
 
     # ----------------------------------------------------------------- views
     def tensor_view(
-        self, vrange: VirtualRange, offset: int, nbytes_or_shape: ShapeLike, dtype: torch.dtype = torch.uint8
+        self, vrange: VirtualRange, offset: int, nbytes_or_shape: ShapeLike, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """A zero-copy tensor over ``[base + offset, base + offset + nbytes)``.
 
@@ -400,6 +402,9 @@ class VmmBackend(abc.ABC):
         a shape. ``offset`` need not be slot-aligned but must be a multiple of
         the dtype's item size. Every slot touched must be mapped.
         """
+        import torch
+
+        dtype = torch.uint8 if dtype is None else dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
         if isinstance(nbytes_or_shape, int) and not isinstance(nbytes_or_shape, bool):
             nbytes, shape = nbytes_or_shape, None

@@ -26,10 +26,12 @@ import mmap as _mmap
 import os
 import stat
 import sys
-
-import torch
+from typing import TYPE_CHECKING
 
 from .base import VmmBackend
+
+if TYPE_CHECKING:
+    import torch
 
 PROT_NONE = 0x0
 PROT_READ = 0x1
@@ -66,7 +68,12 @@ def _os_error(call: str) -> OSError:
 class HostVmmBackend(VmmBackend):
     """Virtual-memory backend over host memory (memfd chunks, mmap slots)."""
 
-    device = torch.device("cpu")
+    @property
+    def device(self) -> torch.device:
+        """The CPU (torch is imported on first use: the arbiter process never needs it)."""
+        import torch
+
+        return torch.device("cpu")
 
     def __init__(self, granularity: int = DEFAULT_GRANULARITY, *, name: str = "memx-vmm"):
         global _libc
@@ -149,5 +156,7 @@ class HostVmmBackend(VmmBackend):
         return os.dup(fd)
 
     def _make_tensor(self, address: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
         buf = (ctypes.c_char * nbytes).from_address(address)
         return torch.frombuffer(buf, dtype=dtype)

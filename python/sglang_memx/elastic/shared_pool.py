@@ -74,7 +74,7 @@ def _answers(path: Path) -> bool:
         s.close()
 
 
-def ensure_arbiter(config: MemxConfig, chunk_bytes: int, timeout: float = 20.0) -> Path:
+def ensure_arbiter(config: MemxConfig, chunk_bytes: int, timeout: float = 60.0) -> Path:
     """The pool's socket, starting its arbiter if none answers (needs the budget flag)."""
     directory = pool_dir(config)
     try:
