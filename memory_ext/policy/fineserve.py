@@ -10,6 +10,9 @@ F1  slab arithmetic:       ``slab_bytes``, ``blocks_per_slab``,
                            ``engine_block_id``, ``split_engine_block_id``;
                            ``SlabTable`` (the slab table of §5.2: FREE /
                            PARTIAL / FULL slabs keyed by block format)
+F1+F2 on a pool of units:  ``kv_row_bytes``, ``slab_tokens``, ``SlabFormat``,
+                           ``slab_format``, ``uniform_slab_units`` (memx's
+                           slab: whole common units formatted for one model)
 F3  global placement:      ``ModelDemand``, ``GpuCandidate``,
                            ``placement_score``, ``place_models``;
                            sizes to demands: ``base_footprint``,
@@ -47,6 +50,11 @@ __all__ = [
     "engine_block_id",
     "split_engine_block_id",
     "SlabTable",
+    "kv_row_bytes",
+    "slab_tokens",
+    "SlabFormat",
+    "slab_format",
+    "uniform_slab_units",
     "ModelDemand",
     "GpuCandidate",
     "CandidateScore",
@@ -468,6 +476,41 @@ class SlabTable:
             k += 1
         return k
 
+    def adopt(self, key: Hashable, block_size: int, slab_id: int, used: int) -> None:
+        """Format the FREE slab ``slab_id`` for ``key`` with ``used`` blocks taken
+        (local ids ``0 .. used-1``): a snapshot of slabs an engine's own
+        allocator already fills, where only the count per slab is known. States,
+        ``used_blocks`` and ``stranded_blocks`` then read as for ``alloc``."""
+        bps = self._format(key, block_size)
+        _int("slab_id", slab_id, 0)
+        if slab_id >= self.num_slabs:
+            raise ValueError(f"slab_id {slab_id} must be < num_slabs {self.num_slabs}")
+        _int("used", used, 0)
+        if used > bps:
+            raise ValueError(f"used {used} must be <= blocks_per_slab {bps}")
+        if self._key[slab_id] is not None:
+            raise ValueError(f"slab {slab_id} is not FREE (formatted for {self._key[slab_id]!r})")
+        self._free_slabs.remove(slab_id)
+        heapq.heapify(self._free_slabs)
+        self._key[slab_id] = key
+        self._used[slab_id] = used
+        self._free_ids[slab_id] = list(range(used, bps))
+        self._taken[slab_id] = bytearray(b"\x01" * used + b"\x00" * (bps - used))
+        self._held[key] += 1
+        self._used_blocks[key] += used
+        if used == 0:
+            self._empty[key].add(slab_id)
+        if used < bps:
+            heapq.heappush(self._open[key], slab_id)
+
+    def slab_counts(self, key: Hashable) -> dict[str, int]:
+        """``FREE`` slabs of the table, ``PARTIAL`` / ``FULL`` slabs of ``key``;
+        ``empty``: the key's PARTIAL slabs that hold no block."""
+        held = self.held_slabs(key)
+        full = sum(1 for s in range(self.num_slabs) if self._key[s] == key and self._used[s] == self._bps[key])
+        return {self.FREE: self.free_slabs, self.PARTIAL: held - full, self.FULL: full,
+                "empty": len(self._empty.get(key, ()))}  # fmt: skip
+
     def release_empty(self, key: Hashable) -> int:
         """Return every empty slab of ``key`` beyond its pin to FREE; returns how many."""
         if key not in self._bps:
@@ -485,6 +528,103 @@ class SlabTable:
             for s in sl:
                 assert 0 <= self._used[s] <= bps and len(self._free_ids[s]) == bps - self._used[s]
                 assert sum(self._taken[s]) == self._used[s]
+
+
+# -------------------------------------- F1 + F2 on a pool of common units
+
+
+def kv_row_bytes(layout: KVLayout) -> tuple[int, ...]:
+    """Bytes of one token's row in each per-layer buffer: K of every layer, then
+    V of every layer (how engines lay KV out). A row holds the rank's KV heads
+    and, READING, their per-token quantisation parameters inline, so the rows
+    add up to ``token_kv_bytes + token_qparam_bytes`` over all layers (F2)."""
+    half = layout.heads_per_rank * layout.head_dim * layout.precision.bytes_per_elem
+    if half != int(half):
+        raise ValueError(f"precision bytes_per_elem {layout.precision.bytes_per_elem} gives a fractional K row {half}")
+    row = int(half) + layout.heads_per_rank * layout.precision.qparam_bytes_per_head
+    return (row,) * (2 * layout.num_layers)
+
+
+def slab_tokens(row_bytes: Sequence[int], unit_bytes: int, page_tokens: int = 1) -> int:
+    """F1's LCM rule where the common unit is a pool chunk: the fewest tokens, a
+    multiple of ``page_tokens``, whose rows fill a whole number of units in
+    every buffer (``tokens * row_bytes[i] % unit_bytes == 0`` for all i). A slab
+    of that many tokens wastes no byte of its units and shares none."""
+    _int("unit_bytes", unit_bytes, 1)
+    tokens = _int("page_tokens", page_tokens, 1)
+    rows = list(row_bytes)
+    if not rows:
+        raise ValueError("row_bytes must list at least one buffer")
+    for i, rb in enumerate(rows):
+        _int(f"row_bytes[{i}]", rb, 1)
+        per_buffer = unit_bytes // math.gcd(unit_bytes, rb)  # tokens that fill whole units of this buffer
+        tokens = tokens * per_buffer // math.gcd(tokens, per_buffer)
+    return tokens
+
+
+@dataclass(frozen=True)
+class SlabFormat:
+    """A slab formatted for one model's KV cell on a pool of ``unit_bytes`` units.
+
+    ``tokens_per_slab`` tokens of every per-layer buffer (``row_bytes``) in
+    ``slab_units`` whole units; a block is a page of ``page_tokens`` tokens
+    (``block_bytes``), so ``blocks_per_slab`` pages per slab. ``waste_bytes``
+    is what the slab's units hold beyond its tokens' rows (internal
+    fragmentation of the format; 0 under ``slab_tokens``' rule).
+    """
+
+    key: str
+    unit_bytes: int
+    page_tokens: int
+    row_bytes: tuple[int, ...]
+    tokens_per_slab: int
+    slab_units: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(self.row_bytes)
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.slab_units * self.unit_bytes
+
+    @property
+    def waste_bytes(self) -> int:
+        return self.slab_bytes - self.tokens_per_slab * self.bytes_per_token
+
+    @property
+    def block_bytes(self) -> int:
+        return self.page_tokens * self.bytes_per_token
+
+    @property
+    def blocks_per_slab(self) -> int:
+        return self.tokens_per_slab // self.page_tokens
+
+
+def slab_format(key: str, row_bytes: Sequence[int], unit_bytes: int, page_tokens: int = 1) -> SlabFormat:
+    """The ``SlabFormat`` of a model whose buffers have ``row_bytes`` per token,
+    sized by ``slab_tokens`` (each buffer's share rounded up to whole units,
+    which under that rule rounds nothing)."""
+    _name("key", key)
+    tokens = slab_tokens(row_bytes, unit_bytes, page_tokens)
+    units = sum(-(-tokens * rb // unit_bytes) for rb in row_bytes)
+    return SlabFormat(key, unit_bytes, page_tokens, tuple(int(r) for r in row_bytes), tokens, units)
+
+
+def uniform_slab_units(slab_units: Iterable[int]) -> int:
+    """FineServe's literal slab for a co-located set: one size for every model,
+    the LCM of their slabs' sizes in units (``SlabFormat.slab_units``), so each
+    uniform slab holds whole slabs of any of them. memx does not need it (any
+    unit serves any model's slab, see docs/memory-pool.md); it is reported to
+    show the granularity it would impose."""
+    units = list(slab_units)
+    if not units:
+        raise ValueError("slab_units must name at least one slab size")
+    lcm = 1
+    for i, u in enumerate(units):
+        _int(f"slab_units[{i}]", u, 1)
+        lcm = lcm * u // math.gcd(lcm, u)
+    return lcm
 
 
 # ----------------------------------------------------- F3: global placement

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ..policy.fineserve import slab_tokens
 from .ownership import ChunkPool, Owner
 from .slots import PooledSlots
 
@@ -43,13 +44,15 @@ def _positive_int(name: str, value) -> int:
 
 
 def group_rows_for(row_bytes: Sequence[int], chunk_bytes: int, rows_multiple: int = 1) -> int:
-    """Smallest row count that is a multiple of ``rows_multiple`` and fills whole chunks in every buffer."""
-    rows = _positive_int("rows_multiple", rows_multiple)
+    """Smallest row count that is a multiple of ``rows_multiple`` and fills whole chunks in every buffer.
+
+    This is F1's slab rule on the chunk (``memory_ext.policy.fineserve.slab_tokens``): a group is
+    the server's KV slab, and the status and the simulator size it with the same function."""
+    _positive_int("rows_multiple", rows_multiple)
+    _positive_int("chunk_bytes", chunk_bytes)
     for i, rb in enumerate(row_bytes):
         _positive_int(f"row_bytes[{i}]", rb)
-        per_buffer = chunk_bytes // math.gcd(chunk_bytes, rb)  # rows that fill whole chunks of this buffer
-        rows = rows * per_buffer // math.gcd(rows, per_buffer)
-    return rows
+    return slab_tokens(list(row_bytes), chunk_bytes, rows_multiple)
 
 
 class LayeredKVBuffers:

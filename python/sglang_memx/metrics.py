@@ -24,6 +24,12 @@ _HELP = {
     "memx_kv_mapped_bytes": ("gauge", "Physical bytes backing the KV buffers."),
     "memx_kv_logical_bytes": ("gauge", "Bytes the KV buffers would take fully backed."),
     "memx_kv_groups_mapped": ("gauge", "KV groups currently backed."),
+    "memx_kv_slab_bytes_per_token": ("gauge", "KV bytes of one token over all layers (the model's KV cell, F2)."),
+    "memx_kv_slab_tokens": ("gauge", "Tokens one KV slab (group) holds."),
+    "memx_kv_slab_bytes": ("gauge", "Bytes of one KV slab: whole pool chunks."),
+    "memx_kv_slab_waste_bytes": ("gauge", "Bytes of a slab's chunks that hold no token row (format waste)."),
+    "memx_kv_slabs": ("gauge", "KV slabs of this server by state (FREE: not backed, PARTIAL, FULL)."),
+    "memx_kv_slab_stranded_bytes": ("gauge", "Free KV inside backed slabs: usable by this server only."),
     "memx_pool_owner_bytes": ("gauge", "Physical bytes held per owner in this server's pool."),
     "memx_pool_capacity_bytes": ("gauge", "Capacity of this server's pool (or of its share)."),
     "memx_kv_map_total": ("counter", "KV groups mapped."),
@@ -116,6 +122,16 @@ def _samples(rank: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any], float]
     yield "memx_kv_unmap_seconds_total", base, el["unmap_seconds"]
     yield "memx_kv_map_seconds_max", base, el["max_map_seconds"]
     yield "memx_kv_unmap_seconds_max", base, el["max_unmap_seconds"]
+    slab = el.get("slab")
+    if slab:
+        fmt = dict(base, format=slab["format"])
+        yield "memx_kv_slab_bytes_per_token", fmt, slab["bytes_per_token"]
+        yield "memx_kv_slab_tokens", fmt, slab["tokens_per_slab"]
+        yield "memx_kv_slab_bytes", fmt, slab["slab_bytes"]
+        yield "memx_kv_slab_waste_bytes", fmt, slab["waste_bytes"]
+        for state in ("FREE", "PARTIAL", "FULL"):
+            yield "memx_kv_slabs", dict(fmt, state=state), slab["slabs"][state]
+        yield "memx_kv_slab_stranded_bytes", fmt, slab["stranded_bytes"]
     for call, n in sorted(el.get("backend", {}).items()):
         yield "memx_vmm_calls_total", dict(base, call=call), n
     act = el.get("activation")

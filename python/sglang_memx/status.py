@@ -13,6 +13,7 @@ from typing import Any
 
 from sglang_memx import __version__
 from sglang_memx.config import MemxConfig
+from sglang_memx.elastic.slab import slab_status
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import radix as up_radix
 from sglang_memx.upstream import scheduler as up_sched
@@ -53,7 +54,8 @@ def request_status(scheduler) -> dict[str, int]:
 
 
 def elastic_status(allocator) -> dict[str, Any] | None:
-    """Physical side of elastic KV: groups, bytes per owner, map/unmap counts, shared-pool traffic."""
+    """Physical side of elastic KV: groups, bytes per owner, map/unmap counts, shared-pool traffic,
+    and the KV slab (its format for this model's KV cell and the FREE / PARTIAL / FULL counts)."""
     kv = up_kv.elastic_of(allocator)
     if kv is None:
         return None
@@ -64,6 +66,7 @@ def elastic_status(allocator) -> dict[str, Any] | None:
     doc["pool_capacity_bytes"] = pool.capacity_chunks * chunk
     doc["backend"] = pool.backend.counters()
     doc["shared_pool"] = None if kv.lent is None else dict(kv.lent.status(), chunk_bytes=chunk)
+    doc["slab"] = slab_status(kv, allocator)
     return doc
 
 

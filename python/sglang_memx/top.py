@@ -5,7 +5,10 @@ without borrowing anything); servers as the ``<pool>.server.<pid>.json``
 files that servers joining a pool leave there, plus any ``--url`` given.
 Each frame shows, per pool, the budget split between its clients, and per
 server its KV (mapped vs logical bytes, tokens used / capacity), requests,
-and map / unmap counts. ``--once`` prints one frame (for scripts and tests).
+map / unmap counts and its KV slab (cell size, slab format, FREE / PARTIAL /
+FULL slabs); a pool whose servers have different slab formats also shows the
+one uniform slab FineServe would cut. ``--once`` prints one frame (for scripts
+and tests).
 
 ``--router URL`` (repeatable) adds an ``sglang-memx serve`` router: its
 ``/memx/serve`` gives the served models, their device, engine state (awake /
@@ -164,6 +167,7 @@ def render(snap: dict[str, Any]) -> str:
                 f"    {c['name']:<22} pid {c['pid']:<8} {_bar(c['held'], p['budget'], 16)} "
                 f"{_gib(c['held'] * g)}  reclaim asked {c['asked']}"
             )
+        lines += _pool_slab_lines(snap, p["name"])
     lines += ["", "SERVERS"]
     if not snap["servers"]:
         lines.append("  (none; servers that join a pool are found automatically, others with --url)")
@@ -190,7 +194,36 @@ def render(snap: dict[str, Any]) -> str:
             else:
                 head += f"  KV static {_gib(kv['bytes'])}"
             lines.append(head + (f"  pool {rank['pool_name']}" if rank.get("pool_name") else ""))
+            if el and el.get("slab"):
+                lines.append(_slab_line(el["slab"]))
     return "\n".join(lines)
+
+
+def _slab_line(sl: dict[str, Any]) -> str:
+    """A server's KV slab: its cell, the slab format and the slab counts."""
+    n = sl["slabs"]
+    return (
+        f"    slab {sl['format']}: {sl['bytes_per_token']} B/token, {sl['tokens_per_slab']} tokens"
+        f" = {sl['slab_units']} chunk(s) ({_gib(sl['slab_bytes'])}), waste {sl['waste_bytes']} B;"
+        f" FULL {n['FULL']} PARTIAL {n['PARTIAL']} FREE {n['FREE']}, stranded {sl['stranded_tokens']} tok"
+    )
+
+
+def _pool_slab_lines(snap: dict[str, Any], pool: str) -> list[str]:
+    """The slab formats of the servers on ``pool`` and the one uniform slab FineServe would cut."""
+    from memory_ext.policy.fineserve import uniform_slab_units
+
+    formats: dict[str, int] = {}
+    for s in snap["servers"]:
+        for rank in s.get("status", {}).get("schedulers", []):
+            sl = (rank.get("elastic_kv") or {}).get("slab")
+            if sl and rank.get("pool_name") == pool:
+                formats[sl["format"]] = sl["slab_units"]
+    if len(formats) < 2:
+        return []
+    listed = ", ".join(f"{k} {u}" for k, u in sorted(formats.items()))
+    return [f"    slab formats (chunks per slab): {listed}; one uniform slab for all would be "
+            f"{uniform_slab_units(formats.values())}"]  # fmt: skip
 
 
 def run(

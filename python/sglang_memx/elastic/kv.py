@@ -71,6 +71,8 @@ class ElasticKV:
         self.activation = None  # ActivationBalloon sharing the pool, or None
         self.host = None  # HostBufferState (--memx-host-buffer-gb), or None
         self.weights = None  # WeightsState (--memx-weights), or None
+        self.slab = None  # SlabFormat of this server's groups (elastic.slab), set by the build
+        self.cell: dict = {}  # its KV cell (dtype, layers, KV heads, head dims, F2 token size)
         self.device = device
         last_page = num_pages
         self.num_groups = last_page // self.group_pages + 1

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from sglang_memx.config import MemxConfig, MemxConfigError
 from sglang_memx.elastic.build import activation_profile, build_elastic_kv
 from sglang_memx.elastic.host_buffer import build_host_buffer
+from sglang_memx.elastic.slab import cell_format
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import model as up_model
 from sglang_memx.upstream import server_args as up_args
@@ -65,6 +66,7 @@ def make_elastic(pool) -> bool:
                           server_url=up_args.server_url(build.server_args), profile=build.profile,
                           batch_tokens=build.batch_tokens)  # fmt: skip
     up_kv.set_kv_views(pool, kv.buffers.view)
+    kv.cell, kv.slab = cell_format(g, kv.buffers.pool.chunk_bytes)  # the group is this slab (same LCM rule)
     build.kv = kv
     return True
 

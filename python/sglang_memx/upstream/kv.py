@@ -50,7 +50,8 @@ def plain_mha_refusal(pool) -> str | None:
 
 
 def pool_geometry(pool) -> dict:
-    """Rows, bytes per row and layers of an MHA pool's K and V buffers."""
+    """Rows, bytes per row and layers of an MHA pool's K and V buffers, and its KV cell
+    (KV heads, head dims, the KV dtype and the dtype rows are stored in)."""
     itemsize = pool.store_dtype.itemsize
     return {
         "rows": pool.size + pool.page_size,  # the padded page absorbs dummy writes
@@ -60,6 +61,11 @@ def pool_geometry(pool) -> dict:
         "k_row_bytes": pool.head_num * pool.head_dim * itemsize,
         "v_row_bytes": pool.head_num * pool.v_head_dim * itemsize,
         "device": pool.device,
+        "kv_heads": pool.head_num,
+        "head_dim": pool.head_dim,
+        "v_head_dim": pool.v_head_dim,
+        "dtype": pool.dtype,
+        "store_dtype": pool.store_dtype,
     }
 
 

@@ -125,7 +125,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     "ModelConfig": {"hf_text_config": None},
     "KVCache": {"dtype": None, "store_dtype": None, "device": None, "layer_num": None, "mem_usage": None},
     "MHATokenToKVPool": {
-        "store_dtype": None, "size": None, "page_size": None, "head_num": None, "head_dim": None,
+        "dtype": None, "store_dtype": None, "size": None, "page_size": None, "head_num": None, "head_dim": None,
         "v_head_dim": None, "layer_num": None, "device": None, "is_quantized_kv_cache": None,
         "post_capture_active": None, "kv_cache_layout": None, "k_buffer": None, "v_buffer": None,
         "get_kv_size_bytes": None,
