@@ -38,6 +38,20 @@ R6 "the last t seconds" is inclusive: a request recorded at time ts is in the
    window at time now iff now - t <= ts <= now.
 R7 direction: SCALE_UP means the worker gains k*MEU_i blocks and the master
    gives back k*MEU_m blocks; SCALE_DOWN is the reverse (worker donates).
+R8 (Alg. 1, SCALEDOWN) the paper donates everything the window did not need. A donor
+   may cap its donation (``max_donated_blocks``, e.g. --memx-peer-donate-max-gb): the
+   release is then at most floor((cap - donated) / MEU_i) MEUs, never negative.
+R9 (Eq. 6-9 on a chunked pool) memory moves between processes in pool chunks, so the
+   unit that both sides and the pool can move without waste is
+   lcm(master block bytes, worker block bytes, chunk bytes): ``chunk_aligned_unit``
+   scales the MEU by the smallest factor making ``meu_bytes`` a multiple of the chunk.
+   A donor whose KV is backed in chunk-aligned groups (memx's LayeredKVBuffers) passes
+   its group as its block, which makes the factor 1.
+
+The donor side of the peer tier (``DonationPolicy``) is ``ElasticWorkerPolicy`` on the
+chunk-aligned unit, with decisions also expressed in chunks: its own demand in tokens in,
+how many chunks to donate or reclaim out. The simulator's swiftcache mechanism drives the same
+ElasticWorkerPolicy, so both take Alg. 1's decisions from one implementation.
 """
 
 from __future__ import annotations
@@ -69,6 +83,9 @@ __all__ = [
     "blocks_for_tokens",
     "scale_up",
     "scale_down",
+    "chunk_aligned_unit",
+    "DonationStep",
+    "DonationPolicy",
 ]
 
 
@@ -389,13 +406,19 @@ def scale_down(
     *,
     min_blocks: int = 0,
     donated_blocks: int | None = None,
+    max_donated_blocks: int | None = None,
 ) -> ScaleDecision:
-    """Alg. 1 SCALEDOWN: release floor((N_i - max_need) / MEU_i) MEUs not needed by the last window (R5)."""
+    """Alg. 1 SCALEDOWN: release floor((N_i - max_need) / MEU_i) MEUs not needed by the last window (R5),
+    at most up to ``max_donated_blocks`` donated in total (R8; needs ``donated_blocks``)."""
     _int("current_blocks", current_blocks)
     _check_meu(meu_worker, meu_master)
     _int("min_blocks", min_blocks)
     if donated_blocks is not None:
         _int("donated_blocks", donated_blocks)
+    if max_donated_blocks is not None:
+        _int("max_donated_blocks", max_donated_blocks)
+        if donated_blocks is None:
+            raise ValueError("max_donated_blocks needs donated_blocks (what is lent already)")
     if isinstance(window_lengths, (str, bytes)):
         raise ValueError(f"window_lengths must be an iterable of ints, got {window_lengths!r}")
     max_len = 0
@@ -416,6 +439,12 @@ def scale_down(
             reason="recent demand needs the whole allocation",
         )
     k = (current_blocks - floor_blocks) // meu_worker
+    reason = "release MEUs unused in the last window" if k else "surplus smaller than one MEU"
+    if max_donated_blocks is not None:
+        k_cap = max(0, max_donated_blocks - donated_blocks) // meu_worker
+        if k > k_cap:
+            k = k_cap
+            reason = "donation cap reached" if not k else "release MEUs up to the donation cap"
     after = current_blocks - k * meu_worker
     return ScaleDecision(
         ScaleAction.SCALE_DOWN if k else ScaleAction.NONE,
@@ -426,7 +455,7 @@ def scale_down(
         current_blocks,
         after,
         None if donated_blocks is None else donated_blocks + k * meu_worker,
-        reason="release MEUs unused in the last window" if k else "surplus smaller than one MEU",
+        reason=reason,
     )
 
 
@@ -473,6 +502,7 @@ class ElasticWorkerPolicy:
     donated_blocks: int = 0
     window_s: float = 60.0
     min_blocks: int = 0
+    max_donated_blocks: int | None = None
     _window: RequestWindow = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -481,6 +511,8 @@ class ElasticWorkerPolicy:
         _int("current_blocks", self.current_blocks)
         _int("donated_blocks", self.donated_blocks)
         _int("min_blocks", self.min_blocks)
+        if self.max_donated_blocks is not None:
+            _int("max_donated_blocks", self.max_donated_blocks)
         self._window = RequestWindow(self.window_s)
 
     @classmethod
@@ -520,5 +552,106 @@ class ElasticWorkerPolicy:
                 self._window.lengths(now),
                 min_blocks=self.min_blocks,
                 donated_blocks=self.donated_blocks,
+                max_donated_blocks=self.max_donated_blocks,
             )
         )
+
+
+# --------------------------------------------------------------- chunked pool (R9)
+
+
+def chunk_aligned_unit(unit: ElasticUnit, chunk_bytes: int) -> ElasticUnit:
+    """The MEU scaled by the smallest factor that makes ``meu_bytes`` a whole number of chunks (R9)."""
+    if not isinstance(unit, ElasticUnit):
+        raise ValueError(f"unit must be an ElasticUnit, got {unit!r}")
+    _int("chunk_bytes", chunk_bytes, minimum=1)
+    f = math.lcm(unit.meu_bytes, chunk_bytes) // unit.meu_bytes
+    if f == 1:
+        return unit
+    return ElasticUnit(
+        master_block_elems=unit.master_block_elems,
+        worker_block_elems=unit.worker_block_elems,
+        lcm_elems=unit.lcm_elems,
+        master_block_bytes=unit.master_block_bytes,
+        worker_block_bytes=unit.worker_block_bytes,
+        meu_master=unit.meu_master * f,
+        meu_worker=unit.meu_worker * f,
+        meu_bytes=unit.meu_bytes * f,
+    )
+
+
+@dataclass(frozen=True)
+class DonationStep:
+    """One decision of a donor, in Alg. 1's terms and in what the mechanism moves."""
+
+    decision: ScaleDecision
+    chunks: int  # pool chunks that change hands (k * meu_bytes / chunk_bytes)
+    master_blocks: int  # borrower blocks the donated region gains (donate) or loses (reclaim)
+
+    @property
+    def action(self) -> ScaleAction:
+        return self.decision.action
+
+    @property
+    def donate(self) -> bool:
+        return self.decision.action is ScaleAction.SCALE_DOWN
+
+    @property
+    def reclaim(self) -> bool:
+        return self.decision.action is ScaleAction.SCALE_UP
+
+
+class DonationPolicy:
+    """A donor's Alg. 1 on the chunk-aligned MEU (R9), with a cap on the donation (R8).
+
+    ``worker`` is the donor's geometry (its block: the smallest KV unit it can give back),
+    ``master`` the borrower's. ``kv_tokens`` is the donor's whole KV capacity in tokens; it starts
+    with all of it and donates nothing. ``on_demand(now, tokens)`` is SCALEUP for the donor's
+    current demand (tokens it needs now), ``on_tick(now)`` SCALEDOWN over the last ``window_s``.
+    """
+
+    def __init__(
+        self,
+        worker: KVGeometry,
+        master: KVGeometry,
+        *,
+        chunk_bytes: int,
+        kv_tokens: int,
+        max_donate_bytes: int | None = None,
+        window_s: float = 60.0,
+        min_tokens: int = 0,
+    ) -> None:
+        self.unit = chunk_aligned_unit(min_elastic_unit(master, worker), chunk_bytes)
+        self.chunk_bytes = chunk_bytes
+        total = _int("kv_tokens", kv_tokens) // worker.block_size
+        cap = None
+        if max_donate_bytes is not None:
+            cap = _int("max_donate_bytes", max_donate_bytes) // self.unit.meu_bytes * self.unit.meu_worker
+        self.policy = ElasticWorkerPolicy.from_unit(
+            self.unit,
+            block_size=worker.block_size,
+            current_blocks=total,
+            window_s=window_s,
+            min_blocks=blocks_for_tokens(_int("min_tokens", min_tokens), worker.block_size),
+            max_donated_blocks=cap,
+        )
+
+    @property
+    def donated_chunks(self) -> int:
+        return self.policy.donated_blocks // self.unit.meu_worker * self.unit.meu_bytes // self.chunk_bytes
+
+    def _step(self, d: ScaleDecision) -> DonationStep:
+        return DonationStep(d, d.units * self.unit.meu_bytes // self.chunk_bytes, d.master_blocks)
+
+    def on_demand(self, now: float, tokens: int) -> DonationStep:
+        return self._step(self.policy.on_request(now, tokens))
+
+    def on_tick(self, now: float) -> DonationStep:
+        return self._step(self.policy.on_tick(now))
+
+    def lost(self, worker_blocks: int) -> None:
+        """The borrower is gone: its donation is the donor's again (the chunks came back)."""
+        _int("worker_blocks", worker_blocks)
+        worker_blocks = min(worker_blocks, self.policy.donated_blocks)
+        self.policy.donated_blocks -= worker_blocks
+        self.policy.current_blocks += worker_blocks
