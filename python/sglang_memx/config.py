@@ -244,7 +244,30 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         "its KV cache and all but one staging slot of its weights go back to the pool; the first "
         "request wakes it (wake time in /memx/status). Default: never sleeps.",
     ),
+    # peer KV tier (issue 16, docs/peer-kv.md): validated, refused until the server hooks land
+    MemxFlag(
+        "--memx-peer-kv",
+        "peer_kv",
+        type=str,
+        default="off",
+        metavar="MODE",
+        help="Peer KV tier (SwiftCache): 'donate' lends idle KV capacity to co-located servers of the "
+        "same --memx-pool, 'borrow' spills evicted prefix KV into their donations and loads it back on "
+        "a hit, 'both', or 'off' (default). Needs --memx-pool and the radix cache. Not wired into the "
+        "server yet: any mode but 'off' is refused after validation (docs/peer-kv.md).",
+    ),
+    MemxFlag(
+        "--memx-peer-donate-max-gb",
+        "peer_donate_max_gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="With --memx-peer-kv donate or both: at most GB of KV capacity lent to peers at any time "
+        "(default: whatever the donor's own load leaves idle, SwiftCache Alg. 1).",
+    ),
 )
+
+PEER_KV_MODES = ("off", "donate", "borrow", "both")
 
 WEIGHT_MODES = ("off", "remap", "static")
 
@@ -271,6 +294,8 @@ class MemxConfig:
     weights_profile: str | None = None
     weights_idle_after_s: float = 30.0
     sleep_after_s: float | None = None
+    peer_kv: str = "off"
+    peer_donate_max_gb: float | None = None
 
     def validate(self) -> MemxConfig:
         path = self.status_path
@@ -287,6 +312,7 @@ class MemxConfig:
         self._validate_pool()
         self._validate_host_buffer()
         self._validate_weights()
+        self._validate_peer_kv()
         if self.disabled:
             for flag in MEMX_FLAGS:
                 if flag.dest != "disabled" and getattr(self, flag.dest) != flag.default:
@@ -404,6 +430,29 @@ class MemxConfig:
             not isinstance(self.weights_profile, str) or not self.weights_profile.strip()
         ):
             raise MemxConfigError("--memx-weights-profile", f"must be a file path, got {self.weights_profile!r}")
+
+    def _validate_peer_kv(self) -> None:
+        """--memx-peer-kv / --memx-peer-donate-max-gb (docs/peer-kv.md)."""
+        mode = self.peer_kv
+        if mode not in PEER_KV_MODES:
+            raise MemxConfigError("--memx-peer-kv", f"must be one of {', '.join(PEER_KV_MODES)}, got {mode!r}")
+        g = self.peer_donate_max_gb
+        if g is not None:
+            if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0:
+                raise MemxConfigError("--memx-peer-donate-max-gb", f"must be a positive number of GB, got {g!r}")
+            if mode not in ("donate", "both"):
+                raise MemxConfigError("--memx-peer-donate-max-gb", "needs --memx-peer-kv donate or both")
+        if mode == "off":
+            return
+        if self.pool is None:
+            raise MemxConfigError(
+                "--memx-peer-kv", "needs --memx-pool NAME (donors and borrowers are the servers of one shared pool)"
+            )
+        raise MemxConfigError(
+            "--memx-peer-kv",
+            f"{mode!r} is not available yet: the peer KV tier is built and tested outside the server "
+            "(memory_ext/peer) but not wired into SGLang; only 'off' runs (docs/peer-kv.md)",
+        )
 
     def check_server_args(self, disable_radix_cache: bool, cuda_graphs: bool) -> None:
         """Checks that need upstream's own flags too (run at parse time and again at pool build).

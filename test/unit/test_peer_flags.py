@@ -1,0 +1,66 @@
+"""--memx-peer-kv / --memx-peer-donate-max-gb: parsed and validated (errors name the flag); any
+mode but 'off' is refused until the peer tier is wired into the server (docs/peer-kv.md)."""
+
+import argparse
+
+import pytest
+
+from sglang_memx.config import MemxConfig, MemxConfigError, add_memx_arguments
+
+POOL = ["--memx-elastic-kv", "--memx-pool", "p1"]
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    add_memx_arguments(parser)
+    return MemxConfig.from_namespace(parser.parse_args(argv))
+
+
+def test_default_is_off():
+    cfg = _parse([])
+    assert cfg.peer_kv == "off" and cfg.peer_donate_max_gb is None
+    assert "peer_kv" not in cfg.features  # nothing of it runs in the server
+    assert _parse(["--memx-peer-kv", "off"]) == cfg
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "fragment"),
+    [
+        (["--memx-peer-kv", "lend"], "--memx-peer-kv", "must be one of off, donate, borrow, both"),
+        (["--memx-peer-kv", "donate"], "--memx-peer-kv", "needs --memx-pool"),
+        (["--memx-peer-kv", "both", "--memx-elastic-kv"], "--memx-peer-kv", "needs --memx-pool"),
+        (POOL + ["--memx-peer-donate-max-gb", "2"], "--memx-peer-donate-max-gb", "needs --memx-peer-kv donate"),
+        (POOL + ["--memx-peer-kv", "borrow", "--memx-peer-donate-max-gb", "2"], "--memx-peer-donate-max-gb",
+         "needs --memx-peer-kv donate"),
+        (POOL + ["--memx-peer-kv", "donate", "--memx-peer-donate-max-gb", "0"], "--memx-peer-donate-max-gb",
+         "positive number of GB"),
+        (POOL + ["--memx-peer-kv", "donate", "--memx-peer-donate-max-gb", "nan"], "--memx-peer-donate-max-gb",
+         "positive number of GB"),
+        (["--memx-disable", "--memx-peer-kv", "off", "--memx-status-path", "/x"], "--memx-disable", "contradicts"),
+    ],
+)  # fmt: skip
+def test_bad_values_name_the_flag(argv, flag, fragment):
+    with pytest.raises(MemxConfigError) as err:
+        _parse(argv)
+    assert err.value.flag == flag and fragment in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["donate", "borrow", "both"])
+def test_valid_modes_are_refused_until_the_server_hooks_exist(mode):
+    extra = ["--memx-peer-donate-max-gb", "1.5"] if mode != "borrow" else []
+    with pytest.raises(MemxConfigError) as err:
+        _parse(POOL + ["--memx-peer-kv", mode] + extra)
+    assert err.value.flag == "--memx-peer-kv"
+    assert "not available yet" in str(err.value) and "docs/peer-kv.md" in str(err.value)
+
+
+def test_the_server_parser_exits_2_naming_the_flag(capsys):
+    from sglang_memx.hooks.server_args import _validating_parse_args
+
+    parser = argparse.ArgumentParser()
+    add_memx_arguments(parser)
+    parser.parse_args = _validating_parse_args(parser)
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--memx-peer-kv", "borrow"])
+    assert exit_.value.code == 2
+    assert "argument --memx-peer-kv: needs --memx-pool" in capsys.readouterr().err
