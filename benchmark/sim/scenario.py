@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import registry
+from .core.engine import GPU_SHARING
 from .core.hardware import GPUS
 from .core.models import DTYPE_BYTES, MODELS
 from .core.spec import ArbiterSpec, ModelEntry, NodeSpec, ScenarioSpec
@@ -303,7 +304,7 @@ def parse_scenario(data: Any, src: str = "<memory>", allow_extras: bool = False)
     node = NodeSpec(
         no.str("gpu", choices=list(GPUS)),
         no.int("count", 1, min=1, max=64),
-        no.str("sharing", "time_slice", ["time_slice", "spatial"]),
+        no.str("sharing", "time_slice", list(GPU_SHARING)),
         no.num("memory_fraction", 0.9, positive=True, max=1),
         no.num("compute_eff", None, positive=True, max=1),
         no.num("memory_eff", None, positive=True, max=1),

@@ -179,9 +179,9 @@ def test_option_error_is_a_value_error_naming_the_option():
 
 def test_oneiros_scenarios_run_v0_in_both_variants_and_others_keep_the_default():
     scen = REPO / "benchmark" / "sim" / "scenarios"
-    for name in ("oneiros_c1.yaml", "oneiros_c2.yaml"):
+    for name in ("oneiros_c1.yaml", "oneiros_c1_alpaca.yaml", "oneiros_c2.yaml", "oneiros_c2_alpaca.yaml"):
         sc = load_scenario(scen / name)
-        assert {n for n, _ in sc.variants} == {"vllm-static", "oneiros"}
+        assert {n for n, _ in sc.variants} == {"vllm-static", "oneiros", "vllm-static-iter-rr", "oneiros-iter-rr"}
         for _, spec in sc.variants:
             assert all(m.scheduler == "vllm_v0" and not m.scheduler_options for m in spec.models)
     d = copy.deepcopy(BASE)

@@ -6,8 +6,12 @@
   the plan's link transfers, then advances tokens and records metrics.
 * ``Gpu``: ``time_slice`` mode runs one iteration of one instance at a time,
   round robin between the instances that have work (temporal sharing at
-  iteration granularity); ``spatial`` mode runs instances concurrently, each
-  with the compute/bandwidth ``share`` of its roofline (MPS-like).
+  iteration granularity); ``turns`` mode gives the GPU to one instance for a
+  whole turn (temporal sharing at batch granularity: the turn serves the
+  requests waiting when it starts, arrivals during it wait for the model's
+  next turn, and it ends when none of them is left; then round robin);
+  ``spatial`` mode runs instances concurrently, each with the
+  compute/bandwidth ``share`` of its roofline (MPS-like).
 * ``Simulator``: owns the event loop, links, arrivals and sampling.
 
 Conservation invariants (checked by ``Simulator.check``): every request ends
@@ -33,7 +37,7 @@ from .plan import BatchPlan, InstanceHook, Scheduler
 from .request import FINISHED, RUNNING, WAITING, Request
 from .roofline import BatchShape, Roofline
 
-__all__ = ["InstanceConfig", "Instance", "Gpu", "Simulator"]
+__all__ = ["InstanceConfig", "Instance", "Gpu", "GPU_SHARING", "Simulator"]
 
 
 @dataclass
@@ -81,6 +85,7 @@ class Instance:
         self.scheduler = scheduler
         self.hooks: list[InstanceHook] = list(hooks or [])
         self.waiting: deque[Request] = deque()
+        self.deferred: deque[Request] = deque()  # ``turns`` mode: arrivals during this model's turn
         self.running: list[Request] = []
         self.sim: Simulator = None  # set by Simulator
         self.gpu: Gpu = None
@@ -292,12 +297,17 @@ class Instance:
         self.sim.on_finish(r, now)
 
 
+GPU_SHARING = ("time_slice", "turns", "spatial")
+
+
 class Gpu:
-    """Serialises (``time_slice``) or overlaps (``spatial``) instance iterations."""
+    """Serialises (``time_slice``: per iteration; ``turns``: per turn) or
+    overlaps (``spatial``) instance iterations. In ``turns`` mode ``current``
+    is the instance holding the turn, also between its iterations."""
 
     def __init__(self, idx: int, spec: GpuSpec, mode: str = "time_slice") -> None:
-        if mode not in ("time_slice", "spatial"):
-            raise ValueError(f"gpu sharing mode must be time_slice or spatial, got {mode!r}")
+        if mode not in GPU_SHARING:
+            raise ValueError(f"gpu sharing mode must be one of {', '.join(GPU_SHARING)}, got {mode!r}")
         self.idx, self.spec, self.mode = idx, spec, mode
         self.current: Instance | None = None
         self.queue: deque[Instance] = deque()
@@ -318,6 +328,16 @@ class Gpu:
     def release(self, inst: Instance, now: float) -> None:
         if self.mode == "spatial":
             return
+        if self.mode == "turns":
+            # the turn goes on while requests of it are left (waiting ones
+            # arrived before it started, or were preempted during it)
+            if (inst.waiting or inst.running) and inst.try_start(now):
+                return
+            if inst.deferred:  # they wait for the model's next turn, at the back
+                inst.waiting.extend(inst.deferred)
+                inst.deferred.clear()
+                inst.queued = True
+                self.queue.append(inst)
         self.current = None
         while self.queue:
             nxt = self.queue.popleft()
@@ -400,6 +420,9 @@ class Simulator:
             r.finish_t = None
             return
         r.state = WAITING
+        if inst.gpu.mode == "turns" and inst.gpu.current is inst:
+            inst.deferred.append(r)  # not part of the turn under way
+            return
         inst.waiting.append(r)
         inst.kick()
 
@@ -420,7 +443,7 @@ class Simulator:
         return (
             self._next_initial < len(self.initial)
             or self._followups > 0
-            or any(i.waiting or i.running for i in self.instances)
+            or any(i.waiting or i.running or i.deferred for i in self.instances)
         )
 
     # ---- sampling -------------------------------------------------------------

@@ -93,8 +93,14 @@ class _Ledger:
         self.streamed_bytes = 0.0
 
     def refresh_activity(self, now: float) -> None:
+        """Active = has work; on a GPU shared in ``turns`` mode, only the model
+        holding the turn (§5.2: "models scheduled for future execution are
+        considered inactive")."""
         for inst in self.members:
-            act = bool(inst.waiting or inst.running)
+            if inst.gpu.mode == "turns":
+                act = inst.gpu.current is inst
+            else:
+                act = bool(inst.waiting or inst.running)
             if act and not self.active[inst.idx]:
                 self.last_activated[inst.idx] = now
             self.active[inst.idx] = act
@@ -131,7 +137,10 @@ class OneirosHook:
     (of the instance's initial KV blocks; ``high_watermark_frac`` None = the low
     one, Alg. 1 with no hysteresis), ``cap_fraction`` (per-model cap on
     remapped layers), ``mode`` (auto | single | double), ``prefill_tokens``
-    (T_compute of an inactive model; default ``max_batched_tokens``), ``link``."""
+    (T_compute of an inactive model; default ``max_batched_tokens``), ``link``,
+    ``restore_all`` (false: at most one RESTORE per decision; true: Alg. 1
+    l. 6-12 literally, every empty lent layer comes back in the same step;
+    without the node arbiter only)."""
 
     def __init__(
         self,
@@ -143,6 +152,7 @@ class OneirosHook:
         prefill_tokens: int | None = None,
         link: str = "h2d",
         restore_period_s: float = 0.05,
+        restore_all: bool = False,
     ) -> None:
         if high_watermark_frac is None:
             high_watermark_frac = low_watermark_frac
@@ -153,6 +163,9 @@ class OneirosHook:
             )
         if not 0 <= cap_fraction < 1:
             raise ValueError(f"cap_fraction must be in [0, 1), got {cap_fraction}")
+        if not isinstance(restore_all, bool):
+            raise ValueError(f"restore_all must be true or false, got {restore_all!r}")
+        self.restore_all = restore_all
         cfg = inst.cfg
         base = cfg.kv_blocks
         low = max(1, int(math.ceil(low_watermark_frac * base)))
@@ -237,7 +250,19 @@ class OneirosHook:
         self.step(now)
 
     def step(self, now: float) -> Action:
-        """One controller decision with this instance as the observer/borrower."""
+        """One controller decision with this instance as the observer/borrower;
+        with ``restore_all`` (no arbiter), decisions repeat while each is an
+        applied RESTORE (Alg. 1's "foreach tensor in added KV cache")."""
+        led = ledger_of(self.inst)
+        before = led.restores
+        action = self._step(now)
+        if self.restore_all and getattr(self.inst.sim, "arbiter", None) is None:
+            while action is Action.RESTORE and led.restores > before and any(led.alpha.values()):
+                before = led.restores
+                action = self._step(now)
+        return action
+
+    def _step(self, now: float) -> Action:
         inst = self.inst
         self._last_decision = now
         led = ledger_of(inst)
