@@ -21,7 +21,9 @@ Mechanisms only (no sglang, no policy); one job per module:
 See docs/peer-kv.md.
 """
 
+from . import wire
 from .copier import CudaPeerCopier, HostCopier, copier_for
+from .discovery import donor_socket, donor_sockets
 from .donor import PeerDonor
 from .generations import GenerationTable
 from .index import PrefixIndex, chain_hashes
@@ -43,4 +45,7 @@ __all__ = [
     "PrefixIndex",
     "chain_hashes",
     "copier_for",
+    "donor_socket",
+    "donor_sockets",
+    "wire",
 ]

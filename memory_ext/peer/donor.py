@@ -336,6 +336,7 @@ class PeerDonor:
                     self.stats["writes_denied"] += 1
                     return
                 lease.fences.update(blocks)
+                self.stats["writes_fenced"] += 1
                 gens = [region.generations.get(b) for b in blocks]
                 lease.send({"type": "WRITE_OK", "req_id": msg["req_id"], "gens": gens})
             elif kind == "WRITE_END":

@@ -106,6 +106,7 @@ class PeerLink:
         self._ids = itertools.count(1)
         self._reading: Counter[int] = Counter()  # block -> reads in flight
         self._fenced: Counter[int] = Counter()  # block -> this link's writes in flight
+        self._writing: set[int] = set()  # blocks of the writes in progress (one write per block)
         self._chunks: list[PhysicalChunk] = []
         self.dead = False
         self.closed = False
@@ -220,10 +221,21 @@ class PeerLink:
         req_id = next(self._ids)
         pending = _Pending(blocks)
         with self._cond:
+            busy = self._writing.intersection(blocks)
+            if busy:
+                raise ValueError(f"blocks: {sorted(busy)[:8]} are being written already (one write per block)")
             if self.dead or any(not self.has_block(b) for b in blocks):
                 self.stats["writes_refused"] += 1
                 return None
             self._pending[req_id] = pending
+            self._writing.update(blocks)
+        try:
+            return self._fenced_write(req_id, pending, blocks, data)
+        finally:
+            with self._cond:
+                self._writing.difference_update(blocks)
+
+    def _fenced_write(self, req_id: int, pending: _Pending, blocks: list[int], data) -> list[BlockRef] | None:
         try:
             self._send({"type": "WRITE_BEGIN", "req_id": req_id, "blocks": blocks})
         except (OSError, ConnectionError):
@@ -232,12 +244,13 @@ class PeerLink:
             return None
         with self._cond:
             self._cond.wait_for(lambda: pending.reply is not None or self.dead, self.write_timeout)
-            self._pending.pop(req_id, None)
             reply = pending.reply
             if reply is None:
-                pending.abandoned = True  # a late WRITE_OK is ended by the receiving thread
+                # stays in _pending: a late WRITE_OK is ended (WRITE_END) by the receiving thread
+                pending.abandoned = True
                 self.stats["writes_refused"] += 1
                 return None
+            self._pending.pop(req_id, None)
             if reply["type"] != "WRITE_OK":
                 self.stats["writes_refused"] += 1
                 return None
@@ -324,8 +337,11 @@ class PeerLink:
             late_end = None
             with self._cond:
                 pending = self._pending.get(msg["req_id"])
-                if pending is None or pending.abandoned:
-                    if kind == "WRITE_OK" and pending is not None:
+                if pending is None:
+                    raise ValueError(f"req_id: {msg['req_id']} answers no write of this link")
+                if pending.abandoned:
+                    del self._pending[msg["req_id"]]
+                    if kind == "WRITE_OK":
                         late_end = pending.blocks
                 elif kind == "WRITE_OK":
                     if len(msg["gens"]) != len(pending.blocks):

@@ -165,6 +165,22 @@ class PeerKVTier:
         self.stats["bytes_loaded"] += n * self.layout.block_bytes
         return n
 
+    def status(self) -> dict:
+        """Per donor: blocks and bytes borrowed, blocks free, pages held; plus the counters."""
+        with self._lock:
+            peers = [
+                {
+                    "peer": peer,
+                    "lease": link.lease,
+                    "blocks": link.num_blocks,
+                    "borrowed_bytes": link.num_blocks * link.block_bytes,
+                    "free_blocks": len(self._free.get(peer, ())),
+                    "pages": self.index.entries_of(peer),
+                }
+                for peer, link in self._links.items()
+            ]
+            return {"peers": peers, "pages": len(self.index), **dict(self.stats)}
+
     def close(self) -> None:
         for link in self.links():
             link.close()

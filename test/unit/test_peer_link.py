@@ -46,6 +46,11 @@ def pages(n, seed=0):
     return [torch.randn(LAYOUT.block_shape, generator=g).to(torch.float16) for _ in range(n)]
 
 
+def no_fences(donor):
+    """Writes end with an asynchronous WRITE_END; a reclaim right after may find the fence still up."""
+    wait_until(lambda: all(lease["fences"] == 0 for lease in donor.status()["leases"]))
+
+
 def connect(donor, path, vmm, units=2):
     tier = PeerKVTier(LAYOUT)
     link = tier.connect(path, "b", vmm)
@@ -71,6 +76,9 @@ def test_store_and_load_byte_identical(env):
     assert tier.match(other) == 2
     st = donor.status()["leases"][0]
     assert st["units"] == 2 and st["donated_bytes"] == 2 * G and st["borrower"] == "b"
+    [mine] = tier.status()["peers"]
+    assert mine["borrowed_bytes"] == 2 * G and mine["blocks"] == 16 and mine["pages"] == 5
+    assert mine["free_blocks"] == 11 and tier.status()["pages_stored"] == 5
     tier.close()
     wait_until(lambda: not donor.leases())
     assert vmm.live_chunks() == []
@@ -83,6 +91,7 @@ def test_reclaim_drops_entries_and_the_chunks_go_back_at_once(env):
     src = pages(16)
     assert tier.store(tokens, src) == 16
     refs = tier.index.match(tier.hashes(tokens))
+    no_fences(donor)
     released = donor.reclaim(lease, 1, to=Owner.KV)
     assert len(released) == 1 and pool.usage()[Owner.KV] == 1  # back to the donor in the same call
     wait_until(lambda: link.num_blocks == 8 and link.imported_chunks() == 1)
@@ -117,6 +126,7 @@ def test_reclaim_mid_read_is_never_a_valid_read(env):
     tier, link, lease = connect(donor, path, vmm, units=1)
     src = pages(1, seed=3)
     [ref] = link.write([5], src)
+    no_fences(donor)
     buf = torch.empty(LAYOUT.block_shape, dtype=torch.float16)
     assert link.read(ref, buf) and torch.equal(buf, src[0])
 
@@ -146,6 +156,7 @@ def test_reclaim_racing_the_copy_itself_is_caught(env):
     tier, link, lease = connect(donor, path, vmm, units=1)
     src = pages(1, seed=4)
     [ref] = link.write([2], src)
+    no_fences(donor)
     region = donor.region(lease)
 
     class ScribbleFirst(HostCopier):
@@ -233,3 +244,46 @@ def test_full_tier_overwrites_least_recently_used(env):
     out = [torch.empty(LAYOUT.block_shape, dtype=torch.float16) for _ in range(6)]
     assert tier.load(b, out) == 6 and all(torch.equal(x, y) for x, y in zip(pb, out))
     assert tier.match(a) == 0  # its first page went first
+
+
+def test_a_write_given_up_on_still_ends_its_fence(env):
+    """A write that stops waiting for WRITE_OK (timeout) must not leave the donor's fence up."""
+    donor, pool, path, vmm = env
+    answer = donor._handle
+
+    def late_answer(lease, msg):  # the donor answers WRITE_BEGIN after 1 s
+        if msg["type"] == "WRITE_BEGIN":
+            time.sleep(1.0)
+        answer(lease, msg)
+
+    donor._handle = late_answer
+    tier = PeerKVTier(LAYOUT)
+    link = tier.connect(path, "b", vmm, write_timeout=0.05)  # gives up long before the answer
+    lease = donor.wait_for_lease()
+    donor.grow(lease, 1)
+    wait_until(lambda: link.num_blocks == 8)
+    assert link.write([0, 1], pages(2)) is None
+    wait_until(lambda: link.stats["writes_refused"] == 1)
+    wait_until(lambda: donor.stats["writes_fenced"] == 1)  # the late WRITE_OK went out
+    no_fences(donor)  # ...and the link's receiver ended it
+    assert len(donor.reclaim(lease, 1)) == 1
+
+
+def test_one_write_per_block_at_a_time(env):
+    donor, pool, path, vmm = env
+    tier, link, lease = connect(donor, path, vmm, units=1)
+    seen = {}
+
+    class WriteAgain(HostCopier):
+        def copy(self, dst, s):
+            if "err" not in seen:
+                seen["err"] = None
+                try:
+                    link.write([4], pages(1))
+                except ValueError as exc:
+                    seen["err"] = str(exc)
+            dst.copy_(s)
+
+    link.copier = WriteAgain()
+    assert link.write([4, 5], pages(2)) is not None
+    assert seen["err"] is not None and seen["err"].startswith("blocks: [4] are being written already")

@@ -146,6 +146,14 @@ def test_two_processes_round_trip_reclaim_and_donor_death(donor_proc):
     st = call("status")
     assert st["peer"] == UNITS and st["leases"][0]["donated_bytes"] == UNITS * G
 
+    def no_fences():  # WRITE_END is asynchronous: let the donor see the last writes end
+        deadline = time.monotonic() + 10
+        while call("status")["leases"][0]["fences"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+
+    no_fences()
+
     # 2. readers hammer every page (each valid page checked against its checksum) while the donor
     #    reclaims units and overwrites their memory, then donates again and we store again
     copier = link.copier = ArmedCopier(link, tail=(UNITS - 2) * 8)
@@ -191,6 +199,7 @@ def test_two_processes_round_trip_reclaim_and_donor_death(donor_proc):
                 time.sleep(0.005)
             for tokens, pages, _ in convs.values():
                 tier.store(tokens, pages)
+            no_fences()
     finally:
         stop.set()
         copier.reclaimed.set()
