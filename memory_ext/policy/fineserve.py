@@ -345,6 +345,10 @@ class SlabTable:
             return self.FREE
         return self.FULL if self._used[slab_id] == self._bps[key] else self.PARTIAL
 
+    def used_in(self, slab_id: int) -> int:
+        """Blocks allocated in slab ``slab_id`` (0 when FREE)."""
+        return self._used[slab_id]
+
     def key_of(self, slab_id: int) -> Hashable | None:
         return self._key[slab_id]
 

@@ -274,3 +274,37 @@ def test_top_shows_each_servers_slab_and_the_uniform_slab_of_the_pool():
     assert "FULL 3 PARTIAL 1 FREE 28, stranded 27 tok" in frame
     assert "slab bfloat16 L3 1x32: 384 B/token, 64 tokens = 6 chunk(s)" in frame
     assert "one uniform slab for all would be 12" in frame
+
+
+def test_a_snapshot_reads_as_the_simulators_table():
+    """The server's view (``adopt`` with per-slab counts) and the simulator's (``alloc`` / ``free``)
+    give the same states, counts and stranded blocks for the same slab contents."""
+    import random
+
+    rnd = random.Random(7)
+    for _ in range(20):
+        sim = SlabTable(12, 4 * MiB)
+        held = {"a": [], "b": []}
+        for _ in range(40):
+            key = rnd.choice("ab")
+            bs = MiB if key == "a" else 2 * MiB
+            if held[key] and rnd.random() < 0.4:
+                k = rnd.randint(1, len(held[key]))
+                gone, held[key] = held[key][:k], held[key][k:]
+                sim.free(key, gone)
+            else:
+                got = sim.alloc(key, bs, rnd.randint(1, 5))
+                held[key] += got or []
+        snap = SlabTable(12, 4 * MiB)
+        for sid in range(12):
+            key = sim.key_of(sid)
+            if key is not None:
+                bs = MiB if key == "a" else 2 * MiB
+                snap.adopt(key, bs, sid, sim.used_in(sid))
+        for key in ("a", "b"):
+            if key in sim.keys():
+                assert snap.slab_counts(key) == sim.slab_counts(key)
+                assert snap.stranded_blocks(key) == sim.stranded_blocks(key)
+                assert snap.used_blocks(key) == sim.used_blocks(key)
+        assert [snap.state(s) for s in range(12)] == [sim.state(s) for s in range(12)]
+        snap.check()
