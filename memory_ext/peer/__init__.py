@@ -27,6 +27,7 @@ from .discovery import donor_socket, donor_sockets
 from .donor import PeerDonor
 from .generations import GenerationTable
 from .index import PrefixIndex, chain_hashes
+from .kvio import PeerKVIO
 from .layout import PeerKVLayout
 from .link import BlockRef, PeerLink
 from .region import DonatedRegion
@@ -39,6 +40,7 @@ __all__ = [
     "GenerationTable",
     "HostCopier",
     "PeerDonor",
+    "PeerKVIO",
     "PeerKVLayout",
     "PeerKVTier",
     "PeerLink",

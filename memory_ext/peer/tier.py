@@ -6,8 +6,9 @@ or ``block_bytes`` bytes). Blocks come from a donor's free blocks first, else th
 used block of the donor with the most blocks is overwritten (its old page leaves the index).
 Each donor's blocks are written in one fenced ``PeerLink.write``.
 
-``load(tokens, out)`` copies the longest run of held pages from the start into ``out`` and
-returns how many pages are valid. A page whose read fails validation (reclaimed, overwritten,
+``load(tokens, out, start)`` copies the longest run of held pages from page ``start`` (the
+first page not held locally; a page's chain hash covers its whole prefix, so the run can start
+anywhere) into ``out`` and returns how many pages are valid. A page whose read fails validation (reclaimed, overwritten,
 donor gone) is dropped from the index and ends the run: the caller recomputes from there.
 
 Tier bookkeeping is under one lock that is never held across a link's copy or round trip
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -140,13 +141,22 @@ class PeerKVTier:
         self.stats["bytes_stored"] += written * self.layout.block_bytes
         return written
 
-    def match(self, tokens: Sequence[int]) -> int:
-        """How many leading pages of ``tokens`` the index holds (no copy, no validation)."""
-        return len(self.index.match(self.hashes(tokens)))
+    def match(self, tokens: Sequence[int], start: int = 0) -> int:
+        """How many pages of ``tokens`` from page ``start`` on the index holds in a row (no copy)."""
+        return len(self.index.match(self.hashes(tokens)[start:]))
 
-    def load(self, tokens: Sequence[int], out: Sequence[torch.Tensor]) -> int:
-        """Copy the held leading pages into ``out``; return how many are valid (the rest: recompute)."""
-        hashes = self.hashes(tokens)
+    def load(
+        self,
+        tokens: Sequence[int],
+        out: Sequence[torch.Tensor],
+        start: int = 0,
+        on_page: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> int:
+        """Copy the held pages of ``tokens`` from page ``start`` on into ``out`` (``out[0]`` is page
+        ``start``: the pages before it are already local); return how many are valid in a row.
+        ``on_page(i, dst)`` runs after page ``start + i`` was read and validated into ``dst``
+        (so ``out`` may repeat one staging block)."""
+        hashes = self.hashes(tokens)[start:]
         refs = self.index.match(hashes)
         n = 0
         for h, ref, dst in zip(hashes, refs, out):
@@ -159,6 +169,8 @@ class PeerKVTier:
                 lru = self._lru.get(ref.peer)
                 if lru is not None and ref.block in lru:
                     lru.move_to_end(ref.block)
+            if on_page is not None:
+                on_page(n, dst)
             n += 1
         self.stats["pages_hit"] += n
         self.stats["pages_missed"] += len(hashes) - n
