@@ -78,7 +78,9 @@ class PeerDonor:
 
     ``max_bytes_per_lease`` caps one borrower's region. ``accept_layout(layout)`` may raise
     ValueError to refuse a borrower (its message goes back in REFUSE). ``on_release(lease,
-    chunks)`` is called when fenced units are handed back late, or a dead borrower's are.
+    chunks)`` is called when units a ``reclaim`` had to leave behind (write fence) are handed
+    back to its ``to`` owner later. ``on_lost(lease, units)`` is called when a lease ends (the
+    borrower died or left): its remaining ``units`` went back to FREE.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class PeerDonor:
         name: str = "donor",
         accept_layout: Callable[[PeerKVLayout], None] | None = None,
         on_release: Callable[[int, list[PhysicalChunk]], None] | None = None,
+        on_lost: Callable[[int, int], None] | None = None,
     ):
         if not isinstance(pool, ChunkPool):
             raise ValueError(f"pool must be a ChunkPool, got {type(pool).__name__}")
@@ -99,6 +102,7 @@ class PeerDonor:
         self.device = str(pool.backend.device)
         self._accept_layout = accept_layout
         self._on_release = on_release
+        self._on_lost = on_lost
         self._lock = threading.RLock()
         self._leases: dict[int, _Lease] = {}
         self._ids = itertools.count(1)
@@ -353,19 +357,24 @@ class PeerDonor:
                 lease.send({"type": "ERROR", "field": "type", "message": f"unexpected {kind} from a borrower"})
 
     def _drop(self, lease: _Lease) -> None:
-        """Forget a lease: every chunk back to FREE (or ``pending_to``), socket closed. Lock held."""
+        """Forget a lease, socket closed, lock held: units an earlier ``reclaim`` left behind go to
+        its ``to`` owner (``on_release``), the lease's other units to FREE (``on_lost``)."""
         if self._leases.pop(lease.id, None) is None:
             return
         lease.alive = False
-        lease.fences.clear()
+        lease.fences.clear()  # a dead (or departed) borrower writes nothing more
         region = lease.region
         if region is not None:
-            region.revoke_tail(region.units)
-            released = region.release_tail(lease.pending_to)
+            late = region.release_tail(lease.pending_to)  # reclaimed earlier, held by a fence
+            units = region.units
+            region.revoke_tail(units)
+            region.release_tail(Owner.FREE)
             region.close()
             self.stats["leases_dropped"] += 1
-            if released and self._on_release is not None and lease.pending_to is not Owner.FREE:
-                self._on_release(lease.id, released)
+            if late and self._on_release is not None:
+                self._on_release(lease.id, late)
+            if self._on_lost is not None:
+                self._on_lost(lease.id, units)
         try:
             lease.sock.close()
         except OSError:

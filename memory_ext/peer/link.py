@@ -110,6 +110,7 @@ class PeerLink:
         self._chunks: list[PhysicalChunk] = []
         self.dead = False
         self.closed = False
+        self._closing = False
         self.stats = Counter()
         self.sock = connect_unix(self.socket_path)
         try:
@@ -224,7 +225,7 @@ class PeerLink:
             busy = self._writing.intersection(blocks)
             if busy:
                 raise ValueError(f"blocks: {sorted(busy)[:8]} are being written already (one write per block)")
-            if self.dead or any(not self.has_block(b) for b in blocks):
+            if self.dead or self._closing or any(not self.has_block(b) for b in blocks):
                 self.stats["writes_refused"] += 1
                 return None
             self._pending[req_id] = pending
@@ -234,6 +235,7 @@ class PeerLink:
         finally:
             with self._cond:
                 self._writing.difference_update(blocks)
+                self._cond.notify_all()
 
     def _fenced_write(self, req_id: int, pending: _Pending, blocks: list[int], data) -> list[BlockRef] | None:
         try:
@@ -416,7 +418,11 @@ class PeerLink:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Leave the lease: in-flight operations finish, then everything is unmapped and released."""
+        """Leave the lease: no new write starts, the writes in flight finish (the donor reuses the
+        memory as soon as the connection closes), then everything is unmapped and released."""
+        with self._cond:
+            self._closing = True
+            self._cond.wait_for(lambda: not self._writing, self.write_timeout + 5)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -3,6 +3,7 @@ seqlock-validated reads, write fences), refusals, and either side going away wit
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -287,3 +288,52 @@ def test_one_write_per_block_at_a_time(env):
     link.copier = WriteAgain()
     assert link.write([4, 5], pages(2)) is not None
     assert seen["err"] is not None and seen["err"].startswith("blocks: [4] are being written already")
+
+
+def test_borrower_gone_mid_write_after_a_reclaim(env):
+    """The reclaimed (fenced) unit goes where the reclaim said, the lease's other units to FREE."""
+    donor, pool, path, vmm = env
+    late, lost = [], []
+    donor._on_release = lambda lease_id, chunks: late.extend(chunks)
+    donor._on_lost = lambda lease_id, units: lost.append(units)
+    tier, link, lease = connect(donor, path, vmm, units=2)
+    seen = {}
+
+    class ReclaimThenDie(HostCopier):
+        def copy(self, dst, s):
+            if not seen:
+                seen["now"] = donor.reclaim(lease, 1, to=Owner.KV)  # tail unit fenced by us
+                # the connection ends while the write runs (as at a borrower's death, except that a
+                # dead process would not go on writing: the donor cannot tell the two apart)
+                link.sock.shutdown(2)
+                wait_until(lambda: not donor.leases())
+            dst.copy_(s)
+
+    link.copier = ReclaimThenDie()
+    link.write([1, 9], pages(2))  # block 9 is in the reclaimed tail unit
+    assert seen["now"] == [] and len(late) == 1 and lost == [1]
+    assert pool.usage()[Owner.KV] == 1 and pool.usage()[Owner.PEER_DONATION] == 0
+    pool.release(Owner.KV, late)
+
+
+def test_close_lets_running_writes_finish_first(env):
+    donor, pool, path, vmm = env
+    tier, link, lease = connect(donor, path, vmm, units=1)
+    events = {}
+
+    class SlowWrite(HostCopier):
+        def copy(self, dst, s):
+            if not events:
+                events["closing"] = threading.Thread(target=link.close)
+                events["closing"].start()
+                time.sleep(0.2)
+                events["lease_alive_during_write"] = bool(donor.leases())
+            dst.copy_(s)
+
+    link.copier = SlowWrite()
+    assert link.write([3], pages(1)) is not None
+    events["closing"].join(3)
+    assert not events["closing"].is_alive()  # close() went on as soon as the write ended
+    assert events["lease_alive_during_write"]  # the donor kept the lease until the write ended
+    wait_until(lambda: not donor.leases() and link.closed)
+    assert link.write([4], pages(1)) is None
