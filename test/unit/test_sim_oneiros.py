@@ -115,6 +115,31 @@ def test_hook_options_validated():
         OneirosHook(sim.instances[0], low_watermark_frac=0.5, high_watermark_frac=0.1)
     with pytest.raises(ValueError):
         OneirosHook(sim.instances[0], cap_fraction=1.0)
+    with pytest.raises(ValueError, match="cap_fraction"):
+        OneirosHook(sim.instances[0], cap_fraction="half")
+    # null: only the profiled limit (O4/O5) and "never a whole model" bound it
+    n = sim.instances[0].cfg.model.layers
+    assert OneirosHook(sim.instances[0], cap_fraction=None).cap == n - 1
+    assert OneirosHook(sim.instances[0]).cap == n // 2
+
+
+def test_uncapped_lender_limit_is_the_prefill_time_bound():
+    """cap_fraction null: an idle lender's limit is T_T * N <= T_prefill (§5.3),
+    capped only at n - 1; with the default it stops at half its layers."""
+    for frac, expect_cap in ((None, True), (0.5, False)):
+        d = copy.deepcopy(BASE)
+        for m in d["models"]:
+            m["hooks"] = [{"kind": "oneiros", "options": {"cap_fraction": frac}}]
+        sim = build_simulation(parse_scenario(d))
+        sim.run()
+        idle = sim.instances[1]
+        h = idle.hooks[0]
+        st = h._state(ledger_of(idle), idle)
+        lim, why = model_limit(st)
+        if expect_cap:
+            assert h.cap == st.n_layers - 1 and lim > st.n_layers // 2 and "cap" not in why
+        else:
+            assert lim == st.n_layers // 2 and why == "profiled cap"
 
 
 SCENARIOS = REPO / "benchmark" / "sim" / "scenarios"

@@ -38,7 +38,8 @@ model (has waiting or running requests) = roofline time of its current decode
 step (batch = decoding requests, their mean context), or of one prefill chunk
 of ``prefill_tokens`` if nothing decodes yet; for an inactive model = that
 prefill time (§5.3). ``last_activated`` = simulated time of the latest
-idle -> active transition (MRU). ``cap`` = ``floor(cap_fraction * layers)``.
+idle -> active transition (MRU). ``cap`` = ``floor(cap_fraction * layers)``,
+or ``layers - 1`` with ``cap_fraction`` None (then only O4/O5 bound it).
 One controller decision per iteration of a participating instance, taken
 after the iteration (so the next plan sees the new capacity), like Alg. 1's
 per-step call.
@@ -136,7 +137,8 @@ class OneirosHook:
     """See module docstring. Options: ``low_watermark_frac`` / ``high_watermark_frac``
     (of the instance's initial KV blocks; ``high_watermark_frac`` None = the low
     one, Alg. 1 with no hysteresis), ``cap_fraction`` (per-model cap on
-    remapped layers), ``mode`` (auto | single | double), ``prefill_tokens``
+    remapped layers as a fraction of its layers; None: n - 1, only the O4/O5
+    limit binds), ``mode`` (auto | single | double), ``prefill_tokens``
     (T_compute of an inactive model; default ``max_batched_tokens``), ``link``,
     ``restore_all`` (false: at most one RESTORE per decision; true: Alg. 1
     l. 6-12 literally, every empty lent layer comes back in the same step;
@@ -147,7 +149,7 @@ class OneirosHook:
         inst: Instance,
         low_watermark_frac: float = 0.03,
         high_watermark_frac: float | None = None,
-        cap_fraction: float = 0.5,
+        cap_fraction: float | None = 0.5,
         mode: str = "auto",
         prefill_tokens: int | None = None,
         link: str = "h2d",
@@ -161,8 +163,10 @@ class OneirosHook:
                 "need 0 <= low_watermark_frac <= high_watermark_frac < 1, got "
                 f"{low_watermark_frac}, {high_watermark_frac}"
             )
-        if not 0 <= cap_fraction < 1:
-            raise ValueError(f"cap_fraction must be in [0, 1), got {cap_fraction}")
+        if cap_fraction is not None and (
+            isinstance(cap_fraction, bool) or not isinstance(cap_fraction, (int, float)) or not 0 <= cap_fraction < 1
+        ):
+            raise ValueError(f"cap_fraction must be in [0, 1) or null, got {cap_fraction!r}")
         if not isinstance(restore_all, bool):
             raise ValueError(f"restore_all must be true or false, got {restore_all!r}")
         self.restore_all = restore_all
@@ -174,7 +178,8 @@ class OneirosHook:
         self.inst = inst
         self.layer_bytes = cfg.model.layer_weight_bytes(cfg.weight_dtype)
         self.n_layers = cfg.model.layers
-        self.cap = min(int(cap_fraction * self.n_layers), self.n_layers - 1)
+        n_cap = self.n_layers - 1 if cap_fraction is None else int(cap_fraction * self.n_layers)
+        self.cap = min(n_cap, self.n_layers - 1)
         self.prefill_tokens = int(prefill_tokens or cfg.max_batched_tokens)
         self.link_prefix = link
         self.link = f"{link}:{cfg.gpu}"
