@@ -199,13 +199,24 @@ class PeerDonor:
                 )
             return {"leases": out, **dict(self.stats)}
 
-    def close(self) -> None:
-        """Stop serving: close every lease (its chunks go back to FREE) and the socket."""
+    def close(self, fence_timeout: float = 5.0) -> None:
+        """Stop serving: revoke every lease at once (generations bumped, REVOKE sent), wait up to
+        ``fence_timeout`` s for the borrowers' running writes to end, then close every lease (its
+        chunks go back to FREE) and the socket."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             leases = list(self._leases.values())
+            for lease in leases:
+                if lease.region is not None and lease.alive:
+                    lease.region.revoke_tail(lease.region.units)
+                    try:
+                        lease.send({"type": "REVOKE", "units": 0})
+                    except (OSError, ConnectionError):
+                        pass
+            if not self._changed.wait_for(lambda: not any(le.alive and +le.fences for le in leases), fence_timeout):
+                log.warning("peer donor %s: closing with borrower writes still running", self.name)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -349,6 +360,7 @@ class PeerDonor:
                         lease.fences[b] -= 1
                         if not lease.fences[b]:
                             del lease.fences[b]
+                self._changed.notify_all()
                 if region.physical_units > region.units:
                     late = region.release_tail(lease.pending_to, fenced=lease.fenced)
                     if late and self._on_release is not None:

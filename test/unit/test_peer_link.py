@@ -227,7 +227,9 @@ def test_donor_gone_drops_entries_and_unmaps_everything(env):
     assert len(vmm.live_chunks()) == 2
     donor.close()
     wait_until(lambda: link.closed)
-    assert len(tier.index) == 0 and tier.stats["entries_dropped_dead"] == 4
+    # a closing donor revokes first (REVOKE 0), then the connection ends: every entry is gone
+    assert len(tier.index) == 0 and tier.stats["donors_lost"] == 1
+    assert tier.stats["entries_dropped_reclaim"] + tier.stats["entries_dropped_dead"] == 4
     assert vmm.live_chunks() == [] and vmm.ranges() == []
     out = [torch.empty(LAYOUT.block_shape, dtype=torch.float16) for _ in range(4)]
     assert tier.load(tokens, out) == 0  # a miss -> recompute, never an error
@@ -337,3 +339,27 @@ def test_close_lets_running_writes_finish_first(env):
     assert events["lease_alive_during_write"]  # the donor kept the lease until the write ended
     wait_until(lambda: not donor.leases() and link.closed)
     assert link.write([4], pages(1)) is None
+
+
+def test_donor_close_waits_for_running_writes(env):
+    donor, pool, path, vmm = env
+    tier, link, lease = connect(donor, path, vmm, units=1)
+    state = {}
+
+    class HeldWrite(HostCopier):
+        def copy(self, dst, s):
+            if not state:
+                state["closer"] = threading.Thread(target=donor.close)
+                state["closer"].start()
+                time.sleep(0.2)
+                state["held_during_write"] = pool.usage()[Owner.PEER_DONATION]
+            dst.copy_(s)
+
+    link.copier = HeldWrite()
+    refs = link.write([2], pages(1))
+    state["closer"].join(5)
+    assert not state["closer"].is_alive()
+    assert state["held_during_write"] == 1  # the donor did not take the memory back under the write
+    assert pool.usage()[Owner.PEER_DONATION] == 0
+    buf = torch.empty(LAYOUT.block_shape, dtype=torch.float16)
+    assert refs is not None and not link.read(refs[0], buf)  # revoked before the write began to count
