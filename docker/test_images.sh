@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Build the CPU image (docker/Dockerfile.cpu) and smoke-test it:
-#   1. the default command (scripts/serve.sh: embedded SmolLM2-135M-Instruct, elastic KV and
-#      the host buffer on): server up, one chat completion, GET /memx/status;
+#   1. the default command (scripts/serve.sh: the router, `sglang-memx serve`, with the embedded
+#      SmolLM2-135M-Instruct and its float32 copy on one shared memx pool, elastic KV and the host
+#      buffer on): router and both engines up, /v1/models lists both, one chat completion per
+#      model, each engine's GET /memx/status through the router (/models/<name>/memx/status)
+#      with the shared pool on;
 #   2. upstream's own command line, `python3 -m sglang.launch_server ...`, given to
 #      `docker run` unchanged (the drop-in promise): server up, one chat completion,
 #      GET /memx/status;
@@ -42,6 +45,7 @@ TIMEOUT="${MEMX_TEST_TIMEOUT:-900}"
 LOG_DIR="${MEMX_TEST_LOG_DIR:-$REPO/test-logs/docker-images}"
 MODEL_DIR=/opt/memx-home/models/SmolLM2-135M-Instruct-bf16  # where Dockerfile.cpu converts it
 MODEL_NAME=SmolLM2-135M-Instruct
+ROUTER_MODELS="$MODEL_NAME,$MODEL_NAME-fp32"  # what scripts/serve.sh serves behind its router
 LOCAL_BASE=local/memx-base:bookworm
 
 WORK=""          # temporary directory (private dockerd, rootfs), removed at exit
@@ -230,12 +234,16 @@ note "build: $IMAGE in ${build_s} s"
 note "image size: $(python3 -c "import sys; print(f'{int(sys.argv[1]) / 1e9:.2f} GB ({int(sys.argv[1])} bytes)')" "$size_b")"
 
 # ---------------------------------------------------------------- 4. smoke tests
-# Wait for /health, then one chat completion and GET /memx/status; prints one line.
+# check_server URL NAMES TIMEOUT CONTAINER: wait for /health, then one chat completion per model
+# and its memx status; prints one line. One name: a single server (GET /memx/status); several
+# (comma-separated): scripts/serve.sh's router (GET /v1/models lists them; each engine's status
+# through the router's /models/<name>/memx/status, with the shared pool on).
 check_server() {
   python3 - "$@" <<'PYEOF'
 import json, subprocess, sys, time, urllib.request
 
-url, name, timeout, cname = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+url, names, timeout, cname = sys.argv[1], sys.argv[2].split(","), float(sys.argv[3]), sys.argv[4]
+router = len(names) > 1
 t0 = time.monotonic()
 while True:
     try:
@@ -252,21 +260,31 @@ while True:
         sys.exit(f"{cname}: the container stopped before the server answered")
     time.sleep(2)
 up_s = time.monotonic() - t0
-body = json.dumps({"model": name, "temperature": 0, "max_tokens": 24,
-                   "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
-req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
-t = time.monotonic()
-with urllib.request.urlopen(req, timeout=300) as r:
-    chat = json.load(r)
-chat_s = time.monotonic() - t
-answer = chat["choices"][0]["message"]["content"]
-assert isinstance(answer, str) and answer.strip(), f"empty answer: {chat}"
-with urllib.request.urlopen(url + "/memx/status", timeout=30) as r:
-    status = json.load(r)
-assert status.get("enabled") is True, f"/memx/status: memx not enabled: {status}"
-features = status["schedulers"][0]["features"]
-on = sorted(k for k, v in features.items() if v is True)
-print(f"up in {up_s:.0f} s; chat {chat_s:.1f} s -> {answer.strip()!r}; /memx/status features on: {', '.join(on)}")
+if router:
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+        listed = sorted(m["id"] for m in json.load(r)["data"])
+    assert listed == sorted(names), f"/v1/models lists {listed}, expected {names}"
+parts = []
+for name in names:
+    body = json.dumps({"model": name, "temperature": 0, "max_tokens": 24,
+                       "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    t = time.monotonic()
+    with urllib.request.urlopen(req, timeout=300) as r:
+        chat = json.load(r)
+    chat_s = time.monotonic() - t
+    answer = chat["choices"][0]["message"]["content"]
+    assert isinstance(answer, str) and answer.strip(), f"{name}: empty answer: {chat}"
+    status_url = url + (f"/models/{name}/memx/status" if router else "/memx/status")
+    with urllib.request.urlopen(status_url, timeout=30) as r:
+        status = json.load(r)
+    assert status.get("enabled") is True, f"{status_url}: memx not enabled: {status}"
+    features = status["schedulers"][0]["features"]
+    if router:
+        assert features.get("shared_pool") is True, f"{status_url}: not on the shared pool: {features}"
+    on = sorted(k for k, v in features.items() if v is True)
+    parts.append(f"{name}: chat {chat_s:.1f} s -> {answer.strip()!r}; memx status features on: {', '.join(on)}")
+print(f"up in {up_s:.0f} s; " + "; ".join(parts))
 PYEOF
 }
 
@@ -288,13 +306,13 @@ t0=$(date +%s)
 cid="memx-smoke-serve-$$"
 log "smoke 1: default command (scripts/serve.sh) on port $PORT"
 run_server "$cid" "$PORT"
-if ! out=$(check_server "http://127.0.0.1:$PORT" "$MODEL_NAME" "$TIMEOUT" "$cid"); then
+if ! out=$(check_server "http://127.0.0.1:$PORT" "$ROUTER_MODELS" "$TIMEOUT" "$cid"); then
   finish_server "$cid"
   tail -n 30 "$LOG_DIR/$cid.log" >&2
   die "smoke 1 (see $LOG_DIR/$cid.log)"
 fi
 finish_server "$cid"
-note "smoke 1, default command (scripts/serve.sh): $out"
+note "smoke 1, default command (scripts/serve.sh, router + 2 models): $out"
 
 port2=$((PORT + 1))
 cid="memx-smoke-upstream-cmd-$$"
