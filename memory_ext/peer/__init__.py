@@ -22,6 +22,7 @@ See docs/peer-kv.md.
 """
 
 from . import wire
+from .controller import DonorController
 from .copier import CudaPeerCopier, HostCopier, copier_for
 from .discovery import donor_socket, donor_sockets
 from .donor import PeerDonor
@@ -37,6 +38,7 @@ __all__ = [
     "BlockRef",
     "CudaPeerCopier",
     "DonatedRegion",
+    "DonorController",
     "GenerationTable",
     "HostCopier",
     "PeerDonor",

@@ -1,0 +1,111 @@
+"""The donor's loop: SwiftCache Alg. 1 on its own load (``DonationPolicy``) applied to its leases.
+
+``on_demand(now, tokens)`` (the donor needs ``tokens`` of KV now) reclaims what SCALEUP says,
+from the leases holding most first, and returns the chunks handed back now (owned by ``to``).
+``on_tick(now)`` donates what SCALEDOWN says, spread over the leases (fewest units first). Work
+moves in whole MEUs: ``region_units_per_meu`` region units each (the policy's unit is a whole
+number of every lease's region units, ``chunk_aligned_unit``). What the mechanism could not do
+(no borrower, pool exhausted, a lease at its size cap) goes back to the policy's books, so the
+policy never believes it lent memory it still has. A lease that ends gives its units back to the
+books too (``PeerDonor(on_lost=controller.lease_lost)``).
+
+Every lease must carry the borrower layout the policy was built for (``accept_layout``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from ..policy.swiftcache import DonationPolicy, KVGeometry
+from ..pool.ownership import Owner, PoolError
+from .donor import PeerDonor
+from .layout import PeerKVLayout
+
+log = logging.getLogger(__name__)
+
+
+def geometry_of(layout: PeerKVLayout) -> KVGeometry:
+    """The policy's view of a borrower layout."""
+    return KVGeometry(
+        num_layers=layout.num_layers,
+        block_size=layout.block_tokens,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype_bytes=layout.itemsize,
+    )
+
+
+class DonorController:
+    def __init__(self, policy: DonationPolicy, master: PeerKVLayout, chunk_bytes: int):
+        if not isinstance(policy, DonationPolicy):
+            raise ValueError(f"policy must be a DonationPolicy, got {type(policy).__name__}")
+        self.policy, self.master = policy, master
+        region_unit = math.lcm(master.block_bytes, chunk_bytes)
+        if policy.unit.master_block_bytes != master.block_bytes or policy.unit.meu_bytes % region_unit:
+            raise ValueError(
+                f"master: the policy's borrower blocks are {policy.unit.master_block_bytes} bytes, "
+                f"the layout's {master.block_bytes}"
+            )
+        self.region_units_per_meu = policy.unit.meu_bytes // region_unit
+        self.donor: PeerDonor | None = None
+
+    def attach(self, donor: PeerDonor) -> None:
+        self.donor = donor
+
+    def accept_layout(self, layout: PeerKVLayout) -> None:
+        """``PeerDonor(accept_layout=...)``: only the borrower layout the policy was sized for."""
+        self.master.check_same(layout)
+
+    def lease_lost(self, lease_id: int, units: int) -> None:
+        """``PeerDonor(on_lost=...)``: a lease ended with ``units`` region units; they are the donor's again."""
+        self._unbook(units // self.region_units_per_meu)
+
+    def _unbook(self, meus: int) -> None:
+        if meus > 0:
+            self.policy.lost(meus * self.policy.unit.meu_worker)
+
+    def _leases(self) -> dict[int, int]:
+        donor = self.donor
+        if donor is None:
+            return {}
+        return {lid: donor.region(lid).units for lid in donor.leases()}
+
+    def on_tick(self, now: float) -> int:
+        """SCALEDOWN: donate; returns the chunks donated."""
+        leases = self._leases()
+        if not leases:
+            return 0  # nobody to lend to: decide nothing, so the policy's books stay true
+        step = self.policy.on_tick(now)
+        if not step.donate:
+            return 0
+        placed = 0
+        for _ in range(step.decision.units):
+            for lid in sorted(leases, key=leases.get):
+                try:
+                    self.donor.grow(lid, self.region_units_per_meu)
+                except (PoolError, ValueError) as exc:
+                    log.debug("peer donor: lease %d cannot grow: %s", lid, exc)
+                    continue
+                leases[lid] += self.region_units_per_meu
+                placed += 1
+                break
+            else:
+                break  # no lease could take one more MEU
+        self._unbook(step.decision.units - placed)
+        return placed * self.policy.unit.meu_bytes // self.policy.chunk_bytes
+
+    def on_demand(self, now: float, tokens: int, *, to: Owner = Owner.FREE) -> list:
+        """SCALEUP for the donor's current demand; returns the chunks handed back now (to ``to``)."""
+        step = self.policy.on_demand(now, tokens)
+        if not step.reclaim:
+            return []
+        out = []
+        leases = self._leases()
+        for _ in range(step.decision.units):
+            if not leases or max(leases.values()) < self.region_units_per_meu:
+                break
+            lid = max(leases, key=leases.get)
+            out.extend(self.donor.reclaim(lid, self.region_units_per_meu, to=to))
+            leases[lid] -= self.region_units_per_meu
+        return out
