@@ -1,7 +1,8 @@
 """Peer KV tier (SwiftCache W1, W3, W4; D1): one server's prefix KV kept in memory that a
 co-located server donates, instead of host memory.
 
-Mechanisms only (no sglang, no policy); one job per module:
+Mechanisms, no sglang; the decisions are ``policy.swiftcache``'s, which ``controller`` applies.
+One job per module:
 
 * ``layout``      -- the borrower's block geometry (block-major: one block = all layers' K
   and V of ``block_tokens`` tokens, contiguous) and the compatibility check.
@@ -17,6 +18,11 @@ Mechanisms only (no sglang, no policy); one job per module:
 * ``copier``      -- how bytes move (host: ``copy_``; CUDA: peer copy + stream sync).
 * ``index``       -- token-hash chain -> (peer, block, generation).
 * ``tier``        -- the borrower's peer tier: links + index + block choice.
+* ``kvpack``      -- layer-major KV buffers <-> block-major blocks.
+* ``kvio``        -- spill / load a token path's pages between KV slots and the tier (what the
+  server hooks will call).
+* ``controller``  -- the donor's Alg. 1 loop (``policy.swiftcache.DonationPolicy``) over its leases.
+* ``discovery``   -- where donors listen in the shared pool's directory.
 
 See docs/peer-kv.md.
 """

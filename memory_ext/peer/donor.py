@@ -17,8 +17,11 @@ the borrower. The protocol's guarantees:
   its writes (WRITE_BEGIN, answered WRITE_OK only for blocks still in the region) and ends them
   (WRITE_END). A fenced unit is handed back when its fence ends or the borrower dies; so the
   donor never reuses bytes a borrower may still be writing.
-* **Borrower death** (EOF or a socket error): the lease is dropped, every chunk goes back; a dead
-  process writes nothing, so its fences are void.
+* **Borrower death** (EOF or a socket error): the lease is dropped; units an earlier reclaim left
+  behind go to that reclaim's owner (``on_release``), the others to FREE (``on_lost``). A dead
+  process writes nothing, so its fences are void (a borrower that leaves lets its writes end
+  first: ``PeerLink.close``).
+* **Closing** (``close``): every lease is revoked at once, running writes get a bounded wait.
 
 Not handled: a borrower alive but stuck inside a write keeps its fenced units (``status``
 reports them as ``fenced_units``). Sends are blocking; the messages are small.
