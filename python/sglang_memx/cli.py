@@ -79,9 +79,12 @@ def _cmd_models_serve_config(args) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     except ServeConfigError as exc:
-        hint = ""
+        hint = ""  # where the bad value came from, for users of scripts/serve.sh
         if ".server_args" in exc.field:
-            hint = " (extra arguments go to every engine's launch_server; the router's port: --port or MEMX_PORT)"
+            hint = (" (the extra arguments go to every engine's launch_server; the router's host and port: "
+                    "--host / --port here, MEMX_HOST / MEMX_PORT for scripts/serve.sh)")  # fmt: skip
+        elif exc.field.startswith("launch.memx_args"):
+            hint = " (--memx-args here, MEMX_FEATURES for scripts/serve.sh)"
         print(f"{prog}: error: {exc}{hint}", file=sys.stderr)
         return 2
     print(path)

@@ -450,3 +450,31 @@ def test_serve_config_errors_name_the_field_and_write_nothing(tmp_path, monkeypa
             write_serve_config(out, bf16, fp32, opts)
         assert info.value.field == field, (opts, info.value)
     assert not out.parent.exists() or not list(out.parent.iterdir())
+
+
+def test_serve_config_command(tmp_path, monkeypatch, capsys):
+    """`sglang-memx models serve-config`: prepares the float32 copy (and so the bf16 one), writes the
+    config, prints its path; `--` passes engine flags; a launcher flag exits 2 with a hint."""
+    from sglang_memx import cli
+    from sglang_memx.serve.config import load_config
+
+    monkeypatch.setenv("SGLANG_MEMX_HOME", str(tmp_path / "home"))
+    bf16, fp32 = _checkpoints(tmp_path)
+    monkeypatch.setattr(f32, "prepare_fp32_model", lambda cache_root=None, log=print: fp32)
+    monkeypatch.setattr(em, "embedded_model_dir", lambda cache_root=None: bf16)
+    out = tmp_path / "models.yaml"
+    argv = ["models", "serve-config", "--out", str(out), "--port", "31234", "--memx-args", "", "--max-total-tokens"]
+    assert cli.main([*argv, "4096", "--", "--chunked-prefill-size", "128"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    config = load_config(out)
+    assert [m.path for m in config.models] == [str(bf16), str(fp32)]
+    assert all(m.server_args == ("--chunked-prefill-size", "128") and m.max_total_tokens == 4096 for m in config.models)
+    assert config.launch.memx_args == () and config.router.port == 31234
+    assert cli.main(["models", "serve-config", "--out", str(tmp_path / "bad.yaml"), "--", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "models[0].server_args[0]: --host is set by the launcher" in err and "MEMX_HOST" in err
+    assert not (tmp_path / "bad.yaml").exists()
+    assert (
+        cli.main(["models", "serve-config", "--out", str(tmp_path / "bad.yaml"), "--memx-args", "--memx-pool x"]) == 2
+    )
+    assert "launch.memx_args[0]: --memx-pool" in capsys.readouterr().err
