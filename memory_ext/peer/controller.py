@@ -4,7 +4,8 @@
 from the leases holding most first, and returns the chunks handed back now (owned by ``to``).
 ``on_tick(now)`` donates what SCALEDOWN says, spread over the leases (fewest units first). Work
 moves in whole MEUs: ``region_units_per_meu`` region units each (the policy's unit is a whole
-number of every lease's region units, ``chunk_aligned_unit``). What the mechanism could not do
+number of every lease's region units: ``chunk_aligned_unit`` makes it whole chunks, and an exact
+region unit, lcm(block, chunk), divides it too). What the mechanism could not do
 (no borrower, pool exhausted, a lease at its size cap) goes back to the policy's books, so the
 policy never believes it lent memory it still has. A lease that ends gives its units back to the
 books too (``PeerDonor(on_lost=controller.lease_lost)``).
@@ -15,7 +16,6 @@ Every lease must carry the borrower layout the policy was built for (``accept_la
 from __future__ import annotations
 
 import logging
-import math
 
 from ..policy.swiftcache import DonationPolicy, KVGeometry
 from ..pool.ownership import Owner, PoolError
@@ -40,17 +40,24 @@ class DonorController:
     def __init__(self, policy: DonationPolicy, master: PeerKVLayout, chunk_bytes: int):
         if not isinstance(policy, DonationPolicy):
             raise ValueError(f"policy must be a DonationPolicy, got {type(policy).__name__}")
-        self.policy, self.master = policy, master
-        region_unit = math.lcm(master.block_bytes, chunk_bytes)
-        if policy.unit.master_block_bytes != master.block_bytes or policy.unit.meu_bytes % region_unit:
+        if policy.unit.master_block_bytes != master.block_bytes:
             raise ValueError(
                 f"master: the policy's borrower blocks are {policy.unit.master_block_bytes} bytes, "
                 f"the layout's {master.block_bytes}"
             )
-        self.region_units_per_meu = policy.unit.meu_bytes // region_unit
+        self.policy, self.master, self.chunk_bytes = policy, master, chunk_bytes
+        self.region_units_per_meu = 0
         self.donor: PeerDonor | None = None
 
     def attach(self, donor: PeerDonor) -> None:
+        """Drive ``donor``; one MEU must be a whole number of its region units for this layout."""
+        unit_bytes = donor.unit_chunks_for(self.master.block_bytes) * self.chunk_bytes
+        if self.policy.unit.meu_bytes % unit_bytes:
+            raise ValueError(
+                f"unit: the policy's MEU ({self.policy.unit.meu_bytes} bytes) is not a whole number of the "
+                f"donor's {unit_bytes}-byte region units"
+            )
+        self.region_units_per_meu = self.policy.unit.meu_bytes // unit_bytes
         self.donor = donor
 
     def accept_layout(self, layout: PeerKVLayout) -> None:
@@ -59,7 +66,8 @@ class DonorController:
 
     def lease_lost(self, lease_id: int, units: int) -> None:
         """``PeerDonor(on_lost=...)``: a lease ended with ``units`` region units; they are the donor's again."""
-        self._unbook(units // self.region_units_per_meu)
+        if self.region_units_per_meu:
+            self._unbook(units // self.region_units_per_meu)
 
     def _unbook(self, meus: int) -> None:
         if meus > 0:

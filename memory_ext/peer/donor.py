@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import math
 import os
 import socket
 import struct
@@ -45,7 +44,7 @@ from ..vmm.base import PhysicalChunk
 from ..vmm.ipc import listen_unix
 from . import wire
 from .layout import PeerKVLayout
-from .region import DonatedRegion
+from .region import DonatedRegion, exact_unit_chunks
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +78,11 @@ def _peer_pid(sock: socket.socket) -> int:
 class PeerDonor:
     """Serve leases of donated KV space to borrowers connecting at ``socket_path``.
 
-    ``max_bytes_per_lease`` caps one borrower's region. ``accept_layout(layout)`` may raise
-    ValueError to refuse a borrower (its message goes back in REFUSE). ``on_release(lease,
-    chunks)`` is called when units a ``reclaim`` had to leave behind (write fence) are handed
-    back to its ``to`` owner later. ``on_lost(lease, units)`` is called when a lease ends (the
+    ``max_bytes_per_lease`` caps one borrower's region. Regions grow and shrink by one chunk, or
+    with ``exact_units`` by the smallest run of chunks that holds whole blocks (``region``).
+    ``accept_layout(layout)`` may raise ValueError to refuse a borrower (its message goes back in
+    REFUSE). ``on_release(lease, chunks)`` is called when units a ``reclaim`` had to leave behind
+    (write fence) are handed back to its ``to`` owner later. ``on_lost(lease, units)`` is called when a lease ends (the
     borrower died or left): its remaining ``units`` went back to FREE.
     """
 
@@ -94,6 +94,7 @@ class PeerDonor:
         max_bytes_per_lease: int,
         name: str = "donor",
         accept_layout: Callable[[PeerKVLayout], None] | None = None,
+        exact_units: bool = False,
         on_release: Callable[[int, list[PhysicalChunk]], None] | None = None,
         on_lost: Callable[[int, int], None] | None = None,
     ):
@@ -104,6 +105,7 @@ class PeerDonor:
         self.max_bytes_per_lease = check_int("max_bytes_per_lease", max_bytes_per_lease, minimum=1)
         self.device = str(pool.backend.device)
         self._accept_layout = accept_layout
+        self.exact_units = bool(exact_units)
         self._on_release = on_release
         self._on_lost = on_lost
         self._lock = threading.RLock()
@@ -119,6 +121,11 @@ class PeerDonor:
         self._accept_thread.start()
 
     # ------------------------------------------------------------------ engine side
+    def unit_chunks_for(self, block_bytes: int) -> int:
+        """Chunks per region unit for blocks of ``block_bytes``: 1, or with ``exact_units`` the
+        smallest unit holding whole blocks (``region.exact_unit_chunks``)."""
+        return exact_unit_chunks(block_bytes, self.pool.chunk_bytes) if self.exact_units else 1
+
     def leases(self) -> list[int]:
         with self._lock:
             return [lid for lid, lease in self._leases.items() if lease.region is not None]
@@ -303,13 +310,19 @@ class PeerDonor:
         with self._lock:
             if self._closed:
                 return False
-            unit_bytes = math.lcm(layout.block_bytes, self.pool.chunk_bytes)
+            unit_chunks = self.unit_chunks_for(layout.block_bytes)
+            unit_bytes = unit_chunks * self.pool.chunk_bytes
             max_units = self.max_bytes_per_lease // unit_bytes
-            if max_units < 1:
-                msg = f"max_bytes_per_lease {self.max_bytes_per_lease} is below one elastic unit ({unit_bytes} bytes)"
+            if max_units * unit_bytes < layout.block_bytes:
+                msg = (
+                    f"max_bytes_per_lease {self.max_bytes_per_lease} holds no {layout.block_bytes}-byte block "
+                    f"in units of {unit_bytes} bytes"
+                )
                 wire.send(lease.sock, {"type": "REFUSE", "field": "layout", "message": msg})
                 return False
-            region = DonatedRegion(self.pool, layout.block_bytes, max_units, name=f"memx-peer-{lease.id}")
+            region = DonatedRegion(
+                self.pool, layout.block_bytes, max_units, unit_chunks=unit_chunks, name=f"memx-peer-{lease.id}"
+            )
             lease.name, lease.layout = msg["name"], layout
             gen_fd = region.generations.export_fd()
             try:
@@ -322,7 +335,6 @@ class PeerDonor:
                         "chunk_bytes": region.chunk_bytes,
                         "block_bytes": region.block_bytes,
                         "unit_chunks": region.unit_chunks,
-                        "unit_blocks": region.unit_blocks,
                         "max_units": region.max_units,
                     },
                     [gen_fd],

@@ -43,6 +43,7 @@ from . import wire
 from .copier import copier_for
 from .generations import GenerationTable
 from .layout import PeerKVLayout
+from .region import blocks_in, blocks_touching
 
 log = logging.getLogger(__name__)
 
@@ -149,30 +150,36 @@ class PeerLink:
                 )
             if msg["block_bytes"] != self.layout.block_bytes:
                 raise ValueError(f"block_bytes: donor says {msg['block_bytes']}, layout {self.layout.block_bytes}")
-            if msg["unit_chunks"] * msg["chunk_bytes"] != msg["unit_blocks"] * msg["block_bytes"]:
-                raise ValueError("unit_chunks: an elastic unit must hold whole chunks and whole blocks")
+            if (
+                msg["unit_chunks"] < 1
+                or msg["max_units"] * msg["unit_chunks"] * msg["chunk_bytes"] < msg["block_bytes"]
+            ):
+                raise ValueError(
+                    f"max_units: a lease of {msg['max_units']} x {msg['unit_chunks']} chunks holds no block"
+                )
         except BaseException:
             wire._close_all(fds)
             raise
         self.lease = msg["lease"]
         self.block_bytes = msg["block_bytes"]
         self.chunk_bytes = msg["chunk_bytes"]
-        self.unit_chunks, self.unit_blocks = msg["unit_chunks"], msg["unit_blocks"]
+        self.unit_chunks = msg["unit_chunks"]
+        self.unit_bytes = self.unit_chunks * self.chunk_bytes
         self.max_units = msg["max_units"]
-        self.max_blocks = self.max_units * self.unit_blocks
+        self.max_blocks = blocks_in(self.max_units * self.unit_bytes, self.block_bytes)
         self.generations = GenerationTable.open(fds[0], self.max_blocks)
         try:
             self.vrange = self.backend.reserve(self.max_units * self.unit_chunks * self.chunk_bytes)
         except BaseException:
             self.generations.close()
             raise
-        self.units = 0  # logical: blocks [0, units * unit_blocks) may be used
+        self.units = 0  # logical: blocks [0, num_blocks) may be used
         self._lver = [0] * self.max_blocks
 
     # ------------------------------------------------------------------ info
     @property
     def num_blocks(self) -> int:
-        return self.units * self.unit_blocks
+        return blocks_in(self.units * self.unit_bytes, self.block_bytes)
 
     @property
     def mapped_units(self) -> int:
@@ -291,7 +298,7 @@ class PeerLink:
         return any(ev & _HUP for _, ev in poller.poll(0))
 
     def _busy(self, unit: int) -> bool:
-        blocks = range(unit * self.unit_blocks, (unit + 1) * self.unit_blocks)
+        blocks = blocks_touching(unit * self.unit_bytes, (unit + 1) * self.unit_bytes, self.block_bytes)
         return any(self._fenced.get(b) or self._reading.get(b) for b in blocks)
 
     def _trim(self) -> None:

@@ -2,24 +2,32 @@
 
 The region is one reserved virtual range; block ``b`` is the bytes
 ``[b * block_bytes, (b + 1) * block_bytes)``. It grows and shrinks only at its tail and only by
-whole *elastic units*: ``unit_bytes = lcm(block_bytes, chunk_bytes)``, i.e. ``unit_chunks``
-chunks holding exactly ``unit_blocks`` blocks (the chunk-aligned minimum elastic unit, SwiftCache
-Eq. 6-9 with the pool's chunk as the donor-side unit). So no block ever straddles the tail and a
-resize is ``unit_chunks`` map/unmap calls plus ledger moves: no byte is copied, no other block moves.
+whole *units* of ``unit_chunks`` pool chunks, so a resize is ``unit_chunks`` map/unmap calls plus
+ledger moves: no byte is copied, no other block moves (block-major, SwiftCache §3.4).
+
+The unit is the donor's choice:
+
+* ``unit_chunks=1`` (default): the pool's own unit. A block may straddle two chunks; the region
+  holds the *complete* blocks of its mapped chunks (``blocks_in``), so at most one block's worth
+  of the last chunk is unused.
+* ``exact_unit_chunks(block_bytes, chunk_bytes)``: ``lcm(block_bytes, chunk_bytes)`` bytes, the
+  chunk-aligned minimum elastic unit of Eq. 6-9: units hold whole blocks and nothing is unused,
+  but a unit can be large (e.g. 45 chunks of 2 MiB for 360 KiB blocks).
 
 Chunks are owned by ``Owner.PEER_DONATION`` in the donor's ``ChunkPool`` from ``grow`` until
 ``release_tail`` hands them back (to FREE, or transferred to another owner such as KV).
 
 Two-step shrink (the reclaim protocol of ``donor``):
 1. ``revoke_tail(units)``: the last ``units`` units stop being part of the region *at once*;
-   their blocks' generations are bumped before this returns, so any borrower read of them that
-   completes afterwards fails validation. Their chunks stay mapped (``physical_units`` >=
-   ``units``).
+   the generations of the blocks that stop being complete are bumped before this returns, so any
+   borrower read of them that completes afterwards fails validation. Their chunks stay mapped
+   (``physical_units`` >= ``units``).
 2. ``release_tail(...)``: unmaps and hands back the revoked units from the tail, skipping
-   none: a unit still fenced by a borrower's in-flight write stops the release there.
+   none: a unit with a block still fenced by a borrower's in-flight write stops the release there.
 
 Invariants: ``units <= physical_units <= max_units``; the mapped slots are exactly the
-first ``physical_units * unit_chunks`` slots; every mapped chunk is PEER_DONATION's.
+first ``physical_units * unit_chunks`` slots; every mapped chunk is PEER_DONATION's; the blocks
+a borrower may use are ``range(num_blocks)``, all complete in mapped, unrevoked units.
 Not thread-safe: the donor serialises calls under its lease lock.
 """
 
@@ -34,29 +42,57 @@ from ..vmm.base import PhysicalChunk
 from .generations import GenerationTable
 
 
+def exact_unit_chunks(block_bytes: int, chunk_bytes: int) -> int:
+    """Chunks of the smallest unit holding whole blocks: ``lcm(block_bytes, chunk_bytes) / chunk_bytes``."""
+    check_int("block_bytes", block_bytes, minimum=1)
+    check_int("chunk_bytes", chunk_bytes, minimum=1)
+    return math.lcm(block_bytes, chunk_bytes) // chunk_bytes
+
+
+def blocks_in(nbytes: int, block_bytes: int) -> int:
+    """Complete blocks in the first ``nbytes`` bytes of a region."""
+    return nbytes // block_bytes
+
+
+def blocks_touching(first_byte: int, end_byte: int, block_bytes: int) -> range:
+    """Blocks that have at least one byte in ``[first_byte, end_byte)``."""
+    return range(first_byte // block_bytes, -(-end_byte // block_bytes))
+
+
 class DonatedRegion:
-    def __init__(self, pool: ChunkPool, block_bytes: int, max_units: int, *, name: str = "memx-peer"):
+    def __init__(
+        self,
+        pool: ChunkPool,
+        block_bytes: int,
+        max_units: int,
+        *,
+        unit_chunks: int = 1,
+        name: str = "memx-peer",
+    ):
         if not isinstance(pool, ChunkPool):
             raise ValueError(f"pool must be a ChunkPool, got {type(pool).__name__}")
         self.pool = pool
         self.backend = pool.backend
         self.block_bytes = check_int("block_bytes", block_bytes, minimum=1)
         self.max_units = check_int("max_units", max_units, minimum=1)
+        self.unit_chunks = check_int("unit_chunks", unit_chunks, minimum=1)
         self.chunk_bytes = pool.chunk_bytes
-        self.unit_bytes = math.lcm(block_bytes, self.chunk_bytes)
-        self.unit_chunks = self.unit_bytes // self.chunk_bytes
-        self.unit_blocks = self.unit_bytes // block_bytes
-        self.max_blocks = max_units * self.unit_blocks
+        self.unit_bytes = self.unit_chunks * self.chunk_bytes
+        self.max_blocks = blocks_in(max_units * self.unit_bytes, block_bytes)
+        if self.max_blocks < 1:
+            raise ValueError(
+                f"max_units: {max_units} unit(s) of {self.unit_bytes} bytes hold no {block_bytes}-byte block"
+            )
         self.vrange = self.backend.reserve(max_units * self.unit_bytes)
         self.generations = GenerationTable.create(self.max_blocks, name=f"{name}-gen")
         self._chunks: list[PhysicalChunk] = []  # slot order
-        self.units = 0  # logical: blocks [0, units * unit_blocks) belong to the borrower
+        self.units = 0  # logical: blocks [0, num_blocks) belong to the borrower
         self.closed = False
 
     # ------------------------------------------------------------------ info
     @property
     def num_blocks(self) -> int:
-        return self.units * self.unit_blocks
+        return blocks_in(self.units * self.unit_bytes, self.block_bytes)
 
     @property
     def physical_units(self) -> int:
@@ -66,17 +102,17 @@ class DonatedRegion:
     def chunks(self) -> list[PhysicalChunk]:
         return list(self._chunks)
 
-    def unit_of_chunk(self, slot: int) -> int:
-        return slot // self.unit_chunks
-
-    def blocks_of_units(self, first_unit: int, end_unit: int) -> range:
-        return range(first_unit * self.unit_blocks, end_unit * self.unit_blocks)
+    def blocks_of_unit(self, unit: int) -> range:
+        """Blocks with a byte in unit ``unit`` (a straddling block belongs to both of its units)."""
+        touching = blocks_touching(unit * self.unit_bytes, (unit + 1) * self.unit_bytes, self.block_bytes)
+        return range(touching.start, min(touching.stop, self.max_blocks))
 
     def view(self, block: int):
         """The donor's own uint8 view of one block (for the donor's use after a reclaim, or tests)."""
         check_int("block", block)
-        if block >= self.physical_units * self.unit_blocks:
-            raise ValueError(f"block {block} is not mapped (physical blocks: {self.physical_units * self.unit_blocks})")
+        mapped = blocks_in(self.physical_units * self.unit_bytes, self.block_bytes)
+        if block >= mapped:
+            raise ValueError(f"block {block} is not mapped (complete mapped blocks: {mapped})")
         return self.backend.tensor_view(self.vrange, block * self.block_bytes, self.block_bytes)
 
     # --------------------------------------------------------------- resizing
@@ -117,8 +153,9 @@ class DonatedRegion:
         """
         check_int("units", units)
         units = min(units, self.units)
-        blocks = self.blocks_of_units(self.units - units, self.units)
+        before = self.num_blocks
         self.units -= units
+        blocks = range(self.num_blocks, before)
         self.generations.bump(blocks)
         return blocks
 
@@ -135,7 +172,7 @@ class DonatedRegion:
         out: list[PhysicalChunk] = []
         while self.physical_units > self.units:
             unit = self.physical_units - 1
-            if fenced is not None and fenced(self.blocks_of_units(unit, unit + 1)):
+            if fenced is not None and fenced(self.blocks_of_unit(unit)):
                 break
             first_slot = unit * self.unit_chunks
             chunks = self._chunks[first_slot:]

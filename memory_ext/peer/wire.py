@@ -3,7 +3,7 @@
 | direction | type | fields | fds |
 |---|---|---|---|
 | B->D | HELLO | version, name, pid, layout | - |
-| D->B | WELCOME | version, lease, device, chunk_bytes, block_bytes, unit_chunks, unit_blocks, max_units | gen. table |
+| D->B | WELCOME | version, lease, device, chunk_bytes, block_bytes, unit_chunks, max_units | gen. table |
 | D->B | REFUSE | field, message (then the donor closes) | - |
 | D->B | GROW | first_unit, units, chunks (donor chunk ids, slot order) | one per chunk |
 | D->B | REVOKE | units (the region's new logical size) | - |
@@ -39,7 +39,6 @@ SCHEMA: dict[str, dict[str, str]] = {
         "chunk_bytes": _INT,
         "block_bytes": _INT,
         "unit_chunks": _INT,
-        "unit_blocks": _INT,
         "max_units": _INT,
     },
     "REFUSE": {"field": _STR, "message": _STR},

@@ -73,7 +73,7 @@ def test_cuda_peer_round_trip_reclaim_and_donor_death():
         assert call("lease")
         assert call("grow 4") == ["4"]
         deadline = time.monotonic() + 30
-        while link.num_blocks < 4 * link.unit_blocks:
+        while link.units < 4:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         n = 8
@@ -94,7 +94,7 @@ def test_cuda_peer_round_trip_reclaim_and_donor_death():
         assert not any(link.read(r, buf) for r in refs)
         assert call("grow 2") == ["2"]
         deadline = time.monotonic() + 30
-        while link.num_blocks < 2 * link.unit_blocks:
+        while link.units < 2:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert tier.store(tokens, pages) > 0

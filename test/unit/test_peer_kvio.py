@@ -15,7 +15,7 @@ from memory_ext.pool import ChunkPool
 from memory_ext.vmm import host_backend, private_dir
 
 G = 1 << 16
-SLOTS, LAYERS, HEADS, DIM, T = 256, 3, 2, 8, 16  # 3072-byte blocks: a unit is 3 chunks, 64 blocks
+SLOTS, LAYERS, HEADS, DIM, T = 256, 3, 2, 8, 16  # 3072-byte blocks: 21.3 a chunk, 64 in 3 chunks
 
 
 def wait_until(cond, timeout=5.0):
@@ -42,7 +42,7 @@ def setup(tmp_path):
     tier = PeerKVTier(layout_of_buffers(k, v, T, model="m"))
     link = tier.connect(path, "b", borrower_vmm)
     lease = donor.wait_for_lease()
-    donor.grow(lease, 1)
+    donor.grow(lease, 3)
     wait_until(lambda: link.num_blocks == 64)
     yield donor, lease, tier, link, k, v
     tier.close()
@@ -88,7 +88,7 @@ def test_a_failed_page_is_never_scattered(setup):
         def copy(self, dst, src):
             if not self.done:
                 self.done = True
-                donor.reclaim(lease, 1)  # the page being read is taken back mid-read
+                donor.reclaim(lease, 3)  # the page being read is taken back mid-read
             dst.copy_(src)
 
     link.copier = ReclaimDuringFirstRead()

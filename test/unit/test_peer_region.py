@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from memory_ext.peer import DonatedRegion, GenerationTable, PeerKVLayout
+from memory_ext.peer.region import exact_unit_chunks
 from memory_ext.pool import ChunkPool, Owner
 from memory_ext.vmm import host_backend
 
@@ -55,11 +56,29 @@ def test_layout_bad_input(kw, field):
         PeerKVLayout.from_wire({**base, "rope": 1})
 
 
-def test_unit_is_lcm_of_block_and_chunk(pool):
+def test_exact_unit_is_lcm_of_block_and_chunk(pool):
     lay = PeerKVLayout(num_layers=3, block_tokens=16, num_kv_heads=2, head_dim=32)  # 12288-byte blocks
-    r = DonatedRegion(pool, lay.block_bytes, max_units=4)
-    assert r.unit_bytes == 196608 and r.unit_chunks == 3 and r.unit_blocks == 16
-    assert r.unit_chunks * G == r.unit_blocks * lay.block_bytes
+    assert exact_unit_chunks(lay.block_bytes, G) == 3  # lcm = 196608 bytes = 16 blocks
+    r = DonatedRegion(pool, lay.block_bytes, max_units=4, unit_chunks=3)
+    r.grow(1)
+    assert r.unit_bytes == 196608 and r.num_blocks == 16 and r.max_blocks == 64
+    r.close()
+
+
+def test_chunk_units_hold_the_complete_blocks_and_straddlers_go_first(pool):
+    bb = 12288  # 5.33 blocks a chunk: block 5 straddles chunks 0 and 1
+    r = DonatedRegion(pool, bb, max_units=4)
+    r.grow(1)
+    assert r.num_blocks == 5  # 61440 of 65536 bytes used
+    r.grow(1)
+    assert r.num_blocks == 10 and r.blocks_of_unit(1) == range(5, 11)
+    r.view(9).fill_(9)  # complete blocks of mapped chunks are usable, the straddler included
+    r.view(5).fill_(5)
+    gens = [r.generations.get(b) for b in range(11)]
+    assert r.revoke_tail(1) == range(5, 10)  # block 5 is no longer complete: it goes too
+    assert [r.generations.get(b) - g for b, g in enumerate(gens)] == [0] * 5 + [1] * 5 + [0]
+    assert r.release_tail(fenced=lambda blocks: 5 in blocks) == []  # a write on block 5 holds chunk 1
+    assert len(r.release_tail()) == 1 and r.physical_units == 1
     r.close()
 
 

@@ -58,7 +58,7 @@ def test_recv_closes_fds_of_a_bad_message_and_sees_eof():
         wire.recv(b)
     with pytest.raises(ValueError, match="^fds"):
         wire.send(a, {"type": "WELCOME", "version": 1, "lease": 1, "device": "cpu", "chunk_bytes": 1,
-                      "block_bytes": 1, "unit_chunks": 1, "unit_blocks": 1, "max_units": 1})  # fmt: skip
+                      "block_bytes": 1, "unit_chunks": 1, "max_units": 1})  # fmt: skip
     a.close()
     assert wire.recv(b) is None
     b.close()
