@@ -110,3 +110,16 @@ def test_buffers_of_another_layout_are_refused(setup):
         io.spill(list(range(2 * T)), torch.arange(T))
     with pytest.raises(ValueError, match="slots"):
         io.load(list(range(2 * T)), 0, torch.arange(T + 1))
+
+
+def test_a_block_straddling_two_chunks_goes_with_the_later_one(setup):
+    donor, lease, tier, link, k, v = setup
+    block_bytes = tier.layout.block_bytes  # 3072: block 21 covers bytes 64512..67584, chunks 0 and 1
+    data = torch.arange(block_bytes, dtype=torch.int64).remainder(253).to(torch.uint8)
+    refs = link.write([20, 21], [data, data])
+    wait_until(lambda: all(le["fences"] == 0 for le in donor.status()["leases"]))
+    assert len(donor.reclaim(lease, 2)) == 2  # chunks 1 and 2
+    wait_until(lambda: link.num_blocks == 21 and link.imported_chunks() == 1)
+    out = torch.empty_like(data)
+    assert link.read(refs[0], out) and torch.equal(out, data)  # block 20 lies in chunk 0 only
+    assert not link.read(refs[1], out)  # the straddler is gone with chunk 1
