@@ -50,6 +50,9 @@ class ArbiterDenied(ArbiterError):
         super().__init__(f"borrow denied: {reason} (available {available})")
 
 
+DELIVERY_GRACE_S = 5.0  # the reader sets a waiter's event right after taking it from the table
+
+
 class _Waiter:
     __slots__ = ("event", "reply", "chunks")
 
@@ -282,8 +285,12 @@ class ArbiterClient:
             raise ArbiterError(f"sending {msg['type']} failed: {failed}")
         if not w.event.wait(self.timeout if timeout is None else timeout):
             with self._lock:
-                self._waiters.pop(req_id, None)
-            raise ArbiterError(f"no reply to {msg['type']} within {timeout or self.timeout:g} s")
+                gave_up = self._waiters.pop(req_id, None) is not None
+            if gave_up:  # the reply, when it comes, goes to on_late_reply
+                raise ArbiterError(f"no reply to {msg['type']} within {timeout or self.timeout:g} s")
+            # the reader took the waiter between our wait and our lock (the reply, or the connection's
+            # end, landed at the deadline): it is ours, never a late reply nobody would count or adopt
+            w.event.wait(DELIVERY_GRACE_S)
         if w.reply is None:
             field = self._refused["field"] if self._refused else None
             raise ArbiterError(f"connection lost while waiting for {msg['type']} ({self._dead})", field)

@@ -4,6 +4,7 @@ co-located weights test)."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 from memory_ext.pool.arbiter_client import ArbiterError
@@ -48,3 +49,44 @@ def test_a_reply_still_on_its_way_is_outstanding():
     pool._wake = lambda: None
     assert pool._on_late_reply({"type": "DENY", "req_id": 8, "available": 0}, []) is False
     assert not pool.outstanding
+
+
+class _ReplyAtTheDeadline(threading.Event):
+    """``wait`` times out just as the reply lands: the reader has already taken the waiter
+    from the table when the requester looks (the window a loaded machine hits)."""
+
+    def wait(self, timeout=None):
+        super().wait(10.0)  # the reply is delivered ...
+        return False  # ... but the requester's wait had already expired
+
+
+def test_a_reply_landing_at_the_deadline_is_the_requesters_not_a_lost_late_reply(monkeypatch, tmp_path):
+    """Before the fix the client raised 'no reply', the GRANT's chunks stayed held by nobody
+    and the pool counted the borrow outstanding forever: that server never borrowed again
+    (test_weights_colocated: the borrower's queue hung, the lender was never asked)."""
+    from memory_ext.pool import arbiter_client
+    from memory_ext.pool.arbiter import Arbiter
+    from memory_ext.pool.arbiter_client import query_arbiter_status
+    from memory_ext.vmm import host_backend
+
+    g = 4 * os.sysconf("SC_PAGE_SIZE")
+    sock = str(tmp_path / "a.sock")
+    with Arbiter(sock, host_backend(g), 8):
+        pool = LentPool(sock, "racer", host_backend(g))
+        try:
+            waiter = arbiter_client._Waiter
+            monkeypatch.setattr(arbiter_client, "_Waiter", lambda: _late_waiter(waiter))
+            assert pool.borrow(3, wait=0.05) == 3  # the reply is the requester's
+            monkeypatch.setattr(arbiter_client, "_Waiter", waiter)
+            assert not pool.outstanding and pool.pool.available() == 3
+            assert pool.borrow(2, wait=5.0) == 2  # and it borrows again
+            held = {c["name"]: c["held"] for c in query_arbiter_status(sock)["clients"]}
+            assert held["racer"] == 5 == pool.pool.available()  # every granted chunk is in the pool
+        finally:
+            pool.close()
+
+
+def _late_waiter(cls):
+    w = cls()
+    w.event = _ReplyAtTheDeadline()
+    return w
