@@ -13,6 +13,7 @@ KV groups beside them, so a load of ~2000 tokens on one server needs the other's
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -71,6 +72,23 @@ def _wait(predicate, timeout=90.0):
     return False
 
 
+def _explain(pair) -> str:
+    """Everything that decides lending, for a failure message: both servers' weights and
+    shared-pool status and the arbiter's view."""
+    out = {}
+    for key in ("a", "b"):
+        try:
+            sched = pair[key].request("/memx/status")["schedulers"][0]["elastic_kv"]
+            out[key] = {"weights": sched["weights"], "shared_pool": sched.get("shared_pool")}
+        except Exception as exc:  # noqa: BLE001 - a dead server is part of the explanation
+            out[key] = repr(exc)
+    try:
+        out["arbiter"] = query_arbiter_status(pair["sock"])
+    except Exception as exc:  # noqa: BLE001
+        out["arbiter"] = repr(exc)
+    return json.dumps(out, indent=1, default=str)
+
+
 def test_idle_servers_layers_go_to_the_busy_ones_kv_and_come_back_with_traffic(pair):
     a, b, stock = pair["a"], pair["b"], pair["stock"]
     time.sleep(4)  # b has had no request for longer than --memx-weights-idle-after-s
@@ -117,7 +135,7 @@ def test_killing_the_lender_mid_stream_spares_the_borrower_and_leaks_nothing(pai
 
     t = threading.Thread(target=load)
     t.start()
-    assert _wait(lambda: _weights(b)["lent_layers"] > 0, 120), _weights(b)
+    assert _wait(lambda: _weights(b)["lent_layers"] > 0, 120), _explain(pair)
     os.killpg(b.proc.pid, signal.SIGKILL)  # the lender dies while a decodes in its memory
     t.join(600)
     assert errors == [] and outs == [200] * 4, (errors, outs)

@@ -24,7 +24,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 LOG_DIR = REPO / "test-logs"
 
+# Every test server, stock or memx, sleeps when idle (upstream's --sleep-on-idle: its scheduler
+# waits on its sockets, at most 1 s, instead of spinning): an idle server of a module would
+# otherwise take a core from the busy one on these 2-core machines.
 CPU_ARGS = [
+    "--sleep-on-idle",
     "--device",
     "cpu",
     "--attention-backend",

@@ -212,6 +212,8 @@ def engine_specs(
             env["OMP_NUM_THREADS"] = str(len(mine))
         else:
             env["CUDA_VISIBLE_DEVICES"] = str(cuda_index[dev.name])
+        if not _has(m.server_args, "--sleep-on-idle"):  # co-located engines share the host's cores:
+            args.append("--sleep-on-idle")  # an idle one waits on its sockets instead of spinning a core
         args += ["--memx-elastic-kv", "--memx-pool", pool, "--memx-pool-budget-gb",
                  repr(plan.pool_budget_bytes / GIB), "--memx-pool-dir", pool_dir]  # fmt: skip
         if api_key:
