@@ -178,7 +178,11 @@ def test_a_busy_then_b_runs_on_memory_a_gave_back(pool):
         f"{after['decode_map_calls'] - before['decode_map_calls']}; A burst: decode steps "
         f"{a_after['decode_steps'] - a_before['decode_steps']}, request-path maps in decode "
         f"{a_after['decode_map_calls'] - a_before['decode_map_calls']}, premapped "
-        f"{a_after['map_calls']['premap'] - a_before['map_calls']['premap']}; slabs now A {a_after['slab']['slabs']}, "
+        f"{a_after['map_calls']['premap'] - a_before['map_calls']['premap']}; B unmapped "
+        f"{after['groups_unmapped_total'] - before['groups_unmapped_total']} slabs, activation took "
+        f"{after['activation']['chunks_from_kv'] - before['activation']['chunks_from_kv']} chunks from KV and lent "
+        f"{after['activation']['chunks_lent_to_kv'] - before['activation']['chunks_lent_to_kv']} to it; "
+        f"slabs now A {a_after['slab']['slabs']}, "
         f"B {after['slab']['slabs']}"
     )
     assert after["decode_map_calls"] - before["decode_map_calls"] == 0, after
