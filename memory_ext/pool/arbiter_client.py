@@ -300,48 +300,63 @@ class ArbiterClient:
             )
         return w
 
+    def _read_message(self, head: bytes) -> None:
+        """Read and deliver the message at the head of the queue (``head``: its first byte)."""
+        if head == b"{":
+            data, fds, _, _ = socket.recv_fds(self._sock, proto.MAX_MESSAGE_BYTES + 1, MAX_FDS)
+            for fd in fds:
+                os.close(fd)
+            try:
+                msg = proto.decode_server(data)
+            except proto.ProtocolError as exc:
+                log.error("arbiter client: malformed message from the arbiter: %s", exc)
+                return
+            if msg["type"] == "RECLAIM":
+                self.reclaim_requests.append(msg["n"])
+                self._reclaims.put(msg["n"])
+                return
+            self._deliver(msg, [])
+        else:
+            try:
+                chunks, meta = recv_chunks(self._sock, self.backend, with_meta=True)
+            except ValueError as exc:  # fds already closed by recv_chunks
+                log.error("arbiter client: bad chunk message from the arbiter: %s", exc)
+                return
+            try:
+                msg = proto.validate(meta, {"GRANT": proto.SERVER_SCHEMAS["GRANT"]})
+                if msg["chunks"] != [c.source_id for c in chunks]:
+                    raise proto.ProtocolError("chunks", "ids differ from the fds' header")
+            except proto.ProtocolError as exc:
+                log.error("arbiter client: bad GRANT: %s", exc)
+                for c in chunks:
+                    self.backend.destroy_chunk(c)
+                return
+            self._deliver(msg, chunks)
+
     def _read_loop(self) -> None:
-        why = "closed"
+        why, reset = "closed", False
         try:
             while True:
                 try:
                     head = self._sock.recv(1, socket.MSG_PEEK)  # no ancillary buffer: no fds installed
+                    if head:
+                        self._read_message(head)
+                except ConnectionResetError as exc:
+                    why = f"recv failed: {exc}"
+                    if reset:
+                        return
+                    # the arbiter closed with a message of ours unread (it refused us): Linux reports
+                    # the reset before the packets still queued for us, the refusal among them
+                    reset = True
+                    continue
+                except ConnectionError:
+                    raise
                 except OSError as exc:
                     why = f"recv failed: {exc}"
                     return
                 if not head:
-                    why = "arbiter closed the connection"
+                    why = why if reset else "arbiter closed the connection"
                     return
-                if head == b"{":
-                    data, fds, _, _ = socket.recv_fds(self._sock, proto.MAX_MESSAGE_BYTES + 1, MAX_FDS)
-                    for fd in fds:
-                        os.close(fd)
-                    try:
-                        msg = proto.decode_server(data)
-                    except proto.ProtocolError as exc:
-                        log.error("arbiter client: malformed message from the arbiter: %s", exc)
-                        continue
-                    if msg["type"] == "RECLAIM":
-                        self.reclaim_requests.append(msg["n"])
-                        self._reclaims.put(msg["n"])
-                        continue
-                    self._deliver(msg, [])
-                else:
-                    try:
-                        chunks, meta = recv_chunks(self._sock, self.backend, with_meta=True)
-                    except ValueError as exc:  # fds already closed by recv_chunks
-                        log.error("arbiter client: bad chunk message from the arbiter: %s", exc)
-                        continue
-                    try:
-                        msg = proto.validate(meta, {"GRANT": proto.SERVER_SCHEMAS["GRANT"]})
-                        if msg["chunks"] != [c.source_id for c in chunks]:
-                            raise proto.ProtocolError("chunks", "ids differ from the fds' header")
-                    except proto.ProtocolError as exc:
-                        log.error("arbiter client: bad GRANT: %s", exc)
-                        for c in chunks:
-                            self.backend.destroy_chunk(c)
-                        continue
-                    self._deliver(msg, chunks)
         except ConnectionError as exc:
             why = str(exc)
         finally:

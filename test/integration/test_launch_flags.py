@@ -62,6 +62,8 @@ DEFAULTS = {
     "weights_profile": None,
     "weights_idle_after_s": 30.0,
     "sleep_after_s": None,
+    "peer_kv": "off",
+    "peer_donate_max_gb": None,
 }
 
 PARSE_SCRIPT = r"""
