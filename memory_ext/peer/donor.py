@@ -166,7 +166,7 @@ class PeerDonor:
                 self._drop(lease)
                 return []
             finally:
-                wire._close_all(fds)
+                wire.close_fds(fds)
             self.stats["grown_units"] += units
             return chunks
 
@@ -279,7 +279,7 @@ class PeerDonor:
                     if got is None:
                         break
                     msg, fds = got
-                    wire._close_all(fds)  # only WELCOME / GROW carry fds, and a donor receives neither
+                    wire.close_fds(fds)  # only WELCOME / GROW carry fds, and a donor receives neither
                     self._handle(lease, msg)
         except (OSError, ConnectionError):
             pass

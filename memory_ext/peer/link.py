@@ -133,7 +133,7 @@ class PeerLink:
         if msg["type"] == "REFUSE":
             raise ValueError(f"{msg['field']}: refused by the donor at {self.socket_path}: {msg['message']}")
         if msg["type"] != "WELCOME":
-            wire._close_all(fds)
+            wire.close_fds(fds)
             raise ValueError(f"type: expected WELCOME from the donor, got {msg['type']}")
         try:
             if msg["version"] != wire.VERSION:
@@ -158,7 +158,7 @@ class PeerLink:
                     f"max_units: a lease of {msg['max_units']} x {msg['unit_chunks']} chunks holds no block"
                 )
         except BaseException:
-            wire._close_all(fds)
+            wire.close_fds(fds)
             raise
         self.lease = msg["lease"]
         self.block_bytes = msg["block_bytes"]
@@ -377,7 +377,7 @@ class PeerLink:
                 self.backend.destroy_chunk(c)
             raise
         finally:
-            wire._close_all(fds)
+            wire.close_fds(fds)
         with self._cond:
             self._trim()
             self._cond.wait_for(lambda: self.mapped_units == self.units or self.dead)

@@ -21,9 +21,10 @@ error, so nothing leaks. ``None`` means the other end closed the socket.
 from __future__ import annotations
 
 import json
-import os
 import socket
 from collections.abc import Sequence
+
+from ..vmm.ipc import close_fds
 
 VERSION = 1
 MAX_PACKET = 1 << 16
@@ -50,14 +51,6 @@ SCHEMA: dict[str, dict[str, str]] = {
     "WRITE_END": {"req_id": _INT, "blocks": _INTS},
     "ERROR": {"field": _STR, "message": _STR},
 }
-
-
-def _close_all(fds: Sequence[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def _expected_fds(msg: dict) -> int:
@@ -125,6 +118,6 @@ def recv(sock: socket.socket) -> tuple[dict, list[int]] | None:
         if len(fds) != _expected_fds(msg):
             raise ValueError(f"fds: {msg['type']} came with {len(fds)} fd(s), expected {_expected_fds(msg)}")
     except BaseException:
-        _close_all(fds)
+        close_fds(fds)
         raise
     return msg, list(fds)

@@ -53,7 +53,8 @@ class ReceivedChunk:
     source_id: int
 
 
-def _close_all(fds: Sequence[int]) -> None:
+def close_fds(fds: Sequence[int]) -> None:
+    """Close every fd, ignoring those already closed (after a failed send or receive)."""
     for fd in fds:
         try:
             os.close(fd)
@@ -91,7 +92,7 @@ def send_chunks(sock: socket.socket, chunks: Sequence[PhysicalChunk], meta: dict
         if sent != len(data):  # SEQPACKET sends all or fails; finish a short STREAM send
             sock.sendall(data[sent:])
     finally:
-        _close_all(fds)  # the kernel holds its own references once sent
+        close_fds(fds)  # the kernel holds its own references once sent
 
 
 def _recv_exact(sock: socket.socket, n: int, data: bytes = b"") -> bytes:
@@ -116,7 +117,7 @@ def _recv_message(sock: socket.socket):
                 raise ValueError(f"header length {length} exceeds {MAX_HEADER_BYTES}")
             body = _recv_exact(sock, length)
         except BaseException:
-            _close_all(fds)
+            close_fds(fds)
             raise
         return body, fds
     data, fds, flags, _ = socket.recv_fds(sock, _LEN.size + MAX_HEADER_BYTES, MAX_FDS)
@@ -130,7 +131,7 @@ def _recv_message(sock: socket.socket):
         if length != len(data) - _LEN.size:
             raise ValueError(f"header length {length} does not match the {len(data) - _LEN.size} bytes received")
     except BaseException:
-        _close_all(fds)
+        close_fds(fds)
         raise
     return data[_LEN.size :], fds
 
@@ -199,12 +200,12 @@ def recv_chunks(sock: socket.socket, backend: VmmBackend | None = None, *, with_
         else:
             for fd, e in zip(fds, entries):
                 imported.append(backend.import_chunk(fd, e["size"], source_id=e["id"]))
-            _close_all(fds)
+            close_fds(fds)
             out = imported
     except BaseException:
         for chunk in imported:
             backend.destroy_chunk(chunk)
-        _close_all(fds)
+        close_fds(fds)
         raise
     return (out, header.get("meta", {})) if with_meta else out
 
