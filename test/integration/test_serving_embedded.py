@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from sglang_memx.models.embedded import prepare_embedded_model
+from sglang_memx.serve.launcher import process_running
 from support.server import LOG_DIR, REPO, SGLangServer, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -50,14 +51,6 @@ def _http(url, payload=None, timeout=120.0, method=None):
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method=method)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.load(r)
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -345,13 +338,13 @@ def test_ctrl_c_stops_router_engines_and_pool(served):
     pids = [e["pid"] for e in status["engines"].values()]
     [(pool, pool_dir)] = {(e["pool"], e["pool_dir"]) for e in status["engines"].values()}
     arbiter = int((Path(pool_dir) / f"{pool}.pid").read_text())
-    assert all(_running(p) for p in [*pids, arbiter])
+    assert all(process_running(p) for p in [*pids, arbiter])
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(90) == 0
     deadline = time.monotonic() + 10
-    while any(_running(p) for p in [*pids, arbiter]) and time.monotonic() < deadline:
+    while any(process_running(p) for p in [*pids, arbiter]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p for p in [*pids, arbiter] if _running(p)]
+    assert not [p for p in [*pids, arbiter] if process_running(p)]
     left = subprocess.run(["pgrep", "-f", pool], capture_output=True, text=True).stdout.split()
     assert not left, left
     assert "every engine stopped" in served["log"].read_text(errors="replace")

@@ -529,7 +529,7 @@ def stop_pool(name: str, directory: str, timeout_s: float = 10.0) -> bool:
         return False
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _running(pid):
+        if not process_running(pid):
             return True
         time.sleep(0.1)
     try:
@@ -539,7 +539,7 @@ def stop_pool(name: str, directory: str, timeout_s: float = 10.0) -> bool:
     return True
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie (an exited arbiter may wait for its reaper)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
