@@ -302,7 +302,7 @@ def test_steady_decode_makes_no_map_call_on_the_request_path(served):
     steps1, maps1, premap1 = counters()
     assert out["meta_info"]["completion_tokens"] == 600
     assert steps1 - steps0 >= 590  # one decode step per token after the first
-    assert maps1 - maps0 == 0 and premap1 >= 2  # 600 tokens cross group boundaries: mapped ahead of time
+    assert maps1 - maps0 == 0 and premap1 >= 1  # 600 tokens cross a group boundary: mapped ahead of time
 
 
 def test_malformed_requests_to_memx_get_a_4xx_never_a_5xx(served):
