@@ -46,6 +46,7 @@ import hmac
 import json
 import math
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -229,11 +230,19 @@ def build_app(
             return refuse(name, error_response(503, f"model {name!r} is unavailable: its engine is {st}",
                                                code="engine_restarting", retry_after_s=gate.retry_after_s(name)),
                           "engine_restarting")  # fmt: skip
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        # Raw header bytes (a non-ASCII value passes through as sent); the path re-quoted (a decoded
+        # NUL, '?' or '#' stays in the path instead of breaking or reshaping the engine's URL).
+        headers = [(k, v) for k, v in request.headers.raw if k.lower().decode("latin-1") not in _HOP]
         if api_key:
-            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
-            headers["Authorization"] = f"Bearer {api_key}"
+            headers = [(k, v) for k, v in headers if k.lower() != b"authorization"]
+            headers.append((b"Authorization", f"Bearer {api_key}".encode()))
         client: httpx.AsyncClient = state["client"]
+        url = route.url + urllib.parse.quote(sub, safe="/:@!$&'()*+,;=")
+        try:
+            engine_request = client.build_request(method, url, content=body, headers=headers,
+                                                  params=request.query_params)  # fmt: skip
+        except httpx.InvalidURL as exc:
+            return error_response(400, f"cannot forward this request to model {name!r}: {exc}", code="invalid_url")
         rid = None
 
         def release():
@@ -252,11 +261,7 @@ def build_app(
                     return refuse(name, _rejected(exc), exc.reason)
             upstream = None
             try:
-                upstream = await client.send(
-                    client.build_request(method, route.url + sub, content=body, headers=headers,
-                                         params=request.query_params),
-                    stream=True,
-                )  # fmt: skip
+                upstream = await client.send(engine_request, stream=True)
                 body_iter = upstream.aiter_raw()
                 try:
                     first = await body_iter.__anext__()
@@ -342,7 +347,7 @@ def build_app(
         body = await request.body()
         try:
             doc = json.loads(body or b"null")
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             return error_response(400, "the request body is not valid JSON")
         model = doc.get("model") if isinstance(doc, dict) else None
         if not isinstance(model, str) or not model:
