@@ -698,6 +698,7 @@ class PlacementInfeasible(RuntimeError):
 
 
 MuFn = Callable[[str, tuple[str, ...]], float]
+_NO_GROUP = object()  # the spread group of an instance that has none (equal to nothing)
 
 
 def placement_score(
@@ -733,7 +734,10 @@ def placement_score(
 
 
 def place_models(
-    models: Sequence[ModelDemand], gpus: Sequence[GpuCandidate], mu_fn: MuFn | None = None
+    models: Sequence[ModelDemand],
+    gpus: Sequence[GpuCandidate],
+    mu_fn: MuFn | None = None,
+    spread: Mapping[str, Hashable] | None = None,
 ) -> PlacementResult:
     """Algorithm 1. Models sorted by F_M descending (ties keep input order);
     each goes to the feasible candidate with the highest Eq. 3 score (ties go
@@ -742,6 +746,12 @@ def place_models(
 
     ``mu_fn(model_name, group_names)`` may supply mu_m(G') when the profile
     depends on the co-located set; otherwise each model's ``mu`` is used.
+
+    ``spread`` (instance name -> group, e.g. the DP replicas of one model, which
+    §6.2 places as separate instances): a feasible candidate holding no instance
+    of the same group beats one that does, whatever their scores; among equals
+    Eq. 3 decides. With one candidate, or when every feasible candidate already
+    holds a sibling, replicas co-locate. Instances not in ``spread`` are unaffected.
     """
     models = list(models)
     gpus = list(gpus)
@@ -759,6 +769,13 @@ def place_models(
         raise ValueError("gpus names must be unique")
 
     by_name = {m.name: m for m in models}
+    spread = dict(spread or {})
+
+    def apart(name: str, gpu: str) -> bool:
+        """True when ``gpu`` holds no other instance of ``name``'s spread group."""
+        if name not in spread:
+            return True
+        return all(spread.get(r, _NO_GROUP) != spread[name] for r in residents[gpu])
 
     def mu_of(name: str, group: tuple[str, ...]) -> float:
         if mu_fn is None:
@@ -785,7 +802,7 @@ def place_models(
             )
             cs = CandidateScore(g.name, ok, k_rem, mean_mu, score)
             row.append(cs)
-            if ok and (best is None or cs.score > best.score):
+            if ok and (best is None or (apart(m.name, cs.gpu), cs.score) > (apart(m.name, best.gpu), best.score)):
                 best = cs
         all_scores[m.name] = tuple(row)
         if best is None:

@@ -377,3 +377,22 @@ def test_static_partition_is_proportional_to_footprint():
     assert sum(s.values()) == pytest.approx(72.0)
     with pytest.raises(ValueError, match="footprints"):
         static_partition(1.0, {})
+
+
+def test_place_models_spread_puts_replicas_of_one_model_on_different_devices():
+    gpus = [GpuCandidate("g0", 100), GpuCandidate("g1", 40)]
+    reps = [ModelDemand("m", 10, 1.0), ModelDemand("m#1", 10, 1.0)]
+    # Eq. 3 alone co-locates them on the roomier device (score 80 on g0 vs 30 on g1).
+    assert place_models(reps, gpus).assignment == {"m": "g0", "m#1": "g0"}
+    spread = {"m": "m", "m#1": "m"}
+    res = place_models(reps, gpus, spread=spread)
+    assert res.assignment == {"m": "g0", "m#1": "g1"}
+    # an instance outside the group may still join a replica's device by score
+    other = place_models([*reps, ModelDemand("x", 5, 1.0)], gpus, spread=spread)
+    assert other.assignment["x"] == "g0"
+    # when the only device apart cannot hold the replica, it co-locates instead of failing
+    tight = place_models(reps, [GpuCandidate("g0", 100), GpuCandidate("g1", 5)], spread=spread)
+    assert tight.assignment == {"m": "g0", "m#1": "g0"} and not tight.unplaced
+    # one device: all replicas there
+    one = place_models([*reps, ModelDemand("m#2", 10, 1.0)], [GpuCandidate("g0", 100)], spread={**spread, "m#2": "m"})
+    assert set(one.assignment.values()) == {"g0"} and not one.unplaced

@@ -85,10 +85,24 @@ def test_bad_model_values_name_the_field(tmp_path, field, value, where):
     assert err(tmp_path, d).field == where
 
 
-def test_replicas_beyond_one_are_refused_clearly(tmp_path):
+def test_replicas_default_and_bounds_by_field(tmp_path):
     d = doc(tmp_path)
-    d["models"][0]["max_replicas"] = 3
-    assert "not supported yet" in str(err(tmp_path, d))
+    d["models"][0]["min_replicas"] = 3
+    a, b = parse_config(d, base_dir=tmp_path).models
+    assert (a.min_replicas, a.max_replicas) == (3, 3) and (b.min_replicas, b.max_replicas) == (1, 1)
+    d["models"][0]["max_replicas"] = 2
+    e = err(tmp_path, d)
+    assert e.field == "models[0].max_replicas" and "< min_replicas 3" in str(e)
+    d["models"][0]["max_replicas"] = 4  # scaling above min is not implemented: refused, not ignored
+    e = err(tmp_path, d)
+    assert e.field == "models[0].max_replicas" and "not implemented yet" in str(e)
+    for bad in (0, 33, 1.5, "2"):
+        d = doc(tmp_path)
+        d["models"][1]["min_replicas"] = bad
+        assert err(tmp_path, d).field == "models[1].min_replicas"
+    d = doc(tmp_path)
+    d["models"][1]["max_replicas"] = 2  # min defaults to 1
+    assert err(tmp_path, d).field == "models[1].max_replicas"
 
 
 def test_devices_and_router_checks(tmp_path):

@@ -427,6 +427,17 @@ def test_bad_options_name_the_field(tmp_path):
         assert e.value.field == field
 
 
+def test_replicas_are_refused_by_field_not_emitted_as_one(tmp_path):
+    fake_model(tmp_path, "a", weight_bytes=1 << 20)
+    cfg = parse_config({"models": [{"name": "a", "path": "a", "min_replicas": 2}],
+                        "devices": [{"name": "cpu0", "memory_gb": 0.5}]}, base_dir=tmp_path)  # fmt: skip
+    p = plan_placement(cfg)
+    for files in (emit.k8s_files, emit.gateway_files):
+        with pytest.raises(ServeConfigError) as e:
+            files(cfg, p, emit.EmitOptions())
+        assert e.value.field == "models[0].min_replicas" and "not emitted yet" in str(e.value)
+
+
 def test_names_are_distinct_dns_labels():
     names = ["A", "a", "org/Model.v1", "org/model-v1", "x" * 80, "x" * 80 + "y", "_"]
     slugs = emit._slugs(names, "memx-")

@@ -89,3 +89,43 @@ def test_a_sleeping_model_gets_remappable_weights_and_its_weights_count_in_the_p
     with pytest.raises(ServeConfigError, match=r"models\[1\]\.sleep_after_s"):
         parse_config({**doc, "models": [doc["models"][0], {**doc["models"][1], "sleep_after_s": -1}]},
                      base_dir=tmp_path)  # fmt: skip
+
+
+def test_two_replicas_are_two_engines_on_distinct_ports_in_the_same_pool(tmp_path):
+    for n in "ab":
+        fake_model(tmp_path, n, weight_bytes=1 << 20)
+    cfg = parse_config({
+        "models": [{"name": "a", "path": "a", "min_replicas": 2}, {"name": "b", "path": "b"}],
+        "devices": [{"name": "cpu0", "memory_gb": 0.5, "cores": [0, 1, 2]}],
+    }, base_dir=tmp_path)  # fmt: skip
+    p = plan_placement(cfg)
+    specs = engine_specs(cfg, p, run_id="7", python="py", log_dir=str(tmp_path))
+    assert [(s.model, s.replica, s.key) for s in specs] == [("a", 0, "a"), ("a", 1, "a#1"), ("b", 0, "b")]
+    a0, a1, b = specs
+    assert len({s.port for s in specs}) == 3 and all(_flag(s.argv, "--port") == str(s.port) for s in specs)
+    assert len({s.log_path for s in specs}) == 3 and a1.log_path.endswith("a.replica1.log")
+    assert a0.pool == a1.pool == b.pool == "serve-cpu0-7"
+    assert _flag(a0.argv, "--memx-pool-budget-gb") == _flag(a1.argv, "--memx-pool-budget-gb")
+    assert _flag(a1.argv, "--served-model-name") == "a"  # a replica serves the model under its name
+    binds = [s.env["SGLANG_CPU_OMP_THREADS_BIND"] for s in specs]
+    assert sorted(binds) == ["0", "1", "2"]  # every engine on a core of its own
+    pinned = engine_specs(cfg, p, run_id="7", ports={"a": 1001, "a#1": 1002}, python="py", log_dir=str(tmp_path))
+    assert (pinned[0].port, pinned[1].port) == (1001, 1002)
+    from sglang_memx.serve.launcher import Launcher
+
+    assert list(Launcher(specs).engines) == ["a", "a#1", "b"]
+
+
+def test_dry_run_prints_one_line_per_replica_and_refuses_replicas_that_do_not_fit(tmp_path):
+    fake_model(tmp_path, "a", weight_bytes=1 << 20)
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text("models:\n  - {name: a, path: a, min_replicas: 2}\ndevices:\n  - {name: c, memory_gb: 1}\n")
+    r = _serve("--config", str(cfg), "--dry-run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [(x["model"], x["engine"], x["replica"]) for x in lines] == [("a", "a", 0), ("a", "a#1", 1)]
+    assert _flag(lines[0]["argv"], "--port") != _flag(lines[1]["argv"], "--port")
+    cfg.write_text("models:\n  - {name: a, path: a, min_replicas: 2}\ndevices:\n  - {name: c, memory_gb: 0.0015}\n")
+    r = _serve("--config", str(cfg), cwd=tmp_path)
+    assert r.returncode == 2 and "models[0].min_replicas: replica 2 of 2" in r.stderr, r.stderr
+    assert not (tmp_path / "sglang-memx-serve-logs").exists()  # nothing started

@@ -74,3 +74,46 @@ def test_two_small_models_share_one_device_and_default_tokens(tmp_path):
     assert p.devices["cpu"].models == ("a", "b")
     assert p.models["b"].max_total_tokens == 4096 and p.models["a"].max_total_tokens == 65536
     assert "cpu (cpu): a, b" in p.describe()
+
+
+def test_replicas_are_instances_of_alg1_spread_over_devices(tmp_path):
+    cfg = _cfg(tmp_path, [{"name": "a", "min_replicas": 2, "kv_reserve_tokens": 10}, {"name": "b"}],
+               [{"name": "d0", "memory_gb": 1}, {"name": "d1", "memory_gb": 1}])  # fmt: skip
+    sizes = {"a": ModelSize(int(0.2 * GIB), 100, 2, 2, 16, 2), "b": ModelSize(int(0.1 * GIB), 100, 2, 2, 16, 2)}
+    p = plan_placement(cfg, sizes)
+    assert p.models["a"].replicas == (
+        ("a", p.models["a"].replica_devices[0]),
+        ("a#1", p.models["a"].replica_devices[1]),
+    )
+    assert set(p.models["a"].replica_devices) == {"d0", "d1"}  # apart, although both fit on one device
+    fa = sizes["a"].weight_bytes + 10 * 100
+    demands = [ModelDemand("a", fa, 1 / 100), ModelDemand("a#1", fa, 1 / 100),
+               ModelDemand("b", sizes["b"].weight_bytes + 1024 * 100, 1 / 100)]  # fmt: skip
+    ref = place_models(demands, [GpuCandidate("d0", GIB), GpuCandidate("d1", GIB)], spread={"a": "a", "a#1": "a"})
+    assert {d.name: d.models for d in p.devices.values()} == ref.residents
+    for d in p.devices.values():  # every replica's weights are its own, outside the pool
+        w = sum(sizes[n.split("#")[0]].weight_bytes for n in d.models)
+        assert d.weight_bytes == w and d.pool_budget_bytes == GIB - w
+
+
+def test_replicas_share_one_device_when_there_is_one(tmp_path):
+    cfg = _cfg(tmp_path, [{"name": "a", "min_replicas": 3}], [{"name": "cpu", "memory_gb": 1}])
+    sizes = {"a": ModelSize(int(0.1 * GIB), 100, 2, 2, 16, 2)}
+    p = plan_placement(cfg, sizes)
+    assert p.devices["cpu"].models == ("a", "a#1", "a#2") and p.models["a"].replica_devices == ("cpu",) * 3
+    assert p.devices["cpu"].pool_budget_bytes == GIB - 3 * sizes["a"].weight_bytes
+    assert "cpu (cpu): a, a#1, a#2" in p.describe()
+
+
+def test_replicas_that_do_not_all_fit_name_min_replicas(tmp_path):
+    sizes = {"a": ModelSize(int(0.4 * GIB), 100, 2, 2, 16, 2)}
+    cfg = _cfg(tmp_path, [{"name": "a", "min_replicas": 3}], [{"name": "cpu", "memory_gb": 1}])
+    with pytest.raises(ServeConfigError) as e:
+        plan_placement(cfg, sizes)
+    assert e.value.field == "models[0].min_replicas" and "replica 3 of 3" in str(e.value)
+    pinned = _cfg(tmp_path, [{"name": "a", "min_replicas": 3, "device": "cpu"}], [{"name": "cpu", "memory_gb": 1}])
+    with pytest.raises(ServeConfigError) as e:
+        plan_placement(pinned, sizes)
+    assert e.value.field == "models[0].min_replicas" and "its device 'cpu'" in str(e.value)
+    two = _cfg(tmp_path, [{"name": "a", "min_replicas": 2, "device": "cpu"}], [{"name": "cpu", "memory_gb": 1}])
+    assert plan_placement(two, sizes).devices["cpu"].models == ("a", "a#1")

@@ -8,7 +8,8 @@ Invariants:
 * Unknown fields are errors (a typo never silently falls back to a default).
 * The result is immutable (frozen dataclasses, tuples) and already cross-checked:
   model names and device names are unique, a model's ``device`` names a declared
-  device, replicas are within what is implemented, every model path is a directory
+  device, ``1 <= min_replicas <= max_replicas <= MAX_REPLICAS`` (and, until scaling
+  is implemented, ``max_replicas == min_replicas``), every model path is a directory
   holding a ``config.json``.
 
 Whether each model fits on a device is the placement's question
@@ -37,7 +38,7 @@ __all__ = [
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
 DEVICE_KINDS = ("cpu", "cuda")
-MAX_REPLICAS_SUPPORTED = 1
+MAX_REPLICAS = 32  # per model: a sanity bound (each replica is a whole engine process)
 
 # Flags the launcher sets itself; a model's server_args may not repeat them.
 LAUNCHER_FLAGS = (
@@ -82,8 +83,8 @@ class ModelConfig:
     ttft_slo_ms: float = 1000.0
     tpot_slo_ms: float | None = None
     priority: int = 0
-    min_replicas: int = 1
-    max_replicas: int = 1
+    min_replicas: int = 1  # engines started for this model (each its own instance in placement)
+    max_replicas: int = 1  # defaults to min_replicas; scaling above min is not implemented (must equal it)
     max_inflight: int | None = None  # None: router.max_inflight_per_engine
     max_queued: int | None = None  # None: router.max_queued
     max_total_tokens: int | None = None  # logical KV tokens; None: what the device pool holds (capped)
@@ -244,8 +245,8 @@ _MODEL_SPEC = {
     "ttft_slo_ms": (_pos, False),
     "tpot_slo_ms": (_opt(_pos), False),
     "priority": (lambda p, v: _int(p, v, -1000, 1000), False),
-    "min_replicas": (lambda p, v: _int(p, v, 1), False),
-    "max_replicas": (lambda p, v: _int(p, v, 1), False),
+    "min_replicas": (lambda p, v: _int(p, v, 1, MAX_REPLICAS), False),
+    "max_replicas": (lambda p, v: _int(p, v, 1, MAX_REPLICAS), False),
     "max_inflight": (_opt(lambda p, v: _int(p, v, 1)), False),
     "max_queued": (_opt(lambda p, v: _int(p, v, 0)), False),
     "max_total_tokens": (_opt(lambda p, v: _int(p, v, 16)), False),
@@ -313,12 +314,15 @@ def _model(i: int, doc, base: Path) -> ModelConfig:
     if not (model_dir / "config.json").is_file():
         raise ServeConfigError(f"{path}.path", f"{str(model_dir)!r} has no config.json (not a model checkpoint)")
     v["path"] = str(model_dir.resolve())
-    if v.get("max_replicas", 1) > MAX_REPLICAS_SUPPORTED:
+    v.setdefault("max_replicas", v.get("min_replicas", 1))
+    if v["max_replicas"] < v.get("min_replicas", 1):
+        raise ServeConfigError(f"{path}.max_replicas", f"{v['max_replicas']} < min_replicas {v['min_replicas']}")
+    if v["max_replicas"] > v.get("min_replicas", 1):
         raise ServeConfigError(
-            f"{path}.max_replicas", f"{v['max_replicas']} replicas are not supported yet (one engine per model)"
+            f"{path}.max_replicas",
+            f"{v['max_replicas']} > min_replicas {v.get('min_replicas', 1)}: scaling between min and max is not "
+            "implemented yet; set max_replicas = min_replicas (that many engines are started)",
         )
-    if v.get("min_replicas", 1) > v.get("max_replicas", 1):
-        raise ServeConfigError(f"{path}.min_replicas", f"{v['min_replicas']} > max_replicas {v.get('max_replicas', 1)}")
     if "server_args" in v:
         _check_server_args(f"{path}.server_args", v["server_args"])
     return ModelConfig(**v)

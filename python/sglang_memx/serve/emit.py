@@ -141,6 +141,10 @@ def model_units(config: ServeConfig, placement: Placement, opts: EmitOptions) ->
     """Every model, in config order, with the launcher's command line made cluster-ready:
     ``python3``, ``--host 0.0.0.0``, a fixed port, the shared pool directory of its Pod."""
     opts.check()
+    for i, m in enumerate(config.models):  # one container / Service / worker per model below
+        if m.min_replicas > 1:
+            msg = f"{m.min_replicas}: --emit writes one engine per model; replicas are not emitted yet"
+            raise ServeConfigError(f"models[{i}].min_replicas", msg)
     ports = {m.name: opts.base_engine_port + i for i, m in enumerate(config.models)}
     keyed = {"api_key": API_KEY_REF} if config.router.api_key else {}
     specs = engine_specs(config, placement, run_id="k8s", ports=ports, python="python3", **keyed)

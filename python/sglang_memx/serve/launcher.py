@@ -1,11 +1,14 @@
-"""One SGLang server per placed model, a shared memx pool per device, nothing left behind.
+"""One SGLang server per placed model replica, a shared memx pool per device, nothing left behind.
 
 ``engine_specs`` is pure (config + placement -> command lines and environments);
 ``Engine`` runs one ``python -m sglang.launch_server`` and ``Launcher`` runs them all.
 
 Invariants:
 
-* Every model of a device gets ``--memx-elastic-kv --memx-pool <device pool>
+* Replicas: every replica of a model (``placement.instance_name``) is one engine with its
+  own port, log and cores, keyed by its instance name in ``Launcher.engines`` (replica 0:
+  the model's name) and started, supervised and stopped like any other.
+* Every engine of a device gets ``--memx-elastic-kv --memx-pool <device pool>
   --memx-pool-budget-gb <device budget>`` with the same pool name and budget, so the first
   server to start creates the device's arbiter and the others join it.
 * CPU devices: their cores are split among the device's servers (each server's OpenMP
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ServeConfig
-from .placement import GIB, Placement
+from .placement import GIB, Placement, instance_name
 
 __all__ = ["EngineSpec", "engine_specs", "default_pool_dir", "Engine", "Launcher", "EngineStartError",
            "RestartPolicy", "RestartBudget", "ENGINE_STATES", "STARTING", "AWAKE", "RESTARTING", "DEAD",
@@ -88,6 +91,12 @@ class EngineSpec:
     argv: tuple[str, ...]
     env: dict = field(hash=False)  # only the variables set on top of os.environ
     log_path: str
+    replica: int = 0  # which replica of ``model`` (0 .. min_replicas - 1)
+
+    @property
+    def key(self) -> str:
+        """The engine's name: ``instance_name(model, replica)`` (the model's name for replica 0)."""
+        return instance_name(self.model, self.replica)
 
     @property
     def url(self) -> str:
@@ -172,8 +181,9 @@ def engine_specs(
     log_dir: str | None = None,
     api_key: str | None = None,
 ) -> list[EngineSpec]:
-    """The command line and environment of every engine, in config order (``api_key``:
-    upstream's ``--api-key``, so the engines answer only the router)."""
+    """The command line and environment of every engine, in config order, a model's replicas
+    together (``api_key``: upstream's ``--api-key``, so the engines answer only the router;
+    ``ports``: by instance name)."""
     log_root = Path(log_dir or config.launch.log_dir or "sglang-memx-serve-logs")
     pool_dir = config.launch.pool_dir or default_pool_dir()
     cuda_seen = 0
@@ -188,12 +198,15 @@ def engine_specs(
                 cores = list(d.cores) if d.cores is not None else sorted(os.sched_getaffinity(0))
                 shares.update(zip(residents, _split_cores(cores, len(residents))))
     specs = []
-    for m in config.models:
+    replicas = [
+        (m, r, inst, dev) for m in config.models for r, (inst, dev) in enumerate(placement.models[m.name].replicas)
+    ]
+    for m, replica, inst, device in replicas:
         placed = placement.models[m.name]
-        dev = config.device(placed.device)
+        dev = config.device(device)
         plan = placement.devices[dev.name]
         pool = f"serve-{dev.name}-{run_id}"
-        port = (ports or {}).get(m.name) or free_port()
+        port = (ports or {}).get(inst) or free_port()
         args = [python, "-m", "sglang.launch_server", "--model-path", m.path, "--host", "127.0.0.1",
                 "--port", str(port), "--served-model-name", m.name, "--device", dev.kind,
                 "--max-total-tokens", str(placed.max_total_tokens)]  # fmt: skip
@@ -207,7 +220,7 @@ def engine_specs(
             for flag, value in CPU_DEFAULTS.items():
                 if not _has(m.server_args, flag):
                     args += [flag, value]
-            mine = shares[m.name]
+            mine = shares[inst]
             env["SGLANG_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
             env["OMP_NUM_THREADS"] = str(len(mine))
         else:
@@ -221,8 +234,8 @@ def engine_specs(
         if m.sleep_after_s is not None:  # remappable weights in the pool: what a sleeping engine releases
             args += ["--memx-weights", "remap", "--memx-sleep-after-s", repr(float(m.sleep_after_s))]
         args += list(config.launch.memx_args) + list(m.server_args)
-        log = log_root / f"{m.name.replace('/', '_')}.log"
-        specs.append(EngineSpec(m.name, dev.name, pool, pool_dir, port, tuple(args), env, str(log)))
+        log = log_root / f"{inst.replace('/', '_').replace('#', '.replica')}.log"
+        specs.append(EngineSpec(m.name, dev.name, pool, pool_dir, port, tuple(args), env, str(log), replica))
     return specs
 
 
@@ -268,7 +281,7 @@ class Engine:
         Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.spec.log_path, "a" if append else "w")
         if append:  # a restart: keep the crash above
-            self._log.write(f"\n===== sglang-memx serve: restart of {self.spec.model} at {time.ctime()} =====\n")
+            self._log.write(f"\n===== sglang-memx serve: restart of {self.spec.key} at {time.ctime()} =====\n")
             self._log.flush()
         self._t0 = time.monotonic()
         self.proc = subprocess.Popen(
@@ -372,14 +385,14 @@ class Launcher:
     """Start every engine concurrently, wait until all answer /health, stop them all."""
 
     def __init__(self, specs: list[EngineSpec], log=None):
-        self.engines = {s.model: Engine(s) for s in specs}
+        self.engines = {s.key: Engine(s) for s in specs}  # by instance name (replica 0: the model's name)
         self._pools = sorted({(s.pool, s.pool_dir) for s in specs})
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     def start_all(self, timeout_s: float) -> None:
         for e in self.engines.values():
             e.start()
-            self._log(f"sglang-memx serve: starting {e.spec.model} on {e.spec.device} (pid {e.pid}, port {e.port}, "
+            self._log(f"sglang-memx serve: starting {e.spec.key} on {e.spec.device} (pid {e.pid}, port {e.port}, "
                       f"log {e.spec.log_path})")  # fmt: skip
         deadline = time.monotonic() + timeout_s
         waiting = dict(self.engines)
@@ -449,15 +462,15 @@ class Launcher:
             e.state = DEAD
             e._try_at = None
             n = len(e.budget.attempts)
-            self._log(f"sglang-memx serve: {e.spec.model} is dead: {n} restart attempt(s) within "
+            self._log(f"sglang-memx serve: {e.spec.key} is dead: {n} restart attempt(s) within "
                       f"{self._policy.window_s:g} s; not restarting it again (log {e.spec.log_path})")  # fmt: skip
             return
         e._try_at = now + delay
-        self._log(f"sglang-memx serve: restarting {e.spec.model} in {delay:g} s (attempt "
+        self._log(f"sglang-memx serve: restarting {e.spec.key} in {delay:g} s (attempt "
                   f"{len(e.budget.attempts) + 1} of {self._policy.max_restarts})")  # fmt: skip
 
     def _tick_engine(self, e: Engine, now: float) -> None:
-        name = e.spec.model
+        name = e.spec.key
         if e.state == AWAKE:
             if e.alive():
                 if now - e._sleep_polled >= SLEEP_POLL_S:

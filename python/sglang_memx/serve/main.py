@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         for s in specs:
             argv = [("***" if api_key and a == api_key else a) for a in s.argv]  # never print the key
-            print(json.dumps({"model": s.model, "device": s.device, "pool": s.pool, "env": s.env, "argv": argv}))
+            print(json.dumps({"model": s.model, "engine": s.key, "replica": s.replica, "device": s.device,
+                              "pool": s.pool, "env": s.env, "argv": argv}))  # fmt: skip
         return 0
 
     host = args.host or config.router.host

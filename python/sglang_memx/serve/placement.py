@@ -22,6 +22,11 @@ READINGS (the paper's profiled inputs, approximated from the checkpoint):
   cells gains more from leftover memory.
 * A model pinned with ``device:`` is charged to that device first; the others go through
   Alg. 1 over what is left.
+* Replicas (``min_replicas``): each replica is its own instance (``instance_name``: the
+  model's name for replica 0, ``<name>#<r>`` after) with the model's F_M and mu, placed by
+  the same Alg. 1 with ``spread`` (replicas of one model prefer devices apart); a pinned
+  model's replicas all go to its device. Every replica is placed or the config fails:
+  replica 0 names ``models[i]``, a later one ``models[i].min_replicas``.
 """
 
 from __future__ import annotations
@@ -42,7 +47,16 @@ from memory_ext.policy.fineserve import (
 
 from .config import ServeConfig, ServeConfigError
 
-__all__ = ["GIB", "ModelSize", "read_model_size", "PlacedModel", "DevicePlan", "Placement", "plan_placement"]
+__all__ = [
+    "GIB",
+    "ModelSize",
+    "read_model_size",
+    "PlacedModel",
+    "DevicePlan",
+    "Placement",
+    "plan_placement",
+    "instance_name",
+]
 
 GIB = 1 << 30
 MAX_DEFAULT_TOTAL_TOKENS = 65536  # default logical KV tokens (reserved address space with elastic KV)
@@ -101,20 +115,34 @@ def read_model_size(path: str | Path, dtype: str = "auto", kv_cache_dtype: str =
     return ModelSize(weights, token_kv_bytes(layout, per_layer=False), layers, kv_heads, head_dim, kv_elem)
 
 
+def instance_name(model: str, replica: int) -> str:
+    """The placement / engine key of one replica: the model's name for replica 0 (so a
+    one-replica config is keyed as before), ``<name>#<r>`` after (``#`` is not allowed in
+    model names, so keys never collide)."""
+    return model if replica == 0 else f"{model}#{replica}"
+
+
 @dataclass(frozen=True)
 class PlacedModel:
     name: str
-    device: str
+    device: str  # replica 0's device
     size: ModelSize
-    footprint_bytes: int
+    footprint_bytes: int  # of one replica
     max_total_tokens: int
+    replica_devices: tuple[str, ...] = ()  # device of each replica (instance_name(name, r)); () = (device,)
+
+    @property
+    def replicas(self) -> tuple[tuple[str, str], ...]:
+        """(instance name, device) of every replica, replica 0 first."""
+        devs = self.replica_devices or (self.device,)
+        return tuple((instance_name(self.name, r), d) for r, d in enumerate(devs))
 
 
 @dataclass(frozen=True)
 class DevicePlan:
     name: str
     kind: str
-    models: tuple[str, ...]  # in placement order
+    models: tuple[str, ...]  # instances (``instance_name``) in placement order
     weight_bytes: int
     pool_budget_bytes: int  # memory - weights outside the pool: KV + activations (+ sleepers' weights)
 
@@ -153,47 +181,54 @@ def plan_placement(config: ServeConfig, sizes: dict[str, ModelSize] | None = Non
     footprint = {m.name: sizes[m.name].weight_bytes + m.kv_reserve_tokens * sizes[m.name].kv_bytes_per_token
                  for m in config.models}  # fmt: skip
 
-    def unfit(m, where: str, free: float):
+    def unfit(m, where: str, free: float, replica: int = 0):
         s = sizes[m.name]
+        need = (f"{m.name!r} needs {footprint[m.name] / GIB:.4f} GB (weights {s.weight_bytes / GIB:.4f} GB + "
+                f"{m.kv_reserve_tokens} KV tokens x {s.kv_bytes_per_token} B)")  # fmt: skip
+        if replica == 0:
+            return ServeConfigError(f"models[{index[m.name]}]", f"{need} and {where} has {free / GIB:.4f} GB")
         return ServeConfigError(
-            f"models[{index[m.name]}]",
-            f"{m.name!r} needs {footprint[m.name] / GIB:.4f} GB (weights {s.weight_bytes / GIB:.4f} GB + "
-            f"{m.kv_reserve_tokens} KV tokens x {s.kv_bytes_per_token} B) and {where} has {free / GIB:.4f} GB",
+            f"models[{index[m.name]}].min_replicas",
+            f"replica {replica + 1} of {m.min_replicas}: {need} per replica and {where} has {free / GIB:.4f} GB",
         )
 
-    assignment: dict[str, str] = {}
+    instances = [(m, r, instance_name(m.name, r)) for m in config.models for r in range(m.min_replicas)]
+    assignment: dict[str, str] = {}  # instance -> device
     left = dict(mem)
-    for m in config.models:
+    for m, r, inst in instances:
         if m.device is not None:
             if footprint[m.name] > left[m.device]:
-                raise unfit(m, f"its device {m.device!r}", left[m.device])
+                raise unfit(m, f"its device {m.device!r}", left[m.device], r)
             left[m.device] -= footprint[m.name]
-            assignment[m.name] = m.device
-    free = [m for m in config.models if m.device is None]
+            assignment[inst] = m.device
+    free = [(m, r, inst) for m, r, inst in instances if m.device is None]
     candidates = [GpuCandidate(d, left[d]) for d in left if left[d] > 0]
-    demands = [ModelDemand(m.name, footprint[m.name], 1.0 / sizes[m.name].kv_bytes_per_token) for m in free]
+    demands = [ModelDemand(inst, footprint[m.name], 1.0 / sizes[m.name].kv_bytes_per_token) for m, _, inst in free]
     if demands and not candidates:
-        raise unfit(free[0], "no device", 0.0)
-    result = place_models(demands, candidates) if demands else PlacementResult((), {}, {}, {}, ())
-    for name in result.unplaced:
-        m = config.models[index[name]]
+        raise unfit(free[0][0], "no device", 0.0, free[0][1])
+    spread = {inst: m.name for m, _, inst in free}
+    result = place_models(demands, candidates, spread=spread) if demands else PlacementResult((), {}, {}, {}, ())
+    of_instance = {inst: (m, r) for m, r, inst in instances}
+    for inst in sorted(result.unplaced, key=lambda n: (index[of_instance[n][0].name], of_instance[n][1])):
+        m, r = of_instance[inst]
         best = max(left.values())
-        raise unfit(m, "no device: the largest free", best)
+        raise unfit(m, "no device: the largest free", best, r)
     assignment.update(result.assignment)
 
     sleepers = {m.name: m.sleep_after_s is not None for m in config.models}
     devices = {}
     for d in config.devices:
-        names = tuple(m.name for m in config.models if assignment[m.name] == d.name and m.device is not None)
+        names = tuple(inst for m, _, inst in instances if assignment[inst] == d.name and m.device is not None)
         names += tuple(n for n in result.residents.get(d.name, ()) if n not in names)
-        weights = sum(sizes[n].weight_bytes for n in names)
-        in_pool = sum(sizes[n].weight_bytes for n in names if sleepers[n])  # remappable: inside the pool
+        weights = sum(sizes[of_instance[n][0].name].weight_bytes for n in names)
+        in_pool = sum(sizes[of_instance[n][0].name].weight_bytes for n in names
+                      if sleepers[of_instance[n][0].name])  # fmt: skip  # remappable: inside the pool
         devices[d.name] = DevicePlan(d.name, d.kind, names, weights, int(mem[d.name] - weights + in_pool))
     models = {}
     for m in config.models:
-        dev = devices[assignment[m.name]]
         s = sizes[m.name]
-        pool_tokens = dev.pool_budget_bytes // s.kv_bytes_per_token
+        devs = tuple(assignment[instance_name(m.name, r)] for r in range(m.min_replicas))
+        pool_tokens = min(devices[d].pool_budget_bytes for d in devs) // s.kv_bytes_per_token
         tokens = m.max_total_tokens or max(16, min(MAX_DEFAULT_TOTAL_TOKENS, pool_tokens))
-        models[m.name] = PlacedModel(m.name, dev.name, s, footprint[m.name], tokens)
+        models[m.name] = PlacedModel(m.name, devs[0], s, footprint[m.name], tokens, devs)
     return Placement(models, devices, result)
