@@ -32,7 +32,7 @@ The router (``sglang_memx.serve.router``) and a simulator drive the same object.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ._checks import check_int as _int
 
@@ -295,6 +295,15 @@ class EdfAdmission:
         self._tick(now)
         self._down.discard(model)
         self._restarting[model] = now + max(0.0, float(expected_s))
+
+    def set_max_inflight(self, model: str, max_inflight: int, now: float) -> tuple[Ticket, ...]:
+        """Change ``model``'s in-flight cap (e.g. its awake replicas x the per-engine cap); returns
+        the requests that start now that the cap grew. A lower cap starts nothing until the
+        model's in-flight count is below it; nothing in flight is taken back. EDF order of the
+        waiting requests is unchanged."""
+        self._tick(now)
+        self.models[model] = replace(self.models[model], max_inflight=max_inflight)  # validated by ModelLimits
+        return self.dispatch(now)
 
     def engine_up(self, model: str, now: float) -> tuple[Ticket, ...]:
         self._tick(now)

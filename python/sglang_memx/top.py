@@ -124,16 +124,34 @@ def _router_lines(r: dict[str, Any]) -> list[str]:
         e, a, me = engines.get(name, {}), adm.get(name, {}), measured.get(name, {})
         state = m.get("state") or e.get("state") or ("awake" if e.get("alive") else "dead")
         att = me.get("ttft_slo_attainment")
-        restarts = e.get("restarts", 0)
-        line = (f"    {name:<20} {str(m.get('device') or '-'):<8} {state:<11} {str(e.get('pid') or '-'):<8} "
+        reps = m.get("replicas") or []
+        many = len(reps) > 1  # the model line sums up; one line per replica engine below it
+        pid = f"{len(reps)} repl" if many else str(e.get("pid") or "-")
+        restarts = sum(x.get("restarts") or 0 for x in reps) if many else e.get("restarts", 0)
+        where = f"{len(reps)} replicas" if many else m.get("url", "")
+        line = (f"    {name:<20} {str(m.get('device') or '-'):<8} {state:<11} {pid:<8} "
                 f"{a.get('queued', 0):>5} {a.get('inflight', 0):>4} {restarts:>8}  {_fmt_s(me.get('ttft_mean_s')):>8} "
-                f"{'-' if att is None else f'{att:.0%}':>5}  {m.get('url', '')}")  # fmt: skip
-        if e.get("last_exit") and state != "awake":
+                f"{'-' if att is None else f'{att:.0%}':>5}  {where}")  # fmt: skip
+        if many:
+            pass  # each replica's exit / restart is on its own line
+        elif e.get("last_exit") and state != "awake":
             line += f"  ({e['last_exit']})"
         elif e.get("last_restart_s") is not None:
             line += f"  (last restart {e['last_restart_s']:.1f} s)"
         lines.append(line)
+        if many:
+            lines += [_replica_line(x) for x in reps]
     return lines
+
+
+def _replica_line(x: dict[str, Any]) -> str:
+    state = str(x.get("state") or "-")
+    line = (f"      #{x.get('replica', '?'):<17} {str(x.get('device') or '-'):<8} {state:<11} "
+            f"{str(x.get('pid') or '-'):<8} {'':>5} {x.get('router_inflight', 0):>4} {x.get('restarts') or 0:>8}  "
+            f"{'':>8} {'':>5}  {x.get('url', '')}")  # fmt: skip
+    if x.get("last_exit") and state != "awake":
+        line += f"  ({x['last_exit']})"
+    return line
 
 
 def render(snap: dict[str, Any]) -> str:

@@ -394,9 +394,9 @@ def test_engine_sigkill_mid_request_restarts_it_and_leaves_the_rest_untouched(se
     assert len(engines) == 2 and all(_alive(c["pid"]) for c in engines), engines  # the dead client is gone
 
     text = urllib.request.urlopen(router + "/metrics", timeout=10).read().decode()
-    assert 'memx_router_engine_restarts_total{model="tiny-a"} 1' in text
-    assert 'memx_router_engine_state{model="tiny-a",state="awake"} 1' in text
-    assert 'memx_router_engine_restarts_total{model="tiny-b"} 0' in text
+    assert 'memx_router_engine_restarts_total{model="tiny-a",replica="0"} 1' in text
+    assert 'memx_router_engine_state{model="tiny-a",replica="0",state="awake"} 1' in text
+    assert 'memx_router_engine_restarts_total{model="tiny-b",replica="0"} 0' in text
     assert 'memx_router_engine_failures_total{model="tiny-a",streamed="true"} 1' in text
     assert 'memx_router_engine_failures_total{model="tiny-a",streamed="false"} 1' in text
     assert re.search(r'^memx_router_shed_total\{model="tiny-b",reason="queue_full"\} [1-9]', text, re.M)

@@ -150,3 +150,17 @@ def test_restarting_then_dead_sheds_the_queue_as_engine_down():
     a.offer("r1", "m", 0.0)
     assert [(s.ticket.rid, s.reason) for s in a.engine_down("m")] == [("r1", ENGINE_DOWN)]
     assert not a.is_restarting("m") and a.offer("r2", "m", 0.1).verdict == "reject"
+
+
+def test_set_max_inflight_grows_and_shrinks_a_models_slots_in_edf_order():
+    a = EdfAdmission({"m": ModelLimits(1.0, max_inflight=1, max_queued=8)})
+    assert a.offer("r0", "m", 0.0).verdict == "admit"
+    a.offer("late", "m", 0.2)
+    a.offer("early", "m", 0.1)  # offered later, but deadline 1.1 < 1.2: EDF by deadline
+    assert [t.rid for t in a.set_max_inflight("m", 2, 0.3)] == ["early"]  # a second replica woke up
+    assert a.inflight("m") == 2 and a.models["m"].max_inflight == 2
+    assert a.set_max_inflight("m", 1, 0.4) == ()  # a replica left: nothing taken back, nothing started
+    assert a.finish("r0", 0.5) == ()  # 1 in flight == the cap
+    assert [t.rid for t in a.finish("early", 0.6)] == ["late"]
+    with pytest.raises(ValueError, match="max_inflight"):
+        a.set_max_inflight("m", 0, 0.7)

@@ -405,12 +405,12 @@ def test_router_metrics_render_every_family_once_with_model_labels():
     assert 'memx_router_ttft_seconds_bucket{le="0.5",model="a"} 1' in text
     assert 'memx_router_ttft_seconds_count{model="a"} 2' in text
     assert 'memx_router_shed_total{model="b",reason="queue_full"} 1' in text
-    assert 'memx_router_engine_state{model="a",state="restarting"} 1' in text
-    assert 'memx_router_engine_state{model="a",state="awake"} 0' in text
-    assert 'memx_router_engine_up{model="a"} 0' in text
-    assert 'memx_router_engine_restarts_total{model="a"} 1' in text
-    assert 'memx_router_engine_restart_seconds_total{model="a"} 12.5' in text
-    assert 'memx_router_model_info{device="cpu0",model="a",url="http://e"} 1' in text
+    assert 'memx_router_engine_state{model="a",replica="0",state="restarting"} 1' in text
+    assert 'memx_router_engine_state{model="a",replica="0",state="awake"} 0' in text
+    assert 'memx_router_engine_up{model="a",replica="0"} 0' in text
+    assert 'memx_router_engine_restarts_total{model="a",replica="0"} 1' in text
+    assert 'memx_router_engine_restart_seconds_total{model="a",replica="0"} 12.5' in text
+    assert 'memx_router_model_info{device="cpu0",model="a",replica="0",url="http://e"} 1' in text
     assert "# TYPE memx_router_ttft_seconds histogram" in text
     sample = re.compile(r"^memx_router_[a-z_]+\{[^}]*\} -?[0-9.e+-]+$")
     for line in text.splitlines():
@@ -442,8 +442,8 @@ def test_metrics_endpoint_measures_ttft_tpot_and_slo_through_the_router():
     assert 'memx_router_tpot_seconds_bucket{le="0.05",model="a"} 1' in text
     assert 'memx_router_ttft_seconds_count{model="b"} 1' in text
     assert 'memx_router_tpot_seconds_count{model="b"} 0' in text  # not streamed
-    assert 'memx_router_engine_restarts_total{model="a"} 2' in text
-    assert 'memx_router_engine_state{model="b",state="awake"} 1' in text
+    assert 'memx_router_engine_restarts_total{model="a",replica="0"} 2' in text
+    assert 'memx_router_engine_state{model="b",replica="0",state="awake"} 1' in text
 
 
 # ------------------------------------------------------------------ API key

@@ -111,6 +111,9 @@ class AdmissionGate:
     def engine_restarting(self, model: str, expected_s: float = 5.0) -> None:
         self.policy.engine_restarting(model, self.clock(), expected_s)
 
+    def set_max_inflight(self, model: str, max_inflight: int) -> None:
+        self._wake(self.policy.set_max_inflight(model, max_inflight, self.clock()))
+
     def engine_up(self, model: str) -> None:
         self._wake(self.policy.engine_up(model, self.clock()))
 

@@ -304,6 +304,9 @@ class Engine:
 
     def info(self) -> dict:
         return {
+            "model": self.spec.model,
+            "replica": self.spec.replica,
+            "device": self.spec.device,
             "pid": self.pid,
             "port": self.port,
             "url": self.url,

@@ -137,8 +137,10 @@ def _serve_router(config, placement, launcher, host: str, port: int, api_key: st
     from .router import EngineRoute, build_app
 
     device_of = {n: pm.device for n, pm in placement.models.items()}
+    replicas = {m.name: [e for e in launcher.engines.values() if e.spec.model == m.name] for m in config.models}
     routes = {m.name: EngineRoute(m.name, launcher.engines[m.name].url, m.path, device_of[m.name],
-                                  None if m.tpot_slo_ms is None else m.tpot_slo_ms / 1000.0)
+                                  None if m.tpot_slo_ms is None else m.tpot_slo_ms / 1000.0,
+                                  tuple((e.spec.key, e.url) for e in replicas[m.name]))
               for m in config.models}  # fmt: skip
     gate = AdmissionGate(policy_from_config(config, device_of))
     started = time.time()

@@ -10,8 +10,10 @@ render time from the admission snapshot and the launcher.
 
 Conventions of ``sglang_memx.metrics``: names ``memx_router_*``, ``_total`` counters,
 ``_seconds`` histograms (``_bucket`` / ``_sum`` / ``_count``), one HELP / TYPE block per
-name, a ``model`` label on every sample. Engine state is one gauge per state (1 for the
-current one) so dashboards can plot it without knowing the state names.
+name, a ``model`` label on every sample, and a ``replica`` label (0, 1, ...) on the
+per-engine ones (engine state, restarts, info, the router's load per replica). Engine
+state is one gauge per state (1 for the current one) so dashboards can plot it without
+knowing the state names.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ _HELP = {
     "memx_router_engine_restart_failures_total": ("counter", "Restart attempts that exited or were not healthy."),
     "memx_router_engine_restart_seconds_total": ("counter", "Time from an engine's death to healthy again, summed."),
     "memx_router_engine_last_restart_seconds": ("gauge", "Duration of the engine's last restart."),
-    "memx_router_model_info": ("gauge", "Served model: its device and engine URL (value 1)."),
+    "memx_router_model_info": ("gauge", "Served model: its device and engine URL (value 1), one per replica."),
+    "memx_router_replica_inflight": ("gauge", "Requests the router handed to this replica's engine, not finished."),
 }
 
 
@@ -132,7 +135,8 @@ class RouterMetrics:
 
     def render(self, admission: dict[str, dict], engines: dict[str, dict], states: Iterable[str]) -> str:
         """Prometheus text format 0.0.4. ``admission``: ``EdfAdmission.snapshot()``;
-        ``engines``: model -> the launcher's engine info (state, restarts, ...; may be empty)."""
+        ``engines``: model -> the launcher's info of each replica engine (a list, replica 0 first;
+        state, restarts, device, url, ``router_inflight``; a dict: one replica; may be empty)."""
         states = list(states)
         by: dict[str, list[str]] = {n: [] for n in _HELP}
         for m in self.models:
@@ -166,26 +170,33 @@ class RouterMetrics:
                 by["memx_router_retries_total"].append(
                     f"memx_router_retries_total{_fmt_labels({**lab, 'result': result})} {n}"
                 )
-            eng = engines.get(m) or {}
-            state = eng.get("state")
-            if state is not None:
-                for s in states:
-                    by["memx_router_engine_state"].append(
-                        f"memx_router_engine_state{_fmt_labels({**lab, 'state': s})} {int(s == state)}"
-                    )
-                by["memx_router_engine_up"].append(f"memx_router_engine_up{_fmt_labels(lab)} {int(state == 'awake')}")
-            for key, name in (("restarts", "memx_router_engine_restarts_total"),
-                              ("restart_failures", "memx_router_engine_restart_failures_total"),
-                              ("restart_seconds_total", "memx_router_engine_restart_seconds_total"),
-                              ("last_restart_s", "memx_router_engine_last_restart_seconds")):  # fmt: skip
-                if eng.get(key) is not None:
-                    by[name].append(f"{name}{_fmt_labels(lab)} {_num(eng[key])}")
-            if eng.get("device") is not None or eng.get("url") is not None:
-                info = {**lab, "device": eng.get("device") or "", "url": eng.get("url") or ""}
-                by["memx_router_model_info"].append(f"memx_router_model_info{_fmt_labels(info)} 1")
+            replicas = engines.get(m) or []
+            for i, eng in enumerate([replicas] if isinstance(replicas, dict) else replicas):
+                self._engine_lines(by, {**lab, "replica": str(i)}, eng, states)
         out: list[str] = []
         for name, (kind, text) in _HELP.items():
             if not by[name]:
                 continue
             out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *by[name]]
         return "\n".join(out) + "\n"
+
+    @staticmethod
+    def _engine_lines(by: dict[str, list[str]], lab: dict, eng: dict, states: list[str]) -> None:
+        """The per-engine samples of one replica (``lab``: model and replica)."""
+        state = eng.get("state")
+        if state is not None:
+            for s in states:
+                by["memx_router_engine_state"].append(
+                    f"memx_router_engine_state{_fmt_labels({**lab, 'state': s})} {int(s == state)}"
+                )
+            by["memx_router_engine_up"].append(f"memx_router_engine_up{_fmt_labels(lab)} {int(state == 'awake')}")
+        for key, name in (("restarts", "memx_router_engine_restarts_total"),
+                          ("restart_failures", "memx_router_engine_restart_failures_total"),
+                          ("restart_seconds_total", "memx_router_engine_restart_seconds_total"),
+                          ("last_restart_s", "memx_router_engine_last_restart_seconds"),
+                          ("router_inflight", "memx_router_replica_inflight")):  # fmt: skip
+            if eng.get(key) is not None:
+                by[name].append(f"{name}{_fmt_labels(lab)} {_num(eng[key])}")
+        if eng.get("device") is not None or eng.get("url") is not None:
+            info = {**lab, "device": eng.get("device") or "", "url": eng.get("url") or ""}
+            by["memx_router_model_info"].append(f"memx_router_model_info{_fmt_labels(info)} 1")

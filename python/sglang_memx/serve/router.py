@@ -10,7 +10,15 @@ Routes:
   ``RuntimeEndpoint("http://router/models/<name>")`` calls ``get_model_info``,
   ``generate``, ``flush_cache``, ``server_info``... under that prefix. Model names may hold
   ``/``; the longest served name that prefixes the path wins.
-* ``GET /health`` (200 when every engine is awake, else 503), ``GET /memx/serve``
+* Replicas: a model with several engines (``EngineRoute.replicas``) sends each request to
+  one of its awake replicas, the least loaded (requests the router has handed to it and
+  not finished: in flight or queued at the engine), ties by round-robin; a replica that is
+  restarting, dead or sleeping is skipped while another is awake (a sleeping one is chosen
+  when none is awake: the request wakes it). The model's admission cap is the per-engine
+  ``max_inflight`` x its awake replicas (at least one); the model is awake while any
+  replica is, ``dead`` only when all are. Prefix routes pick a replica the same way (no
+  stickiness: a prefix cached on one replica is not sought on another).
+* ``GET /health`` (200 when every model has an awake engine, else 503), ``GET /memx/serve``
   (placement, engines and their state, admission counters, router measurements),
   ``GET /metrics`` (Prometheus, ``memx_router_*``; ``serve/metrics.py``).
 
@@ -78,6 +86,12 @@ class EngineRoute:
     path: str  # the model's checkpoint directory (shown in /v1/models)
     device: str | None = None
     tpot_slo_s: float | None = None  # the model's TPOT SLO (metrics; admission uses the TTFT SLO)
+    replicas: tuple[tuple[str, str], ...] = ()  # (engine key, base URL) of each replica; () = ((name, url),)
+
+    @property
+    def engines(self) -> tuple[tuple[str, str], ...]:
+        """(engine key, URL) of every replica; ``engine_state`` / ``engine_info`` take the key."""
+        return self.replicas or ((self.name, self.url),)
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
@@ -147,14 +161,15 @@ def build_app(
     status: Callable[[], dict] | None = None,
     client_kwargs: dict | None = None,
 ) -> FastAPI:
-    """The router app over ``routes`` (model name -> engine).
+    """The router app over ``routes`` (model name -> its engines).
 
-    ``engine_state(name)`` (one of ``ENGINE_STATES``; default: ``awake`` / ``dead`` from
-    ``alive(name)``) is polled by a monitor and before each request; ``engine_info(name)``
-    (restarts, ...) feeds ``/metrics``; ``failure_detect_s``: how long a request whose
-    engine connection broke waits to see the engine leave ``awake`` before it is retried
-    (else it ends with 502); ``client_kwargs`` go to ``httpx.AsyncClient`` (tests pass
-    in-process transports)."""
+    ``engine_state(key)`` / ``engine_info(key)`` take an engine key (``EngineRoute.engines``;
+    the model's name when it has one engine). ``engine_state(key)`` (one of
+    ``ENGINE_STATES``; default: ``awake`` / ``dead`` from ``alive(key)``) is polled by a
+    monitor and before each request; ``engine_info(key)`` (restarts, ...) feeds ``/metrics``;
+    ``failure_detect_s``: how long a request whose engine connection broke waits to see the
+    engine leave ``awake`` before it is retried (else it ends with 502); ``client_kwargs`` go
+    to ``httpx.AsyncClient`` (tests pass in-process transports)."""
     created = int(time.time())
     by_length = sorted(routes, key=len, reverse=True)
     state_of = engine_state or (lambda name: AWAKE if alive(name) else DEAD)
@@ -162,13 +177,48 @@ def build_app(
     known: dict[str, str] = {}  # the engine state the gate was last told
     metrics = RouterMetrics(routes)
     state: dict = {}
+    per_engine_cap = {n: gate.policy.models[n].max_inflight for n in routes}  # the config's, per replica engine
+    caps = dict(per_engine_cap)  # the model's cap the gate was last given
+    load = {key: 0 for r in routes.values() for key, _ in r.engines}  # handed to the engine, not finished
+    turn = dict.fromkeys(routes, 0)  # round-robin start among equally loaded replicas
 
     def expected_ready_s(name: str) -> float:
-        return float(info_of(name).get("expected_ready_s") or 5.0)
+        ready = [info_of(k).get("expected_ready_s") for k, _ in routes[name].engines if state_of(k) != DEAD]
+        return float(min([r for r in ready if r] or [5.0]))
+
+    def sleeping(key: str) -> bool:
+        return (info_of(key).get("sleep") or {}).get("state") == SLEEPING
+
+    def model_state(name: str) -> str:
+        """Awake while any replica is awake, dead when all are; else the first replica's other state."""
+        states = [state_of(k) for k, _ in routes[name].engines]
+        if AWAKE in states:
+            return AWAKE
+        return next((st for st in states if st != DEAD), DEAD)
+
+    def pick(name: str) -> tuple[str, str] | None:
+        """The replica for the next request: awake and not sleeping, else awake (a sleeping one
+        wakes on the request); the least loaded of those, ties by round-robin. None: none awake."""
+        engines = routes[name].engines
+        awake = [(k, u) for k, u in engines if state_of(k) == AWAKE]
+        pool = [(k, u) for k, u in awake if not sleeping(k)] or awake
+        if not pool:
+            return None
+        start = turn[name] % len(engines)
+        order = {k: (i - start) % len(engines) for i, (k, _) in enumerate(engines)}
+        turn[name] += 1
+        return min(pool, key=lambda ku: (load[ku[0]], order[ku[0]]))
 
     def sync(name: str) -> str:
-        """Tell the gate the engine's current state (when it changed); returns it."""
-        st = state_of(name)
+        """Tell the gate the model's current state (when it changed) and its cap (awake
+        replicas x the per-engine cap, when it has several); returns the state."""
+        st = model_state(name)
+        if len(routes[name].engines) > 1:
+            awake = sum(state_of(k) == AWAKE for k, _ in routes[name].engines)
+            cap = per_engine_cap[name] * max(1, awake)
+            if caps[name] != cap:
+                caps[name] = cap
+                gate.set_max_inflight(name, cap)
         if known.get(name) != st:
             known[name] = st
             if st == AWAKE:
@@ -207,11 +257,12 @@ def build_app(
         metrics.response(name, resp.status_code)
         return resp
 
-    async def engine_failed(name: str) -> bool:
-        """True when the engine left ``awake`` (died) within ``failure_detect_s``."""
+    async def engine_failed(name: str, key: str) -> bool:
+        """True when the engine ``key`` of ``name`` left ``awake`` (died) within ``failure_detect_s``."""
         deadline = time.monotonic() + failure_detect_s
         while True:
-            if sync(name) != AWAKE:
+            sync(name)
+            if state_of(key) != AWAKE:
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -237,19 +288,22 @@ def build_app(
             headers = [(k, v) for k, v in headers if k.lower() != b"authorization"]
             headers.append((b"Authorization", f"Bearer {api_key}".encode()))
         client: httpx.AsyncClient = state["client"]
-        url = route.url + urllib.parse.quote(sub, safe="/:@!$&'()*+,;=")
-        try:
-            engine_request = client.build_request(method, url, content=body, headers=headers,
-                                                  params=request.query_params)  # fmt: skip
+        quoted = urllib.parse.quote(sub, safe="/:@!$&'()*+,;=")
+        try:  # the same path on every replica: checked once, built per replica below
+            client.build_request(method, route.url + quoted, content=body, headers=headers,
+                                 params=request.query_params)  # fmt: skip
         except httpx.InvalidURL as exc:
             return error_response(400, f"cannot forward this request to model {name!r}: {exc}", code="invalid_url")
-        rid = None
+        rid = key = None
 
         def release():
-            nonlocal rid
+            nonlocal rid, key
             if rid is not None:
                 gate.leave(rid)
                 rid = None
+            if key is not None:
+                load[key] -= 1
+                key = None
 
         for attempt in (0, 1):
             if admitted:
@@ -260,7 +314,20 @@ def build_app(
                         metrics.retry(name, "shed")
                     return refuse(name, _rejected(exc), exc.reason)
             upstream = None
+            target = pick(name)
+            if target is None:  # every replica left awake since the check above
+                release()
+                st = sync(name)
+                if attempt == 0 and admitted and st != DEAD:
+                    continue  # wait in the queue for one to be back, like a retry
+                code = "engine_down" if st == DEAD else "engine_restarting"
+                msg = f"model {name!r} is unavailable: its engine is {st}"
+                return refuse(name, error_response(503, msg, code=code, retry_after_s=gate.retry_after_s(name)), code)
+            key, url = target
+            load[key] += 1
             try:
+                engine_request = client.build_request(method, url + quoted, content=body, headers=headers,
+                                                      params=request.query_params)  # fmt: skip
                 upstream = await client.send(engine_request, stream=True)
                 body_iter = upstream.aiter_raw()
                 try:
@@ -277,7 +344,7 @@ def build_app(
                     return refuse(name, error_response(504, f"model {name!r}: the engine did not answer within "
                                                             f"{request_timeout_s:g} s", code="engine_timeout"),
                                   "engine_timeout")  # fmt: skip
-                died = await engine_failed(name)
+                died = await engine_failed(name, target[0])
                 if attempt == 0 and died and admitted:
                     continue  # nothing reached the client: once more, after the restart
                 if attempt:
@@ -372,25 +439,40 @@ def build_app(
     async def health():
         models = {}
         for n in routes:
-            st = state_of(n)
+            st = model_state(n)
             models[n] = "up" if st == AWAKE else st
         ok = all(v == "up" for v in models.values())
         return JSONResponse({"status": "ok" if ok else "degraded", "models": models}, status_code=200 if ok else 503)
 
-    def shown_state(name: str) -> str:
+    def engine_shown_state(key: str) -> str:
         """The supervisor's state, with an awake engine's own sleep state (``--memx-sleep-after-s``):
         a sleeping engine still takes requests (the first one wakes it)."""
-        state = state_of(name)
-        sleep = info_of(name).get("sleep") or {}
-        return SLEEPING if state == AWAKE and sleep.get("state") == SLEEPING else state
+        state = state_of(key)
+        return SLEEPING if state == AWAKE and sleeping(key) else state
+
+    def shown_state(name: str) -> str:
+        """The model's state: sleeping when it is awake only through sleeping replicas."""
+        st = model_state(name)
+        keys = [k for k, _ in routes[name].engines if state_of(k) == AWAKE]
+        return SLEEPING if st == AWAKE and all(sleeping(k) for k in keys) else st
+
+    def replicas_doc(name: str) -> list[dict]:
+        r = routes[name]
+        out = []
+        for i, (k, url) in enumerate(r.engines):
+            info = info_of(k)
+            out.append({"device": info.get("device") or r.device, **info, "url": url, "engine": k, "replica": i,
+                        "state": engine_shown_state(k), "router_inflight": load[k]})  # fmt: skip
+        return out
 
     def engines_doc() -> dict:
-        return {n: {"device": r.device, "url": r.url, **info_of(n), "state": shown_state(n)} for n, r in routes.items()}
+        return {n: replicas_doc(n) for n in routes}
 
     @app.get("/memx/serve")
     async def serve_status():
         doc = {"models": {n: {"url": r.url, "device": r.device, "path": r.path, "state": shown_state(n),
-                              "sleep": info_of(n).get("sleep")} for n, r in routes.items()},
+                              "sleep": info_of(r.engines[0][0]).get("sleep"), "replicas": replicas_doc(n)}
+                          for n, r in routes.items()},
                "admission": gate.policy.snapshot(), "router": metrics.snapshot()}  # fmt: skip
         if status is not None:
             doc.update(status())
