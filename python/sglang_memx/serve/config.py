@@ -39,6 +39,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
 DEVICE_KINDS = ("cpu", "cuda")
 MAX_REPLICAS = 32  # per model: a sanity bound (each replica is a whole engine process)
+MAX_TOKENS = 1 << 40  # a token count past this is a typo (and its bytes would overflow a float)
 
 # Flags the launcher sets itself; a model's server_args may not repeat them.
 LAUNCHER_FLAGS = (
@@ -60,6 +61,7 @@ LAUNCHER_FLAGS = (
 
 # The model name is the OpenAI ``model`` id and a URL path segment prefix (/models/<name>/...).
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*(/[A-Za-z0-9._:@+-]+)*")
+_KEY = re.compile(r"[A-Za-z0-9_-]+")  # a field name shown as is in an error's path; others are quoted
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
 
 
@@ -189,9 +191,12 @@ def _int(path, v, minimum=None, maximum=None):
     return v
 
 
-def _pos(path, v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
+def _pos(path, v, maximum=1e15):
+    # maximum: well past any real value, and keeps later arithmetic (x GIB, ms -> s) finite
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v:
         raise ServeConfigError(path, f"must be a positive number, got {v!r}")
+    if v > maximum:
+        raise ServeConfigError(path, f"must be <= {maximum:g}, got {v!r}")
     return float(v)
 
 
@@ -222,7 +227,8 @@ def _fields(path: str, doc, spec: dict) -> dict:
         raise ServeConfigError(path, f"must be a mapping, got {type(doc).__name__}")
     for key in doc:
         if key not in spec:
-            raise ServeConfigError(f"{path}.{key}" if path else str(key), f"unknown field (known: {', '.join(spec)})")
+            name = key if isinstance(key, str) and _KEY.fullmatch(key) else repr(key)  # '', 'a.b', None: quoted
+            raise ServeConfigError(f"{path}.{name}" if path else name, f"unknown field (known: {', '.join(spec)})")
     out = {}
     for key, (check, required) in spec.items():
         sub = f"{path}.{key}" if path else key
@@ -249,8 +255,8 @@ _MODEL_SPEC = {
     "max_replicas": (lambda p, v: _int(p, v, 1, MAX_REPLICAS), False),
     "max_inflight": (_opt(lambda p, v: _int(p, v, 1)), False),
     "max_queued": (_opt(lambda p, v: _int(p, v, 0)), False),
-    "max_total_tokens": (_opt(lambda p, v: _int(p, v, 16)), False),
-    "kv_reserve_tokens": (lambda p, v: _int(p, v, 0), False),
+    "max_total_tokens": (_opt(lambda p, v: _int(p, v, 16, MAX_TOKENS)), False),
+    "kv_reserve_tokens": (lambda p, v: _int(p, v, 0, MAX_TOKENS), False),
     "device": (_opt(lambda p, v: _str(p, v, _DEVICE_NAME)), False),
     "server_args": (_args, False),
     "sleep_after_s": (_opt(_pos), False),
@@ -309,9 +315,13 @@ def _model(i: int, doc, base: Path) -> ModelConfig:
     model_dir = Path(os.path.expanduser(v["path"]))
     if not model_dir.is_absolute():
         model_dir = base / model_dir
-    if not model_dir.is_dir():
+    try:
+        is_dir, has_config = model_dir.is_dir(), (model_dir / "config.json").is_file()
+    except OSError as exc:  # a name too long, a symlink loop, ...
+        raise ServeConfigError(f"{path}.path", f"{str(model_dir)!r}: {exc.strerror or exc}") from None
+    if not is_dir:
         raise ServeConfigError(f"{path}.path", f"{str(model_dir)!r} is not a directory")
-    if not (model_dir / "config.json").is_file():
+    if not has_config:
         raise ServeConfigError(f"{path}.path", f"{str(model_dir)!r} has no config.json (not a model checkpoint)")
     v["path"] = str(model_dir.resolve())
     v.setdefault("max_replicas", v.get("min_replicas", 1))
