@@ -136,3 +136,49 @@ def test_load_config_reads_yaml_and_reports_bad_files(tmp_path):
     p.write_text("models: [\n")
     assert load_config.__name__ and "not valid YAML" in str(pytest.raises(ServeConfigError, load_config, p).value)
     assert pytest.raises(ServeConfigError, load_config, tmp_path / "none.yaml").value.field == "--config"
+
+
+def test_health_section_defaults_and_errors_name_the_field(tmp_path):
+    h = parse_config(doc(tmp_path), base_dir=tmp_path).health
+    assert (h.interval_s, h.timeout_s, h.failures, h.path) == (5.0, 10.0, 3, "/memx/status")
+    h = parse_config(doc(tmp_path, health={"interval_s": 2, "timeout_s": 30, "failures": 5}), base_dir=tmp_path).health
+    assert (h.interval_s, h.timeout_s, h.failures) == (2.0, 30.0, 5)
+    assert parse_config(doc(tmp_path, health={"interval_s": None}), base_dir=tmp_path).health.interval_s is None
+    for bad, where in (({"interval_s": 0}, "health.interval_s"), ({"timeout_s": -1}, "health.timeout_s"),
+                       ({"timeout_s": None}, "health.timeout_s"), ({"failures": 0}, "health.failures"),
+                       ({"failures": 1.5}, "health.failures"), ({"path": "/ping"}, "health.path"),
+                       ({"intervall_s": 5}, "health.intervall_s"),
+                       ({"timeout_s": 1e6}, "health.timeout_s")):  # fmt: skip
+        assert err(tmp_path, doc(tmp_path, health=bad)).field == where
+    assert err(tmp_path, doc(tmp_path, health=[1])).field == "health"
+    # upstream's /health generates a token: refused when a model sleeps (each probe would wake it)
+    assert parse_config(doc(tmp_path, health={"path": "/health"}), base_dir=tmp_path).health.path == "/health"
+    d = doc(tmp_path, health={"path": "/health_generate"})
+    d["models"][1]["sleep_after_s"] = 30
+    e = err(tmp_path, d)
+    assert e.field == "health.path" and "b: sleep_after_s" in str(e)
+    d["health"]["interval_s"] = None  # no probing: nothing to wake it
+    assert parse_config(d, base_dir=tmp_path).health.path == "/health_generate"
+
+
+def test_device_max_inflight_is_validated_and_caps_its_models_together_in_deadline_order(tmp_path):
+    from sglang_memx.serve.admission import policy_from_config
+
+    assert parse_config(doc(tmp_path), base_dir=tmp_path).devices[0].max_inflight is None
+    for bad in (0, "2", True):
+        assert err(tmp_path, doc(tmp_path, devices=[{"name": "c", "memory_gb": 1, "max_inflight": bad}])).field == (
+            "devices[0].max_inflight"
+        )
+    devices = [{"name": "cpu0", "memory_gb": 1, "max_inflight": 1}, {"name": "cpu1", "memory_gb": 1}]
+    cfg = parse_config(doc(tmp_path, devices=devices), base_dir=tmp_path)
+    assert cfg.devices[0].max_inflight == 1 and cfg.devices[1].max_inflight is None
+    # a: TTFT SLO 0.5 s, b: 1 s, each with 8 slots of its own; both on cpu0, one slot between them
+    pol = policy_from_config(cfg, {"a": "cpu0", "b": "cpu0"})
+    assert pol.offer("a1", "a", 0.0).verdict == "admit"
+    assert pol.offer("b1", "b", 0.0).verdict == "queue"  # b's own cap is free: the device's is not
+    assert pol.offer("a2", "a", 0.2).verdict == "queue"  # deadline 0.7 < b1's 1.0
+    assert [t.rid for t in pol.finish("a1", 0.3)] == ["a2"]  # earliest deadline first across models
+    assert [t.rid for t in pol.finish("a2", 0.4)] == ["b1"]
+    # the same models on a device without a cap: each uses its own slots at once
+    free = policy_from_config(cfg, {"a": "cpu1", "b": "cpu1"})
+    assert free.offer("a1", "a", 0.0).verdict == "admit" and free.offer("b1", "b", 0.0).verdict == "admit"

@@ -59,13 +59,14 @@ def valid(base) -> dict:
             {"name": "org/b", "path": "b", "precision": "float32", "server_args": "--max-running-requests 4"},
         ],
         "devices": [
-            {"name": "cpu0", "kind": "cpu", "memory_gb": 4, "cores": [0, 1]},
+            {"name": "cpu0", "kind": "cpu", "memory_gb": 4, "cores": [0, 1], "max_inflight": 6},
             {"name": "gpu0", "kind": "cuda", "memory_gb": 8.5, "index": 0},
         ],
         "router": {"host": "127.0.0.1", "port": 30000, "max_queued": 64, "max_inflight_per_engine": 8,
                    "hopeless_after_slo_x": 4.0, "request_timeout_s": 600, "api_key": "k"},
         "launch": {"log_dir": "logs", "pool_dir": "/tmp/pool", "startup_timeout_s": 600, "memx_args": ["--memx-x"],
                    "max_restarts": 3, "restart_backoff_s": 1.0, "restart_window_s": 600},
+        "health": {"interval_s": 5, "timeout_s": 10, "failures": 3, "path": "/memx/status"},
     }  # fmt: skip
 
 
@@ -138,7 +139,7 @@ def mutated(draw, base) -> dict:
                     st.sampled_from(bad_paths(base))
                 )
         else:  # a whole section of the wrong shape
-            doc[draw(st.sampled_from(["models", "devices", "router", "launch"]))] = draw(VALUES)
+            doc[draw(st.sampled_from(["models", "devices", "router", "launch", "health"]))] = draw(VALUES)
     return doc
 
 

@@ -48,8 +48,11 @@ def policy_from_config(config: ServeConfig, device_of: dict[str, str]) -> EdfAdm
         )
         for m in config.models
     }
+    # devices[].max_inflight: one cap over the device's models, whose slots then go by deadline too
+    group_inflight = {d.name: d.max_inflight for d in config.devices if d.max_inflight is not None}
     return EdfAdmission(limits, max_queued_total=config.router.max_queued,
-                        hopeless_after_slo_x=config.router.hopeless_after_slo_x)  # fmt: skip
+                        hopeless_after_slo_x=config.router.hopeless_after_slo_x,
+                        group_inflight=group_inflight)  # fmt: skip
 
 
 class AdmissionGate:

@@ -29,6 +29,7 @@ __all__ = [
     "DeviceConfig",
     "RouterConfig",
     "LaunchConfig",
+    "HealthConfig",
     "ServeConfig",
     "parse_config",
     "load_config",
@@ -40,6 +41,10 @@ KV_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
 DEVICE_KINDS = ("cpu", "cuda")
 MAX_REPLICAS = 32  # per model: a sanity bound (each replica is a whole engine process)
 MAX_TOKENS = 1 << 40  # a token count past this is a typo (and its bytes would overflow a float)
+# What the supervisor's periodic probe GETs (docs/router.md, "Hung engines"): memx's status
+# round-trips through the scheduler loop without a request; upstream's /health (= /health_generate
+# in 0.5.23) runs a one-token generation on an idle engine, which would wake a sleeping one.
+HEALTH_PATHS = ("/memx/status", "/health", "/health_generate")
 
 # Flags the launcher sets itself; a model's server_args may not repeat them.
 LAUNCHER_FLAGS = (
@@ -106,6 +111,7 @@ class DeviceConfig:
     memory_gb: float = 1.0
     cores: tuple[int, ...] | None = None
     index: int | None = None
+    max_inflight: int | None = None  # requests of all its models handed to engines at once; None: no shared cap
 
 
 @dataclass(frozen=True)
@@ -142,12 +148,25 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    """Periodic probing of live engines (``launcher.HealthProbe``): every ``interval_s`` (None:
+    never) a GET of ``path`` with ``timeout_s``; ``failures`` probes in a row without a 200 while
+    the process is alive: the engine is hung, killed and restarted like a dead one."""
+
+    interval_s: float | None = 5.0
+    timeout_s: float = 10.0
+    failures: int = 3
+    path: str = "/memx/status"
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     models: tuple[ModelConfig, ...]
     devices: tuple[DeviceConfig, ...]
     router: RouterConfig = field(default_factory=RouterConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     source: str | None = None  # the file it was read from
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def model(self, name: str) -> ModelConfig:
         for m in self.models:
@@ -268,6 +287,7 @@ _DEVICE_SPEC = {
     "memory_gb": (_pos, True),
     "cores": (_opt(_cores), False),
     "index": (_opt(lambda p, v: _int(p, v, 0)), False),
+    "max_inflight": (_opt(lambda p, v: _int(p, v, 1)), False),
 }
 
 _ROUTER_SPEC = {
@@ -290,11 +310,20 @@ _LAUNCH_SPEC = {
     "restart_window_s": (_pos, False),
 }
 
+_DAY_S = 86400.0  # health times past a day are typos (and a socket timeout must fit a time_t)
+_HEALTH_SPEC = {
+    "interval_s": (_opt(lambda p, v: _pos(p, v, _DAY_S)), False),
+    "timeout_s": (lambda p, v: _pos(p, v, _DAY_S), False),
+    "failures": (lambda p, v: _int(p, v, 1, 100), False),
+    "path": (lambda p, v: _str(p, v, choices=HEALTH_PATHS), False),
+}
+
 _TOP_SPEC = {
     "models": (lambda p, v: v, True),
     "devices": (lambda p, v: v, True),
     "router": (lambda p, v: v, False),
     "launch": (lambda p, v: v, False),
+    "health": (lambda p, v: v, False),
 }
 
 
@@ -370,7 +399,14 @@ def parse_config(doc, base_dir: str | os.PathLike = ".", source: str | None = No
         models.append(model)
     router = RouterConfig(**_fields("router", top.get("router") or {}, _ROUTER_SPEC))
     launch = LaunchConfig(**_fields("launch", top.get("launch") or {}, _LAUNCH_SPEC))
-    return ServeConfig(tuple(models), tuple(devices), router, launch, source)
+    health = HealthConfig(**_fields("health", top.get("health") or {}, _HEALTH_SPEC))
+    if health.interval_s is not None and health.path != "/memx/status":
+        sleepy = [m.name for m in models if m.sleep_after_s is not None]
+        if sleepy:  # upstream's /health generates a token: every probe would wake the engine
+            raise ServeConfigError("health.path", f"{health.path} runs a generation, which wakes a sleeping "
+                                   f"engine and keeps it awake ({', '.join(sleepy)}: sleep_after_s); "
+                                   "use /memx/status")  # fmt: skip
+    return ServeConfig(tuple(models), tuple(devices), router, launch, source, health=health)
 
 
 def load_config(path: str | os.PathLike) -> ServeConfig:

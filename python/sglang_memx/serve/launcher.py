@@ -26,6 +26,14 @@ Invariants:
   ``dead``). Every restart, failure and its duration is logged and counted. The supervisor
   thread is also the one that spawns restarted engines and lives until ``stop_all``
   (``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits).
+* Hangs (``HealthProbe``): an awake engine whose process is alive is probed every
+  ``interval_s`` (one probe at a time per engine, in its own thread, so a probe that waits
+  never delays the supervision of the others); after ``failures`` probes in a row without a
+  200 the engine is hung: it leaves ``awake`` first (the router stops sending to it and
+  treats its broken connections as a failed engine), its process group is SIGKILLed (a
+  stopped or deadlocked process does not act on SIGTERM) and it goes the dead engine's way
+  (same port, backoff, ``max_restarts``). A probe's result counts only for the process it
+  probed.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from .placement import GIB, Placement, instance_name
 
 __all__ = ["EngineSpec", "engine_specs", "default_pool_dir", "Engine", "Launcher", "EngineStartError",
            "RestartPolicy", "RestartBudget", "ENGINE_STATES", "STARTING", "AWAKE", "RESTARTING", "DEAD",
-           "SLEEPING", "WAKING", "describe_exit"]  # fmt: skip
+           "SLEEPING", "WAKING", "describe_exit", "HealthProbe"]  # fmt: skip
 
 # Engine states, as /memx/serve, `sglang-memx top` and the router's metrics show them.
 STARTING, AWAKE, RESTARTING, DEAD = "starting", "awake", "restarting", "dead"
@@ -121,6 +129,30 @@ class RestartPolicy:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class HealthProbe:
+    """How live engines are probed: a GET of ``path`` every ``interval_s`` (counted from the end
+    of the previous probe, so probes never overlap), each given ``timeout_s``; ``failures``
+    probes in a row without a 200 while the process lives: hung. The engine is declared hung
+    at the earliest ``failures * timeout_s + (failures - 1) * interval_s`` after it stopped
+    answering (plus up to one interval)."""
+
+    interval_s: float = 5.0
+    timeout_s: float = 10.0
+    failures: int = 3
+    path: str = "/memx/status"
+
+    def __post_init__(self):
+        for name in ("interval_s", "timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+        if isinstance(self.failures, bool) or not isinstance(self.failures, int) or self.failures < 1:
+            raise ValueError(f"failures must be an integer >= 1, got {self.failures!r}")
+        if not isinstance(self.path, str) or not self.path.startswith("/"):
+            raise ValueError(f"path must be an absolute URL path, got {self.path!r}")
 
 
 class RestartBudget:
@@ -246,6 +278,18 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+class _Probe(threading.Thread):
+    """One health probe of one engine process; ``outcome`` = (that Popen, error or None) when done."""
+
+    def __init__(self, engine: Engine, path: str, timeout: float):
+        super().__init__(name=f"memx-serve-probe-{engine.spec.key}", daemon=True)
+        self.engine, self.proc, self.path, self.timeout = engine, engine.proc, path, timeout
+        self.outcome: tuple | None = None
+
+    def run(self) -> None:
+        self.outcome = (self.proc, self.engine.probe(self.path, self.timeout))
+
+
 class Engine:
     """One engine process (``launch_server`` in its own process group)."""
 
@@ -267,6 +311,12 @@ class Engine:
         self._ready_by: float | None = None
         self.sleep: dict | None = None  # the engine's weights.sleep status (--memx-sleep-after-s), polled
         self._sleep_polled = 0.0
+        self.hangs = 0  # times it was found hung and killed
+        self.probe_failures = 0  # health probes in a row without a 200 (this process)
+        self.last_probe_error: str | None = None
+        self._probe_at: float | None = None  # when the next probe may start
+        self._answered_at: float | None = None  # the last 200 (or the time it became awake)
+        self._probe_thread: _Probe | None = None  # the probe in flight; its ``outcome`` when done
 
     @property
     def url(self) -> str:
@@ -320,6 +370,8 @@ class Engine:
             "last_exit": self.last_exit,
             "expected_ready_s": self.expected_ready_s(),
             "sleep": self.sleep,
+            "hangs": self.hangs,
+            "probe_failures": self.probe_failures,
         }
 
     def poll_sleep(self, timeout: float = 2.0) -> None:
@@ -327,15 +379,67 @@ class Engine:
         ``--memx-sleep-after-s``); None when the engine does not reply (never a stale state)."""
         if "--memx-sleep-after-s" not in self.spec.argv:
             return
-        req = urllib.request.Request(self.url + "/memx/status")
-        if "--api-key" in self.spec.argv:
-            req.add_header("Authorization", "Bearer " + self.spec.argv[self.spec.argv.index("--api-key") + 1])
+        req = self._auth(urllib.request.Request(self.url + "/memx/status"))
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 doc = json.load(r)
             self.sleep = doc["schedulers"][0]["elastic_kv"]["weights"]["sleep"]
         except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
             self.sleep = None
+
+    def _auth(self, req: urllib.request.Request) -> urllib.request.Request:
+        if "--api-key" in self.spec.argv:
+            req.add_header("Authorization", "Bearer " + self.spec.argv[self.spec.argv.index("--api-key") + 1])
+        return req
+
+    def probe(self, path: str, timeout: float) -> str | None:
+        """One health probe: None when ``path`` answers 200 within ``timeout``, else why not."""
+        try:
+            with urllib.request.urlopen(self._auth(urllib.request.Request(self.url + path)), timeout=timeout) as r:
+                r.read()
+                return None if r.status == 200 else f"HTTP {r.status}"
+        except urllib.error.HTTPError as exc:
+            return f"HTTP {exc.code}"
+        except TimeoutError:
+            return f"no answer in {timeout:g} s"
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                return f"no answer in {timeout:g} s"
+            return str(exc.reason)
+        except OSError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    def start_probe(self, path: str, timeout: float) -> None:
+        """Probe in a daemon thread; when it ends, the thread's ``outcome`` is (the probed Popen,
+        error or None). A thread dropped by ``reset_probes`` is never read."""
+        self._probe_thread = _Probe(self, path, timeout)
+        self._probe_thread.start()
+
+    def probe_outcome(self) -> tuple | None:
+        """The finished probe's (probed Popen, error or None), taken once; None while none finished."""
+        t = self._probe_thread
+        if t is None or t.is_alive():
+            return None
+        self._probe_thread = None
+        return t.outcome
+
+    def reset_probes(self, now: float, interval_s: float) -> None:
+        """A (re)started process: no failures counted, first probe one interval on."""
+        self.probe_failures = 0
+        self.last_probe_error = None
+        self._answered_at = now
+        self._probe_at = now + interval_s
+        self._probe_thread = None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (a hung engine: SIGTERM would wait on it)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.stop(grace_s=0)
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:
@@ -391,6 +495,7 @@ class Launcher:
         self.engines = {s.key: Engine(s) for s in specs}  # by instance name (replica 0: the model's name)
         self._pools = sorted({(s.pool, s.pool_dir) for s in specs})
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._health: HealthProbe | None = None  # set by ``supervise``: no probing before
 
     def start_all(self, timeout_s: float) -> None:
         for e in self.engines.values():
@@ -429,21 +534,28 @@ class Launcher:
 
     # ------------------------------------------------------------------ health
     def supervise(self, policy: RestartPolicy | None = None, startup_timeout_s: float = 600.0,
-                  interval_s: float = 0.2, clock=time.monotonic) -> None:  # fmt: skip
-        """Start the supervisor thread (after ``start_all``): dead engines are restarted."""
-        self.configure_restarts(policy, startup_timeout_s, clock)
+                  interval_s: float = 0.2, clock=time.monotonic,
+                  health: HealthProbe | None = None) -> None:  # fmt: skip
+        """Start the supervisor thread (after ``start_all``): dead engines are restarted, and with
+        ``health`` live ones are probed and restarted when hung."""
+        self.configure_restarts(policy, startup_timeout_s, clock, health)
         self._stop_evt = threading.Event()
         self._thread = threading.Thread(target=self._supervise_loop, args=(interval_s,), name="memx-serve-supervisor",
                                         daemon=True)  # fmt: skip
         self._thread.start()
 
-    def configure_restarts(self, policy: RestartPolicy | None, startup_timeout_s: float, clock=time.monotonic):
+    def configure_restarts(self, policy: RestartPolicy | None, startup_timeout_s: float, clock=time.monotonic,
+                           health: HealthProbe | None = None):  # fmt: skip
         self._policy = policy or RestartPolicy()
         self._startup_timeout_s = startup_timeout_s
         self._clock = clock
+        self._health = health
+        now = clock()
         for e in self.engines.values():
             if e.budget is None:
                 e.budget = RestartBudget(self._policy)
+            if health is not None:
+                e.reset_probes(now, health.interval_s)
 
     def _supervise_loop(self, interval_s: float) -> None:
         while not self._stop_evt.wait(interval_s):
@@ -476,6 +588,8 @@ class Launcher:
         name = e.spec.key
         if e.state == AWAKE:
             if e.alive():
+                if self._health is not None and self._check_health(e, now):
+                    return
                 if now - e._sleep_polled >= SLEEP_POLL_S:
                     e._sleep_polled = now
                     e.poll_sleep()
@@ -502,6 +616,8 @@ class Launcher:
                 e.stop(grace_s=2.0)
                 self._schedule(e, now)
             elif e.healthy(timeout=1.0):
+                if self._health is not None:
+                    e.reset_probes(now, self._health.interval_s)
                 took = now - e._down_since
                 e.restarts += 1
                 e.restart_seconds_total += took
@@ -509,6 +625,40 @@ class Launcher:
                 e.state = AWAKE
                 self._log(f"sglang-memx serve: {name} restarted at {e.url} in {took:.1f} s "
                           f"(restart {e.restarts})")  # fmt: skip
+
+    def _check_health(self, e: Engine, now: float) -> bool:
+        """Take a finished probe's result, start the next one when due; True when ``e`` was found
+        hung (then it is killed and scheduled for a restart)."""
+        h = self._health
+        done = e.probe_outcome()
+        if done is not None:
+            probed, error = done
+            e._probe_at = now + h.interval_s
+            if probed is e.proc:  # a result about an earlier process counts for nothing
+                if error is None:
+                    e.probe_failures, e.last_probe_error, e._answered_at = 0, None, now
+                else:
+                    e.probe_failures += 1
+                    e.last_probe_error = error
+                    if e.probe_failures >= h.failures:
+                        self._hung(e, now)
+                        return True
+        if e._probe_thread is None and e._probe_at is not None and now >= e._probe_at:
+            e.start_probe(h.path, h.timeout_s)
+        return False
+
+    def _hung(self, e: Engine, now: float) -> None:
+        silent = now - (e._answered_at if e._answered_at is not None else now)
+        path = self._health.path
+        e.last_exit = f"hung: no {path} answer for {silent:.0f} s"
+        e.hangs += 1
+        e.state = RESTARTING  # first: the router stops sending to it, its broken connections count as a failure
+        e._down_since = now
+        self._log(f"sglang-memx serve: {e.spec.key} (pid {e.pid}, port {e.port}) is hung: no {path} answer for "
+                  f"{silent:.1f} s ({e.probe_failures} probes in a row failed, last: {e.last_probe_error}); "
+                  f"killing its process group (SIGKILL); log tail:\n{e.log_tail(10)}")  # fmt: skip
+        e.kill()
+        self._schedule(e, now)
 
     def stop_supervising(self) -> None:
         evt, thread = getattr(self, "_stop_evt", None), getattr(self, "_thread", None)

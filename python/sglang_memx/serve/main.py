@@ -90,13 +90,16 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     try:
         launcher.start_all(config.launch.startup_timeout_s)
-        from .launcher import RestartPolicy
+        from .launcher import HealthProbe, RestartPolicy
 
+        h = config.health
         launcher.supervise(RestartPolicy(max_restarts=config.launch.max_restarts,
                                          window_s=config.launch.restart_window_s,
                                          backoff_s=config.launch.restart_backoff_s,
                                          backoff_max_s=max(30.0, config.launch.restart_backoff_s)),
-                           startup_timeout_s=config.launch.startup_timeout_s)  # fmt: skip
+                           startup_timeout_s=config.launch.startup_timeout_s,
+                           health=None if h.interval_s is None else HealthProbe(h.interval_s, h.timeout_s,
+                                                                                h.failures, h.path))  # fmt: skip
         _serve_router(config, placement, launcher, host, port, api_key)
     except EngineStartError as exc:
         print(f"sglang-memx serve: error: {exc}", file=sys.stderr)

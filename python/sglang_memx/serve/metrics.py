@@ -43,6 +43,7 @@ _HELP = {
     "memx_router_engine_state": ("gauge", "1 for the engine's current state."),
     "memx_router_engine_up": ("gauge", "1 when the engine serves (awake)."),
     "memx_router_engine_restarts_total": ("counter", "Successful engine restarts."),
+    "memx_router_engine_hangs_total": ("counter", "Times the engine was found hung (alive, no health answer), killed."),
     "memx_router_engine_restart_failures_total": ("counter", "Restart attempts that exited or were not healthy."),
     "memx_router_engine_restart_seconds_total": ("counter", "Time from an engine's death to healthy again, summed."),
     "memx_router_engine_last_restart_seconds": ("gauge", "Duration of the engine's last restart."),
@@ -191,6 +192,7 @@ class RouterMetrics:
                 )
             by["memx_router_engine_up"].append(f"memx_router_engine_up{_fmt_labels(lab)} {int(state == 'awake')}")
         for key, name in (("restarts", "memx_router_engine_restarts_total"),
+                          ("hangs", "memx_router_engine_hangs_total"),
                           ("restart_failures", "memx_router_engine_restart_failures_total"),
                           ("restart_seconds_total", "memx_router_engine_restart_seconds_total"),
                           ("last_restart_s", "memx_router_engine_last_restart_seconds"),
