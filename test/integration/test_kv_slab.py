@@ -166,7 +166,7 @@ def test_a_busy_then_b_runs_on_memory_a_gave_back(pool):
         a_shared["returned_total"] > 0
         and after["shared_pool"]["borrowed_total"] > before["shared_pool"]["borrowed_total"]
     )
-    # steady decode made no map call on the request path: the slabs it crossed were premapped
+    # steady decode made no map call on its path: the slabs it crossed were premapped ...
     steps = after["decode_steps"] - before["decode_steps"]
     premapped = after["map_calls"]["premap"] - before["map_calls"]["premap"]
     assert steps >= 2 * 299 and premapped >= 300 // 64, (steps, premapped)
@@ -178,14 +178,19 @@ def test_a_busy_then_b_runs_on_memory_a_gave_back(pool):
         f"{after['decode_map_calls'] - before['decode_map_calls']}; A burst: decode steps "
         f"{a_after['decode_steps'] - a_before['decode_steps']}, request-path maps in decode "
         f"{a_after['decode_map_calls'] - a_before['decode_map_calls']}, premapped "
-        f"{a_after['map_calls']['premap'] - a_before['map_calls']['premap']}; B unmapped "
-        f"{after['groups_unmapped_total'] - before['groups_unmapped_total']} slabs, activation took "
+        f"{a_after['map_calls']['premap'] - a_before['map_calls']['premap']}, unmaps in decode "
+        f"{a_after['decode_unmap_calls'] - a_before['decode_unmap_calls']}; B unmapped "
+        f"{after['groups_unmapped_total'] - before['groups_unmapped_total']} slabs "
+        f"({after['decode_unmap_calls'] - before['decode_unmap_calls']} on decode steps' paths, tick "
+        f"{after['unmap_calls']['tick'] - before['unmap_calls']['tick']}), activation took "
         f"{after['activation']['chunks_from_kv'] - before['activation']['chunks_from_kv']} chunks from KV and lent "
         f"{after['activation']['chunks_lent_to_kv'] - before['activation']['chunks_lent_to_kv']} to it; "
         f"slabs now A {a_after['slab']['slabs']}, "
         f"B {after['slab']['slabs']}"
     )
+    # ... and no unmap either: the premap left the next step's activation alone (no ping-pong)
     assert after["decode_map_calls"] - before["decode_map_calls"] == 0, after
+    assert after["decode_unmap_calls"] - before["decode_unmap_calls"] == 0, after
 
 
 def _settled(pool):

@@ -19,11 +19,21 @@ choice (any page of its free list) never touches a hole. Pages move in and out:
   maps since the previous forward to the forward about to run (allocation
   precedes the forward), counting those of decode forwards (``decode_steps``,
   ``decode_steps_with_map``, ``decode_map_calls``).
-* ``refill(allocator, pages)`` is the premap: between iterations it maps
-  groups from FREE chunks (idle activation chunks too when the caller allows:
-  not while a prefill waits, which would take them back) until ``pages`` free
-  pages are ready, so a decode step finds its pages mapped and the request path
-  makes no map call.
+* Unmaps are counted by ``phase`` (``unmap_calls``): ``"tick"`` while memx's tick runs
+  (``elastic.tick`` sets it: routine deflation, reclaims, background work) and ``"request"``
+  otherwise (the scheduler's own path: admission, a decode step's activation reserve and
+  capacity check, allocation). ``note_forward`` attributes the request path's unmaps since
+  the previous forward to a decode forward as it does maps (``decode_unmap_calls``,
+  ``decode_steps_with_unmap``): a decode step's path is everything between the previous
+  forward and it outside the tick, so ``decode_map_calls + decode_unmap_calls`` are the
+  driver calls (in groups) a steady decode step waited on.
+* ``refill(allocator, pages, keep_activation=...)`` is the premap: between
+  iterations it maps groups from FREE chunks (idle activation chunks too when
+  the caller allows: not while a prefill waits, which would take them back)
+  until ``pages`` free pages are ready, so a decode step finds its pages mapped
+  and the request path makes no map call. It leaves the next decode step's
+  activation (``keep_activation`` chunks) alone, so that step's reserve does
+  not unmap what was just premapped.
 * ``shrink(allocator, spare_groups=...)`` unmaps mapped groups whose pages are
   *all* free (highest first), keeping ``spare_groups`` of them mapped for the
   next burst. Group 0 holds upstream's padded page 0 and is never unmapped.
@@ -47,6 +57,7 @@ from memory_ext.pool.layered_kv import LayeredKVBuffers
 from sglang_memx.upstream import kv as up_kv
 
 PATHS = ("request", "premap")
+PHASES = ("request", "tick")
 
 
 class ElasticKV:
@@ -80,6 +91,8 @@ class ElasticKV:
             raise ValueError(f"{self.num_groups} groups needed but the buffers have {buffers.num_groups}")
         self._last_group_pages = last_page - (self.num_groups - 1) * self.group_pages + 1
         self.map_calls = dict.fromkeys(PATHS, 0)
+        self.unmap_calls = dict.fromkeys(PHASES, 0)  # groups unmapped, by phase
+        self.phase = "request"  # "tick" while elastic.tick runs
         self.stats = {
             "grow_calls": 0,
             "groups_mapped_total": 0,
@@ -92,10 +105,13 @@ class ElasticKV:
             "decode_steps": 0,
             "decode_steps_with_map": 0,
             "decode_map_calls": 0,
+            "decode_steps_with_unmap": 0,
+            "decode_unmap_calls": 0,
             "ticks": 0,
             "tick_seconds": 0.0,
         }
         self._request_maps_seen = 0
+        self._request_unmaps_seen = 0
         # scheduler-side state: borrow back-off (shared pool), one-time length cap
         self.borrow_backoff_until = 0.0
         self.borrow_backoff_s = 0.0
@@ -126,11 +142,23 @@ class ElasticKV:
         mapped = set(self.buffers.mapped_groups())
         return [g for g in range(self.num_groups) if g not in mapped]
 
-    def affordable_groups(self, *, free_only: bool = False) -> int:
+    def affordable_groups(self, *, free_only: bool = False, keep_activation: int = 0) -> int:
         """Groups the pool could back right now: FREE chunks, plus idle activation chunks
-        unless ``free_only``."""
-        idle = self.activation.idle() if self.activation is not None and not free_only else 0
-        return (self.buffers.pool.available() + idle) // self.buffers.chunks_per_group
+        unless ``free_only``.
+
+        ``keep_activation``: chunks the activation must still find without deflating KV
+        (the premap passes the next decode step's, ``demand.decode_activation_chunks``).
+        Invariant: after mapping the groups counted here, ``held + FREE >= keep_activation``
+        and no chunk the activation holds below ``keep_activation`` is lent, so the
+        reserve that comes next neither unmaps a group nor acquires what KV just took.
+        """
+        free = self.buffers.pool.available()
+        if self.activation is None:
+            return free // self.buffers.chunks_per_group
+        keep = max(self.activation.live, keep_activation)
+        held = self.activation.held
+        lendable = 0 if free_only else max(0, held - keep)
+        return (max(0, free - max(0, keep - held)) + lendable) // self.buffers.chunks_per_group
 
     def growable_pages(self) -> int:
         """Pages ``grow`` could add now: the lowest affordable unmapped groups."""
@@ -150,6 +178,8 @@ class ElasticKV:
         n = fn(groups)
         usable = sum(self.usable_pages(g) for g in groups)
         self._mapped_usable += usable if kind == "map" else -usable
+        if kind == "unmap":
+            self.unmap_calls[self.phase] += n
         dt = time.perf_counter() - t0
         self.stats[f"{kind}_seconds"] += dt
         self.stats[f"max_{kind}_seconds"] = max(self.stats[f"max_{kind}_seconds"], dt)
@@ -163,8 +193,13 @@ class ElasticKV:
         up_kv.set_free_pages(allocator, self.pages_of_group(0))
         up_kv.clear_staged_frees(allocator, self.device)
 
-    def grow(self, allocator, pages_wanted: int, path: str = "request", *, free_only: bool = False) -> int:
-        """Map groups until the free list holds ``pages_wanted`` pages (or the pool refuses); return groups mapped."""
+    def grow(self, allocator, pages_wanted: int, path: str = "request", *, free_only: bool = False,
+             keep_activation: int = 0) -> int:  # fmt: skip
+        """Map groups until the free list holds ``pages_wanted`` pages (or the pool refuses); return groups mapped.
+
+        Only groups ``affordable_groups(free_only=..., keep_activation=...)`` counts are mapped:
+        idle activation chunks beyond ``keep_activation`` are lent, FREE chunks the activation
+        needs to reach it are left."""
         missing = pages_wanted - up_kv.free_page_count(allocator)
         if missing <= 0:
             return 0
@@ -175,7 +210,7 @@ class ElasticKV:
                 break
             chosen.append(g)
             pages += self.usable_pages(g)
-        chosen = chosen[: self.affordable_groups(free_only=free_only)]
+        chosen = chosen[: self.affordable_groups(free_only=free_only, keep_activation=keep_activation)]
         if chosen and self.activation is not None and not free_only:  # inflation: KV takes idle activation
             self.activation.lend_to_kv(len(chosen) * self.buffers.chunks_per_group - self.buffers.pool.available())
         mapped: list[int] = []
@@ -196,19 +231,29 @@ class ElasticKV:
         return len(mapped)
 
     def note_forward(self, decode: bool) -> None:
-        """Before each forward: the request path's maps since the previous forward were made for
-        this one (its batch's KV is allocated before it runs); count them if it is a decode step."""
+        """Before each forward: the request path's maps and unmaps since the previous forward were
+        made for this one (its batch's activation is reserved and its KV allocated before it runs);
+        count them if it is a decode step."""
         maps = self.map_calls["request"] - self._request_maps_seen
+        unmaps = self.unmap_calls["request"] - self._request_unmaps_seen
         self._request_maps_seen = self.map_calls["request"]
+        self._request_unmaps_seen = self.unmap_calls["request"]
         if decode:
             self.stats["decode_steps"] += 1
             self.stats["decode_map_calls"] += maps
             self.stats["decode_steps_with_map"] += 1 if maps else 0
+            self.stats["decode_unmap_calls"] += unmaps
+            self.stats["decode_steps_with_unmap"] += 1 if unmaps else 0
 
-    def refill(self, allocator, pages_wanted: int, *, free_only: bool = True) -> int:
+    def refill(self, allocator, pages_wanted: int, *, free_only: bool = True, keep_activation: int = 0) -> int:
         """Premap (off the request path): map groups until ``pages_wanted`` pages are free, from FREE
-        chunks (and idle activation chunks unless ``free_only``)."""
-        return self.grow(allocator, pages_wanted, "premap", free_only=free_only)
+        chunks (and idle activation chunks unless ``free_only``).
+
+        Policy: the premap never takes the chunks the next decode step's activation needs
+        (``keep_activation``, see ``affordable_groups``). Taking them made that step's reserve
+        deflate the group just premapped: an unmap on the decode step's path, and a map again
+        at the next tick (a ping-pong measured on a real server, docs/memory-pool.md)."""
+        return self.grow(allocator, pages_wanted, "premap", free_only=free_only, keep_activation=keep_activation)
 
     def shrink(self, allocator, max_groups: int | None = None, spare_groups: int | None = None,
                lazy: bool = False) -> int:  # fmt: skip
@@ -284,6 +329,7 @@ class ElasticKV:
             "chunks_per_group": b.chunks_per_group,
             "spare_groups": self.spare_groups,
             "map_calls": dict(self.map_calls),
+            "unmap_calls": dict(self.unmap_calls),
             **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()},
             "activation": self.activation.status() if self.activation is not None else None,
             "host_buffer": self.host.status() if self.host is not None else None,

@@ -18,7 +18,9 @@ In order:
    memory is empty); applied by the layer pipeline at the next forward boundary;
 10. hold the head request's prefill activation (evicting cached prefixes is safe here);
 11. premap: map groups from FREE chunks (and idle activation when no prefill waits) so the
-    next decode step finds its pages mapped (the request path then makes no map call).
+    next decode step finds its pages mapped (the request path then makes no map call),
+    never from the chunks that step's activation reserve needs
+    (``demand.decode_activation_chunks``): the step's path then makes no map and no unmap.
 """
 
 from __future__ import annotations
@@ -79,7 +81,11 @@ def tick(scheduler) -> None:
     if kv is None:
         return
     t0 = time.perf_counter()
-    _tick(scheduler, allocator, kv)
+    kv.phase = "tick"  # its unmaps are background work, not a request's path (ElasticKV.unmap_calls)
+    try:
+        _tick(scheduler, allocator, kv)
+    finally:
+        kv.phase = "request"
     kv.stats["ticks"] += 1
     kv.stats["tick_seconds"] += time.perf_counter() - t0
 
@@ -109,4 +115,5 @@ def _tick(scheduler, allocator, kv) -> None:
     hold_head_activation(kv, allocator, tree, scheduler)
     if busy:  # idle activation may back the premap only when no prefill waits to take it back
         kv.refill(allocator, premap_pages(kv, scheduler) + kv.spare_groups * kv.group_pages,
-                  free_only=bool(up_sched.waiting(scheduler)))  # fmt: skip
+                  free_only=bool(up_sched.waiting(scheduler)),
+                  keep_activation=demand.decode_activation_chunks(kv, scheduler))  # fmt: skip
