@@ -62,9 +62,7 @@ def _decode_until_full(kv, alloc, scheduler, max_steps: int = 1000) -> int:
     n = REQUESTS
     for step in range(max_steps):
         tick(scheduler)  # before upstream picks the batch: deflation, premap
-        fits = decode_step_fits(
-            kv, alloc, lambda: up_kv.free_page_count(alloc) + kv.growable_pages() >= n, n, None, n
-        )
+        fits = decode_step_fits(kv, alloc, lambda: up_kv.free_page_count(alloc) + kv.growable_pages() >= n, n, None, n)
         if not fits:
             return step
         got = around_alloc(type(alloc).alloc, alloc, n)  # upstream's decode allocation, memx's hook
