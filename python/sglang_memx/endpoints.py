@@ -1,11 +1,17 @@
 """The HTTP endpoints memx adds to upstream's server: ``GET <--memx-status-path>`` (JSON,
-``sglang_memx.status``) and ``GET /memx/metrics`` (Prometheus text, ``sglang_memx.metrics``).
+``sglang_memx.status``), ``GET /memx/metrics`` (Prometheus text, ``sglang_memx.metrics``) and
+``POST /memx/activity`` (a router's activity for this server's model, ``sglang_memx.router_activity``).
 
-The handlers ask every scheduler for its internal state (upstream's own request/response
+The GET handlers ask every scheduler for its internal state (upstream's own request/response
 pair, now carrying a ``memx`` section, see ``hooks.scheduler``) and combine the answers.
 
-Both routes are read-only and GET-only (any other method: 405; any other ``/memx/`` path:
-404; query strings and request bodies are ignored), and memx adds no state-changing route.
+The status routes are read-only and GET-only (any other method: 405; any other ``/memx/`` path:
+404; query strings and request bodies are ignored). ``POST /memx/activity`` is the one route
+that changes state, and only advisory state: what the router holds for this model, which can
+make the server keep memory and stay awake, never give up more (a malformed body: 400 naming
+the field; accepted: 202, the schedulers get the latest message, older ones still on their
+way are superseded, never queued).
+
 Keys: upstream's ``--api-key`` / ``--admin-api-key`` middleware covers the whole app; the
 memx routes carry no auth level, so upstream treats them as it treats its own read-only
 ``/server_info``: with ``--api-key`` they need ``Authorization: Bearer <api key>``, with
@@ -15,8 +21,15 @@ only ``--admin-api-key`` they are open. (Upstream's ``/metrics`` is exempt by it
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import time
 
+from fastapi import Request
+
+from memory_ext.policy.router_activity import ActivityError, parse_activity
+from sglang_memx import router_activity
 from sglang_memx.config import MemxConfig
 from sglang_memx.metrics import CONTENT_TYPE, METRICS_PATH, render_prometheus
 from sglang_memx.status import status_document
@@ -43,6 +56,56 @@ def make_metrics_handler(config: MemxConfig):
     return memx_metrics
 
 
+ACTIVITY_PATH = "/memx/activity"
+
+
+class _ActivitySender:
+    """Hands the latest accepted activity to the schedulers, one send at a time: a message that
+    arrives while one is on its way replaces any still waiting (the newest one wins)."""
+
+    def __init__(self):
+        self.pending: dict | None = None
+        self.task: asyncio.Task | None = None
+        self.sent = self.failed = 0
+
+    def offer(self, numbers: dict) -> None:
+        self.pending = numbers
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while self.pending is not None:
+            numbers, self.pending = self.pending, None
+            try:
+                await up_http.set_scheduler_numbers(numbers)
+                self.sent += 1
+            except Exception:  # a scheduler that cannot take it now: the router sends again within ~1 s
+                self.failed += 1
+                logger.exception("memx: could not pass the router activity to the scheduler")
+
+
+def make_activity_handler():
+    from fastapi.responses import JSONResponse
+
+    sender = _ActivitySender()
+
+    async def memx_activity(request: Request):
+        raw = await request.body()
+        try:
+            doc = json.loads(raw or b"null")
+        except ValueError:
+            return JSONResponse({"error": {"field": "body", "message": "body: not valid JSON"}}, status_code=400)
+        try:
+            act = parse_activity(doc, time.monotonic())
+        except ActivityError as exc:
+            return JSONResponse({"error": {"field": exc.field, "message": str(exc)}}, status_code=400)
+        sender.offer(router_activity.to_wire(act))
+        return JSONResponse({"accepted": True}, status_code=202)
+
+    memx_activity.sender = sender
+    return memx_activity
+
+
 def add_status_routes(app, config: MemxConfig) -> bool:
     """Add the status (and metrics) routes to ``app`` once; returns whether they were added."""
     if config.disabled or up_http.has_route(app, config.status_path):
@@ -52,5 +115,8 @@ def add_status_routes(app, config: MemxConfig) -> bool:
     if METRICS_PATH != config.status_path and not up_http.has_route(app, METRICS_PATH):
         app.add_api_route(METRICS_PATH, make_metrics_handler(config), methods=["GET"], name="memx_metrics",
                           include_in_schema=True)  # fmt: skip
-    logger.info("memx: serving GET %s and GET %s", config.status_path, METRICS_PATH)
+    if not up_http.has_route(app, ACTIVITY_PATH):
+        app.add_api_route(ACTIVITY_PATH, make_activity_handler(), methods=["POST"], name="memx_activity",
+                          include_in_schema=True)  # fmt: skip
+    logger.info("memx: serving GET %s, GET %s and POST %s", config.status_path, METRICS_PATH, ACTIVITY_PATH)
     return True

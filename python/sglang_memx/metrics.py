@@ -75,6 +75,13 @@ _HELP = {
     "memx_shared_pool_reclaim_requests_total": ("counter", "Reclaim requests from the arbiter."),
     "memx_shared_pool_held_bytes": ("gauge", "Bytes currently borrowed from the arbiter."),
     "memx_shared_pool_budget_bytes": ("gauge", "Budget of the shared pool."),
+    "memx_router_activity_queued": ("gauge", "Requests the router holds queued for this model (last message)."),
+    "memx_router_activity_inflight": ("gauge", "Requests the router has in flight to this model (last message)."),
+    "memx_router_activity_arrival_rate": ("gauge", "Router arrivals per second for this model (last message)."),
+    "memx_router_activity_queued_tokens": ("gauge", "Router's estimate of its queued requests' KV tokens."),
+    "memx_router_activity_age_seconds": ("gauge", "Seconds since the last router activity message arrived."),
+    "memx_router_activity_live": ("gauge", "1 while the last router activity is younger than its TTL, else 0."),
+    "memx_router_activity_received_total": ("counter", "Router activity messages received."),
     "memx_requests_running": ("gauge", "Requests decoding."),
     "memx_requests_waiting": ("gauge", "Requests waiting for admission."),
 }
@@ -106,6 +113,16 @@ def _samples(rank: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any], float]
     req = rank.get("requests", {})
     yield "memx_requests_running", base, req.get("running", 0)
     yield "memx_requests_waiting", base, req.get("waiting", 0)
+    act = rank.get("router_activity")
+    if act:
+        yield "memx_router_activity_queued", base, act["queued"]
+        yield "memx_router_activity_inflight", base, act["inflight"]
+        yield "memx_router_activity_arrival_rate", base, act["arrival_rate"]
+        if act["queued_tokens"] is not None:
+            yield "memx_router_activity_queued_tokens", base, act["queued_tokens"]
+        yield "memx_router_activity_age_seconds", base, act["age_s"]
+        yield "memx_router_activity_live", base, int(act["live"])
+        yield "memx_router_activity_received_total", base, act["received_total"]
     el = rank.get("elastic_kv")
     if not el:
         return

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from sglang_memx import __version__
+from sglang_memx import __version__, router_activity
 from sglang_memx.config import MemxConfig
 from sglang_memx.elastic.slab import slab_status
 from sglang_memx.upstream import kv as up_kv
@@ -92,6 +92,7 @@ def scheduler_status(scheduler, config: MemxConfig) -> dict[str, Any]:
         doc["elastic_kv"] = elastic
     if config.pool:
         doc["pool_name"] = config.pool
+    doc["router_activity"] = router_activity.status()  # None: no router ever posted /memx/activity
     return doc
 
 

@@ -1,4 +1,5 @@
-"""Bad HTTP to ``/memx/*`` gets a 4xx, never a 5xx; upstream's ``--api-key`` / ``--admin-api-key``
+"""Bad HTTP to ``/memx/*`` gets a 4xx, never a 5xx (a malformed ``POST /memx/activity``: 400 naming
+the field); upstream's ``--api-key`` / ``--admin-api-key``
 check covers the memx routes as it covers upstream's own read-only ``/server_info``.
 
 The routes are those ``hooks.http`` adds to upstream's app, on a fresh FastAPI app served by
@@ -10,6 +11,7 @@ upstream's ``launch_server`` installs it.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from fastapi import FastAPI
@@ -18,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_memx.config import MemxConfig
-from sglang_memx.endpoints import add_status_routes
+from sglang_memx.endpoints import ACTIVITY_PATH, add_status_routes
 from sglang_memx.metrics import METRICS_PATH
 from sglang_memx.upstream import http as up_http
 
@@ -41,12 +43,21 @@ def _app(status_path: str = "/memx/status", keys: tuple[str | None, str | None] 
     return app
 
 
+SENT: list = []  # what POST /memx/activity handed to the (fake) schedulers
+
+
 @pytest.fixture(autouse=True)
 def one_fake_rank(monkeypatch):
     async def states():
         return [RANK]
 
+    async def set_numbers(numbers):
+        SENT.append(numbers)
+        return [True]
+
     monkeypatch.setattr(up_http, "scheduler_states", states)
+    monkeypatch.setattr(up_http, "set_scheduler_numbers", set_numbers)
+    SENT.clear()
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +66,10 @@ def client():
         yield c
 
 
-def test_the_memx_routes_answer_and_are_get_only():
+def test_the_memx_routes_answer_and_only_activity_takes_a_post():
     app = _app()
     memx = {r.path: r.methods for r in app.router.routes if r.path.startswith("/memx")}
-    assert memx == {"/memx/status": {"GET"}, METRICS_PATH: {"GET"}}  # no admin (state-changing) action
+    assert memx == {"/memx/status": {"GET"}, METRICS_PATH: {"GET"}, ACTIVITY_PATH: {"POST"}}
     with TestClient(app) as c:
         doc = c.get("/memx/status").json()
         assert doc["schedulers"][0]["kv_pool"] == {"capacity_tokens": 10}
@@ -104,10 +115,55 @@ def test_a_custom_status_path_serves_only_there():
         assert c.post("/ops/memx").status_code == 405
 
 
+GOOD = {"model": "m", "queued": 2, "inflight": 1, "arrival_rate": 0.5, "queued_tokens": 300,
+        "since_arrival_s": 0.2, "ttl_s": 5}  # fmt: skip
+
+
+def sent(n: int) -> list:
+    """SENT once it holds ``n`` messages (the handler hands them over on its own task)."""
+    deadline = time.monotonic() + 5
+    while len(SENT) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return SENT
+
+
+def test_activity_is_accepted_and_handed_to_the_schedulers(client):
+    r = client.post(ACTIVITY_PATH, json=GOOD)
+    assert r.status_code == 202 and r.json() == {"accepted": True}
+    assert len(sent(1)) == 1
+    numbers = SENT[0]
+    assert numbers["memx_activity_queued"] == 2 and numbers["memx_activity_queued_tokens"] == 300
+    assert all(isinstance(v, (int, float)) for v in numbers.values())  # upstream's request carries numbers only
+    r = client.post(ACTIVITY_PATH, json={"queued": 0, "inflight": 0, "arrival_rate": 0})
+    assert r.status_code == 202 and sent(2)[-1]["memx_activity_queued_tokens"] == -1  # None on the wire
+    assert client.get(ACTIVITY_PATH).status_code == 405
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        (b"{not json", "body"), (b"", "body"), (b"[1, 2]", "body"),
+        (b'{"inflight": 0, "arrival_rate": 0}', "queued"),
+        (b'{"queued": -1, "inflight": 0, "arrival_rate": 0}', "queued"),
+        (b'{"queued": 0, "inflight": 0.5, "arrival_rate": 0}', "inflight"),
+        (b'{"queued": 0, "inflight": 0, "arrival_rate": "fast"}', "arrival_rate"),
+        (b'{"queued": 0, "inflight": 0, "arrival_rate": 0, "ttl_s": 0}', "ttl_s"),
+        (b'{"queued": 0, "inflight": 0, "arrival_rate": 0, "queued_tokens": 1e3}', "queued_tokens"),
+        (b'{"queued": 0, "inflight": 0, "arrival_rate": 0, "speed": 1}', "speed"),
+    ],
+)  # fmt: skip
+def test_a_malformed_activity_is_a_400_naming_the_field(client, body, field):
+    r = client.post(ACTIVITY_PATH, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, (body, r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["field"] == field and err["message"].startswith(field + ":")
+    assert not SENT  # nothing reached the schedulers
+
+
 @settings(max_examples=EXAMPLES, deadline=None, print_blob=True)
 @given(
     method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]),
-    sub=st.sampled_from(["status", "metrics", ""]) | PATH_TEXT,
+    sub=st.sampled_from(["status", "metrics", "activity", ""]) | PATH_TEXT,
     params=st.dictionaries(st.text(max_size=8), st.text(max_size=16), max_size=4),
     body=st.binary(max_size=2048),
     ctype=st.sampled_from(CTYPES),
@@ -133,6 +189,8 @@ def test_memx_routes_get_the_same_key_decision_as_upstreams_read_only_route(keys
             for path in ("/memx/status", METRICS_PATH):
                 assert c.get(path, headers=headers).status_code == ref, (keys, token, path)
             assert c.post("/memx/status", headers=headers).status_code in (401, 405)  # never 5xx
+            got = c.post(ACTIVITY_PATH, json=GOOD, headers=headers).status_code
+            assert got == (202 if ref == 200 else ref), (keys, token)  # the key decision of a normal route
 
 
 def test_api_key_is_required_on_memx_when_the_server_has_one():

@@ -33,6 +33,7 @@ from memory_ext.pool import Owner
 from memory_ext.pool.arbiter_client import ArbiterError
 from memory_ext.pool.lent_pool import LentPool
 from memory_ext.vmm import private_dir
+from sglang_memx import router_activity
 from sglang_memx.config import MemxConfig, MemxConfigError
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
@@ -234,10 +235,11 @@ def answer_reclaim(kv, allocator, tree, scheduler) -> int:
 def report(kv, allocator, tree, scheduler) -> None:
     """The arbiter policy's numbers for this server: chunks it could give back now (spare FREE,
     empty groups, evictable cache, idle activation beyond the decode steps' need), how many of
-    those its waiting queue wants to keep, and whether it has work. Computed only when a report
+    those its waiting queue wants to keep, and whether it has work; requests the router holds
+    for this model (``router_activity``) count as work and their demand as headroom. Computed only when a report
     could go out (``LentPool.report_due``)."""
     busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
-    if not kv.lent.report_due(busy):
+    if not kv.lent.report_due(busy or router_activity.holds_requests()):
         return
     idle = spare_free_chunks(kv, allocator, scheduler) + idle_kv_chunks(kv, allocator, tree)
     idle += lending.lendable_chunks(kv)  # 0 unless remappable weights of an inactive model
@@ -245,6 +247,7 @@ def report(kv, allocator, tree, scheduler) -> None:
         idle += max(0, kv.activation.idle() - demand.decode_activation_chunks(kv, scheduler))
     wanted = demand.queue_demand_tokens(scheduler) - demand.running_demand_tokens(scheduler)
     headroom = min(idle, -(-max(0, wanted) // kv.buffers.group_rows) * kv.buffers.chunks_per_group)
+    headroom, busy = router_activity.report_numbers(kv, idle, headroom, busy)  # requests queued at the router
     kv.lent.report(idle, headroom, busy)
 
 

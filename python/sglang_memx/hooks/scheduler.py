@@ -3,6 +3,9 @@
 * ``SchedulerInternalStateController.get_internal_state`` (after): adds a ``memx``
   section (``sglang_memx.status``) to the internal state the scheduler already sends to
   the HTTP process on request, so /memx/status needs no new IPC channel.
+* ``SchedulerInternalStateController.set_internal_state`` (around): the router's activity
+  (``POST /memx/activity``) reaches the scheduler as ``memx_activity_*`` numbers of
+  upstream's own request (``sglang_memx.router_activity``); other keys go to upstream.
 * ``Scheduler.get_next_batch_to_run`` (before): one elastic-KV ``tick`` per loop
   iteration (``elastic.tick``); the first one checks that the hooks of every feature on
   are in force in this process.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from sglang_memx import router_activity
 from sglang_memx.elastic import admission, host_buffer
 from sglang_memx.elastic.tick import tick
 from sglang_memx.status import scheduler_status
@@ -48,6 +52,19 @@ def after_get_internal_state(result, controller, recv_req):
         section = {"error": f"{type(exc).__name__}: {exc}"}
     up_sched.add_internal_state(result, "memx", section)
     return result
+
+
+def around_set_internal_state(original, controller, recv_req):
+    """``POST /memx/activity`` arrives as memx's own ``memx_activity_*`` numbers; anything else is upstream's."""
+    numbers = up_sched.set_request_args(recv_req)
+    if not router_activity.is_activity(numbers):
+        return original(controller, recv_req)
+    try:
+        router_activity.receive(numbers)
+    except ValueError:  # the HTTP process checked it already; never break upstream's request loop
+        logger.exception("memx: malformed router activity")
+        return up_sched.set_internal_state_reply(False)
+    return up_sched.set_internal_state_reply(True)
 
 
 _verified = False
@@ -110,6 +127,9 @@ _S = "sglang.srt.managers."
 HOOKS = (
     HookSpec(_S + "scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
              "after", after_get_internal_state, "status_endpoint", "report live pool numbers from the scheduler"),
+    HookSpec(_S + "scheduler_components.internal_state.SchedulerInternalStateController.set_internal_state",
+             "around", around_set_internal_state, "status_endpoint",
+             "receive the router's activity (POST /memx/activity) in the scheduler"),
     HookSpec(_S + "scheduler.Scheduler.get_next_batch_to_run", "before", before_get_next_batch_to_run, "elastic_kv",
              "elastic KV housekeeping once per iteration (reclaims, deflation, borrowing, premapping)"),
     HookSpec(_S + "schedule_policy.PrefillAdder.add_one_req", "around", around_add_one_req, "elastic_kv",

@@ -18,6 +18,7 @@ import itertools
 import time
 
 from memory_ext.policy.edf_admission import ENGINE_DOWN, ENGINE_RESTARTING, EdfAdmission, ModelLimits
+from memory_ext.policy.router_activity import ArrivalRate
 
 from .config import ServeConfig
 
@@ -56,15 +57,36 @@ def policy_from_config(config: ServeConfig, device_of: dict[str, str]) -> EdfAdm
 
 
 class AdmissionGate:
-    def __init__(self, policy: EdfAdmission, clock=time.monotonic):
+    """``rate_window_s``: the time constant of each model's arrival rate (``activity``)."""
+
+    def __init__(self, policy: EdfAdmission, clock=time.monotonic, rate_window_s: float = 10.0):
         self.policy = policy
         self.clock = clock
         self._ids = itertools.count()
         self._waiting: dict[str, asyncio.Future] = {}
         self._active: set[str] = set()
+        self._rates = {m: ArrivalRate(rate_window_s) for m in policy.models}
+        self._tokens: dict[str, int] = {}  # rid -> estimated KV tokens, while queued
+
+    def activity(self, model: str) -> dict:
+        """What the router holds for ``model`` now (``POST /memx/activity``'s numbers): requests
+        queued and in flight, the arrival rate (requests/s), the queued requests' estimated KV
+        tokens and the seconds since the last arrival (None: none yet)."""
+        now = self.clock()
+        queued = self.policy.queued(model)
+        rate = self._rates[model]
+        since = None if rate.last_arrival is None else max(0.0, now - rate.last_arrival)
+        return {
+            "queued": len(queued),
+            "inflight": self.policy.inflight(model),
+            "arrival_rate": rate.rate(now),
+            "queued_tokens": sum(self._tokens.get(t.rid, 0) for t in queued),
+            "since_arrival_s": since,
+        }
 
     def _wake(self, started) -> None:
         for t in started:
+            self._tokens.pop(t.rid, None)
             self._active.add(t.rid)
             fut = self._waiting.pop(t.rid, None)
             if fut is not None and not fut.done():
@@ -72,14 +94,18 @@ class AdmissionGate:
 
     def _shed(self, sheds) -> None:
         for s in sheds:
+            self._tokens.pop(s.ticket.rid, None)
             fut = self._waiting.pop(s.ticket.rid, None)
             if fut is not None and not fut.done():
                 fut.set_exception(Rejected(s.ticket.model, s.reason, s.retry_after_s))
 
-    async def enter(self, model: str, priority: int | None = None) -> str:
-        """Wait for a slot of ``model``; returns the ticket id to pass to ``leave``."""
+    async def enter(self, model: str, priority: int | None = None, tokens: int = 0) -> str:
+        """Wait for a slot of ``model``; returns the ticket id to pass to ``leave``. ``tokens``: the
+        request's estimated KV tokens (counted in ``activity`` while it is queued)."""
         rid = f"r{next(self._ids)}"
-        offer = self.policy.offer(rid, model, self.clock(), priority)
+        now = self.clock()
+        self._rates[model].arrive(now)
+        offer = self.policy.offer(rid, model, now, priority)
         self._shed(offer.shed)
         if offer.verdict == "reject":
             raise Rejected(model, offer.reason, offer.retry_after_s)
@@ -87,6 +113,7 @@ class AdmissionGate:
         if offer.verdict == "queue":
             fut = asyncio.get_running_loop().create_future()
             self._waiting[rid] = fut
+            self._tokens[rid] = max(0, int(tokens))
         self._wake(offer.started)
         if fut is None:
             return rid
@@ -94,6 +121,7 @@ class AdmissionGate:
             await fut
         except asyncio.CancelledError:
             self._waiting.pop(rid, None)
+            self._tokens.pop(rid, None)
             if not self.policy.cancel(rid):  # started meanwhile: give the slot back
                 self.leave(rid)
             raise

@@ -169,7 +169,8 @@ def _serve_router(config, placement, launcher, host: str, port: int, api_key: st
 
     app = build_app(routes, gate, alive=lambda n: launcher.engines[n].alive(),
                     engine_state=lambda n: launcher.engines[n].state, engine_info=lambda n: launcher.engines[n].info(),
-                    api_key=api_key, request_timeout_s=config.router.request_timeout_s, status=status)  # fmt: skip
+                    api_key=api_key, request_timeout_s=config.router.request_timeout_s, status=status,
+                    activity_interval_s=0.2)  # fmt: skip
     _log(f"sglang-memx serve: router on http://{host}:{port} for {', '.join(routes)}")
     # On SIGTERM uvicorn waits for open requests; bounded, so a request queued for a restarting
     # engine (or a long stream) cannot hold the shutdown for minutes.

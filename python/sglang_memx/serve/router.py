@@ -41,6 +41,9 @@ Invariants:
   generation ends with 503. After bytes were sent an SSE stream ends with a
   ``data: {"error": ...}`` event and any other body is cut (the connection is aborted, the
   client sees an incomplete response rather than a truncated one that looks whole).
+* The router's activity per model (queued, in flight, arrival rate, queued tokens) is pushed to
+  the model's engines (``POST /memx/activity``, ``serve/activity.py``) on change and every
+  second while non-zero, so an engine whose requests wait here does not look idle to itself.
 * With an API key every route but ``/health`` needs ``Authorization: Bearer <key>`` (401,
   OpenAI-style error, otherwise); the router sends the key to the engines (started with
   upstream's ``--api-key``).
@@ -63,6 +66,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from .activity import ActivityPublisher, estimate_tokens
 from .admission import AdmissionGate, Rejected
 from .metrics import CONTENT_TYPE, RouterMetrics
 
@@ -160,6 +164,9 @@ def build_app(
     failure_detect_s: float = 2.0,
     status: Callable[[], dict] | None = None,
     client_kwargs: dict | None = None,
+    activity_interval_s: float | None = None,
+    activity_refresh_s: float = 1.0,
+    activity_ttl_s: float = 5.0,
 ) -> FastAPI:
     """The router app over ``routes`` (model name -> its engines).
 
@@ -169,7 +176,9 @@ def build_app(
     monitor and before each request; ``engine_info(key)`` (restarts, ...) feeds ``/metrics``;
     ``failure_detect_s``: how long a request whose engine connection broke waits to see the
     engine leave ``awake`` before it is retried (else it ends with 502); ``client_kwargs`` go
-    to ``httpx.AsyncClient`` (tests pass in-process transports)."""
+    to ``httpx.AsyncClient`` (tests pass in-process transports); ``activity_*``: the activity
+    publisher's period, refresh and TTL (default None: no publisher; ``sglang-memx serve``
+    runs it every 0.2 s)."""
     created = int(time.time())
     by_length = sorted(routes, key=len, reverse=True)
     state_of = engine_state or (lambda name: AWAKE if alive(name) else DEAD)
@@ -181,6 +190,12 @@ def build_app(
     caps = dict(per_engine_cap)  # the model's cap the gate was last given
     load = {key: 0 for r in routes.values() for key, _ in r.engines}  # handed to the engine, not finished
     turn = dict.fromkeys(routes, 0)  # round-robin start among equally loaded replicas
+    publisher = None
+    if activity_interval_s is not None:
+        publisher = ActivityPublisher(routes, gate.activity,
+                                      lambda n: [u for k, u in routes[n].engines if state_of(k) != DEAD],
+                                      api_key=api_key, interval_s=activity_interval_s, refresh_s=activity_refresh_s,
+                                      ttl_s=activity_ttl_s)  # fmt: skip
 
     def expected_ready_s(name: str) -> float:
         ready = [info_of(k).get("expected_ready_s") for k, _ in routes[name].engines if state_of(k) != DEAD]
@@ -242,13 +257,18 @@ def build_app(
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, **(client_kwargs or {})) as client:
             state["client"] = client
-            task = asyncio.create_task(monitor())
+            tasks = [asyncio.create_task(monitor())]
+            if publisher is not None:
+                tasks.append(asyncio.create_task(publisher.run(client)))
+                app.state.activity_task = tasks[-1]
             try:
                 yield
             finally:
-                task.cancel()
+                for task in tasks:
+                    task.cancel()
 
     app = FastAPI(title="sglang-memx router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.activity_publisher = publisher
     if api_key:
         app.add_middleware(_ApiKeyGate, api_key=api_key)
 
@@ -308,7 +328,7 @@ def build_app(
         for attempt in (0, 1):
             if admitted:
                 try:
-                    rid = await gate.enter(name)
+                    rid = await gate.enter(name, tokens=estimate_tokens(body))
                 except Rejected as exc:
                     if attempt:
                         metrics.retry(name, "shed")
@@ -473,7 +493,8 @@ def build_app(
         doc = {"models": {n: {"url": r.url, "device": r.device, "path": r.path, "state": shown_state(n),
                               "sleep": info_of(r.engines[0][0]).get("sleep"), "replicas": replicas_doc(n)}
                           for n, r in routes.items()},
-               "admission": gate.policy.snapshot(), "router": metrics.snapshot()}  # fmt: skip
+               "admission": gate.policy.snapshot(), "router": metrics.snapshot(),
+               "activity": None if publisher is None else publisher.status()}  # fmt: skip
         if status is not None:
             doc.update(status())
         return doc

@@ -20,6 +20,14 @@ async def scheduler_states() -> list:
     return await global_state.tokenizer_manager.get_internal_state()
 
 
+async def set_scheduler_numbers(numbers: dict) -> list:
+    """Send ``numbers`` to every scheduler through upstream's ``/set_internal_state`` request pair
+    (a scheduler hook answers memx's own keys); returns each rank's ``updated``."""
+    global_state = resolve("sglang.srt.entrypoints.http_server.get_global_state")()
+    request = resolve("sglang.srt.managers.io_struct.SetInternalStateReq")(server_args=numbers)
+    return await global_state.tokenizer_manager.set_internal_state(request)
+
+
 def add_api_key_middleware(application, api_key: str | None, admin_api_key: str | None) -> None:
     """Upstream's API-key check, installed the way its ``launch_server`` does when ``--api-key`` or
     ``--admin-api-key`` is given: one middleware over the whole app, so memx's routes are covered

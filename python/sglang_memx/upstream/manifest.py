@@ -37,6 +37,8 @@ CLASSES: dict[str, str] = {
     "SamplingParams": "sglang.srt.sampling.sampling_params.SamplingParams",
     "AbortReq": _M + "io_struct.AbortReq",
     "GetInternalStateReqOutput": _M + "io_struct.GetInternalStateReqOutput",
+    "SetInternalStateReq": _M + "io_struct.SetInternalStateReq",
+    "SetInternalStateReqOutput": _M + "io_struct.SetInternalStateReqOutput",
     "ForwardMode": "sglang.srt.model_executor.forward_batch_info.ForwardMode",
     "ForwardBatch": "sglang.srt.model_executor.forward_batch_info.ForwardBatch",
     "ModelRunner": "sglang.srt.model_executor.model_runner.ModelRunner",
@@ -107,6 +109,8 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     "SamplingParams": {"max_new_tokens": None, "ignore_eos": None},
     "AbortReq": {"abort_all": None, "rid": None},
     "GetInternalStateReqOutput": {"internal_state": None},
+    "SetInternalStateReq": {"server_args": None},
+    "SetInternalStateReqOutput": {"updated": None},
     "PrefillAdder": {
         "token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator", "tree_cache": "BasePrefixCache",
         "memory_budget": "PrefillBudget", "can_run_list": None, "running_batch": "ScheduleBatch",
@@ -150,7 +154,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     "LlamaModel": {"layers": None},
     "ForwardBatch": {"input_ids": None, "batch_size": None, "forward_mode": "ForwardMode"},
     "GlobalState": {"tokenizer_manager": "TokenizerManager"},
-    "TokenizerManager": {"get_internal_state": None},
+    "TokenizerManager": {"get_internal_state": None, "set_internal_state": None},
 }  # fmt: skip
 
 PARAMS: dict[str, tuple[str, ...]] = {
@@ -188,6 +192,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "sglang.srt.server_args.ServerArgs.from_cli_args": ("cls", "args"),
     "sglang.srt.entrypoints.http_server.launch_server": ("server_args",),
     _SC + "internal_state.SchedulerInternalStateController.get_internal_state": ("self", "recv_req"),
+    _SC + "internal_state.SchedulerInternalStateController.set_internal_state": ("self", "recv_req"),
     _M + "scheduler.Scheduler.get_next_batch_to_run": ("self",),
     _M + "scheduler.Scheduler.abort_request": ("self", "recv_req"),
     _M + "schedule_policy.PrefillAdder.add_one_req": ("self", "req", "has_chunked_req", "truncation_align_size"),
@@ -224,6 +229,7 @@ ROLES: dict[str, str] = {
     "model_config": "ModelConfig", "configurator": "KVCacheConfigurator", "config_result": "KVCacheConfigResult",
     "controller": "SchedulerInternalStateController", "observer": "SchedulerPoolStatsObserver",
     "stats": "PoolStats", "state_reply": "GetInternalStateReqOutput", "global_state": "GlobalState",
+    "set_req": "SetInternalStateReq",
     "matched": "MatchResult", "evicted": "EvictResult", "registry": "HookRegistry", "radix": "RadixCache",
     "sleeper": "IdleSleeper", "causal_lm": "LlamaForCausalLM", "lm_body": "LlamaModel",
 }  # fmt: skip

@@ -149,6 +149,16 @@ def add_internal_state(state_reply, name: str, section: dict) -> None:
     state_reply.internal_state[name] = section
 
 
+def set_request_args(set_req) -> dict:
+    """The ``server_args`` numbers of a ``SetInternalStateReq`` (``/set_internal_state``)."""
+    return set_req.server_args
+
+
+def set_internal_state_reply(updated: bool):
+    """Upstream's answer to a ``SetInternalStateReq``."""
+    return resolve("sglang.srt.managers.io_struct.SetInternalStateReqOutput")(updated=updated)
+
+
 def observer_allocator(observer):
     """The token allocator a ``SchedulerPoolStatsObserver`` reports on."""
     return observer.token_to_kv_pool_allocator

@@ -5,13 +5,18 @@ arbiter's: an inactive server reports the chunks it could free by releasing laye
 its Oneiros limit as an inactive model) among what it could give back, so the arbiter's
 planner (``plan_takes``) may reclaim them for a busy peer; the server answers such a reclaim
 by releasing layers (applied at once, no forward runs on an idle server) and giving their
-chunks back. The layers come back through the normal restore (``remap.step``) once the server
+chunks back. With a router in front, an inactive model offers only
+``router_activity.lend_fraction`` of those layers (none while the router holds requests for
+it; fewer the higher its arrival rate), and the arbiter takes from the donor with the most
+lendable first: among idle models, the one with the lowest arrival rate lends first. The
+layers come back through the normal restore (``remap.step``) once the server
 is active again and the arbiter can lend the memory.
 """
 
 from __future__ import annotations
 
 from memory_ext.policy.oneiros import model_limit, plan_layers
+from sglang_memx import router_activity
 from sglang_memx.weights import remap
 
 
@@ -31,7 +36,7 @@ def lendable_chunks(kv) -> int:
     if state.active or state.compute_s is None:
         return 0
     limit, _ = model_limit(state, remap.buffer_mode(w.depth))
-    more = max(0, limit - w.alpha)
+    more = int(max(0, limit - w.alpha) * router_activity.lend_fraction(w.idle_after_s))  # by arrival rate
     return max(0, (more - _slots_kept_by_first_release(w)) * w.store.slot_chunks)
 
 

@@ -20,6 +20,7 @@ import logging
 import time
 
 from memory_ext.pool import PoolError
+from sglang_memx import router_activity
 from sglang_memx.elastic import shared_pool
 from sglang_memx.elastic.eviction import free_groups
 from sglang_memx.upstream import scheduler as up_sched
@@ -36,9 +37,11 @@ def step(kv, allocator, tree, scheduler) -> None:
     if w is None or w.sleep_after_s is None or kv.lent is None:
         return
     busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
-    if w.sleeping and busy:
+    if w.sleeping and (busy or router_activity.wake_ahead()):  # the router holds requests: wake ahead of them
+        w.last_busy = time.monotonic()
         wake(kv)
-    elif not w.sleeping and not busy and time.monotonic() - w.last_busy >= w.sleep_after_s:
+    elif (not w.sleeping and not busy and time.monotonic() - w.last_busy >= w.sleep_after_s
+          and router_activity.may_sleep(w.sleep_after_s)):  # fmt: skip
         fall_asleep(kv, allocator, tree, scheduler)
 
 
