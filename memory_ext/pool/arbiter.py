@@ -10,7 +10,11 @@ Ledger and invariants (``check_invariants``)
 --------------------------------------------
 Every created chunk is either FREE or held by exactly one connected client;
 ``sum(held) + free == created <= budget``. A chunk is only granted from FREE
-(or freshly created), so it is never granted twice.
+(or freshly created), so it is never granted twice. ``created`` counts the
+chunks clients ``ADOPT``ed too: memory a client kept privately after an earlier
+arbiter died, booked as held by it without fds (never FREE). Adopted chunks
+leave ``created`` when the client ``RELEASE``s them or disconnects, so
+``sum(held incl. adopted) + free + uncreated == budget`` always.
 
 BORROW and reclaim
 ------------------
@@ -47,6 +51,16 @@ When a client's socket reaches EOF or errors (including the process being
 SIGKILLed: the kernel closes its end), every chunk it held returns to FREE
 immediately and its waiting borrows are dropped. The arbiter does not scrub
 the bytes of returned chunks (the next borrower may see old contents).
+
+Arbiter death
+-------------
+If this process dies, its clients keep the chunks they hold (the memfds stay
+mapped in their processes) and fall back to a private budget of exactly those
+(``lent_pool``). A new arbiter on the same socket starts with the full budget;
+each survivor reconnects and ``ADOPT``s what it kept, so the budget again counts
+every chunk of the device (an adoption the budget cannot cover is partial, and
+the survivor retries and destroys its unbooked chunks first when it gives memory
+back).
 
 Robustness
 ----------
@@ -118,6 +132,12 @@ class _Client:
     link: GpuDemand | None = None  # last active LINK demand
     link_bytes_per_s: float = 0.0  # the link bandwidth that client measured
     link_interval: int | None = None  # last interval the coordinator gave it
+    adopted: int = 0  # chunks it kept from an earlier arbiter, booked here without fds (ADOPT)
+
+    @property
+    def holding(self) -> int:
+        """Chunks this client holds: lent here plus adopted."""
+        return len(self.held) + self.adopted
 
 
 @dataclass
@@ -192,7 +212,7 @@ class Arbiter:
         self._started = False
         self.stats = dict.fromkeys(
             ("granted", "denied", "returned", "reclaim_sent", "errors", "clients_dropped", "chunks_freed_on_drop",
-             "link_decisions", "refused"), 0
+             "link_decisions", "refused", "adopted", "released", "adopted_freed_on_drop"), 0
         )  # fmt: skip
         self.reclaim_by_tier: dict[str, int] = {}  # chunks asked for, by policy tier
 
@@ -284,7 +304,8 @@ class Arbiter:
                     "name": c.name,
                     "pid": c.pid,
                     "peer_pid": c.peer_pid,
-                    "held": len(c.held),
+                    "held": c.holding,
+                    "adopted": c.adopted,
                     "by_owner": by_owner,
                     "asked": c.asked,
                     "idle": c.idle,
@@ -295,8 +316,9 @@ class Arbiter:
             )
         return {
             "budget": self.budget,
-            "created": len(self._chunks),
+            "created": self._created(),
             "free": len(self._free),
+            "adopted": self._adopted_total(),
             "floor": self.floor,
             "pending": len(self._pending),
             "reclaim_by_tier": dict(self.reclaim_by_tier),
@@ -321,9 +343,11 @@ class Arbiter:
                 raise ArbiterInvariantError(f"holder map has {len(self._holder)} entries, clients hold {held}")
             if seen != set(self._chunks):
                 raise ArbiterInvariantError(f"chunks neither free nor held: {sorted(set(self._chunks) - seen)}")
-            if held + len(self._free) != len(self._chunks) or len(self._chunks) > self.budget:
+            adopted = self._adopted_total()
+            if held + len(self._free) != len(self._chunks) or len(self._chunks) + adopted > self.budget:
                 raise ArbiterInvariantError(
-                    f"held {held} + free {len(self._free)} != created {len(self._chunks)} (budget {self.budget})"
+                    f"held {held} + free {len(self._free)} != created {len(self._chunks)} "
+                    f"(adopted {adopted}, budget {self.budget})"
                 )
             live = {c.handle_id for c in self.backend.live_chunks()}
             if not set(self._chunks) <= live:
@@ -444,6 +468,10 @@ class Arbiter:
             self._on_report(client, msg)
         elif kind == "LINK":
             self._on_link(client, msg)
+        elif kind == "ADOPT":
+            self._on_adopt(client, msg)
+        elif kind == "RELEASE":
+            self._on_release(client, msg)
 
     @staticmethod
     def _at_eof(sock: socket.socket) -> bool:
@@ -454,12 +482,19 @@ class Arbiter:
         return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
 
     # ------------------------------------------------------------- handlers
+    def _adopted_total(self) -> int:
+        return sum(c.adopted for c in self._clients.values())
+
+    def _created(self) -> int:
+        """Chunks counted against the budget: created here, or adopted."""
+        return len(self._chunks) + self._adopted_total()
+
     def _available_now(self) -> int:
-        return len(self._free) + self.budget - len(self._chunks)
+        return len(self._free) + self.budget - self._created()
 
     def _donor(self, c: _Client, nominal: int) -> Donor:
         """Client ``c`` as the policy sees it (module docstring), net of what it was already asked for."""
-        held = len(c.held) - c.asked
+        held = c.holding - c.asked
         idle = held - self.floor if c.idle is None else min(c.idle - c.asked, held - self.floor)
         idle = max(0, idle)
         return Donor(
@@ -469,7 +504,7 @@ class Arbiter:
             min(c.headroom, idle),
             1,
             nominal,
-            len(c.held) - nominal,
+            c.holding - nominal,
             c.busy,
         )
 
@@ -484,7 +519,7 @@ class Arbiter:
             d = self._donor(c, nominal)
             by_key[d.key] = c
             donors.append(d)
-        entitled = len(client.held) < nominal
+        entitled = client.holding < nominal
         gathered, takes = plan_takes(_owner(client), want, 0, donors, DEFAULT_TIERS, entitled, 0.0)
         return gathered, [(by_key[d.key], n, tier.value) for d, n, tier in takes]
 
@@ -544,6 +579,32 @@ class Arbiter:
         self.stats["link_decisions"] += 1
         self._send(client, {"type": "LINKED", "req_id": msg["req_id"], "interval": client.link_interval,
                             "sharing": len(others) + 1, "reason": reason[:4096]})  # fmt: skip
+
+    def _on_adopt(self, client: _Client, msg: dict) -> None:
+        """Book up to ``n`` chunks the client kept from an earlier arbiter (module docstring):
+        at most what no client holds; FREE chunks are destroyed to make room for them."""
+        held_total = sum(c.holding for c in self._clients.values())
+        k = min(msg["n"], self.budget - held_total)
+        over = self._created() + k - self.budget
+        for _ in range(max(0, over)):  # k <= free + uncreated, so the FREE list covers it
+            cid = self._free.pop(0)  # coldest first
+            self.backend.destroy_chunk(self._chunks.pop(cid))
+        client.adopted += k
+        self.stats["adopted"] += k
+        if k:
+            log.info("arbiter: client %d (%s) adopted %d of %d chunk(s) it kept", client.cid, client.name, k, msg["n"])
+        self._send(client, {"type": "ADOPTED", "req_id": msg["req_id"], "adopted": k})
+
+    def _on_release(self, client: _Client, msg: dict) -> None:
+        n = msg["n"]
+        if n > client.adopted:
+            self._error(client, msg["req_id"], "n", f"client {client.cid} has {client.adopted} adopted chunk(s)")
+            return
+        client.adopted -= n
+        client.asked = max(0, client.asked - n)
+        self.stats["released"] += n
+        self._send(client, {"type": "ACK", "req_id": msg["req_id"], "returned": n})
+        self._serve_pending()
 
     def _on_return(self, client: _Client, msg: dict) -> None:
         ids = msg["chunks"]
@@ -635,12 +696,13 @@ class Arbiter:
         if self._clients.pop(client.cid, None) is None:
             return
         log.info(
-            "arbiter: client %d (%s, pid %s) gone: %s; %d chunk(s) back to FREE",
+            "arbiter: client %d (%s, pid %s) gone: %s; %d chunk(s) back to FREE, %d adopted off the books",
             client.cid,
             client.name,
             client.pid,
             why,
             len(client.held),
+            client.adopted,
         )
         try:
             self._sel.unregister(client.sock)
@@ -656,6 +718,8 @@ class Arbiter:
         self.stats["clients_dropped"] += 1
         self.stats["chunks_freed_on_drop"] += len(client.held)
         client.held.clear()
+        self.stats["adopted_freed_on_drop"] += client.adopted
+        client.adopted = 0
         self._pending = [p for p in self._pending if p.client is not client]
         if serve:
             self._serve_pending()

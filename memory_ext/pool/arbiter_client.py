@@ -74,12 +74,14 @@ class ArbiterClient:
         *,
         timeout: float = 30.0,
         on_late_reply: Callable[[dict, list[PhysicalChunk]], bool] | None = None,
+        on_lost: Callable[[], None] | None = None,
     ):
         if not isinstance(backend, VmmBackend):
             raise TypeError(f"backend must be a VmmBackend, got {type(backend).__name__}")
         self.backend = backend
         self.on_reclaim = on_reclaim
         self.on_late_reply = on_late_reply  # (reply, chunks) -> True if it kept the chunks
+        self.on_lost = on_lost  # () -> None, from the reader thread when the connection ends unasked
         self.timeout = timeout
         self._lock = threading.Lock()
         self._next_req = 1
@@ -201,6 +203,28 @@ class ArbiterClient:
                "iter_times": [float(t) for t in iter_times]}  # fmt: skip
         reply = self._request(msg, timeout).reply
         return {k: reply[k] for k in ("interval", "sharing", "reason")}
+
+    def adopt(self, n: int) -> int:
+        """Ask the arbiter to book ``n`` chunks this process holds without it having lent them
+        (kept from an arbiter that died); returns how many it booked (``arbiter_protocol``)."""
+        return int(self._request({"type": "ADOPT", "n": int(n)}).reply["adopted"])
+
+    def release(self, n: int) -> None:
+        """Tell the arbiter ``n`` adopted chunks were destroyed here (they leave its books)."""
+        self._request({"type": "RELEASE", "n": int(n)})
+
+    def detach_held(self) -> list[PhysicalChunk]:
+        """Take every held chunk out of this client (the caller owns them now: ``close`` and
+        ``give_back`` no longer see them). For a client whose arbiter is gone."""
+        with self._lock:
+            held = list(self._held.values())
+            self._held.clear()
+            return held
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the connection ended, if it ended without ``close`` (else None)."""
+        return None if self._closed else self._dead
 
     def status(self) -> dict:
         reply = self._request({"type": "STATUS"}).reply
@@ -367,6 +391,11 @@ class ArbiterClient:
                 waiters, self._waiters = self._waiters, {}
             for w in waiters.values():
                 w.event.set()  # reply None: connection lost
+            if self.on_lost is not None and not self._closed:
+                try:
+                    self.on_lost()
+                except Exception:
+                    log.exception("arbiter client: on_lost failed")
 
     def _deliver(self, msg: dict, chunks: list[PhysicalChunk]) -> None:
         with self._lock:

@@ -17,6 +17,16 @@ Client -> arbiter::
     {"type": "REPORT", "req_id": R, "idle": int, "headroom": int, "busy": bool}   (no reply)
     {"type": "LINK",   "req_id": R, "active": bool, "num_layers": int, "layer_bytes": int,
      "link_bytes_per_s": number, "min_interval": int|null, "iter_times": [number, ...]}
+    {"type": "ADOPT",  "req_id": R, "n": 1..2^40}
+    {"type": "RELEASE", "req_id": R, "n": 1..2^40}
+
+``ADOPT`` rebuilds the books after an arbiter died: the client still holds ``n`` chunks
+of memory no live arbiter lent it (it kept them privately, ``lent_pool``). The arbiter
+books as many as its budget allows (``budget`` minus every chunk held, FREE chunks
+destroyed to make room) as held by that client, without fds (they never become FREE);
+``ADOPTED`` says how many. ``RELEASE`` says the client destroyed ``n`` adopted chunks
+(ERROR ``n`` if it has fewer adopted): they leave ``created``, so the budget can be
+created anew. A client's adopted chunks leave the books the same way when it disconnects.
 
 ``REPORT`` is the client's numbers for the arbiter's policy (chunks it could give back
 now, chunks of those its own queue wants to keep, whether it has work); the arbiter
@@ -35,7 +45,8 @@ Arbiter -> client::
     {"type": "GRANT",   "req_id": R, "owner": str, "chunks": [ids]}      (+ fds)
     {"type": "DENY",    "req_id": R, "reason": str, "available": int}
     {"type": "ACK",     "req_id": R, "returned": int}
-    {"type": "STATUS",  "req_id": R, "budget": int, "created": int, "free": int,
+    {"type": "ADOPTED", "req_id": R, "adopted": int}
+    {"type": "STATUS",  "req_id": R, "budget": int, "created": int, "free": int, "adopted": int,
      "floor": int, "pending": int, "reclaim_by_tier": {tier: chunks}, "clients": [{...}, ...]}
     {"type": "LINKED",  "req_id": R, "interval": int|null, "sharing": int, "reason": str}
     {"type": "RECLAIM", "n": int}                       (unsolicited)
@@ -60,7 +71,8 @@ from typing import Any
 
 from .ownership import Owner
 
-PROTOCOL_VERSION = 3  # 3: LINK / LINKED (the shared host link)
+PROTOCOL_VERSION = 4  # 3: LINK / LINKED (the shared host link); 4: ADOPT / ADOPTED / RELEASE
+MAX_ADOPT = 1 << 40  # chunks one ADOPT / RELEASE may name
 MAX_MESSAGE_BYTES = 1 << 16
 MAX_CHUNKS_PER_MESSAGE = 253  # SCM_MAX_FD: one GRANT carries at most this many fds
 MAX_RETURN_IDS = 4096
@@ -187,6 +199,8 @@ CLIENT_SCHEMAS: dict[str, dict[str, Validator]] = {
         "min_interval": _opt_interval,
         "iter_times": _iter_times,
     },
+    "ADOPT": {"req_id": _REQ, "n": _int(1, MAX_ADOPT)},
+    "RELEASE": {"req_id": _REQ, "n": _int(1, MAX_ADOPT)},
 }
 
 SERVER_SCHEMAS: dict[str, dict[str, Validator]] = {
@@ -194,11 +208,13 @@ SERVER_SCHEMAS: dict[str, dict[str, Validator]] = {
     "GRANT": {"req_id": _REQ, "owner": _owner, "chunks": _ids(MAX_CHUNKS_PER_MESSAGE)},
     "DENY": {"req_id": _REQ, "reason": _str(), "available": _COUNT},
     "ACK": {"req_id": _REQ, "returned": _COUNT},
+    "ADOPTED": {"req_id": _REQ, "adopted": _COUNT},
     "STATUS": {
         "req_id": _REQ,
         "budget": _COUNT,
         "created": _COUNT,
         "free": _COUNT,
+        "adopted": _COUNT,
         "floor": _COUNT,
         "pending": _COUNT,
         "reclaim_by_tier": _counts,

@@ -25,10 +25,32 @@ arbiter:
   engine counts FREE chunks as memory it can map, and a chunk taken away
   between its check and its allocation would break that promise.
 
-Invariant: every chunk of ``pool`` was lent by the arbiter and is either in
-the pool's ledger or being handed back; the pool never creates chunks, so
-``pool.available()`` counts only chunks actually held (never a promise the
-arbiter might break). If the process dies the arbiter takes every chunk back.
+Invariant: every chunk of ``pool`` was lent by the arbiter (or kept from one
+that died, below) and is either in the pool's ledger or being handed back; the
+pool never creates chunks, so ``pool.available()`` counts only chunks actually
+held (never a promise the arbiter might break). If the process dies the arbiter
+takes every chunk back.
+
+When the arbiter dies
+---------------------
+The chunks this process holds stay valid memory (memfd mappings of its own), so
+it falls back to a *private budget* of exactly those: from the first call that
+sees the connection gone, ``borrow`` returns 0 (counted in ``denied_total``),
+``give_back`` keeps the chunks in FREE (nobody else could use them any more, the
+engine can), ``report``/``link`` do nothing, a pending reclaim is dropped, and one
+warning names the pool and the chunks kept; ``status()["arbiter"]`` says
+``connected: false`` with ``lost_reason``, ``lost_at`` and ``private_budget_chunks``.
+Nothing raises into the engine for it.
+
+``maybe_rejoin()`` (the engine's tick; one ``connect`` at most every
+``REJOIN_INTERVAL_S`` while lost) reconnects once the socket answers again (a new
+arbiter, started by the next server that joins the pool) and ``ADOPT``s the kept
+chunks, so the new arbiter's budget counts them (``arbiter_protocol``). Until
+every kept chunk is booked, ``borrow`` still returns 0 (more memory would
+over-commit the device), adoption is retried every ``REJOIN_INTERVAL_S``, and
+``give_back`` destroys unbooked kept chunks first (then adopted ones, with a
+``RELEASE``), so the over-commit only shrinks. Kept chunks given back are
+destroyed here: they were never the new arbiter's to lend.
 """
 
 from __future__ import annotations
@@ -47,9 +69,20 @@ log = logging.getLogger(__name__)
 
 class LentPool:
     REPORT_MIN_INTERVAL_S = 0.05
+    REJOIN_INTERVAL_S = 1.0  # while lost (or partly adopted): how often to try the socket again
+    REJOIN_TIMEOUT_S = 2.0  # longest a rejoin's HELLO / ADOPT may take
 
     def __init__(self, socket_path, name: str, backend: VmmBackend, *, timeout: float = 30.0):
         self._lock = threading.Lock()
+        self._socket_path, self._name, self._backend, self._timeout = socket_path, name, backend, timeout
+        self._closed = False
+        self._lost = False  # the arbiter is gone and no new one took this process back yet
+        self.lost_reason: str | None = None  # why the last arbiter connection ended
+        self.lost_at: float | None = None  # when (wall clock)
+        self._private: dict[int, PhysicalChunk] = {}  # chunks kept from a dead arbiter, by handle id
+        self._adopted = 0  # of those, how many the current arbiter booked (ADOPT)
+        self._next_rejoin = 0.0
+        self.rejoins = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -65,17 +98,98 @@ class LentPool:
         self.late_grants = 0
         self._outstanding = 0  # borrows whose reply had not come when we stopped waiting
         self._early_late_replies = 0  # late replies that beat their borrower's own timeout bookkeeping
-        self.client = ArbiterClient(
-            socket_path, name, backend, on_reclaim=self._on_reclaim, timeout=timeout, on_late_reply=self._on_late_reply
-        )
+        self.client = self._connect(timeout)
         self.pool = ChunkPool(backend, self.client.budget, create_chunks=False)
+
+    def _connect(self, timeout: float) -> ArbiterClient:
+        client = ArbiterClient(self._socket_path, self._name, self._backend, on_reclaim=self._on_reclaim,
+                               timeout=timeout, on_late_reply=self._on_late_reply, on_lost=self._wake)  # fmt: skip
+        client.timeout = self._timeout
+        return client
 
     @property
     def budget_chunks(self) -> int:
         return self.client.budget
 
+    def _unbooked(self) -> int:
+        """Kept chunks no arbiter counts (caller holds ``_lock``)."""
+        return len(self._private) - self._adopted
+
+    def _check_lost(self) -> bool:
+        """Whether this process runs on its private budget; the first call after the connection
+        ended switches to it (module docstring)."""
+        if self._lost:
+            return True
+        if self._closed or self.client.lost_reason is None:
+            return False
+        with self._lock:
+            if self._lost:
+                return True
+            kept = self.client.detach_held()
+            for c in kept:
+                self._private[c.handle_id] = c
+            self._adopted = 0  # the dead arbiter's books are gone
+            dropped, self._pending_reclaim = self._pending_reclaim, 0
+            self._outstanding = self._early_late_replies = 0  # those replies will never come
+            self._lost, self.lost_reason, self.lost_at = True, self.client.lost_reason, time.time()
+            private = len(self._private)
+        log.warning(
+            "lent pool %s: lost the arbiter at %s (%s); falling back to a private budget of the %d chunk(s) "
+            "(%.1f MiB) it holds%s; no borrowing until an arbiter answers there again",
+            self._name, self._socket_path, self.lost_reason, private, private * self._backend.granularity / 2**20,
+            f", dropped a pending reclaim of {dropped}" if dropped else "",
+        )  # fmt: skip
+        return True
+
+    def maybe_rejoin(self) -> bool:
+        """From the engine's tick (cheap: nothing unless the arbiter is lost or kept chunks are
+        unbooked, then one attempt every ``REJOIN_INTERVAL_S``): reconnect once the pool's
+        socket answers and ``ADOPT`` the kept chunks. Returns True when it reconnected now."""
+        if self._closed or (not self._check_lost() and self._unbooked() <= 0):
+            return False
+        now = time.monotonic()
+        if now < self._next_rejoin:
+            return False
+        self._next_rejoin = now + self.REJOIN_INTERVAL_S
+        rejoined = False
+        if self._lost:
+            try:
+                client = self._connect(self.REJOIN_TIMEOUT_S)
+            except (OSError, ArbiterError) as exc:
+                log.debug("lent pool %s: no arbiter at %s yet: %s", self._name, self._socket_path, exc)
+                return False
+            if client.budget != self.client.budget:
+                log.warning("lent pool %s: the arbiter at %s has a budget of %d chunk(s), this pool %d; staying "
+                            "private", self._name, self._socket_path, client.budget, self.client.budget)  # fmt: skip
+                client.close(force=True)
+                return False
+            old, self.client = self.client, client
+            old.close(force=True)  # holds nothing: its chunks were detached into _private
+            with self._lock:
+                self._lost = False
+                self.rejoins += 1
+                self._last_report = None  # the new arbiter's policy has no numbers of ours yet
+            rejoined = True
+        with self._lock:
+            want = self._unbooked()
+        got = 0
+        if want > 0:
+            try:
+                got = self.client.adopt(want)
+            except ArbiterError as exc:
+                log.warning("lent pool %s: ADOPT of %d kept chunk(s) failed: %s", self._name, want, exc)
+            with self._lock:
+                self._adopted += got
+        if rejoined or got:
+            rest = "" if got == want else " (the rest stays private: retried, destroyed first when given back)"
+            log.warning("lent pool %s: %s the arbiter at %s; it booked %d of %d kept chunk(s)%s", self._name,
+                        "rejoined" if rejoined else "still on", self._socket_path, got, want, rest)  # fmt: skip
+        return rejoined
+
     def available_now(self) -> int:
         """Chunks the arbiter could grant at once (free + never created), from one STATUS."""
+        if self._check_lost():
+            return 0
         try:
             st = self.client.status()
         except ArbiterError:
@@ -87,8 +201,17 @@ class LentPool:
         ``wait`` seconds (default: the client's timeout), or a borrow is still outstanding."""
         if n <= 0:
             return 0
+        if self._check_lost():
+            with self._lock:
+                self.denied_total += 1
+                self.last_denied_available = 0
+            return 0
         with self._lock:
             if self._outstanding:
+                return 0
+            if self._unbooked() > 0:  # kept chunks the arbiter does not count: borrowing would over-commit
+                self.denied_total += 1
+                self.last_denied_available = 0
                 return 0
         try:
             chunks = self.client.borrow(n, timeout=wait)
@@ -99,8 +222,13 @@ class LentPool:
             log.debug("arbiter denied %d chunk(s): %s", n, exc)
             return 0
         except ArbiterError as exc:
-            if exc.field is not None or not self.client.connected:
+            if exc.field is not None:
                 raise
+            if self._check_lost():
+                with self._lock:
+                    self.denied_total += 1
+                    self.last_denied_available = 0
+                return 0
             with self._lock:  # no reply in time: it will come to _on_late_reply
                 if self._early_late_replies:  # ... unless it came already, before this line ran
                     self._early_late_replies -= 1
@@ -147,12 +275,34 @@ class LentPool:
         return True
 
     def give_back(self, max_chunks: int | None = None) -> int:
-        """Return up to ``max_chunks`` (default: all) FREE chunks to the arbiter; return how many."""
+        """Return up to ``max_chunks`` (default: all) FREE chunks to the arbiter; return how many.
+        Kept chunks (module docstring) are destroyed here instead; while the arbiter is lost,
+        nothing goes (0)."""
+        if self._check_lost():
+            return 0
         chunks = self.pool.disown(max_chunks)
-        if chunks:
-            self.client.give_back(chunks)
-            with self._lock:
-                self.returned_total += len(chunks)
+        if not chunks:
+            return 0
+        with self._lock:
+            kept = [c for c in chunks if self._private.get(c.handle_id) is c]
+            for c in kept:
+                del self._private[c.handle_id]
+            # unbooked kept chunks go first: they over-commit the device
+            release = max(0, len(kept) - (len(self._private) + len(kept) - self._adopted))
+            self._adopted -= release
+        for c in kept:
+            self._backend.destroy_chunk(c)
+        if release:
+            try:
+                self.client.release(release)
+            except ArbiterError as exc:  # the connection died: its books went with it
+                log.debug("lent pool %s: RELEASE of %d not answered: %s", self._name, release, exc)
+        kept_ids = {id(c) for c in kept}
+        lent = [c for c in chunks if id(c) not in kept_ids]
+        if lent:
+            self.client.give_back(lent)
+        with self._lock:
+            self.returned_total += len(chunks)
         return len(chunks)
 
     def link(self, demand, link_bytes_per_s: float, active: bool = True, timeout: float = 0.2) -> dict | None:
@@ -161,6 +311,8 @@ class LentPool:
         host link; returns the arbiter's LINKED answer, or None when it could not be asked
         (the caller keeps its own limit)."""
         n = demand.num_layers
+        if self._check_lost():
+            return None
         try:
             return self.client.link(active=active, num_layers=n, layer_bytes=demand.layer_bytes,
                                     link_bytes_per_s=link_bytes_per_s,
@@ -168,7 +320,8 @@ class LentPool:
                                     iter_times=[demand.iter_times[i] for i in range(1, n + 2)],
                                     timeout=timeout)  # fmt: skip
         except ArbiterError as exc:
-            log.warning("lent pool: LINK not answered: %s", exc)
+            if not self._check_lost():
+                log.warning("lent pool: LINK not answered: %s", exc)
             return None
 
     def report_due(self, busy: bool) -> bool:
@@ -185,6 +338,8 @@ class LentPool:
         if numbers == last:
             return False
         if last is not None and last[2] == numbers[2] and now - self._last_report_t < self.REPORT_MIN_INTERVAL_S:
+            return False
+        if self._check_lost():
             return False
         try:
             self.client.report(*numbers)
@@ -203,11 +358,13 @@ class LentPool:
 
     def take_pending_reclaim(self) -> int:
         """Chunks the arbiter asked for since the last call; resets the count."""
+        self._check_lost()  # drops a reclaim the lost arbiter asked for
         with self._lock:
             n, self._pending_reclaim = self._pending_reclaim, 0
             return n
 
     def status(self) -> dict:
+        self._check_lost()
         with self._lock:
             return {
                 "budget_chunks": self.client.budget,
@@ -219,8 +376,16 @@ class LentPool:
                 "late_grants": self.late_grants,
                 "outstanding": self._outstanding,
                 "reports_sent": self.reports_sent,
-                "held_chunks": len(self.client.held()),
+                "held_chunks": len(self.client.held()) + len(self._private),
                 "client_id": self.client.client_id,
+                "arbiter": {
+                    "connected": not self._lost,
+                    "lost_reason": self.lost_reason,
+                    "lost_at": self.lost_at,
+                    "private_budget_chunks": self._unbooked(),
+                    "adopted_chunks": self._adopted,
+                    "rejoins": self.rejoins,
+                },
             }
 
     @property
@@ -246,11 +411,17 @@ class LentPool:
             n += len(got)
 
     def close(self) -> None:
-        """Give every FREE chunk back and disconnect (mapped chunks return when the socket closes)."""
+        """Give every FREE chunk back and disconnect (mapped chunks return when the socket closes;
+        kept chunks, module docstring, are destroyed here unless mapped)."""
         try:
-            if self.client.connected:
+            if not self._check_lost() and self.client.connected:
                 self.give_back()
+            else:
+                for c in self.pool.disown():
+                    if self._private.pop(c.handle_id, None) is c:
+                        self._backend.destroy_chunk(c)
         finally:
+            self._closed = True
             self.client.close(force=True)
             for fd in (self._wake_r, self._wake_w):
                 try:

@@ -75,6 +75,11 @@ _HELP = {
     "memx_shared_pool_reclaim_requests_total": ("counter", "Reclaim requests from the arbiter."),
     "memx_shared_pool_held_bytes": ("gauge", "Bytes currently borrowed from the arbiter."),
     "memx_shared_pool_budget_bytes": ("gauge", "Budget of the shared pool."),
+    "memx_pool_arbiter_connected": ("gauge", "1 while connected to the pool's arbiter, 0 after losing it."),
+    "memx_shared_pool_private_bytes": (
+        "gauge",
+        "Bytes this server holds that no arbiter counts (kept when the arbiter was lost, not yet adopted).",
+    ),
     "memx_router_activity_queued": ("gauge", "Requests the router holds queued for this model (last message)."),
     "memx_router_activity_inflight": ("gauge", "Requests the router has in flight to this model (last message)."),
     "memx_router_activity_arrival_rate": ("gauge", "Router arrivals per second for this model (last message)."),
@@ -200,6 +205,10 @@ def _samples(rank: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any], float]
         yield "memx_shared_pool_reclaim_requests_total", base, shared["reclaim_requests"]
         yield "memx_shared_pool_held_bytes", base, shared["held_chunks"] * chunk
         yield "memx_shared_pool_budget_bytes", base, shared["budget_chunks"] * chunk
+        arb = shared.get("arbiter")
+        if arb:
+            yield "memx_pool_arbiter_connected", base, int(arb["connected"])
+            yield "memx_shared_pool_private_bytes", base, arb["private_budget_chunks"] * chunk
 
 
 def render_prometheus(doc: dict[str, Any]) -> str:

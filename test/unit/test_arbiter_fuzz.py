@@ -2,17 +2,19 @@
 
 Every step sends one packet on one of several raw connections (or opens / closes one) to a
 real in-process ``Arbiter``: well-formed messages of every client type (HELLO, BORROW, RETURN,
-STATUS, REPORT, LINK), the same with a field dropped, added or replaced by junk, raw bytes
+STATUS, REPORT, LINK, ADOPT, RELEASE), the same with a field dropped, added or replaced by junk, raw bytes
 (invalid UTF-8 / JSON, deep nesting, huge ints, empty and oversized packets), messages with
 fds attached, messages out of order (before HELLO, a second HELLO, RETURN of chunks not
 held), and connections closed mid-exchange (a BORROW sent and the socket closed before the
 GRANT is read). A model predicts each answer: ERROR naming the field the local decoder names
 (or ``fds`` / ``message`` / ``type`` / ``chunks[i]`` / ``iter_times`` / ``min_interval``),
-WELCOME, GRANT iff the budget not held covers the borrow (else DENY), ACK, STATUS, LINKED.
-After every step: ``check_invariants()``, and chunk conservation against the model (each
-client holds exactly what it was granted and did not return; held + free = created <=
-budget). At the end the arbiter still serves a well-behaved client the whole budget and no
-fd leaked.
+WELCOME, GRANT iff the budget not held covers the borrow (else DENY), ACK, STATUS, LINKED,
+ADOPTED (as many as the budget not held covers), ERROR ``n`` for a RELEASE beyond what was
+adopted. After every step: ``check_invariants()``, and chunk conservation against the model
+(each client holds exactly what it was granted or adopted and did not return or release;
+held + free = created <= budget, i.e. held + free + uncreated = budget). At the end the
+arbiter still serves a well-behaved client the whole budget (adopted chunks left the books
+with their clients) and no fd leaked.
 
 Runtime: ``MEMX_FUZZ_EXAMPLES`` runs (default 100, about 5 s here) of up to
 ``MEMX_FUZZ_STEPS`` steps (default 50). Long mode: ``MEMX_FUZZ_EXAMPLES=2000``. A failure
@@ -94,6 +96,8 @@ def client_message(draw, held: list[int], others: list[int]) -> dict:
         )
     elif kind == "LINK":
         msg.update(_link_fields(draw))
+    elif kind in ("ADOPT", "RELEASE"):
+        msg["n"] = draw(st.integers(1, BUDGET + 2) | st.just(proto.MAX_ADOPT))
     return msg
 
 
@@ -132,6 +136,7 @@ class _Conn:
         self.sock.settimeout(REPLY_TIMEOUT)
         self.client_id: int | None = None  # from WELCOME
         self.held: set[int] = set()
+        self.adopted = 0  # chunks booked by ADOPT (no ids)
 
 
 class ArbiterMachine(RuleBasedStateMachine):
@@ -173,7 +178,7 @@ class ArbiterMachine(RuleBasedStateMachine):
         assert reply["req_id"] == req_id, (what, reply)
 
     def _held_total(self) -> int:
-        return sum(len(c.held) for c in self.conns)
+        return sum(len(c.held) + c.adopted for c in self.conns)
 
     def _send_and_check(self, conn: _Conn, payload: bytes, with_fds: bool = False) -> None:
         """Send one packet and check the arbiter's answer against the model."""
@@ -219,6 +224,17 @@ class ArbiterMachine(RuleBasedStateMachine):
             reply = self._reply(conn)
             assert reply == {"type": "ACK", "req_id": req_id, "returned": len(msg["chunks"])}, reply
             conn.held -= set(msg["chunks"])
+        elif kind == "ADOPT":
+            reply = self._reply(conn)
+            want = min(msg["n"], BUDGET - self._held_total())
+            assert reply == {"type": "ADOPTED", "req_id": req_id, "adopted": want}, (msg, reply)
+            conn.adopted += want
+        elif kind == "RELEASE":
+            if msg["n"] > conn.adopted:
+                return self._expect_error(conn, "n", req_id, msg)
+            reply = self._reply(conn)
+            assert reply == {"type": "ACK", "req_id": req_id, "returned": msg["n"]}, reply
+            conn.adopted -= msg["n"]
         elif kind == "STATUS":
             reply = self._reply(conn)
             assert reply["type"] == "STATUS" and reply["req_id"] == req_id, reply
@@ -274,6 +290,15 @@ class ArbiterMachine(RuleBasedStateMachine):
         conn = data.draw(st.sampled_from([c for c in self.conns if c.client_id is not None]), label="conn")
         msg = {"type": "BORROW", "req_id": data.draw(REQ_ID), "n": data.draw(st.integers(1, BUDGET)), "owner": "kv"}
         self._send_and_check(conn, proto.encode(msg))
+
+    @precondition(lambda self: any(c.client_id is not None for c in self.conns))
+    @rule(data=st.data())
+    def adopt_or_release(self, data):
+        """A survivor of a dead arbiter books what it kept (ADOPT), or drops some of it (RELEASE)."""
+        conn = data.draw(st.sampled_from([c for c in self.conns if c.client_id is not None]), label="conn")
+        kind = "RELEASE" if conn.adopted and data.draw(st.booleans()) else "ADOPT"
+        n = data.draw(st.integers(1, max(1, conn.adopted) if kind == "RELEASE" else BUDGET))
+        self._send_and_check(conn, proto.encode({"type": kind, "req_id": data.draw(REQ_ID), "n": n}))
 
     @precondition(lambda self: any(c.held for c in self.conns))
     @rule(data=st.data())
@@ -338,8 +363,11 @@ class ArbiterMachine(RuleBasedStateMachine):
         by_id = {c["client_id"]: c for c in status["clients"]}
         for conn in self.conns:
             if conn.client_id is not None:
-                assert by_id[conn.client_id]["held"] == len(conn.held), (conn.client_id, by_id, conn.held)
+                mine = by_id[conn.client_id]
+                assert mine["held"] == len(conn.held) + conn.adopted, (conn.client_id, by_id, conn.held)
+                assert mine["adopted"] == conn.adopted, (conn.client_id, by_id)
         assert sum(c["held"] for c in status["clients"]) == self._held_total()
+        assert status["adopted"] == sum(c.adopted for c in self.conns)
         assert status["free"] + self._held_total() == status["created"] <= BUDGET
         assert status["pending"] == 0
 

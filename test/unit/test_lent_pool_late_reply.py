@@ -15,6 +15,7 @@ class _RacingClient:
     """``borrow`` times out, and the late GRANT reaches the pool before ``borrow`` returns."""
 
     connected = True
+    lost_reason = None
 
     def __init__(self, pool: LentPool, late: bool):
         self.pool, self.late = pool, late
@@ -30,6 +31,8 @@ def _pool(late: bool) -> LentPool:
     pool = LentPool.__new__(LentPool)  # the bookkeeping only: no arbiter, no backend
     pool._lock = threading.Lock()
     pool._outstanding = pool._early_late_replies = 0
+    pool._lost = pool._closed = False
+    pool._private, pool._adopted = {}, 0
     pool.denied_total = pool.borrowed_total = pool.late_grants = 0
     pool.last_denied_available = 0
     pool.client = _RacingClient(pool, late)

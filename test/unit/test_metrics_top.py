@@ -57,6 +57,14 @@ RANK = {
             "held_chunks": 17,
             "budget_chunks": 52,
             "chunk_bytes": 4096,
+            "arbiter": {
+                "connected": False,
+                "lost_reason": "EOF",
+                "lost_at": 1.0,
+                "private_budget_chunks": 5,
+                "adopted_chunks": 0,
+                "rejoins": 0,
+            },
         },
     },
 }
@@ -71,6 +79,8 @@ def test_prometheus_text_has_help_type_and_labelled_samples():
     assert 'memx_pool_owner_bytes{dp_rank="0",owner="kv",pool="gpu0"} 65536' in text
     assert 'memx_vmm_calls_total{call="map_calls",dp_rank="0",pool="gpu0"} 36' in text
     assert 'memx_shared_pool_held_bytes{dp_rank="0",pool="gpu0"} 69632' in text
+    assert 'memx_pool_arbiter_connected{dp_rank="0",pool="gpu0"} 0' in text  # the arbiter was lost
+    assert 'memx_shared_pool_private_bytes{dp_rank="0",pool="gpu0"} 20480' in text
     assert 'memx_activation_peak_held_bytes{dp_rank="0",pool="gpu0"} 184320' in text
     assert 'memx_activation_chunks_lent_to_kv_total{dp_rank="0",pool="gpu0"} 30' in text
     assert 'memx_host_buffer_restored_total{dp_rank="0",pool="gpu0"} 2' in text

@@ -157,12 +157,15 @@ def register_server(config: MemxConfig, url: str | None) -> Path | None:
 # ------------------------------------------------------------------ waking up for the arbiter
 def attend(kv, scheduler) -> None:
     """Once per iteration: the first time, make an idle scheduler (``--sleep-on-idle``) wake up
-    when the arbiter asks for memory or a late grant lands (else a sleeping server would answer
-    a reclaim only when its one-second sleep ends); then consume the wake-ups."""
+    when the arbiter asks for memory, a late grant lands or the arbiter is lost (else a sleeping
+    server would answer a reclaim only when its one-second sleep ends); then consume the
+    wake-ups. If the arbiter died, rejoin a new one once it answers (``LentPool.maybe_rejoin``:
+    a no-op while connected; meanwhile the server runs on what it holds)."""
     if not kv.lent_wakeup_registered:
         up_sched.add_idle_wakeup(scheduler, kv.lent.wake_fd)
         kv.lent_wakeup_registered = True
     kv.lent.drain_wakeups()
+    kv.lent.maybe_rejoin()
 
 
 # ------------------------------------------------------------------ borrowing and giving back
