@@ -65,7 +65,7 @@ def validate(msg) -> dict:
     if not isinstance(msg, dict):
         raise ValueError(f"message: expected a JSON object, got {type(msg).__name__}")
     kind = msg.get("type")
-    if kind not in SCHEMA:
+    if not isinstance(kind, str) or kind not in SCHEMA:  # a list or dict would be unhashable
         raise ValueError(f"type: unknown message type {kind!r}")
     spec = SCHEMA[kind]
     got = set(msg) - {"type"}
@@ -112,8 +112,8 @@ def recv(sock: socket.socket) -> tuple[dict, list[int]] | None:
             raise ValueError("message: truncated")
         try:
             msg = json.loads(data.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"message: not valid JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # bad UTF-8 / JSON, an int > 4300 digits, deep nesting
+            raise ValueError(f"message: not valid JSON ({str(exc):.200})") from None
         validate(msg)
         if len(fds) != _expected_fds(msg):
             raise ValueError(f"fds: {msg['type']} came with {len(fds)} fd(s), expected {_expected_fds(msg)}")
