@@ -244,7 +244,7 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         "its KV cache and all but one staging slot of its weights go back to the pool; the first "
         "request wakes it (wake time in /memx/status). Default: never sleeps.",
     ),
-    # peer KV tier (issue 16, docs/peer-kv.md): validated, refused until the server hooks land
+    # peer KV tier (issue 16, docs/peer-kv.md)
     MemxFlag(
         "--memx-peer-kv",
         "peer_kv",
@@ -253,8 +253,8 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         metavar="MODE",
         help="Peer KV tier (SwiftCache): 'donate' lends idle KV capacity to co-located servers of the "
         "same --memx-pool, 'borrow' spills evicted prefix KV into their donations and loads it back on "
-        "a hit, 'both', or 'off' (default). Needs --memx-pool and the radix cache. Not wired into the "
-        "server yet: any mode but 'off' is refused after validation (docs/peer-kv.md).",
+        "a hit, 'both', or 'off' (default). Needs --memx-pool and the radix cache; CPU servers only, "
+        "without --enable-hierarchical-cache (docs/peer-kv.md).",
     ),
     MemxFlag(
         "--memx-peer-donate-max-gb",
@@ -263,7 +263,8 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         default=None,
         metavar="GB",
         help="With --memx-peer-kv donate or both: at most GB of KV capacity lent to peers at any time "
-        "(default: whatever the donor's own load leaves idle, SwiftCache Alg. 1).",
+        "(default: half of its KV capacity; within the cap it lends what its own load leaves idle, "
+        "SwiftCache Alg. 1).",
     ),
 )
 
@@ -448,11 +449,6 @@ class MemxConfig:
             raise MemxConfigError(
                 "--memx-peer-kv", "needs --memx-pool NAME (donors and borrowers are the servers of one shared pool)"
             )
-        raise MemxConfigError(
-            "--memx-peer-kv",
-            f"{mode!r} is not available yet: the peer KV tier is built and tested outside the server "
-            "(memory_ext/peer) but not wired into SGLang; only 'off' runs (docs/peer-kv.md)",
-        )
 
     def check_server_args(self, disable_radix_cache: bool, cuda_graphs: bool) -> None:
         """Checks that need upstream's own flags too (run at parse time and again at pool build).
@@ -486,6 +482,7 @@ class MemxConfig:
             "shared_pool": on and self.pool is not None,
             "host_buffer": on and self.host_buffer_gb is not None,
             "weights": on and self.weights != "off",
+            "peer_kv": on and self.peer_kv != "off",
         }
 
     def to_dict(self) -> dict[str, Any]:

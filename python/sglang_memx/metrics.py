@@ -87,6 +87,21 @@ _HELP = {
     "memx_router_activity_age_seconds": ("gauge", "Seconds since the last router activity message arrived."),
     "memx_router_activity_live": ("gauge", "1 while the last router activity is younger than its TTL, else 0."),
     "memx_router_activity_received_total": ("counter", "Router activity messages received."),
+    "memx_peer_kv_donated_bytes": ("gauge", "KV bytes this server lends to peers now, per borrower."),
+    "memx_peer_kv_reclaims_total": ("counter", "Times this donor took donated KV back for its own load."),
+    "memx_peer_kv_reclaimed_bytes_total": ("counter", "Donated bytes this donor took back."),
+    "memx_peer_kv_borrowed_bytes": ("gauge", "KV bytes borrowed from a peer now, per donor."),
+    "memx_peer_kv_spills_total": ("counter", "Evicted prefixes spilled to peers."),
+    "memx_peer_kv_hits_total": ("counter", "Prefix matches extended by pages loaded from a peer."),
+    "memx_peer_kv_pages_stored_total": ("counter", "Pages written to peers."),
+    "memx_peer_kv_pages_loaded_total": ("counter", "Pages loaded from peers into the KV cache."),
+    "memx_peer_kv_bytes_stored_total": ("counter", "Bytes written to peers."),
+    "memx_peer_kv_bytes_loaded_total": ("counter", "Bytes loaded from peers."),
+    "memx_peer_kv_entries_dropped_total": ("counter", "Peer pages lost, by cause (reclaim, donor death)."),
+    "memx_peer_kv_recomputes_after_reclaim_total": (
+        "counter",
+        "Loads cut short by a page reclaimed or lost between match and read (the rest was recomputed).",
+    ),
     "memx_requests_running": ("gauge", "Requests decoding."),
     "memx_requests_waiting": ("gauge", "Requests waiting for admission."),
 }
@@ -128,6 +143,7 @@ def _samples(rank: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any], float]
         yield "memx_router_activity_age_seconds", base, act["age_s"]
         yield "memx_router_activity_live", base, int(act["live"])
         yield "memx_router_activity_received_total", base, act["received_total"]
+    yield from _peer_samples(base, rank.get("peer_kv"))
     el = rank.get("elastic_kv")
     if not el:
         return
@@ -209,6 +225,30 @@ def _samples(rank: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any], float]
         if arb:
             yield "memx_pool_arbiter_connected", base, int(arb["connected"])
             yield "memx_shared_pool_private_bytes", base, arb["private_budget_chunks"] * chunk
+
+
+def _peer_samples(base: dict[str, Any], peer: dict[str, Any] | None) -> Iterable[tuple[str, dict[str, Any], float]]:
+    if not peer:
+        return
+    donor = peer.get("donor")
+    if donor:
+        for lease in donor["leases"]:
+            yield "memx_peer_kv_donated_bytes", dict(base, borrower=lease["borrower"]), lease["donated_bytes"]
+        yield "memx_peer_kv_reclaims_total", base, peer.get("reclaims", 0)
+        yield "memx_peer_kv_reclaimed_bytes_total", base, donor["reclaimed_bytes"]
+    b = peer.get("borrower")
+    if b:
+        for p in b["peers"]:
+            yield "memx_peer_kv_borrowed_bytes", dict(base, donor=p["donor"]), p["borrowed_bytes"]
+        yield "memx_peer_kv_spills_total", base, peer.get("spills", 0)
+        yield "memx_peer_kv_hits_total", base, peer.get("hits", 0)
+        yield "memx_peer_kv_pages_stored_total", base, b["pages_stored"]
+        yield "memx_peer_kv_pages_loaded_total", base, peer.get("pages_loaded", 0)
+        yield "memx_peer_kv_bytes_stored_total", base, b["bytes_stored"]
+        yield "memx_peer_kv_bytes_loaded_total", base, b["bytes_loaded"]
+        yield "memx_peer_kv_entries_dropped_total", dict(base, cause="reclaim"), b["entries_dropped_reclaim"]
+        yield "memx_peer_kv_entries_dropped_total", dict(base, cause="donor_lost"), b["entries_dropped_dead"]
+        yield "memx_peer_kv_recomputes_after_reclaim_total", base, peer.get("recomputes_after_reclaim", 0)
 
 
 def render_prometheus(doc: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 from sglang_memx import __version__, router_activity
 from sglang_memx.config import MemxConfig
 from sglang_memx.elastic.slab import slab_status
+from sglang_memx.peer import server as peer_server
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import radix as up_radix
 from sglang_memx.upstream import scheduler as up_sched
@@ -93,6 +94,9 @@ def scheduler_status(scheduler, config: MemxConfig) -> dict[str, Any]:
     if config.pool:
         doc["pool_name"] = config.pool
     doc["router_activity"] = router_activity.status()  # None: no router ever posted /memx/activity
+    peer = peer_server.server_of(scheduler) if config.features["peer_kv"] else None
+    if peer is not None:
+        doc["peer_kv"] = peer.status()
     return doc
 
 

@@ -214,7 +214,24 @@ def render(snap: dict[str, Any]) -> str:
             lines.append(head + (f"  pool {rank['pool_name']}" if rank.get("pool_name") else ""))
             if el and el.get("slab"):
                 lines.append(_slab_line(el["slab"]))
+            if rank.get("peer_kv"):
+                lines.append(_peer_line(rank["peer_kv"]))
     return "\n".join(lines)
+
+
+def _peer_line(p: dict[str, Any]) -> str:
+    """One line per server: what it lends (donor) and what it borrows and moves (borrower)."""
+    out = f"    peer KV {p['mode']:<6}"
+    d = p.get("donor")
+    if d:
+        out += f"  lends {_gib(d['donated_bytes'])} to {len(d['leases'])} (cap {_gib(d['cap_bytes'])}),"
+        out += f" reclaims {p.get('reclaims', 0)}"
+    b = p.get("borrower")
+    if b:
+        out += f"  borrows {_gib(b['borrowed_bytes'])} from {len(b['peers'])}, spills {p.get('spills', 0)},"
+        out += f" hits {p.get('hits', 0)} ({p.get('pages_loaded', 0)} pages), moved {_gib(b['bytes_stored'])} out"
+        out += f" / {_gib(b['bytes_loaded'])} in, recomputed after reclaim {p.get('recomputes_after_reclaim', 0)}"
+    return out
 
 
 def _slab_line(sl: dict[str, Any]) -> str:

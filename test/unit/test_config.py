@@ -23,6 +23,7 @@ def test_defaults():
         "shared_pool": False,
         "host_buffer": False,
         "weights": False,
+        "peer_kv": False,
     }
     assert cfg.status_path == "/memx/status"
 
@@ -110,6 +111,7 @@ def test_elastic_kv_flags_parse_and_turn_features_on():
         "shared_pool": True,
         "host_buffer": False,
         "weights": False,
+        "peer_kv": False,
     }
     assert MemxConfig.from_dict(cfg.to_dict()) == cfg
 

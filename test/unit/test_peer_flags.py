@@ -1,11 +1,12 @@
-"""--memx-peer-kv / --memx-peer-donate-max-gb: parsed and validated (errors name the flag); any
-mode but 'off' is refused until the peer tier is wired into the server (docs/peer-kv.md)."""
+"""--memx-peer-kv / --memx-peer-donate-max-gb: parsed and validated (errors name the flag); the
+modes run with a shared pool and the radix cache, on CPU, without HiCache (docs/peer-kv.md)."""
 
 import argparse
 
 import pytest
 
 from sglang_memx.config import MemxConfig, MemxConfigError, add_memx_arguments
+from sglang_memx.peer.checks import check_peer_kv
 
 POOL = ["--memx-elastic-kv", "--memx-pool", "p1"]
 
@@ -19,7 +20,7 @@ def _parse(argv):
 def test_default_is_off():
     cfg = _parse([])
     assert cfg.peer_kv == "off" and cfg.peer_donate_max_gb is None
-    assert "peer_kv" not in cfg.features  # nothing of it runs in the server
+    assert cfg.features["peer_kv"] is False
     assert _parse(["--memx-peer-kv", "off"]) == cfg
 
 
@@ -46,12 +47,29 @@ def test_bad_values_name_the_flag(argv, flag, fragment):
 
 
 @pytest.mark.parametrize("mode", ["donate", "borrow", "both"])
-def test_valid_modes_are_refused_until_the_server_hooks_exist(mode):
+def test_valid_modes_run_and_turn_the_feature_on(mode):
     extra = ["--memx-peer-donate-max-gb", "1.5"] if mode != "borrow" else []
+    cfg = _parse(POOL + ["--memx-peer-kv", mode] + extra)
+    assert cfg.peer_kv == mode and cfg.features["peer_kv"] is True
+    assert cfg.peer_donate_max_gb == (1.5 if extra else None)
+    check_peer_kv(cfg, disable_radix_cache=False, hierarchical_cache=False, device="cpu")  # no error
+
+
+@pytest.mark.parametrize(
+    ("upstream", "fragment"),
+    [
+        ({"disable_radix_cache": True}, "needs the radix cache"),
+        ({"hierarchical_cache": True}, "--enable-hierarchical-cache"),
+        ({"device": "cuda"}, "CPU servers only"),
+    ],
+)
+def test_upstream_flags_the_tier_cannot_serve_are_refused(upstream, fragment):
+    cfg = _parse(POOL + ["--memx-peer-kv", "borrow"])
+    kwargs = {"disable_radix_cache": False, "hierarchical_cache": False, "device": "cpu", **upstream}
     with pytest.raises(MemxConfigError) as err:
-        _parse(POOL + ["--memx-peer-kv", mode] + extra)
-    assert err.value.flag == "--memx-peer-kv"
-    assert "not available yet" in str(err.value) and "docs/peer-kv.md" in str(err.value)
+        check_peer_kv(cfg, **kwargs)
+    assert err.value.flag == "--memx-peer-kv" and fragment in str(err.value)
+    check_peer_kv(_parse(POOL), **kwargs)  # off: upstream's flags are none of its business
 
 
 def test_the_server_parser_exits_2_naming_the_flag(capsys):

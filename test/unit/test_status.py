@@ -59,6 +59,7 @@ def test_scheduler_status_counts_requests_and_features():
         "shared_pool": False,
         "host_buffer": False,
         "weights": False,
+        "peer_kv": False,
     }
 
 

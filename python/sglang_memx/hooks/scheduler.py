@@ -31,6 +31,7 @@ import logging
 from sglang_memx import router_activity
 from sglang_memx.elastic import admission, host_buffer
 from sglang_memx.elastic.tick import tick
+from sglang_memx.peer import server as peer_server
 from sglang_memx.status import scheduler_status
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import scheduler as up_sched
@@ -78,6 +79,7 @@ def before_get_next_batch_to_run(scheduler, *args, **kwargs):
         verify_hooks(up_args.config_of(up_sched.server_args(scheduler)))
         _verified = True
     tick(scheduler)
+    peer_server.tick(scheduler, up_args.config_of(up_sched.server_args(scheduler)))
 
 
 def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_size):

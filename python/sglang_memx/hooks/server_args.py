@@ -15,6 +15,7 @@ import logging
 
 from sglang_memx import __version__
 from sglang_memx.config import MemxConfig, MemxConfigError, add_memx_arguments
+from sglang_memx.peer.checks import check_peer_kv
 from sglang_memx.upstream import server_args as up_args
 from sglang_memx.upstream import version
 from sglang_memx.upstream.registry import HookSpec
@@ -29,6 +30,8 @@ def check_namespace(ns: argparse.Namespace) -> MemxConfig:
     if requested and not version.is_supported(version.installed_sglang()):
         raise MemxConfigError(requested[0], version.unsupported_message(version.installed_sglang(), requested[0]))
     config.check_server_args(up_args.radix_cache_disabled(ns), up_args.cuda_graphs_possible(ns))
+    check_peer_kv(config, disable_radix_cache=up_args.radix_cache_disabled(ns),
+                  hierarchical_cache=up_args.hierarchical_cache(ns), device=up_args.device(ns))  # fmt: skip
     return config
 
 

@@ -69,13 +69,16 @@ CLASSES: dict[str, str] = {
     "InsertParams": _C + "base_prefix_cache.InsertParams",
     "RadixKey": _C + "radix_cache.RadixKey",
     "RadixCache": _C + "radix_cache.RadixCache",
+    "UnifiedRadixCache": _C + "unified_radix_cache.UnifiedRadixCache",
+    "InsertResult": _C + "base_prefix_cache.InsertResult",
     "GlobalState": "sglang.srt.entrypoints.http_server._GlobalState",
     "TokenizerManager": _M + "tokenizer_manager.TokenizerManager",
     "IdleSleeper": _M + "scheduler_components.idle_sleeper.IdleSleeper",
 }
 
 MEMBERS: dict[str, dict[str, str | None]] = {
-    "ServerArgs": {"disable_radix_cache": None, "host": None, "port": None, "chunked_prefill_size": None,
+    "ServerArgs": {"disable_radix_cache": None, "enable_hierarchical_cache": None, "model_path": None,
+                   "host": None, "port": None, "chunked_prefill_size": None,
                    "max_prefill_tokens": None,
                    "device": None, "disable_cuda_graph": None, "disable_decode_cuda_graph": None,
                    "disable_prefill_cuda_graph": None, "cuda_graph_backend_decode": None,
@@ -143,9 +146,14 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     "RadixCache": {"insert": None},
     "EvictParams": {"num_tokens": None},
     "EvictResult": {"num_tokens_evicted": None},
-    "MatchPrefixParams": {"key": None},
-    "MatchResult": {"device_prefix_len": None, "last_device_node": None},
-    "InsertParams": {"key": None, "value": None},
+    "MatchPrefixParams": {"key": "RadixKey", "req": "Req"},
+    "MatchResult": {"device_prefix_len": None, "last_device_node": None, "host_hit_length": None},
+    # the peer KV tier (upstream.peer_radix)
+    "UnifiedRadixCache": {"path_device_indices": None, "insert": "InsertResult",
+                          "token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator"},
+    "InsertResult": {"prefix_len": None},
+    "RadixKey": {"is_bigram": None, "extra_key": None, "cache_salt": None, "raw_token_ids": None},
+    "InsertParams": {"key": "RadixKey", "value": None},
     "ModelRunner": {"token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator", "device": None,
                     "model": "LlamaForCausalLM", "server_args": "ServerArgs"},
     "WeightUpdater": {"get_model_runner": None},
@@ -167,6 +175,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "BasePrefixCache.evict": ("self", "params"),
     "BasePrefixCache.match_prefix": ("self", "params"),
     "RadixCache.insert": ("self", "params"),
+    "UnifiedRadixCache.path_device_indices": ("self", "node"),
     "BasePrefixCache.lock": ("self", "node"),
     "BasePrefixCache.unlock": ("self", "lock"),
     "BaseTokenToKVPoolAllocator.alloc": ("self", "need_size"),
@@ -218,6 +227,9 @@ TARGETS: dict[str, tuple[str, ...]] = {
     _A + "paged.PagedTokenToKVPoolAllocator.alloc_decode": ("self", "seq_lens", "seq_lens_cpu", "last_loc"),
     _A + "base.BaseTokenToKVPoolAllocator.check_decode_capacity": ("self",),
     _A + "base.BaseTokenToKVPoolAllocator.create_prefill_budget": ("self", "tree_cache"),
+    _C + "unified_radix_cache.UnifiedRadixCache._evict_device_leaf": ("self", "node_id", "tracker"),
+    _C + "unified_radix_cache.UnifiedRadixCache.match_prefix": ("self", "params"),
+    _C + "unified_radix_cache.UnifiedRadixCache.insert": ("self", "params"),
 }  # fmt: skip
 
 # Names the adapter modules give upstream objects (parameters and locals) -> their class.
@@ -232,6 +244,8 @@ ROLES: dict[str, str] = {
     "set_req": "SetInternalStateReq",
     "matched": "MatchResult", "evicted": "EvictResult", "registry": "HookRegistry", "radix": "RadixCache",
     "sleeper": "IdleSleeper", "causal_lm": "LlamaForCausalLM", "lm_body": "LlamaModel",
+    "unified": "UnifiedRadixCache", "match_params": "MatchPrefixParams", "insert_params": "InsertParams",
+    "radix_key": "RadixKey",
 }  # fmt: skip
 
 

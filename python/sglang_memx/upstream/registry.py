@@ -19,7 +19,7 @@ from sglang_memx.upstream import manifest
 
 KINDS = ("before", "after", "around", "replace")
 # Features a hook can serve; "flags" hooks are needed whatever is on.
-FEATURES = ("flags", "status_endpoint", "elastic_kv", "shared_pool", "host_buffer", "weights")
+FEATURES = ("flags", "status_endpoint", "elastic_kv", "shared_pool", "host_buffer", "weights", "peer_kv")
 
 
 class HooksNotInForce(RuntimeError):

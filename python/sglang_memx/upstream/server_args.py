@@ -29,6 +29,20 @@ def radix_cache_disabled(args) -> bool:
     return bool(args.disable_radix_cache)
 
 
+def hierarchical_cache(args) -> bool:
+    """``--enable-hierarchical-cache`` (HiCache's host tier) of a namespace or a ServerArgs record."""
+    return bool(args.enable_hierarchical_cache)
+
+
+def device(args) -> str:
+    """``--device`` (None until upstream resolves it: then CUDA when there is one)."""
+    return args.device
+
+
+def model_path(server_args) -> str:
+    return str(server_args.model_path)
+
+
 def _phase_disabled(args, phase: str) -> bool:
     """Whether a CUDA-graph phase ("decode" / "prefill") was switched off on the command
     line: ``--disable-cuda-graph``, ``--disable-<phase>-cuda-graph``,

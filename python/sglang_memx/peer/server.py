@@ -1,0 +1,317 @@
+"""The peer KV tier inside one SGLang scheduler (``--memx-peer-kv``; docs/peer-kv.md).
+
+``PeerKVServer`` is built at the scheduler's first iteration (``tick``), once the KV pool, the
+prefix cache and the shared pool exist, and hangs on the prefix cache
+(``upstream.peer_radix.attach_peer``). Two roles, either or both:
+
+* **donor** (``donate`` / ``both``): a ``PeerDonor`` listening on
+  ``discovery.donor_socket(<pool dir>, <pool>, <name>)``, its regions made of chunks of this
+  server's own ``ChunkPool`` (borrowed from the pool's arbiter, held as ``PEER_DONATION``), driven
+  by ``DonorController`` / ``DonationPolicy`` from this server's own demand: reclaim at once when
+  its requests need the memory (every iteration), donate what the last window did not need (at
+  most every ``DONATE_INTERVAL_S``), never more than ``--memx-peer-donate-max-gb``.
+* **borrower** (``borrow`` / ``both``): a ``PeerKVTier`` connected to every donor of the pool it
+  finds (re-scanned every ``DISCOVER_INTERVAL_S``; a donor that refuses our layout is logged
+  and skipped for good), and a ``PeerKVIO`` over the scheduler's K/V buffers. The hooks call
+  ``spill`` before the prefix cache frees an evicted leaf's slots and ``load`` after a device
+  match: the pages the peer holds past the device prefix are read into new slots, inserted
+  into the tree, and the match runs again. A failed or reclaimed read is a miss: the request
+  recomputes those tokens, as in stock SGLang.
+
+Tokens of a tree path are not readable from the (Rust) tree core, so the server keeps
+``slot_tokens[slot]`` = the token whose KV the slot holds, written at every insert into the
+tree (``note_insert``): every slot of a tree path got there through an insert. Paths inserted
+under a LoRA / cache-salt namespace are marked and never spilled (not supported yet).
+
+Runs on the scheduler thread only (hooks and tick); the donor's and links' own threads touch
+only ``memory_ext.peer`` state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import Counter
+
+import torch
+
+from memory_ext.peer import PeerDonor, PeerKVIO, PeerKVTier, donor_socket, donor_sockets
+from memory_ext.peer.controller import DonorController, geometry_of
+from memory_ext.peer.kvpack import layout_of_buffers
+from memory_ext.policy.swiftcache import DonationPolicy
+from memory_ext.vmm import host_backend
+from sglang_memx.elastic.shared_pool import pool_dir
+from sglang_memx.upstream import kv as up_kv
+from sglang_memx.upstream import peer_radix as up_peer
+from sglang_memx.upstream import radix as up_radix
+from sglang_memx.upstream import request as up_req
+from sglang_memx.upstream import scheduler as up_sched
+from sglang_memx.upstream import server_args as up_args
+
+logger = logging.getLogger("sglang_memx")
+
+GB = 1 << 30
+PAGE_TOKENS = 16  # tokens of one peer block (rounded up to a multiple of the KV page size)
+DONATE_INTERVAL_S = 0.5
+DISCOVER_INTERVAL_S = 1.0
+WINDOW_S = 60.0  # Alg. 1's demand window: memory a request needed is not lent again before it ends
+DEFAULT_DONATE_FRACTION = 0.5  # without --memx-peer-donate-max-gb: at most half of the KV capacity
+
+
+class PeerKVServer:
+    def __init__(self, scheduler, config):
+        tree = up_sched.tree_cache(scheduler)
+        allocator = up_sched.allocator(scheduler)
+        kv = up_kv.elastic_of(allocator)
+        if not up_peer.is_unified(tree):
+            raise RuntimeError(f"--memx-peer-kv: needs upstream's unified radix cache, this server has {type(tree)}")
+        if kv is None or kv.lent is None:
+            raise RuntimeError("--memx-peer-kv: needs elastic KV on a shared pool (--memx-pool)")
+        buffers = up_kv.kv_buffers(allocator)
+        layers = len(buffers) // 2
+        self.k_layers, self.v_layers = buffers[:layers], buffers[layers:]
+        page = up_sched.page_size(scheduler)
+        self.block_tokens = math.lcm(PAGE_TOKENS, page)
+        self.layout = layout_of_buffers(
+            self.k_layers, self.v_layers, self.block_tokens, up_args.model_path(up_sched.server_args(scheduler))
+        )
+        self.mode = config.peer_kv
+        self.tree, self.allocator, self.kv = tree, allocator, kv
+        self.pool_name, self.directory = config.pool, os.fspath(pool_dir(config))
+        port = up_args.server_url(up_sched.server_args(scheduler)).rsplit(":", 1)[-1]
+        self.name = f"s{port}-{os.getpid()}"
+        self.stats: Counter[str] = Counter()
+        rows = self.k_layers[0].shape[0]
+        self.slot_tokens = torch.zeros(rows, dtype=torch.int64)
+        self.slot_plain = torch.zeros(rows, dtype=torch.bool)
+        self.donor = self.controller = None
+        self.tier = self.io = None
+        self._refused: dict[str, str] = {}
+        self._next_donate = self._next_discover = 0.0
+        chunk = kv.buffers.pool.chunk_bytes
+        capacity_tokens = up_sched.logical_capacity_tokens(scheduler)
+        token_bytes = self.layout.block_bytes // self.block_tokens
+        if self.mode in ("donate", "both"):
+            cap = config.peer_donate_max_gb
+            own = capacity_tokens * token_bytes
+            cap_bytes = int(cap * GB) if cap is not None else int(own * DEFAULT_DONATE_FRACTION)
+            geometry = geometry_of(self.layout)
+            policy = DonationPolicy(geometry, geometry, chunk_bytes=chunk, kv_tokens=capacity_tokens,
+                                    max_donate_bytes=cap_bytes, window_s=WINDOW_S)  # fmt: skip
+            self.controller = DonorController(policy, self.layout, chunk)
+            self.cap_chunks = policy.unit.meu_bytes * (cap_bytes // policy.unit.meu_bytes) // chunk
+            self.donor = PeerDonor(kv.buffers.pool, donor_socket(self.directory, self.pool_name, self.name),
+                                   max_bytes_per_lease=max(cap_bytes, policy.unit.meu_bytes), name=self.name,
+                                   accept_layout=self.controller.accept_layout,
+                                   on_lost=self.controller.lease_lost)  # fmt: skip
+            self.controller.attach(self.donor)
+            logger.info("memx peer KV: donor %s listening (at most %d chunks of %d B)", self.name, self.cap_chunks,
+                        chunk)  # fmt: skip
+        if self.mode in ("borrow", "both"):
+            self.tier = PeerKVTier(self.layout)
+            self.io = PeerKVIO(self.tier, self.k_layers, self.v_layers)
+            self.backend = host_backend(chunk)
+            logger.info("memx peer KV: borrower %s, %d-token blocks of %d B", self.name, self.block_tokens,
+                        self.layout.block_bytes)  # fmt: skip
+
+    # ------------------------------------------------------------------ once per iteration
+    def tick(self, scheduler) -> None:
+        now = time.monotonic()
+        if self.donor is not None:
+            self._donor_step(scheduler, now)
+        if self.tier is not None and now >= self._next_discover:
+            self._next_discover = now + DISCOVER_INTERVAL_S
+            self._discover()
+
+    def _demand_tokens(self, scheduler) -> int:
+        """What this server's requests need now: every admitted and waiting request's prompt + max_new."""
+        reqs = list(up_sched.admitted_reqs(scheduler)) + list(up_sched.waiting(scheduler))
+        return sum(up_req.prompt_len(r) + up_req.max_new_tokens(r) for r in reqs)
+
+    def _donor_step(self, scheduler, now: float) -> None:
+        demand = self._demand_tokens(scheduler)
+        if demand:
+            back = self.controller.on_demand(now, demand)
+            if back:
+                self.stats["reclaims"] += 1
+                self.stats["reclaimed_chunks"] += len(back)
+                logger.info("memx peer KV: reclaimed %d chunks from borrowers (demand %d tokens)", len(back), demand)
+        if now < self._next_donate or not self.donor.leases():
+            return
+        self._next_donate = now + DONATE_INTERVAL_S
+        room = self.cap_chunks - self.controller.policy.donated_chunks
+        pool = self.kv.buffers.pool
+        short = room - pool.available()
+        if room > 0 and short > 0:  # the donation's chunks come from the arbiter, like any KV chunk
+            self.kv.lent.borrow(short, wait=0.02)
+        placed = self.controller.on_tick(now)
+        if placed:
+            self.stats["donated_chunks"] += placed
+
+    def _discover(self) -> None:
+        linked = {link.peer for link in self.tier.links()}
+        for donor, path in donor_sockets(self.directory, self.pool_name, exclude=self.name).items():
+            if path in linked or path in self._refused:
+                continue
+            try:
+                self.tier.connect(path, self.name, self.backend)
+            except ValueError as exc:  # another layout (model, dtype, geometry): never mix KV
+                self._refused[path] = str(exc)
+                logger.warning("memx peer KV: donor %s refused this server: %s; carrying on without it", donor, exc)
+                continue
+            except (OSError, ConnectionError) as exc:  # gone, or not listening yet: try again later
+                logger.debug("memx peer KV: donor %s not reachable: %s", donor, exc)
+                continue
+            self.stats["donors_connected"] += 1
+            logger.info("memx peer KV: borrowing from donor %s", donor)
+
+    # ------------------------------------------------------------------ the prefix cache's hooks
+    def note_insert(self, radix_key, value) -> None:
+        """Remember which token each inserted slot holds (and whether its path is plain)."""
+        if value is None:
+            return
+        tokens = up_peer.plain_tokens(radix_key)
+        slots = torch.as_tensor(value, dtype=torch.int64).cpu()
+        if tokens is None:
+            self.slot_plain[slots] = False
+            return
+        n = min(len(tokens), slots.numel())
+        self.slot_tokens[slots[:n]] = torch.tensor(tokens[:n], dtype=torch.int64)
+        self.slot_plain[slots[:n]] = True
+
+    def spill(self, node_id) -> None:
+        """Store the full pages of the path root -> ``node_id`` (a device leaf about to be evicted)."""
+        if self.io is None or not self.tier.links():
+            return
+        slots = up_peer.path_slots(self.tree, node_id)
+        n = slots.numel() // self.block_tokens * self.block_tokens
+        if n == 0:
+            return
+        slots = slots[:n].to(torch.int64)
+        host = slots.cpu()
+        if not bool(self.slot_plain[host].all()):
+            self.stats["spills_skipped_namespace"] += 1
+            return
+        stored = self.io.spill(self.slot_tokens[host].tolist(), slots)
+        self.stats["spills"] += 1
+        self.stats["pages_spilled"] += stored
+
+    def load(self, match_params, matched, rematch):
+        """After a device match: load the pages the peer holds past the device prefix, insert them,
+        and return the match run again (or ``matched`` when the peer holds nothing more)."""
+        if self.io is None or up_peer.match_request(match_params) is None or up_peer.host_hit(matched):
+            return matched
+        radix_key = up_peer.match_key(match_params)
+        tokens = up_peer.plain_tokens(radix_key)
+        if tokens is None:
+            return matched
+        t = self.block_tokens
+        prefix, last = up_peer.device_match(matched)
+        first = prefix // t
+        tokens = tokens[: len(tokens) // t * t]
+        if (first + 1) * t > len(tokens) or not self.tier.links():
+            return matched
+        pages = self.tier.match(tokens, first)
+        if pages == 0:
+            self.stats["lookups_missed"] += 1
+            return matched
+        slots = self._alloc(pages * t, last)
+        if slots is None:
+            self.stats["loads_no_room"] += 1
+            return matched
+        got = self.io.load(tokens, first, slots)
+        if got < pages:
+            self.stats["recomputes_after_reclaim"] += 1  # held when matched, gone when read
+        head, end = prefix - first * t, (first + got) * t
+        if end <= prefix:
+            up_kv.free_tokens(self.allocator, slots)
+            return matched
+        keep = slots[head : got * t]
+        drop = torch.cat([slots[:head], slots[got * t :]])
+        if drop.numel():
+            up_kv.free_tokens(self.allocator, drop)
+        held = up_peer.path_slots(self.tree, last)[:prefix].to(keep.dtype)
+        had = up_peer.insert(self.tree, up_peer.key_prefix(radix_key, end), torch.cat([held, keep]))
+        if had > prefix:  # the tree got some of these tokens meanwhile: our copies are spare
+            up_kv.free_tokens(self.allocator, keep[: had - prefix])
+        self.stats["hits"] += 1
+        self.stats["pages_loaded"] += got
+        self.stats["tokens_loaded"] += end - prefix
+        return rematch()
+
+    def _alloc(self, n: int, last):
+        """``n`` KV slots, evicting unprotected cached prefixes (never the matched one) if needed."""
+        short = n - up_kv.available_tokens(self.allocator)
+        if short > 0:
+            handle = up_radix.lock(self.tree, last)
+            try:
+                up_radix.evict(self.tree, short)
+            finally:
+                up_radix.unlock(self.tree, handle)
+        if up_kv.available_tokens(self.allocator) < n:
+            return None
+        return up_kv.alloc_tokens(self.allocator, n)
+
+    # ------------------------------------------------------------------ report
+    def status(self) -> dict:
+        doc = {"mode": self.mode, "name": self.name, "block_tokens": self.block_tokens,
+               "block_bytes": self.layout.block_bytes, **dict(self.stats)}  # fmt: skip
+        if self.donor is not None:
+            st = self.donor.status()
+            doc["donor"] = {
+                "socket": self.donor.socket_path,
+                "cap_bytes": self.cap_chunks * self.kv.buffers.pool.chunk_bytes,
+                "donated_bytes": sum(le["donated_bytes"] for le in st["leases"]),
+                "policy_donated_bytes": self.controller.policy.donated_chunks * self.kv.buffers.pool.chunk_bytes,
+                "leases": [
+                    {k: le[k] for k in ("borrower", "pid", "donated_bytes", "fenced_units")} for le in st["leases"]
+                ],  # fmt: skip
+                "reclaimed_bytes": self.stats["reclaimed_chunks"] * self.kv.buffers.pool.chunk_bytes,
+                "refused": st.get("refused", 0),
+            }
+        if self.tier is not None:
+            st = self.tier.status()
+            doc["borrower"] = {
+                "peers": [
+                    {
+                        "donor": os.path.basename(p["peer"]),
+                        "borrowed_bytes": p["borrowed_bytes"],
+                        "blocks": p["blocks"],
+                        "free_blocks": p["free_blocks"],
+                        "pages": p["pages"],
+                    }
+                    for p in st["peers"]
+                ],  # fmt: skip
+                "borrowed_bytes": sum(p["borrowed_bytes"] for p in st["peers"]),
+                "pages_held": st["pages"],
+                "pages_stored": st.get("pages_stored", 0),
+                "bytes_stored": st.get("bytes_stored", 0),
+                "pages_hit": st.get("pages_hit", 0),
+                "pages_missed": st.get("pages_missed", 0),
+                "bytes_loaded": st.get("bytes_loaded", 0),
+                "entries_dropped_reclaim": st.get("entries_dropped_reclaim", 0),
+                "entries_dropped_dead": st.get("entries_dropped_dead", 0),
+                "stale_dropped": st.get("stale_dropped", 0),
+                "donors_lost": st.get("donors_lost", 0),
+                "refused_by": sorted(os.path.basename(p) for p in self._refused),
+            }
+        return doc
+
+
+def server_of(scheduler):
+    """The scheduler's peer tier, or None."""
+    tree = up_sched.tree_cache(scheduler)
+    return None if tree is None else up_peer.peer_of(tree)
+
+
+def tick(scheduler, config) -> None:
+    """Once per scheduler iteration (from the scheduler hook): build the tier on the first call."""
+    if config.disabled or config.peer_kv == "off":
+        return
+    server = server_of(scheduler)
+    if server is None:
+        server = PeerKVServer(scheduler, config)
+        up_peer.attach_peer(up_sched.tree_cache(scheduler), server)
+    server.tick(scheduler)
