@@ -159,3 +159,37 @@ def test_weights_metrics_and_top_columns():
         {"time": time.time(), "pools": [], "servers": [{"url": "http://x", "status": {"schedulers": [rank]}}]}
     )
     assert "layers 2/8 resident" in frame and "stall 0.01 s" in frame
+
+
+PEER = {
+    "mode": "both", "name": "s1-2", "block_tokens": 16, "block_bytes": 8192, "spills": 5, "pages_spilled": 12,
+    "hits": 3, "pages_loaded": 7, "tokens_loaded": 100, "reclaims": 2, "reclaimed_chunks": 4,
+    "recomputes_after_reclaim": 1,
+    "donor": {"socket": "/x/p.peer.s1-2.sock", "cap_bytes": 1 << 20, "donated_bytes": 3 << 16,
+              "policy_donated_bytes": 3 << 16, "leases": [{"borrower": "s3-4", "pid": 4, "donated_bytes": 3 << 16,
+                                                          "fenced_units": 0}],
+              "reclaimed_bytes": 4 << 16, "refused": 0},
+    "borrower": {"peers": [{"donor": "p.peer.s5-6.sock", "borrowed_bytes": 1 << 17, "blocks": 16, "free_blocks": 4,
+                            "pages": 12}],
+                 "borrowed_bytes": 1 << 17, "pages_held": 12, "pages_stored": 12, "bytes_stored": 12 * 8192,
+                 "pages_hit": 7, "pages_missed": 1, "bytes_loaded": 7 * 8192, "entries_dropped_reclaim": 2,
+                 "entries_dropped_dead": 0, "stale_dropped": 1, "donors_lost": 0, "refused_by": []},
+}  # fmt: skip
+
+
+def test_peer_kv_metrics_and_top_line():
+    rank = dict(RANK, peer_kv=PEER)
+    text = render_prometheus({"schedulers": [rank]})
+    assert re.search(r'^memx_peer_kv_donated_bytes\{.*borrower="s3-4".*\} 196608$', text, re.M)
+    assert re.search(r'^memx_peer_kv_borrowed_bytes\{.*donor="p.peer.s5-6.sock".*\} 131072$', text, re.M)
+    assert re.search(r"^memx_peer_kv_hits_total\{.*\} 3$", text, re.M)
+    assert re.search(r"^memx_peer_kv_pages_loaded_total\{.*\} 7$", text, re.M)
+    assert re.search(r'^memx_peer_kv_entries_dropped_total\{.*cause="reclaim".*\} 2$', text, re.M)
+    assert re.search(r"^memx_peer_kv_recomputes_after_reclaim_total\{.*\} 1$", text, re.M)
+    assert "# TYPE memx_peer_kv_spills_total counter" in text
+    assert "memx_peer_kv" not in render_prometheus({"schedulers": [RANK]})
+    frame = render(
+        {"time": time.time(), "pools": [], "servers": [{"url": "http://x", "status": {"schedulers": [rank]}}]}
+    )
+    assert "peer KV both" in frame and "lends 192.00 KiB to 1" in frame and "reclaims 2" in frame
+    assert "borrows 128.00 KiB from 1, spills 5, hits 3 (7 pages)" in frame

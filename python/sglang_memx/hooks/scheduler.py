@@ -79,7 +79,7 @@ def before_get_next_batch_to_run(scheduler, *args, **kwargs):
         verify_hooks(up_args.config_of(up_sched.server_args(scheduler)))
         _verified = True
     tick(scheduler)
-    peer_server.tick(scheduler, up_args.config_of(up_sched.server_args(scheduler)))
+    peer_server.tick(scheduler)
 
 
 def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_size):

@@ -35,17 +35,15 @@ import os
 import time
 from collections import Counter
 
-import torch
-
 from memory_ext.peer import PeerDonor, PeerKVIO, PeerKVTier, donor_socket, donor_sockets
 from memory_ext.peer.controller import DonorController, geometry_of
 from memory_ext.peer.kvpack import layout_of_buffers
 from memory_ext.policy.swiftcache import DonationPolicy
 from memory_ext.vmm import host_backend
 from sglang_memx.elastic.shared_pool import pool_dir
+from sglang_memx.peer.prefix import PeerPrefixCache
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import peer_radix as up_peer
-from sglang_memx.upstream import radix as up_radix
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 from sglang_memx.upstream import server_args as up_args
@@ -56,6 +54,7 @@ GB = 1 << 30
 PAGE_TOKENS = 16  # tokens of one peer block (rounded up to a multiple of the KV page size)
 DONATE_INTERVAL_S = 0.5
 DISCOVER_INTERVAL_S = 1.0
+BORROW_WAIT_S = 0.2  # at most this long (every DONATE_INTERVAL_S, while under the cap) for the arbiter
 WINDOW_S = 60.0  # Alg. 1's demand window: memory a request needed is not lent again before it ends
 DEFAULT_DONATE_FRACTION = 0.5  # without --memx-peer-donate-max-gb: at most half of the KV capacity
 
@@ -83,11 +82,8 @@ class PeerKVServer:
         port = up_args.server_url(up_sched.server_args(scheduler)).rsplit(":", 1)[-1]
         self.name = f"s{port}-{os.getpid()}"
         self.stats: Counter[str] = Counter()
-        rows = self.k_layers[0].shape[0]
-        self.slot_tokens = torch.zeros(rows, dtype=torch.int64)
-        self.slot_plain = torch.zeros(rows, dtype=torch.bool)
         self.donor = self.controller = None
-        self.tier = self.io = None
+        self.tier = self.io = self.cache = None
         self._refused: dict[str, str] = {}
         self._next_donate = self._next_discover = 0.0
         chunk = kv.buffers.pool.chunk_bytes
@@ -112,6 +108,7 @@ class PeerKVServer:
         if self.mode in ("borrow", "both"):
             self.tier = PeerKVTier(self.layout)
             self.io = PeerKVIO(self.tier, self.k_layers, self.v_layers)
+            self.cache = PeerPrefixCache(tree, allocator, self.io, self.k_layers[0].shape[0], self.stats)
             self.backend = host_backend(chunk)
             logger.info("memx peer KV: borrower %s, %d-token blocks of %d B", self.name, self.block_tokens,
                         self.layout.block_bytes)  # fmt: skip
@@ -145,7 +142,7 @@ class PeerKVServer:
         pool = self.kv.buffers.pool
         short = room - pool.available()
         if room > 0 and short > 0:  # the donation's chunks come from the arbiter, like any KV chunk
-            self.kv.lent.borrow(short, wait=0.02)
+            self.kv.lent.borrow(short, wait=BORROW_WAIT_S)
         placed = self.controller.on_tick(now)
         if placed:
             self.stats["donated_chunks"] += placed
@@ -169,90 +166,17 @@ class PeerKVServer:
 
     # ------------------------------------------------------------------ the prefix cache's hooks
     def note_insert(self, radix_key, value) -> None:
-        """Remember which token each inserted slot holds (and whether its path is plain)."""
-        if value is None:
-            return
-        tokens = up_peer.plain_tokens(radix_key)
-        slots = torch.as_tensor(value, dtype=torch.int64).cpu()
-        if tokens is None:
-            self.slot_plain[slots] = False
-            return
-        n = min(len(tokens), slots.numel())
-        self.slot_tokens[slots[:n]] = torch.tensor(tokens[:n], dtype=torch.int64)
-        self.slot_plain[slots[:n]] = True
+        if self.cache is not None:
+            self.cache.note_insert(radix_key, value)
 
     def spill(self, node_id) -> None:
-        """Store the full pages of the path root -> ``node_id`` (a device leaf about to be evicted)."""
-        if self.io is None or not self.tier.links():
-            return
-        slots = up_peer.path_slots(self.tree, node_id)
-        n = slots.numel() // self.block_tokens * self.block_tokens
-        if n == 0:
-            return
-        slots = slots[:n].to(torch.int64)
-        host = slots.cpu()
-        if not bool(self.slot_plain[host].all()):
-            self.stats["spills_skipped_namespace"] += 1
-            return
-        stored = self.io.spill(self.slot_tokens[host].tolist(), slots)
-        self.stats["spills"] += 1
-        self.stats["pages_spilled"] += stored
+        if self.cache is not None and self.tier.links():
+            self.cache.spill(node_id)
 
     def load(self, match_params, matched, rematch):
-        """After a device match: load the pages the peer holds past the device prefix, insert them,
-        and return the match run again (or ``matched`` when the peer holds nothing more)."""
-        if self.io is None or up_peer.match_request(match_params) is None or up_peer.host_hit(matched):
+        if self.cache is None or not self.tier.links():
             return matched
-        radix_key = up_peer.match_key(match_params)
-        tokens = up_peer.plain_tokens(radix_key)
-        if tokens is None:
-            return matched
-        t = self.block_tokens
-        prefix, last = up_peer.device_match(matched)
-        first = prefix // t
-        tokens = tokens[: len(tokens) // t * t]
-        if (first + 1) * t > len(tokens) or not self.tier.links():
-            return matched
-        pages = self.tier.match(tokens, first)
-        if pages == 0:
-            self.stats["lookups_missed"] += 1
-            return matched
-        slots = self._alloc(pages * t, last)
-        if slots is None:
-            self.stats["loads_no_room"] += 1
-            return matched
-        got = self.io.load(tokens, first, slots)
-        if got < pages:
-            self.stats["recomputes_after_reclaim"] += 1  # held when matched, gone when read
-        head, end = prefix - first * t, (first + got) * t
-        if end <= prefix:
-            up_kv.free_tokens(self.allocator, slots)
-            return matched
-        keep = slots[head : got * t]
-        drop = torch.cat([slots[:head], slots[got * t :]])
-        if drop.numel():
-            up_kv.free_tokens(self.allocator, drop)
-        held = up_peer.path_slots(self.tree, last)[:prefix].to(keep.dtype)
-        had = up_peer.insert(self.tree, up_peer.key_prefix(radix_key, end), torch.cat([held, keep]))
-        if had > prefix:  # the tree got some of these tokens meanwhile: our copies are spare
-            up_kv.free_tokens(self.allocator, keep[: had - prefix])
-        self.stats["hits"] += 1
-        self.stats["pages_loaded"] += got
-        self.stats["tokens_loaded"] += end - prefix
-        return rematch()
-
-    def _alloc(self, n: int, last):
-        """``n`` KV slots, evicting unprotected cached prefixes (never the matched one) if needed."""
-        short = n - up_kv.available_tokens(self.allocator)
-        if short > 0:
-            handle = up_radix.lock(self.tree, last)
-            try:
-                up_radix.evict(self.tree, short)
-            finally:
-                up_radix.unlock(self.tree, handle)
-        if up_kv.available_tokens(self.allocator) < n:
-            return None
-        return up_kv.alloc_tokens(self.allocator, n)
+        return self.cache.load(match_params, matched, rematch)
 
     # ------------------------------------------------------------------ report
     def status(self) -> dict:
@@ -306,12 +230,19 @@ def server_of(scheduler):
     return None if tree is None else up_peer.peer_of(tree)
 
 
-def tick(scheduler, config) -> None:
+_without: set[int] = set()  # schedulers (by id) that run without the tier
+
+
+def tick(scheduler) -> None:
     """Once per scheduler iteration (from the scheduler hook): build the tier on the first call."""
-    if config.disabled or config.peer_kv == "off":
-        return
     server = server_of(scheduler)
     if server is None:
+        if id(scheduler) in _without:
+            return
+        config = up_args.config_of(up_sched.server_args(scheduler))
+        if config.disabled or config.peer_kv == "off":
+            _without.add(id(scheduler))
+            return
         server = PeerKVServer(scheduler, config)
         up_peer.attach_peer(up_sched.tree_cache(scheduler), server)
     server.tick(scheduler)
