@@ -51,18 +51,46 @@ def servers(tmp_path_factory, tiny_model_root):
     name = f"pk{os.getpid()}"
     pool = ["--memx-elastic-kv", "--memx-pool", name, "--memx-pool-budget-gb", "0.02", "--memx-pool-dir",
             str(pool_dir)]  # fmt: skip
-    donor = SGLangServer(model, name="peer-donor", max_total_tokens=2048,
+    donor = DumpingServer(model, name="peer-donor", max_total_tokens=2048,
                          extra_args=COMMON + pool + ["--memx-peer-kv", "donate", "--memx-peer-donate-max-gb",
                                                      DONATE_GB])  # fmt: skip
-    borrower = SGLangServer(model, name="peer-borrower", max_total_tokens=512,
+    borrower = DumpingServer(model, name="peer-borrower", max_total_tokens=512,
                             extra_args=COMMON + pool + ["--memx-peer-kv", "borrow"])  # fmt: skip
     stock = SGLangServer(model, name="peer-stock", stock=True, max_total_tokens=4096, extra_args=COMMON)
     start_all([donor, borrower, stock])
+    donor.dump_on_stop = borrower.dump_on_stop = False
     yield {"donor": donor, "borrower": borrower, "stock": stock, "sock": pool_dir / f"{name}.sock"}
     for s in (donor, borrower, stock):
         s.stop()
     subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir", str(pool_dir)],
                    check=False)  # fmt: skip
+
+
+class DumpingServer(SGLangServer):
+    """Stopped during start-up (not healthy in time): its scheduler is SIGABRTed first. Upstream
+    enables faulthandler there, so every thread's Python stack lands in test-logs/<name>.log."""
+
+    dump_on_stop = True
+
+    def stop(self):
+        if self.dump_on_stop and self.proc is not None:
+            _dump_scheduler_stacks([self])
+        super().stop()
+
+
+def _dump_scheduler_stacks(servers):
+    for server in servers:
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().split()
+                with open(f"/proc/{pid}/comm") as f:
+                    comm = f.read().strip()
+            except (OSError, ValueError):
+                continue
+            if fields[3] == str(server.proc.pid) and comm.startswith("sglang::sched"):
+                os.kill(int(pid), signal.SIGABRT)
+    time.sleep(3)
 
 
 def _gen(server, ids, n=NEW):
