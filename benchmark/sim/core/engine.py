@@ -413,6 +413,9 @@ class Simulator:
         inst = self.instances[r.model]
         r.arrival = self.loop.now if math.isnan(r.arrival) else r.arrival
         r.last_token_t = r.arrival
+        on_arrival = getattr(inst.scheduler, "on_arrival", None)
+        if on_arrival is not None:  # e.g. SwiftCache Alg. 1 SCALEUP for the incoming request
+            on_arrival(inst, r, self.loop.now)
         need = -(-(r.prompt_len + r.output_len) // inst.kv.block_size)
         if need > inst.kv.capacity:
             self.rejected.append(r.rid)

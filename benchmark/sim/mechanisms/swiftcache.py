@@ -21,9 +21,21 @@ demand). Options:
   ``N_LSC + N_RC`` blocks (Eq. 1-5), and each iteration streams the KV of
   the blocks beyond the regular cache from the peers over NVLink.
 * ``window_s`` (60), ``tick_s`` (5): Alg. 1 SCALEDOWN window and period.
-* ``worker_reserve_tokens`` (16384): the worker never lends below this many
-  tokens of its own KV (``min_blocks`` of the policy), so its own requests
-  are never rejected for lack of capacity.
+* ``worker_reserve_tokens`` (0): the worker never lends below this many
+  tokens of its own KV (``min_blocks`` of the policy). The paper has no such
+  floor (Alg. 1 SCALEDOWN keeps only the window's longest request), so the
+  default is 0; ``combined_x1`` pins the 16384 it was measured with.
+* ``peer_access`` (``move``): how the master uses a block a peer holds.
+  ``move`` -- loaded back once per request over the peer's NVLink egress
+  into a GPU block and removed from the peer (exclusive: the master's RC and
+  the peers' offloaded prefix cache hold different blocks, so lent memory
+  *adds* prefix capacity, §3.2, §5.2 "utilizes idle GPU memory on worker GPUs
+  to expand the capacity of the prefix cache"; per-request loads as in
+  Fig. 10-11). ``copy`` -- as ``move`` but the peer keeps its copy
+  (inclusive, like the host tier; the pre-issue-16 model). ``stream`` -- the
+  block stays on the peer and every iteration of every request using it
+  streams it layer by layer into the layer stream cache (§3.2-3.3); the LSC
+  buffer (Eq. 4) is carved out of the master's KV, RC gets the rest (Eq. 5).
 
 Mechanism and mapping to ``memory_ext.policy.swiftcache``:
 
@@ -34,8 +46,11 @@ Mechanism and mapping to ``memory_ext.policy.swiftcache``:
   a tier hit takes a GPU block and *loads* the block over the tier's link
   (peer: ``nvlink:<peer>``; host: ``h2d``); the iteration that first uses it
   waits for the load (overlapping compute, like a layer-wise pipelined load).
-  The hierarchy is inclusive: a loaded block keeps its tier copy, so
-  evicting it again costs no store.
+  The host tier is inclusive (HiCache write-through: a loaded block keeps its
+  host copy, so evicting it again costs no store); the peer tier follows
+  ``peer_access``. A lookup first finds the whole hit and makes its tier
+  blocks MRU, so the spills that loading it causes never evict the rest of
+  the same chain.
 * Each worker runs ``ElasticWorkerPolicy`` with the MEU of ``min_elastic_unit``
   (Eq. 6-9). Its demand is the aggregate need of its running and waiting
   requests (R4: aggregate token count). SCALEUP runs before each worker
@@ -56,8 +71,10 @@ policy's ``current_blocks`` is re-read from the worker's pool before each
 decision, since Select-N and the arbiter also resize it.
 
 Not modelled: block-table sync latency (ZeroMQ), the cost of remapping
-(O(1) in the block-major layout), per-layer pipeline bubbles; the KV store
-of newly computed tokens in layer-stream mode.
+(O(1) in the block-major layout), per-layer pipeline bubbles beyond the
+first layer's load; the KV store of newly computed tokens in layer-stream
+mode and in ``peer_access: stream`` (new tokens stay in RC); a peer block
+being streamed is never reclaimed or dropped (reclaim waits for its readers).
 """
 
 from __future__ import annotations
@@ -94,7 +111,8 @@ class Tier:
         self.name, self.capacity = name, int(capacity)
         self.load_link, self.store_link, self.demote_link = load_link, store_link, demote_link
         self.keys: OrderedDict[Hashable, None] = OrderedDict()
-        self.stored = self.loaded = self.dropped = self.demoted = 0
+        self.is_peer = name.startswith("peer")
+        self.stored = self.loaded = self.dropped = self.demoted = self.streamed = 0
         self.max_used = 0
 
     def summary(self) -> dict:
@@ -106,6 +124,7 @@ class Tier:
             "loaded_blocks": self.loaded,
             "dropped_blocks": self.dropped,
             "demoted_blocks": self.demoted,
+            "streamed_hit_blocks": self.streamed,
             "load_link": self.load_link,
             "store_link": self.store_link,
         }
@@ -119,6 +138,9 @@ class TieredKVCache(KVCache):
     def __init__(self, base: KVCache, hook: SwiftCacheHook) -> None:
         self._hook = hook
         self._bound = False
+        # peer-held blocks read in place through the layer stream cache (not
+        # copied into a GPU block): key -> number of running requests using it
+        self.streamed: dict[Hashable, int] = {}
         super().__init__(base.capacity, base.block_size, base.prefix_caching)
 
     @property
@@ -131,6 +153,27 @@ class TieredKVCache(KVCache):
     @capacity.setter
     def capacity(self, v: int) -> None:
         self._cap = int(v)
+
+    def release_cached(self, keys: list[Hashable]) -> None:
+        streamed = self.streamed
+        if not streamed:
+            super().release_cached(keys)
+            return
+        gpu = []
+        for k in keys:
+            r = streamed.get(k)
+            if r is None:
+                gpu.append(k)
+            elif r == 1:
+                del streamed[k]
+            else:
+                streamed[k] = r - 1
+        super().release_cached(gpu)
+
+    def check(self) -> None:
+        super().check()
+        assert all(r > 0 for r in self.streamed.values()), "a streamed peer block without a reader"
+        assert all(self._hook.where.get(k) is not None for k in self.streamed), "a streamed block left its tier"
 
     def _evict(self, n: int) -> None:
         lru, refs = self.lru, self.refs
@@ -147,11 +190,33 @@ class TieredKVCache(KVCache):
             return 0
         n = 0
         refs, lru, hook = self.refs, self.lru, self._hook
+        streamed, stream_peer = self.streamed, hook.peer_access == "stream"
+        keys = list(keys)
+        where = hook.where
+        # the whole hit is found first and its tier blocks become MRU, so the
+        # spills that loading it causes evict other blocks, never the rest of
+        # this chain (a radix lookup, then a load-back of the matched nodes)
+        for k in keys:
+            if k in refs:
+                continue
+            t = where.get(k)
+            if t is None:
+                break
+            t.keys.move_to_end(k)
         for k in keys:
             r = refs.get(k)
             if r is None:
                 tier = hook.where.get(k)
-                if tier is None or (self.free <= 0 and not self.lru):
+                if tier is None:
+                    break
+                if stream_peer and tier.is_peer:  # §3.2: used in place, streamed per layer into the LSC
+                    streamed[k] = streamed.get(k, 0) + 1
+                    tier.keys.move_to_end(k)
+                    tier.streamed += 1
+                    hook.tier_hit_blocks += 1
+                    n += 1
+                    continue
+                if self.free <= 0 and not self.lru:
                     break
                 self.allocate(1)  # may evict (and spill) an unreferenced block
                 self.private -= 1
@@ -191,6 +256,14 @@ class _ScaleUpScheduler:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def on_arrival(self, inst: Instance, req, now: float) -> None:
+        """Alg. 1 SCALEUP is triggered by the incoming request (§3.5), before
+        the engine decides whether it can ever fit; like the paper's trigger, only
+        when the current allocation cannot hold the request."""
+        tokens = req.prompt_len + req.output_len
+        if -(-tokens // inst.kv.block_size) > inst.kv.capacity:
+            self.hook.worker_demand(self.w, now, tokens)
+
     def plan(self, inst: Instance, now: float) -> BatchPlan:
         self.hook.worker_demand(self.w, now)
         self.hook.maybe_tick(now)
@@ -211,8 +284,9 @@ class SwiftCacheHook:
         layer_stream: bool = False,
         window_s: float = 60.0,
         tick_s: float = 5.0,
-        worker_reserve_tokens: int = 16384,
+        worker_reserve_tokens: int = 0,
         warm_prefixes: bool = False,
+        peer_access: str = "move",
     ) -> None:
         tiers = list(tiers if tiers is not None else ["peer"])
         for t in tiers:
@@ -222,6 +296,8 @@ class SwiftCacheHook:
             raise ValueError(f"tiers: each tier at most once, got {tiers}")
         if ("peer" in tiers or layer_stream) and not workers:
             raise ValueError("workers: a non-empty list of model names is needed for peer memory")
+        if peer_access not in ("move", "copy", "stream"):
+            raise ValueError(f"peer_access: expected 'move', 'copy' or 'stream', got {peer_access!r}")
         if host_gb < 0 or tick_s <= 0 or window_s <= 0 or worker_reserve_tokens < 0:
             raise ValueError("host_gb, worker_reserve_tokens must be >= 0; tick_s, window_s > 0")
         self.inst = inst
@@ -232,7 +308,12 @@ class SwiftCacheHook:
         self.window_s, self.tick_s = window_s, tick_s
         self.worker_reserve_tokens = worker_reserve_tokens
         self.warm_prefixes = warm_prefixes
+        self.peer_access = peer_access
         self.warm_blocks = 0
+        self.lsc_prefix = None  # LSC plan of the latency mode (peer_access stream)
+        self._req_stream: dict[int, tuple[int, dict[str, float]]] = {}
+        self.stream_prefix_bytes = 0.0
+        self.stream_exposed_s = 0.0
         self.block_bytes = inst.cfg.kv_block_bytes
         self.where: dict[Hashable, Tier] = {}
         self.tiers: list[Tier] = []
@@ -305,6 +386,12 @@ class SwiftCacheHook:
             elif kind == "host":
                 cap = int(self.host_gb * 1e9 // self.block_bytes)
                 self.tiers.append(Tier("host", cap, self._link("h2d", me.cfg.gpu), self._link("d2h", me.cfg.gpu)))
+        if not self.layer_stream and self.peer_access == "stream" and peer_tiers:
+            # §3.2 Eq. 4-5: the LSC buffer (one layer of every block the peers
+            # can hold) is carved out of the master's local KV; RC keeps the rest
+            lent = [int(ws.policy.donated_blocks * ws.inst.cfg.kv_block_bytes) for ws in self.workers]
+            self.lsc_prefix = plan_lsc(g_master, int(self.base_capacity * self.block_bytes), lent)
+            me.kv.resize(self.lsc_prefix.n_rc)
         if self.layer_stream:
             lent = [int(ws.policy.donated_blocks * ws.inst.cfg.kv_block_bytes) for ws in self.workers]
             self.lsc = plan_lsc(g_master, int(self.base_capacity * self.block_bytes), lent)
@@ -351,8 +438,9 @@ class SwiftCacheHook:
             n += -(-(r.prompt_len + r.output_len) // bs)
         return n * bs
 
-    def worker_demand(self, ws: _WorkerState, now: float) -> None:
-        d = self._demand_tokens(ws.inst)
+    def worker_demand(self, ws: _WorkerState, now: float, extra_tokens: int = 0) -> None:
+        bs = ws.inst.kv.block_size
+        d = self._demand_tokens(ws.inst) + -(-extra_tokens // bs) * bs
         if d == ws.last_demand:
             return
         ws.last_demand = d
@@ -427,7 +515,11 @@ class SwiftCacheHook:
                 ti += 1
                 continue
             if len(t.keys) >= t.capacity:
-                old, _ = t.keys.popitem(last=False)
+                old = self._victim(t)
+                if old is None:  # every block of the tier is being streamed: the new one is dropped
+                    t.dropped += 1
+                    return
+                del t.keys[old]
                 del self.where[old]
                 host = self._host_after(ti)
                 if host is not None and t.demote_link:  # peer -> host demotion
@@ -441,6 +533,16 @@ class SwiftCacheHook:
             t.max_used = max(t.max_used, len(t.keys))
             return
 
+    def _victim(self, t: Tier) -> Hashable | None:
+        """The tier's LRU block that no running request is streaming."""
+        streamed = self.inst.kv.streamed
+        if not streamed:
+            return next(iter(t.keys), None)
+        for k in t.keys:
+            if k not in streamed:
+                return k
+        return None
+
     def _host_after(self, ti: int) -> int | None:
         for j in range(ti + 1, len(self.tiers)):
             if self.tiers[j].name == "host":
@@ -452,7 +554,10 @@ class SwiftCacheHook:
         capacity are demoted to the host tier (if any) or dropped."""
         host = self._host_after(self.tiers.index(t))
         while len(t.keys) > max(t.capacity, 0):
-            old, _ = t.keys.popitem(last=False)
+            old = self._victim(t)
+            if old is None:  # the rest is being streamed by running requests: freed when they finish
+                break
+            del t.keys[old]
             del self.where[old]
             if host is not None and t.demote_link:
                 t.demoted += 1
@@ -494,7 +599,11 @@ class SwiftCacheHook:
 
     def loaded(self, key: Hashable, tier: Tier) -> None:
         tier.loaded += 1
-        tier.keys.move_to_end(key)
+        if self.peer_access == "move" and tier.is_peer:  # exclusive: the block moves back to the master
+            del tier.keys[key]
+            del self.where[key]
+        else:
+            tier.keys.move_to_end(key)
         self.tier_hit_blocks += 1
         self.pending[tier.load_link] = self.pending.get(tier.load_link, 0.0) + self.block_bytes
 
@@ -507,6 +616,8 @@ class SwiftCacheHook:
             for link, nbytes in self.pending.items():
                 plan.transfers.append((link, nbytes))
             self.pending = {}
+        if inst.kv.streamed:
+            self._stream_prefixes(inst, plan)
         if self.lsc is not None:
             bs = inst.kv.block_size
             blocks = 0
@@ -524,8 +635,50 @@ class SwiftCacheHook:
                         self.stream_bytes += share
                 self.stream_iterations += 1
 
+    def _request_stream(self, r) -> dict[str, float]:
+        """Bytes of ``r``'s peer-held prefix per worker link (fixed from admission:
+        later blocks of the request are computed into RC)."""
+        keys = r.cached_keys
+        memo = self._req_stream.get(id(r))
+        if memo is not None and memo[0] == id(keys):
+            return memo[1]
+        streamed, where, per = self.inst.kv.streamed, self.where, {}
+        if streamed:
+            for k in keys:
+                if k in streamed:
+                    link = where[k].load_link
+                    per[link] = per.get(link, 0.0) + self.block_bytes
+        self._req_stream[id(r)] = (id(keys), per)
+        return per
+
+    def _stream_prefixes(self, inst: Instance, plan: BatchPlan) -> None:
+        """§3.2-3.3: every iteration that runs a request whose prefix is held
+        by a peer loads that prefix layer by layer into the LSC over the
+        peer's NVLink egress, overlapped with compute (the iteration lasts
+        max(compute, transfer)); only layer 1's load precedes the first
+        attention, so 1/L of the largest per-link load is added un-overlapped."""
+        total: dict[str, float] = {}
+        for r in plan.decodes:
+            for link, b in self._request_stream(r).items():
+                total[link] = total.get(link, 0.0) + b
+        for r, _chunk in plan.prefills:
+            for link, b in self._request_stream(r).items():
+                total[link] = total.get(link, 0.0) + b
+        if not total:
+            return
+        links, layers = inst.sim.links, inst.cfg.model.layers
+        first = 0.0
+        for link, b in total.items():
+            plan.transfers.append((link, b))
+            self.stream_prefix_bytes += b
+            first = max(first, b / layers / links[link].bandwidth)
+        plan.extra_s += first
+        self.stream_exposed_s += first
+
     def after_iteration(self, inst: Instance, plan: BatchPlan, now: float, duration: float) -> None:
-        pass
+        if len(self._req_stream) > 4 * (len(inst.running) + 64):  # forget finished requests
+            live = {id(r) for r in inst.running}
+            self._req_stream = {k: v for k, v in self._req_stream.items() if k in live}
 
     # ---- reporting -------------------------------------------------------------------
     def stats(self) -> dict:
@@ -554,6 +707,9 @@ class SwiftCacheHook:
             "worker_scale_downs": sum(ws.scale_downs for ws in self.workers),
             "stream_iterations": self.stream_iterations,
             "stream_gb": self.stream_bytes / 1e9,
+            "streamed_hit_blocks": sum(t.streamed for t in self.tiers),
+            "prefix_stream_gb": self.stream_prefix_bytes / 1e9,
+            "prefix_stream_exposed_s": self.stream_exposed_s,
         }
         gauges = {
             "warm_blocks": self.warm_blocks,
@@ -561,10 +717,18 @@ class SwiftCacheHook:
             "lent_blocks_final": sum(ws.policy.donated_blocks for ws in self.workers),
             "tier_capacity_blocks": sum(t.capacity for t in self.tiers),
         }
-        details: dict = {"tiers": tiers, "workers": workers}
+        details: dict = {"tiers": tiers, "workers": workers, "peer_access": self.peer_access}
+        if self.lsc_prefix is not None:
+            details["lsc_prefix"] = {
+                "n_lsc": self.lsc_prefix.n_lsc,
+                "n_rc": self.lsc_prefix.n_rc,
+                "k_master": self.lsc_prefix.k_master,
+                "k_workers": list(self.lsc_prefix.k_workers),
+            }
         if self.lsc is not None:
             gauges["max_context_tokens"] = self.lsc.max_context_tokens
             gauges["baseline_context_tokens"] = self.base_capacity * self.inst.kv.block_size
+            gauges["max_context_ratio"] = self.lsc.max_context_tokens / max(gauges["baseline_context_tokens"], 1)
             details["lsc"] = {
                 "n_lsc": self.lsc.n_lsc,
                 "n_rc": self.lsc.n_rc,
