@@ -33,7 +33,8 @@ from sglang_memx.serve.metrics import RouterMetrics
 from sglang_memx.serve.router import ENGINE_STATES, EngineRoute, build_app
 
 # GET /health: 200 at once (start-up check); GET /memx/status (the probe): 200 after
-# $FAKE_PROBE_DELAY_S, one line per probe appended to $FAKE_PROBES; POST /generate: its pid.
+# $FAKE_PROBE_DELAY_S (sleeping, or computing with $FAKE_PROBE_BURN=1), one line per probe
+# appended to $FAKE_PROBES; POST /generate: its pid.
 FAKE_ENGINE = """
 import http.server, json, os, sys, time
 port = int(sys.argv[sys.argv.index("--port") + 1])
@@ -44,7 +45,12 @@ class H(http.server.BaseHTTPRequestHandler):
         if self.path == "/memx/status":
             with open(probes, "a") as f:
                 f.write(f"{os.getpid()}\\n")
-            time.sleep(delay)
+            if os.environ.get("FAKE_PROBE_BURN"):
+                end = time.monotonic() + delay
+                while time.monotonic() < end:
+                    pass
+            else:
+                time.sleep(delay)
         self.send_response(200 if self.path in ("/health", "/memx/status") else 404)
         self.send_header("Content-Length", "2")
         self.end_headers()
@@ -64,11 +70,13 @@ http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
-def fake_launcher(tmp_path, names=("a", "b"), delay_s=0.0) -> tuple[Launcher, list[str]]:
+def fake_launcher(tmp_path, names=("a", "b"), delay_s=0.0, burn=False) -> tuple[Launcher, list[str]]:
     specs = []
     for n in names:
         port = free_port()
         env = {"FAKE_PROBES": str(tmp_path / f"{n}.probes"), "FAKE_PROBE_DELAY_S": str(delay_s)}
+        if burn:
+            env["FAKE_PROBE_BURN"] = "1"
         specs.append(EngineSpec(n, "cpu0", "pool-x", str(tmp_path), port,
                                 (sys.executable, "-c", FAKE_ENGINE, "--port", str(port)), env,
                                 str(tmp_path / f"{n}.log")))  # fmt: skip
@@ -158,6 +166,26 @@ def test_slow_engine_answering_within_the_timeout_is_not_killed(tmp_path):
         wait_for(lambda: a.hangs >= 1)
         assert "last: no answer in 0.2 s" in "\n".join(logs)
         wait_for(lambda: a.restarts >= 1 and a.pid != pid)
+    finally:
+        launcher.stop_all()
+
+
+def test_engine_computing_through_its_probes_is_busy_not_hung(tmp_path):
+    # each probe costs the engine 1.2 s of CPU (one long forward on a slow core) against a 0.3 s
+    # timeout: every probe fails, but the process group computes meanwhile
+    launcher, logs = fake_launcher(tmp_path, names=("a",), delay_s=1.2, burn=True)
+    try:
+        launcher.start_all(20)
+        a = launcher.engines["a"]
+        pid = a.pid
+        launcher.supervise(RestartPolicy(backoff_s=0.1), startup_timeout_s=20, interval_s=0.02,
+                           health=HealthProbe(interval_s=0.05, timeout_s=0.3, failures=2))  # fmt: skip
+        wait_for(lambda: a.busy_probes >= 3)
+        assert a.hangs == 0 and a.state == AWAKE and a.pid == pid and a.probe_failures == 0
+        assert "busy:" in a.last_probe_error and not any("hung" in m for m in logs)
+        os.kill(pid, signal.SIGSTOP)  # the same engine stopped: no CPU, hung
+        wait_for(lambda: a.hangs == 1)
+        wait_for(lambda: a.restarts == 1 and a.pid != pid)
     finally:
         launcher.stop_all()
 

@@ -28,8 +28,10 @@ Invariants:
   (``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits).
 * Hangs (``HealthProbe``): an awake engine whose process is alive is probed every
   ``interval_s`` (one probe at a time per engine, in its own thread, so a probe that waits
-  never delays the supervision of the others); after ``failures`` probes in a row without a
-  200 the engine is hung: it leaves ``awake`` first (the router stops sending to it and
+  never delays the supervision of the others); a probe without a 200 while the engine's
+  process group used at least ``BUSY_CPU_FRACTION`` of a core is "busy" (a long forward on a
+  slow CPU) and ends a row of failures; after ``failures`` probes in a row without a 200
+  and without that CPU use the engine is hung: it leaves ``awake`` first (the router stops sending to it and
   treats its broken connections as a failed engine), its process group is SIGKILLed (a
   stopped or deadlocked process does not act on SIGTERM) and it goes the dead engine's way
   (same port, backoff, ``max_restarts``). A probe's result counts only for the process it
@@ -278,8 +280,27 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+BUSY_CPU_FRACTION = 0.1  # a group using this much of one core while a probe waited is computing, not hung
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group ``pgid``."""
+    ticks = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            f = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(f) > 12 and f[2] == str(pgid):  # fields 5 (pgrp), 14 (utime), 15 (stime) of proc(5)
+            ticks += int(f[11]) + int(f[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 class _Probe(threading.Thread):
-    """One health probe of one engine process; ``outcome`` = (that Popen, error or None) when done."""
+    """One health probe of one engine process; ``outcome`` = (that Popen, error or None, the
+    fraction of one core its process group used meanwhile) when done."""
 
     def __init__(self, engine: Engine, path: str, timeout: float):
         super().__init__(name=f"memx-serve-probe-{engine.spec.key}", daemon=True)
@@ -287,7 +308,13 @@ class _Probe(threading.Thread):
         self.outcome: tuple | None = None
 
     def run(self) -> None:
-        self.outcome = (self.proc, self.engine.probe(self.path, self.timeout))
+        pgid = self.proc.pid if self.proc is not None else None
+        cpu0, t0 = (group_cpu_s(pgid) if pgid else 0.0), time.monotonic()
+        error = self.engine.probe(self.path, self.timeout)
+        busy = 0.0
+        if error is not None and pgid:
+            busy = (group_cpu_s(pgid) - cpu0) / max(time.monotonic() - t0, 1e-3)
+        self.outcome = (self.proc, error, busy)
 
 
 class Engine:
@@ -312,7 +339,8 @@ class Engine:
         self.sleep: dict | None = None  # the engine's weights.sleep status (--memx-sleep-after-s), polled
         self._sleep_polled = 0.0
         self.hangs = 0  # times it was found hung and killed
-        self.probe_failures = 0  # health probes in a row without a 200 (this process)
+        self.probe_failures = 0  # health probes in a row without a 200 while the group used no CPU (this process)
+        self.busy_probes = 0  # probes without a 200 while the group computed (not counted as failures)
         self.last_probe_error: str | None = None
         self._probe_at: float | None = None  # when the next probe may start
         self._answered_at: float | None = None  # the last 200 (or the time it became awake)
@@ -372,6 +400,7 @@ class Engine:
             "sleep": self.sleep,
             "hangs": self.hangs,
             "probe_failures": self.probe_failures,
+            "busy_probes": self.busy_probes,
         }
 
     def poll_sleep(self, timeout: float = 2.0) -> None:
@@ -411,12 +440,13 @@ class Engine:
 
     def start_probe(self, path: str, timeout: float) -> None:
         """Probe in a daemon thread; when it ends, the thread's ``outcome`` is (the probed Popen,
-        error or None). A thread dropped by ``reset_probes`` is never read."""
+        error or None, busy fraction). A thread dropped by ``reset_probes`` is never read."""
         self._probe_thread = _Probe(self, path, timeout)
         self._probe_thread.start()
 
     def probe_outcome(self) -> tuple | None:
-        """The finished probe's (probed Popen, error or None), taken once; None while none finished."""
+        """The finished probe's (probed Popen, error or None, busy fraction), taken once; None while
+        none finished."""
         t = self._probe_thread
         if t is None or t.is_alive():
             return None
@@ -632,11 +662,14 @@ class Launcher:
         h = self._health
         done = e.probe_outcome()
         if done is not None:
-            probed, error = done
+            probed, error, busy = done
             e._probe_at = now + h.interval_s
             if probed is e.proc:  # a result about an earlier process counts for nothing
                 if error is None:
                     e.probe_failures, e.last_probe_error, e._answered_at = 0, None, now
+                elif busy >= BUSY_CPU_FRACTION:  # computing (e.g. one long prefill): slow, not hung
+                    e.busy_probes += 1
+                    e.probe_failures, e.last_probe_error = 0, f"{error} (busy: {busy:.0%} of a core)"
                 else:
                     e.probe_failures += 1
                     e.last_probe_error = error
