@@ -6,7 +6,9 @@ the three servers' logical capacities add up to, so memory must move: a busy
 server borrows, an idle server's cached KV is reclaimed (evicted and given
 back) and flows to the next busy one, live, with no restart. Then one server
 is SIGKILLed mid-load: the others keep answering, the arbiter takes the dead
-server's chunks back, and nothing leaks.
+server's chunks back, and nothing leaks. Last, the arbiter itself is SIGKILLed
+mid-load: the servers finish their requests on what they hold (private budgets,
+said in their status), and adopt it into a new arbiter started on the same pool.
 """
 
 import os
@@ -165,3 +167,69 @@ def test_top_and_metrics_show_the_pool(pool):
     metrics = a.request_text("/memx/metrics")
     assert "memx_shared_pool_borrowed_chunks_total{" in metrics
     assert 'memx_pool_owner_bytes{dp_rank="0",owner="kv",pool="' in metrics
+
+
+def test_killing_the_arbiter_leaves_private_budgets_and_a_new_arbiter_adopts_them(pool):
+    live = [s for s in pool["servers"] if s.proc.poll() is None]  # c too when this test runs alone
+    a, b = live[:2]
+    pid_file = pool["dir"] / f"{pool['name']}.pid"
+    errors, results = [], []
+
+    def load(server, tag):
+        for k in range(3):
+            try:
+                r = _gen(server, [f"{tag} arb {k} {i} " + "v " * 20 for i in range(3)], 40)
+                results.append((tag, [len(x["output_ids"]) for x in r]))
+            except Exception as exc:  # noqa: BLE001 - a failed request is the bug
+                errors.append((tag, repr(exc)))
+
+    threads = [threading.Thread(target=load, args=(s, t)) for s, t in ((a, "a"), (b, "b"))]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)  # mid-load
+    kept = {}
+    for s in live:  # every server notices at once, and says so
+        assert _wait(lambda s=s: not _shared(s)["arbiter"]["connected"]), _shared(s)
+        arb = _shared(s)["arbiter"]
+        assert arb["lost_reason"] and arb["private_budget_chunks"] > 0, arb
+        kept[_scheduler_pid(s)] = arb["private_budget_chunks"]
+        assert 'memx_pool_arbiter_connected{dp_rank="0",pool="' in s.request_text("/memx/metrics")
+    time.sleep(3)  # serving on private budgets
+    pid_file.unlink(missing_ok=True)
+    pool["sock"].unlink(missing_ok=True)  # stale: its owner was SIGKILLed (ensure_arbiter does the same)
+    new = subprocess.Popen(  # what the next server to join would start (ensure_arbiter)
+        [sys.executable, "-m", "memory_ext.pool.arbiter", "--socket", str(pool["sock"]), "--budget-chunks",
+         str(BUDGET_CHUNKS), "--granularity-kib", "4", "--pid-file", str(pid_file)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a request hung after the arbiter died"
+    assert errors == [], errors
+    assert sorted(results) == sorted([("a", [40] * 3)] * 3 + [("b", [40] * 3)] * 3)
+
+    def rejoined():
+        for s in live:
+            _gen(s, ["tick"], 1)  # an iteration runs the tick that rejoins
+        return all(_shared(s)["arbiter"]["connected"] for s in live)
+
+    assert _wait(rejoined), [_shared(s)["arbiter"] for s in live]
+    for s in live:
+        arb = _shared(s)["arbiter"]
+        assert arb["rejoins"] == 1 and arb["private_budget_chunks"] == 0 and arb["adopted_chunks"] > 0, arb
+    held, st = _held(pool["sock"])
+    assert sorted(held) == sorted(kept)
+    assert sum(c["held"] for c in st["clients"]) + st["free"] + (st["budget"] - st["created"]) == st["budget"]
+    assert 0 < st["adopted"] and st["created"] <= st["budget"]
+    for s in live:  # no leak: flushed, each holds only its group 0 again; the rest left the books or is FREE
+        s.request_text("/flush_cache")
+    group0 = [CHUNKS_PER_GROUP] * len(live)
+    assert _wait(lambda: sorted(_held(pool["sock"])[0].values()) == group0), _held(pool["sock"])
+    _, st = _held(pool["sock"])
+    assert st["created"] - st["free"] == sum(group0)
+    texts = [f"again {i} " + " ".join(f"r{i}_{j}" for j in range(30)) for i in range(6)]
+    assert [len(r["output_ids"]) for r in _gen(a, texts, 80)] == [80] * 6  # borrowing works again
+    _, st = _held(pool["sock"])
+    assert st["created"] <= st["budget"]
+    assert new.poll() is None  # the fixture's `pool stop` ends it through the pid file
