@@ -1,0 +1,105 @@
+"""``sglang-memx serve`` as a child process of a benchmark, and what the benchmark reads of it
+(the router's JSON routes, the processes it started and their RSS / open fds).
+
+Shared by ``e2e/consolidation.py`` and ``soak.py``. Linux only (``/proc``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from support.server import LOG_DIR
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 30.0, headers: dict | None = None):
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+class Serve:
+    """``sglang-memx serve --config`` in its own session; ``stop`` (SIGTERM to the session, then
+    SIGKILL after 90 s) leaves no engine behind. Its output goes to ``test-logs/<name>.log``."""
+
+    def __init__(self, config: Path, port: int, name: str):
+        self.url = f"http://127.0.0.1:{port}"
+        LOG_DIR.mkdir(exist_ok=True)
+        self.log_path = LOG_DIR / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "sglang_memx.cli", "serve", "--config", str(config)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        """Until the router's ``/health`` says every engine is up; raises if serve exits first."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if http_json(self.url + "/health", timeout=5).get("status") == "ok":
+                    return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"router not healthy after {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self) -> int | None:
+        """Stop serve and everything it started; its exit status (None if it had to be killed)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+                self._log.close()
+                return None
+            except ProcessLookupError:
+                pass
+        self._log.close()
+        return self.proc.returncode
+
+
+def _children() -> dict[int, list[int]]:
+    """ppid -> pids of every process now visible in /proc."""
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants (a snapshot; processes may come and go)."""
+    kids, out, todo = _children(), [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(kids.get(pid, []))
+    return out
+
+
+def process_usage(pid: int) -> dict | None:
+    """``{"pid", "name", "rss_bytes", "fds"}`` of a live process, None when it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+    rss = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return {"pid": pid, "cmd": cmd[:200], "rss_bytes": rss, "fds": fds}
