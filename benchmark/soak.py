@@ -1,0 +1,460 @@
+"""Soak: ``sglang-memx serve`` with three co-located models and every memx feature that runs in
+the server, under bursty mixed traffic for a configurable time, checked every few seconds
+(issue 18, item 1).
+
+Setup. Three tiny float32 Llamas of different KV cells (``e2e/consolidation.py``'s) on one
+CPU device whose memory (``--memory-mb``) is far below what their bursts need, so KV flows
+between them all the time. On: elastic KV and the shared pool (the router's default), the
+CPU host buffer (``--memx-host-buffer-gb``), remappable weights with sleep / wake on two
+models (``sleep_after_s``), and the peer KV tier when this build runs it (``--peer-kv auto``:
+on when ``--memx-peer-kv both`` passes memx's own validation; the JSON says which).
+
+Traffic (seeded; ``--seed`` is printed so a run replays): per model, ON periods (4-12 s,
+Poisson ``--rate`` req/s) alternate with OFF periods (6-20 s, a trickle). Each request is one
+of: OpenAI chat, streamed chat, a long completion prompt, a frontend-language program
+(``fork`` + ``gen`` through ``RuntimeEndpoint(<router>/models/<name>)``), a native
+``/generate``, or a stream the client aborts after its first events.
+
+Checks, every ``--check-s`` seconds and at the end:
+
+* chunk conservation at every device pool's arbiter: held + free + not yet created == budget,
+  created <= budget, and every client is a live process;
+* no 5xx and no other failure: every request answers 200, or is refused by the router with 429
+  (counted, allowed: overload is shed by design), or is an abort we made; a request with no
+  answer within ``--request-timeout-s`` is a hang;
+* the greedy probe: a fixed prompt per model, ``temperature 0``, answers what it answered
+  before the traffic started;
+* RSS and open fds flat: the sums over the router, engines (with their schedulers and
+  detokenizers) and arbiters, taken at two quiet points (traffic drained) -- after the warm-up
+  and after the soak -- grow by at most ``--max-growth`` (5 %).
+
+Exit status 0 when every check held, 1 otherwise (the JSON says which). JSON + PNG under
+``benchmark/results/soak/`` (``--results-dir``). The suite runs a 2-minute version
+(``test/integration/test_soak.py``); the 30-minute run's figures are in
+``docs/reliability.md``.
+
+    python benchmark/soak.py [--duration-s 1800] [--seed S] [--rate 1.5] [--memory-mb 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "test"))
+sys.path.insert(0, str(REPO))
+
+from benchmark.e2e.consolidation import model_specs  # noqa: E402
+from benchmark.e2e.router_proc import Serve, http_json, process_tree, process_usage  # noqa: E402
+from support.server import LOG_DIR, free_port  # noqa: E402
+
+KINDS = {"chat": 3, "chat_stream": 3, "long": 1, "program": 1, "generate": 1, "abort": 1}
+PROBE = "The soak probe asks the same thing every time:"
+LONG_WORDS = 150
+
+
+def peer_tier_status() -> tuple[bool, str]:
+    """Does this build run the peer KV tier in a server? (memx's own flag validation decides.)"""
+    from sglang_memx.config import MemxConfig, MemxConfigError
+
+    try:
+        MemxConfig.from_dict({"elastic_kv": True, "pool": "soak-probe", "peer_kv": "both"})
+    except MemxConfigError as exc:
+        return False, str(exc)
+    return True, "on (--memx-peer-kv both)"
+
+
+def serve_config(args, models: dict[str, Path], port: int, tmp: Path, peer: bool) -> Path:
+    memx_args = ["--memx-host-buffer-gb", str(args.host_buffer_gb)]
+    if peer:
+        memx_args += ["--memx-peer-kv", "both"]
+    doc = {
+        "models": [
+            {"name": name, "path": str(path), "dtype": "float32", "ttft_slo_ms": 5000, "max_total_tokens": 4096,
+             "kv_reserve_tokens": 64, "max_inflight": 8, "max_queued": 32,
+             "sleep_after_s": None if i == 0 else args.sleep_after_s,
+             "server_args": ["--chunked-prefill-size", "64"]}
+            for i, (name, path) in enumerate(models.items())
+        ],
+        "devices": [{"name": "cpu0", "kind": "cpu", "memory_gb": args.memory_mb / 1024}],
+        "router": {"port": port, "max_queued": 64, "request_timeout_s": args.request_timeout_s},
+        "launch": {"log_dir": str(LOG_DIR / "soak-serve"), "pool_dir": str(tmp / "pools"), "memx_args": memx_args},
+    }  # fmt: skip
+    path = tmp / "soak.yaml"
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def traffic(args, names: list[str], rng: random.Random, until: float) -> list[tuple[float, str, str]]:
+    """``(offset s, model, kind)``, sorted: per model ON/OFF periods with Poisson arrivals."""
+    out = []
+    kinds, weights = list(KINDS), list(KINDS.values())
+    for name in names:
+        t, on = rng.uniform(0, 6), rng.random() < 0.5
+        while t < until:
+            length = rng.uniform(4, 12) if on else rng.uniform(6, 20)
+            rate = args.rate if on else args.rate / 20
+            s = t + rng.expovariate(rate)
+            while s < min(t + length, until):
+                out.append((s, name, rng.choices(kinds, weights)[0]))
+                s += rng.expovariate(rate)
+            t, on = t + length, not on
+    return sorted(out)
+
+
+class Client:
+    """One request of each kind against the router; returns ``(outcome, detail)`` where outcome
+    is ``ok``, ``shed`` (429), ``aborted`` (ours), or ``failed`` (anything else: 5xx, an
+    unexpected 4xx, a broken stream, a timeout)."""
+
+    def __init__(self, url: str, timeout: float):
+        self.url, self.timeout = url, timeout
+        self._backends: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def run(self, name: str, kind: str, n: int) -> tuple[str, str]:
+        try:
+            return getattr(self, f"_{kind}")(name, n)
+        except urllib.error.HTTPError as exc:
+            body = exc.read()[:300].decode(errors="replace")
+            return ("shed" if exc.code == 429 else "failed"), f"HTTP {exc.code}: {body}"
+        except Exception as exc:  # noqa: BLE001 - every other way a request can go wrong is a failure
+            return "failed", f"{type(exc).__name__}: {exc}"[:300]
+
+    def _post(self, path: str, body: dict) -> dict:
+        return http_json(self.url + path, body, timeout=self.timeout)
+
+    def _chat(self, name, n):
+        msg = [{"role": "user", "content": f"request {n}: tell me about memory pages"}]
+        r = self._post("/v1/chat/completions", {"model": name, "messages": msg, "max_tokens": 24, "temperature": 0.8})
+        return ("ok", "") if r["choices"][0]["message"] is not None else ("failed", f"no message: {r}")
+
+    def _stream(self, path: str, body: dict, stop_after: int | None = None) -> tuple[str, str]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        events = 0
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            for raw in resp:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                if b'"error"' in line:
+                    return "failed", line[:300].decode(errors="replace")
+                if line == b"data: [DONE]":
+                    return ("ok", "") if events else ("failed", "stream with no event")
+                events += 1
+                if stop_after is not None and events >= stop_after:
+                    return "aborted", ""  # leaving the with-block closes the connection mid-stream
+        return ("ok", "") if events and path.endswith("generate") else ("failed", "stream ended without [DONE]")
+
+    def _chat_stream(self, name, n):
+        msg = [{"role": "user", "content": f"stream {n}: list three memory tiers"}]
+        return self._stream(
+            "/v1/chat/completions",
+            {"model": name, "messages": msg, "max_tokens": 32, "temperature": 0.8, "stream": True},
+        )
+
+    def _long(self, name, n):
+        text = f"long {n} " + " ".join(f"p{n}_{j}" for j in range(LONG_WORDS))
+        r = self._post("/v1/completions", {"model": name, "prompt": text, "max_tokens": 16, "temperature": 0})
+        return ("ok", "") if r["usage"]["completion_tokens"] >= 1 else ("failed", f"no tokens: {r}")
+
+    def _generate(self, name, n):
+        r = self._post(
+            f"/models/{name}/generate",
+            {"text": f"native {n}", "sampling_params": {"max_new_tokens": 16, "temperature": 0}},
+        )
+        return ("ok", "") if r["meta_info"]["completion_tokens"] >= 1 else ("failed", f"no tokens: {r}")
+
+    def _abort(self, name, n):
+        body = {"model": name, "prompt": f"abort {n}", "max_tokens": 200, "temperature": 0, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        return self._stream("/v1/completions", body, stop_after=2)
+
+    def _program(self, name, n):
+        import sglang as sgl
+
+        with self._lock:
+            backend = self._backends.get(name)
+            if backend is None:
+                backend = self._backends[name] = sgl.RuntimeEndpoint(f"{self.url}/models/{name}")
+
+        @sgl.function
+        def branches(s, topic):
+            s += f"Topic {topic}:"
+            forks = s.fork(2)
+            for i, f in enumerate(forks):
+                f += f" angle {i}:" + sgl.gen("x", max_tokens=8, temperature=0)
+            s += forks[0]["x"] + forks[1]["x"]
+
+        state = branches.run(topic=str(n), backend=backend)
+        return ("ok", "") if state.text() else ("failed", "empty program state")
+
+
+def probe(url: str, name: str, timeout: float) -> str:
+    r = http_json(url + "/v1/completions", {"model": name, "prompt": PROBE, "max_tokens": 8, "temperature": 0},
+                  timeout=timeout)  # fmt: skip
+    return r["choices"][0]["text"]
+
+
+class Checker:
+    """The periodic checks; every violation is appended to ``self.violations`` with its time."""
+
+    def __init__(self, serve: Serve, pool_dir: Path, names: list[str], baseline: dict[str, str], timeout: float):
+        self.serve, self.pool_dir, self.names, self.baseline, self.timeout = serve, pool_dir, names, baseline, timeout
+        self.samples: list[dict] = []
+        self.violations: list[str] = []
+        self.t0 = time.monotonic()
+        self._probe_turn = 0
+
+    def arbiter_pids(self) -> list[int]:
+        out = []
+        for pid_file in self.pool_dir.glob("*.pid"):
+            try:
+                out.append(int(pid_file.read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                pass
+        return out
+
+    def processes(self) -> list[dict]:
+        pids = process_tree(self.serve.proc.pid)
+        for arb in self.arbiter_pids():
+            pids += process_tree(arb)
+        return [u for u in (process_usage(p) for p in sorted(set(pids))) if u is not None]
+
+    def conservation(self) -> list[dict]:
+        from memory_ext.pool.arbiter_client import query_arbiter_status
+
+        out = []
+        for sock in sorted(self.pool_dir.glob("*.sock")):
+            st = query_arbiter_status(sock, name="soak-check")
+            held = sum(c["held"] for c in st["clients"])
+            ok = held + st["free"] + (st["budget"] - st["created"]) == st["budget"] and st["created"] <= st["budget"]
+            dead = [c["pid"] for c in st["clients"] if c.get("pid") and not Path(f"/proc/{c['pid']}").exists()]
+            out.append({"pool": sock.stem, "budget": st["budget"], "created": st["created"], "free": st["free"],
+                        "held": held, "clients": len(st["clients"]), "conserved": ok,
+                        "dead_clients": dead})  # fmt: skip
+        return out
+
+    def check(self, label: str, with_probe: bool = True, per_process: bool = False) -> dict:
+        t = time.monotonic() - self.t0
+        sample = {"t": t, "label": label}
+        try:
+            sample["pools"] = self.conservation()
+        except Exception as exc:  # noqa: BLE001 - an arbiter that does not answer is a violation
+            sample["pools"] = []
+            self.violations.append(f"{t:.0f} s: arbiter status failed: {exc!r}")
+        for p in sample["pools"]:
+            if not p["conserved"] or p["dead_clients"]:
+                self.violations.append(f"{t:.0f} s: pool {p['pool']} not conserved or dead clients: {p}")
+        procs = self.processes()
+        sample["rss_bytes"] = sum(p["rss_bytes"] for p in procs)
+        sample["fds"] = sum(p["fds"] for p in procs)
+        sample["processes"] = len(procs)
+        if per_process:
+            sample["per_process"] = procs
+        if with_probe:
+            name = self.names[self._probe_turn % len(self.names)]
+            self._probe_turn += 1
+            try:
+                got = probe(self.serve.url, name, self.timeout)
+                sample["probe"] = {name: got == self.baseline[name]}
+                if got != self.baseline[name]:
+                    self.violations.append(f"{t:.0f} s: probe of {name} changed: {got!r} != {self.baseline[name]!r}")
+            except urllib.error.HTTPError as exc:
+                sample["probe"] = {name: f"HTTP {exc.code}"}
+                if exc.code != 429:  # a shed probe says nothing about the answer
+                    self.violations.append(f"{t:.0f} s: probe of {name} failed: HTTP {exc.code}")
+            except Exception as exc:  # noqa: BLE001
+                self.violations.append(f"{t:.0f} s: probe of {name} failed: {exc!r}")
+        if self.serve.proc.poll() is not None:
+            self.violations.append(f"{t:.0f} s: serve exited with {self.serve.proc.returncode}")
+        self.samples.append(sample)
+        return sample
+
+
+def drive(client: Client, events, t_start: float, stop: threading.Event, counts: dict, failures: list,
+          lock: threading.Lock, workers: int) -> None:  # fmt: skip
+    """Send ``events`` at their offsets from ``t_start`` until they run out or ``stop`` is set."""
+
+    def one(i: int, name: str, kind: str):
+        t0 = time.monotonic()
+        outcome, detail = client.run(name, kind, i)
+        with lock:
+            counts.setdefault(kind, {}).setdefault(outcome, 0)
+            counts[kind][outcome] += 1
+            if outcome == "failed":
+                failures.append({"t": round(time.monotonic() - t_start, 1), "model": name, "kind": kind,
+                                 "latency_s": round(time.monotonic() - t0, 2), "detail": detail})  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for i, (offset, name, kind) in enumerate(events):
+            if stop.wait(max(0.0, t_start + offset - time.monotonic())):
+                break
+            pool.submit(one, i, name, kind)
+
+
+def quiet(serve: Serve, settle_s: float, timeout: float = 300.0) -> None:
+    """Until the router has nothing queued or in flight, then ``settle_s`` more: idle keep-alive
+    connections (router -> engine, client -> router) expire after 5 s on either side (httpx's and
+    uvicorn's defaults), so a quiet sample counts no connection that is merely pooled."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        admission = http_json(serve.url + "/memx/serve")["admission"]  # {model: {"queued", "inflight", ...}}
+        if all(not m["queued"] and not m["inflight"] for m in admission.values()):
+            time.sleep(settle_s)
+            return
+        time.sleep(0.5)
+    raise TimeoutError("the router did not drain")
+
+
+def per_process_change(before: dict, after: dict) -> list[dict]:
+    """RSS / fd change of every process present at both quiet points (which one grew)."""
+    old = {p["pid"]: p for p in before.get("per_process", [])}
+    return [{"pid": p["pid"], "cmd": p["cmd"][:120], "fds": [old[p["pid"]]["fds"], p["fds"]],
+             "rss_mib": [round(old[p["pid"]]["rss_bytes"] / 2**20, 1), round(p["rss_bytes"] / 2**20, 1)]}
+            for p in after.get("per_process", []) if p["pid"] in old]  # fmt: skip
+
+
+def growth(before: dict, after: dict, key: str) -> float:
+    return after[key] / before[key] - 1.0 if before[key] else float("inf")
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = doc["samples"]
+    fig, axes = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
+    t = [x["t"] for x in s]
+    axes[0].plot(t, [x["rss_bytes"] / 2**20 for x in s])
+    axes[0].set_ylabel("RSS, MiB (all)")
+    axes[1].plot(t, [x["fds"] for x in s])
+    axes[1].set_ylabel("open fds (all)")
+    for name in sorted({p["pool"] for x in s for p in x.get("pools", [])}):
+        held = [next((p["held"] for p in x.get("pools", []) if p["pool"] == name), None) for x in s]
+        axes[2].plot(t, held, label=f"{name}: held chunks")
+    axes[2].set_ylabel("chunks held")
+    axes[2].legend(fontsize=7)
+    axes[2].set_xlabel("seconds since the first check")
+    fig.suptitle(f"soak {doc['params']['duration_s']:.0f} s, seed {doc['params']['seed']}: "
+                 f"{'PASS' if doc['passed'] else 'FAIL'}", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration-s", type=float, default=1800.0)
+    ap.add_argument("--warmup-s", type=float, default=30.0)
+    ap.add_argument("--check-s", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=None, help="default: random (printed)")
+    ap.add_argument("--rate", type=float, default=1.5, help="requests/s per model while ON")
+    ap.add_argument("--memory-mb", type=float, default=8.0, help="the CPU device's memory for all three models")
+    ap.add_argument("--host-buffer-gb", type=float, default=0.05)
+    ap.add_argument("--sleep-after-s", type=float, default=8.0)
+    ap.add_argument("--peer-kv", choices=("auto", "off"), default="auto")
+    ap.add_argument("--request-timeout-s", type=float, default=180.0)
+    ap.add_argument("--workers", type=int, default=24, help="client threads (requests in flight at most)")
+    ap.add_argument("--max-growth", type=float, default=0.05)
+    ap.add_argument("--settle-s", type=float, default=12.0, help="quiet samples wait this long after the drain")
+    ap.add_argument("--results-dir", default=str(REPO / "benchmark" / "results" / "soak"))
+    ap.add_argument("--out", default="soak")
+    args = ap.parse_args(argv)
+    for field in ("duration_s", "check_s", "rate", "memory_mb", "request_timeout_s", "workers"):
+        if not getattr(args, field) > 0:
+            ap.error(f"--{field.replace('_', '-')}: must be positive")
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(1 << 30)
+    command = "python benchmark/soak.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"# {command}\n# seed {args.seed} (replay: --seed {args.seed})", flush=True)
+
+    from sglang_memx.models.tiny import tiny_model
+
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-memx-soak-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    models = {n: tiny_model(s, Path(os.environ.get("TMPDIR", "/tmp")) / "sglang-memx-bench-models")
+              for n, s in model_specs().items()}  # fmt: skip
+    names = list(models)
+    peer, peer_why = (False, "off (--peer-kv off)") if args.peer_kv == "off" else peer_tier_status()
+    print(f"peer KV tier: {peer_why}", flush=True)
+    port = free_port()
+    serve = Serve(serve_config(args, models, port, tmp, peer), port, "soak-serve")
+    rng = random.Random(args.seed)
+    counts: dict = {}
+    failures: list = []
+    lock = threading.Lock()
+    checker = None
+    t_begin = time.monotonic()
+    try:
+        serve.wait_ready()
+        startup_s = time.monotonic() - t_begin
+        baseline = {n: probe(serve.url, n, args.request_timeout_s) for n in names}
+        checker = Checker(serve, tmp / "pools", names, baseline, args.request_timeout_s)
+        client = Client(serve.url, args.request_timeout_s)
+        for phase, length in (("warmup", args.warmup_s), ("soak", args.duration_s)):
+            events = traffic(args, names, rng, length)
+            stop = threading.Event()
+            t_start = time.monotonic()
+            driver = threading.Thread(target=drive, args=(client, events, t_start, stop, counts, failures, lock,
+                                                          args.workers), daemon=True)  # fmt: skip
+            driver.start()
+            while driver.is_alive():
+                driver.join(args.check_s)
+                if driver.is_alive():
+                    checker.check(phase)
+            quiet(serve, args.settle_s)
+            checker.check(f"{phase} end (quiet)", per_process=True)
+        end = checker.samples[-1]
+        start = next(s for s in checker.samples if s["label"] == "warmup end (quiet)")
+    finally:
+        stopped = serve.stop()
+    leftovers = [u for u in (process_usage(p) for p in (checker.arbiter_pids() if checker else [])) if u]
+    doc = {
+        "command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "params": vars(args), "peer_kv": peer_why, "startup_s": startup_s,
+        "requests": counts, "failures": failures[:50], "failures_total": len(failures),
+        "violations": checker.violations, "samples": checker.samples,
+        "rss_growth": growth(start, end, "rss_bytes"), "fd_growth": growth(start, end, "fds"),
+        "serve_exit": stopped, "leftover_arbiters": leftovers,
+        "per_process_change": per_process_change(start, end),
+    }  # fmt: skip
+    doc["checks"] = {
+        "no failed request (5xx, hang, broken stream, unexpected 4xx)": not failures,
+        "chunks conserved at every check, no dead client": not any("pool" in v for v in checker.violations),
+        "greedy probe unchanged": not any("probe" in v for v in checker.violations),
+        f"RSS growth <= {args.max_growth:.0%}": doc["rss_growth"] <= args.max_growth,
+        f"open fds growth <= {args.max_growth:.0%}": doc["fd_growth"] <= args.max_growth,
+        "serve exited 0 on SIGTERM, no arbiter left": stopped == 0 and not leftovers,
+        "nothing else went wrong": not [v for v in checker.violations if "pool" not in v and "probe" not in v],
+    }
+    doc["passed"] = all(doc["checks"].values())
+    results = Path(args.results_dir)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{args.out}.json").write_text(json.dumps(doc, indent=1))
+    plot(doc, results / f"{args.out}.png")
+    sent = sum(sum(v.values()) for v in counts.values())
+    print(json.dumps({"checks": doc["checks"], "requests": counts, "sent": sent, "rss_growth": doc["rss_growth"],
+                      "fd_growth": doc["fd_growth"], "violations": checker.violations[:10],
+                      "failures": failures[:5]}, indent=1))  # fmt: skip
+    print(f"{'PASS' if doc['passed'] else 'FAIL'}; wrote {results / args.out}.json, .png", flush=True)
+    return 0 if doc["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
