@@ -25,8 +25,11 @@ Checks, every ``--check-s`` seconds and at the end:
 * the greedy probe: a fixed prompt per model, ``temperature 0``, answers what it answered
   before the traffic started;
 * RSS and open fds flat: the sums over the router, engines (with their schedulers and
-  detokenizers) and arbiters, taken at two quiet points (traffic drained) -- after the warm-up
-  and after the soak -- grow by at most ``--max-growth`` (5 %).
+  detokenizers) and arbiters, taken at two quiet points (traffic drained, keep-alive
+  connections expired) -- after the warm-up and after the soak -- grow by at most
+  ``--max-growth`` (5 %). Memfds are not counted as open files: they are the pool's memory
+  chunks, created lazily up to its budget and bounded by it (conservation covers them); the
+  JSON reports them apart.
 
 Exit status 0 when every check held, 1 otherwise (the JSON says which). JSON + PNG under
 ``benchmark/results/soak/`` (``--results-dir``). The suite runs a 2-minute version
@@ -262,6 +265,7 @@ class Checker:
         procs = self.processes()
         sample["rss_bytes"] = sum(p["rss_bytes"] for p in procs)
         sample["fds"] = sum(p["fds"] for p in procs)
+        sample["memfd_fds"] = sum(p["memfd_fds"] for p in procs)
         sample["processes"] = len(procs)
         if per_process:
             sample["per_process"] = procs
@@ -324,6 +328,7 @@ def per_process_change(before: dict, after: dict) -> list[dict]:
     """RSS / fd change of every process present at both quiet points (which one grew)."""
     old = {p["pid"]: p for p in before.get("per_process", [])}
     return [{"pid": p["pid"], "cmd": p["cmd"][:120], "fds": [old[p["pid"]]["fds"], p["fds"]],
+             "memfd_fds": [old[p["pid"]]["memfd_fds"], p["memfd_fds"]],
              "rss_mib": [round(old[p["pid"]]["rss_bytes"] / 2**20, 1), round(p["rss_bytes"] / 2**20, 1)]}
             for p in after.get("per_process", []) if p["pid"] in old]  # fmt: skip
 

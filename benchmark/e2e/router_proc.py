@@ -94,12 +94,20 @@ def process_tree(root: int) -> list[int]:
 
 
 def process_usage(pid: int) -> dict | None:
-    """``{"pid", "name", "rss_bytes", "fds"}`` of a live process, None when it is gone."""
+    """``{"pid", "cmd", "rss_bytes", "fds", "memfd_fds"}`` of a live process, None when it is gone.
+    ``fds`` excludes memfds: those are memory chunks (memx's pool chunks travel as memfds and are
+    created lazily up to the pool's budget), counted apart in ``memfd_fds``."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        names = os.listdir(f"/proc/{pid}/fd")
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return None
+    memfds = 0
+    for name in names:
+        try:
+            memfds += os.readlink(f"/proc/{pid}/fd/{name}").startswith("/memfd:")
+        except OSError:
+            pass  # closed meanwhile
     rss = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return {"pid": pid, "cmd": cmd[:200], "rss_bytes": rss, "fds": fds}
+    return {"pid": pid, "cmd": cmd[:200], "rss_bytes": rss, "fds": len(names) - memfds, "memfd_fds": memfds}
