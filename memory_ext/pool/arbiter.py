@@ -725,6 +725,39 @@ class Arbiter:
             self._serve_pending()
 
 
+def _stop_when_gone(pid: int, stop, poll_s: float = 0.5) -> None:
+    """Call ``stop`` once process ``pid`` has exited (at once if it is gone already).
+
+    Invariant: an arbiter whose owner died does not outlive it, so a SIGKILLed ``sglang-memx
+    serve`` (whose engines die with it, ``PR_SET_PDEATHSIG``) leaves no pool holding memory.
+    A pidfd waits for exactly that process (no pid-reuse race); kernels without
+    ``pidfd_open`` are polled with signal 0."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        log.warning("arbiter: owner pid %d is gone: stopping the pool", pid)
+        stop()
+        return
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        try:
+            select.select([fd], [], [])
+        finally:
+            os.close(fd)
+    else:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                pass
+            time.sleep(poll_s)
+    log.warning("arbiter: owner pid %d exited: stopping the pool", pid)
+    stop()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m memory_ext.pool.arbiter",
@@ -739,7 +772,12 @@ def main(argv=None) -> int:
     ap.add_argument("--floor-per-client", type=int, default=0)
     ap.add_argument("--reclaim-timeout", type=float, default=2.0)
     ap.add_argument("--backend", choices=("host",), default="host")
+    ap.add_argument("--owner-pid", type=int, default=None,
+                    help="stop the pool (free every chunk) when this process exits, e.g. the "
+                         "`sglang-memx serve` that started the pool's engines")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.owner_pid is not None and args.owner_pid <= 0:
+        ap.error(f"--owner-pid: must be a positive pid, got {args.owner_pid}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from ..vmm import host_backend
 
@@ -763,6 +801,9 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    if args.owner_pid is not None:
+        threading.Thread(target=_stop_when_gone, args=(args.owner_pid, lambda: _stop(None, None)), daemon=True,
+                         name="memx-arbiter-owner").start()  # fmt: skip
     log.info("arbiter: serving %s, budget %d chunk(s) of %d KiB", args.socket, args.budget_chunks, granularity >> 10)
     if args.pid_file:
         with open(args.pid_file, "w") as f:

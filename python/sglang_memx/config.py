@@ -44,6 +44,21 @@ RESERVED_HTTP_PATHS = frozenset(
 )
 
 
+# Set by ``sglang-memx serve`` for its engines: the pid whose exit ends the pool's arbiter
+# (``memory_ext.pool.arbiter --owner-pid``), so a killed ``serve`` leaves no pool behind.
+POOL_OWNER_ENV = "SGLANG_MEMX_POOL_OWNER_PID"
+
+
+def pool_owner_pid(environ=os.environ) -> int | None:
+    """The pool owner's pid from ``POOL_OWNER_ENV`` (None when unset); a bad value names the variable."""
+    raw = environ.get(POOL_OWNER_ENV)
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit() or int(raw) <= 0:
+        raise MemxConfigError(POOL_OWNER_ENV, f"must be a positive pid, got {raw!r}")
+    return int(raw)
+
+
 class MemxConfigError(ValueError):
     """A memx flag has a bad or contradictory value. ``flag`` names it."""
 

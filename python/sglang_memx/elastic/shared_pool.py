@@ -34,7 +34,7 @@ from memory_ext.pool.arbiter_client import ArbiterError
 from memory_ext.pool.lent_pool import LentPool
 from memory_ext.vmm import private_dir
 from sglang_memx import router_activity
-from sglang_memx.config import MemxConfig, MemxConfigError
+from sglang_memx.config import MemxConfig, MemxConfigError, pool_owner_pid
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
 from sglang_memx.upstream import kv as up_kv
@@ -99,6 +99,9 @@ def ensure_arbiter(config: MemxConfig, chunk_bytes: int, timeout: float = 60.0) 
         cmd = [sys.executable, "-m", "memory_ext.pool.arbiter", "--socket", os.fspath(sock),
                "--budget-chunks", str(budget), "--granularity-kib", str(chunk_bytes >> 10),
                "--pid-file", os.fspath(directory / f"{config.pool}.pid")]  # fmt: skip
+        owner = pool_owner_pid()
+        if owner is not None:  # started under `sglang-memx serve`: the pool ends with it
+            cmd += ["--owner-pid", str(owner)]
         with open(directory / f"{config.pool}.log", "ab") as log:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True

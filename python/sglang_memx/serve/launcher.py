@@ -55,6 +55,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import POOL_OWNER_ENV
 from .config import ServeConfig
 from .placement import GIB, Placement, instance_name
 
@@ -248,7 +249,8 @@ def engine_specs(
             args += ["--dtype", m.dtype]
         if m.kv_cache_dtype != "auto":
             args += ["--kv-cache-dtype", m.kv_cache_dtype]
-        env = {"PYTHONUNBUFFERED": "1"}
+        # the pool's arbiter (started by the first engine) ends when this process does
+        env = {"PYTHONUNBUFFERED": "1", POOL_OWNER_ENV: str(os.getpid())}
         if dev.kind == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             for flag, value in CPU_DEFAULTS.items():
