@@ -42,6 +42,7 @@ Exit status 0 when every check held, 1 otherwise (the JSON says which). JSON + P
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import platform
@@ -117,10 +118,18 @@ def traffic(args, names: list[str], rng: random.Random, until: float) -> list[tu
     return sorted(out)
 
 
+# The router's named errors (docs/router.md, "Admission" and "Health"): a request that ends with
+# one of these got a clear answer, not a hang.
+ROUTER_ERROR_CODES = ("engine_restarting", "engine_down", "engine_error", "engine_timeout",
+                      "engine_failed_mid_response", "queue_full", "deadline")  # fmt: skip
+
+
 class Client:
     """One request of each kind against the router; returns ``(outcome, detail)`` where outcome
-    is ``ok``, ``shed`` (429), ``aborted`` (ours), or ``failed`` (anything else: 5xx, an
-    unexpected 4xx, a broken stream, a timeout)."""
+    is ``ok``; ``shed`` (429); ``aborted`` (ours); ``error``: a clear end -- a 5xx or SSE error
+    event carrying one of the router's error codes, or a refused / reset connection; or
+    ``failed``: anything else (a 5xx without a code, an unexpected 4xx, a malformed answer, a
+    timeout, i.e. a hang). Without faults, ``error`` is a failure too (``soak.py``)."""
 
     def __init__(self, url: str, timeout: float):
         self.url, self.timeout = url, timeout
@@ -132,9 +141,19 @@ class Client:
             return getattr(self, f"_{kind}")(name, n)
         except urllib.error.HTTPError as exc:
             body = exc.read()[:300].decode(errors="replace")
-            return ("shed" if exc.code == 429 else "failed"), f"HTTP {exc.code}: {body}"
+            if exc.code == 429:
+                return "shed", f"HTTP 429: {body}"
+            named = exc.code >= 500 and any(f'"{c}"' in body for c in ROUTER_ERROR_CODES)
+            return ("error" if named else "failed"), f"HTTP {exc.code}: {body}"
+        except (ConnectionError, http.client.HTTPException) as exc:  # refused, reset, cut short
+            return "error", f"connection: {type(exc).__name__}: {exc}"[:300]
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, ConnectionError):
+                return "error", f"connection: {exc.reason!r}"[:300]
+            return "failed", f"URLError: {exc.reason!r}"[:300]
         except Exception as exc:  # noqa: BLE001 - every other way a request can go wrong is a failure
-            return "failed", f"{type(exc).__name__}: {exc}"[:300]
+            text = f"{type(exc).__name__}: {exc}"[:300]
+            return ("error" if any(c in text for c in ROUTER_ERROR_CODES) else "failed"), text
 
     def _post(self, path: str, body: dict) -> dict:
         return http_json(self.url + path, body, timeout=self.timeout)
@@ -154,7 +173,8 @@ class Client:
                 if not line.startswith(b"data:"):
                     continue
                 if b'"error"' in line:
-                    return "failed", line[:300].decode(errors="replace")
+                    text = line[:300].decode(errors="replace")
+                    return ("error" if any(f'"{c}"' in text for c in ROUTER_ERROR_CODES) else "failed"), text
                 if line == b"data: [DONE]":
                     return ("ok", "") if events else ("failed", "stream with no event")
                 events += 1
@@ -299,7 +319,7 @@ def drive(client: Client, events, t_start: float, stop: threading.Event, counts:
         with lock:
             counts.setdefault(kind, {}).setdefault(outcome, 0)
             counts[kind][outcome] += 1
-            if outcome == "failed":
+            if outcome in ("failed", "error"):
                 failures.append({"t": round(time.monotonic() - t_start, 1), "model": name, "kind": kind,
                                  "latency_s": round(time.monotonic() - t0, 2), "detail": detail})  # fmt: skip
 

@@ -1,0 +1,270 @@
+"""Fault suite: SIGKILL each kind of process of ``sglang-memx serve`` at random points under load
+and check what survives (issue 18, item 2). Same setup and traffic as ``soak.py``.
+
+Kinds (``--kinds``, rotated in a seeded order; ``--seed`` is printed so a run replays):
+
+* ``engine``: one model's ``launch_server`` process (a random replica of a random model). The
+  supervisor restarts it on its port; in-flight requests end with a clear error or are retried;
+  the other models keep serving.
+* ``arbiter``: the device pool's arbiter (its pid file). Engines fall back to private budgets
+  (the chunks they hold), say so in ``/memx/status`` (``shared_pool.arbiter.connected``), and
+  keep serving; when a restarted engine starts a new arbiter, the survivors rejoin it and their
+  chunks are booked again (``docs/memory-pool.md``, "Arbiter death").
+* ``router``: ``sglang-memx serve`` itself. Its engines die with it (``PR_SET_PDEATHSIG``) and
+  its pool's arbiter too (``--owner-pid``); the script checks that nothing is left, then starts
+  ``serve`` again with the same config, as an operator's process manager would.
+
+After every kill: the router's ``/health`` answers ok again within ``--recover-timeout-s``;
+every model's greedy probe answers what it answered before any fault; held + free + not yet
+created == budget at every arbiter that answers. Over the whole run: no request ``failed``
+(hung, or ended without one of the router's named errors or a refused / reset connection --
+``soak.Client``); at the end no engine, scheduler or arbiter is left.
+
+Exit 0 when every check held. JSON + PNG under ``benchmark/results/faults/``; the figures are in
+``docs/reliability.md``, "Faults".
+
+    python benchmark/faults.py [--kills 6] [--kinds engine,arbiter,router] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import sys
+import threading
+import time
+import urllib.error
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "test"))
+sys.path.insert(0, str(REPO))
+
+from benchmark.e2e.consolidation import model_specs  # noqa: E402
+from benchmark.e2e.router_proc import Serve, http_json, process_tree  # noqa: E402
+from benchmark.soak import Checker, Client, drive, probe, serve_config, traffic  # noqa: E402
+from support.server import free_port  # noqa: E402
+
+KINDS = ("engine", "arbiter", "router")
+
+
+def wait_healthy(serve: Serve, timeout: float) -> float:
+    """Seconds until the router's /health says every model is up; raises TimeoutError."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if http_json(serve.url + "/health", timeout=5).get("status") == "ok":
+                return time.monotonic() - t0
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"not healthy {timeout:.0f} s after the fault")
+
+
+def engines(serve: Serve) -> dict[str, dict]:
+    return http_json(serve.url + "/memx/serve")["engines"]
+
+
+def arbiter_states(serve: Serve) -> dict[str, object]:
+    """Each engine's view of its pool's arbiter (``connected`` or the error reading it)."""
+    out = {}
+    for name, e in engines(serve).items():
+        try:
+            st = http_json(e["url"] + "/memx/status", timeout=10)
+            out[name] = st["schedulers"][0]["elastic_kv"]["shared_pool"]["arbiter"]["connected"]
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+            out[name] = f"unknown: {exc!r}"[:120]
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is gone for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def plot(doc: dict, path: Path) -> None:
+    """Recovery time per fault (bars, by kind) and the run's request outcomes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"engine": "#48c", "arbiter": "#c84", "router": "#a4a"}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [3, 2]})
+    for f in doc["faults"]:
+        a.bar(f["n"], f.get("recovered_s") or 0, color=colors[f["kind"]], label=f["kind"])
+    handles = {h.get_label(): h for h in a.patches}
+    a.legend(handles.values(), handles.keys(), fontsize=7)
+    a.set_xlabel("fault #")
+    a.set_ylabel("seconds until /health ok")
+    outcomes: dict[str, int] = {}
+    for per_kind in doc["requests"].values():
+        for k, v in per_kind.items():
+            outcomes[k] = outcomes.get(k, 0) + v
+    b.bar(list(outcomes), list(outcomes.values()), color="#777")
+    b.set_ylabel("requests")
+    fig.suptitle(f"faults, seed {doc['params']['seed']}: {'PASS' if doc['passed'] else 'FAIL'}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kills", type=int, default=6)
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--gap-s", type=float, default=20.0, help="mean load time between recoveries and kills")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--rate", type=float, default=1.0, help="requests/s per model while ON")
+    ap.add_argument("--memory-mb", type=float, default=8.0)
+    ap.add_argument("--host-buffer-gb", type=float, default=0.05)
+    ap.add_argument("--sleep-after-s", type=float, default=8.0)
+    ap.add_argument("--request-timeout-s", type=float, default=180.0)
+    ap.add_argument("--recover-timeout-s", type=float, default=600.0)
+    ap.add_argument("--leftover-timeout-s", type=float, default=30.0)
+    ap.add_argument("--workers", type=int, default=24)
+    ap.add_argument("--results-dir", default=str(REPO / "benchmark" / "results" / "faults"))
+    ap.add_argument("--out", default="faults")
+    args = ap.parse_args(argv)
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds or set(kinds) - set(KINDS):
+        ap.error(f"--kinds: choose from {', '.join(KINDS)}, got {args.kinds!r}")
+    if args.kills < 1:
+        ap.error("--kills: must be >= 1")
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(1 << 30)
+    command = "python benchmark/faults.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"# {command}\n# seed {args.seed} (replay: --seed {args.seed})", flush=True)
+    rng = random.Random(args.seed)
+    order = [kinds[i % len(kinds)] for i in range(args.kills)]
+    rng.shuffle(order)
+
+    from sglang_memx.models.tiny import tiny_model
+
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-memx-faults-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    models = {n: tiny_model(s, Path(os.environ.get("TMPDIR", "/tmp")) / "sglang-memx-bench-models")
+              for n, s in model_specs().items()}  # fmt: skip
+    names = list(models)
+    port = free_port()
+    config = serve_config(args, models, port, tmp, peer=False)
+    pool_dir = tmp / "pools"
+    serve = Serve(config, port, "faults-serve")
+    counts: dict = {}
+    failures: list = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    faults: list[dict] = []
+    violations: list[str] = []
+    driver = checker = final = None
+    t_begin = time.monotonic()
+    try:
+        serve.wait_ready()
+        baseline = {n: probe(serve.url, n, args.request_timeout_s) for n in names}
+        checker = Checker(serve, pool_dir, names, baseline, args.request_timeout_s)
+        horizon = args.kills * (args.gap_s * 1.5 + args.recover_timeout_s)
+        client = Client(serve.url, args.request_timeout_s)
+        events = traffic(args, names, rng, horizon)
+        driver = threading.Thread(target=drive, args=(client, events, time.monotonic(), stop, counts, failures, lock,
+                                                      args.workers), daemon=True)  # fmt: skip
+        driver.start()
+        for i, kind in enumerate(order):
+            time.sleep(rng.uniform(0.5, 1.5) * args.gap_s)
+            record = {"n": i, "kind": kind, "t": round(time.monotonic() - t_begin, 1)}
+            if kind == "engine":
+                live = {k: e for k, e in engines(serve).items() if e.get("pid") and e.get("alive", True)}
+                key = rng.choice(sorted(live))
+                record.update(target=key, pid=live[key]["pid"])
+                os.kill(live[key]["pid"], signal.SIGKILL)
+            elif kind == "arbiter":
+                pids = checker.arbiter_pids()
+                if not pids:
+                    record["skipped"] = "no arbiter running (lost earlier, no engine restarted since)"
+                else:
+                    record.update(target="arbiter", pid=pids[0])
+                    os.kill(pids[0], signal.SIGKILL)
+                    time.sleep(3.0)  # the engines notice at their next tick / borrow
+                    record["engines_see_arbiter"] = arbiter_states(serve)
+            else:
+                tree = process_tree(serve.proc.pid) + checker.arbiter_pids()
+                record.update(target="router", pid=serve.proc.pid)
+                os.kill(serve.proc.pid, signal.SIGKILL)
+                serve.proc.wait()
+                t0 = time.monotonic()
+                while any(alive(p) for p in tree) and time.monotonic() - t0 < args.leftover_timeout_s:
+                    time.sleep(0.5)
+                left = [p for p in tree if alive(p)]
+                record["left_after_s"] = round(time.monotonic() - t0, 1)
+                if left:
+                    violations.append(f"fault {i} (router): processes left {args.leftover_timeout_s:.0f} s on: {left}")
+                    for p in left:
+                        try:
+                            os.kill(p, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                serve = Serve(config, port, f"faults-serve-{i}")
+                checker.serve = serve
+            try:
+                record["recovered_s"] = round(wait_healthy(serve, args.recover_timeout_s), 1)
+            except TimeoutError as exc:
+                violations.append(f"fault {i} ({kind}): {exc}")
+                record["recovered_s"] = None
+            for name in names:
+                try:
+                    got = probe(serve.url, name, args.request_timeout_s)
+                    if got != baseline[name]:
+                        violations.append(f"fault {i} ({kind}): probe of {name} changed: {got!r}")
+                except (urllib.error.URLError, OSError, ValueError) as exc:
+                    violations.append(f"fault {i} ({kind}): probe of {name} failed: {exc!r}")
+            sample = checker.check(f"after fault {i} ({kind})", with_probe=False)
+            record["pools"] = sample["pools"]
+            record["engines_see_arbiter_after"] = arbiter_states(serve)
+            print(json.dumps(record), flush=True)
+            faults.append(record)
+        stop.set()
+        driver.join(args.request_timeout_s + 30)
+        final = checker.check("end", with_probe=False)
+        violations += checker.violations
+    finally:
+        stop.set()
+        stopped = serve.stop()
+    leftovers = [p for p in process_tree(os.getpid()) if p != os.getpid() and alive(p)]
+    leftovers += [p for p in (checker.arbiter_pids() if checker is not None else []) if alive(p)]
+    doc = {"command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+           "params": vars(args), "order": order, "faults": faults, "requests": counts,
+           "failures": failures[:80], "violations": violations, "final": final, "serve_exit": stopped,
+           "leftovers": leftovers}  # fmt: skip
+    doc["checks"] = {
+        "every fault recovered": all(f.get("recovered_s") is not None for f in faults),
+        "no request hung or ended without a clear error": not any(c.get("failed") for c in counts.values()),
+        "probes unchanged after every fault": not any("probe" in v for v in violations),
+        "chunks conserved wherever an arbiter answered": not any("pool" in v for v in violations),
+        "nothing left after a router kill or at the end": not leftovers and not any("left" in v for v in violations),
+        "nothing else went wrong": not [v for v in violations if not any(w in v for w in ("probe", "pool", "left"))],
+    }
+    doc["passed"] = all(doc["checks"].values())
+    results = Path(args.results_dir)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{args.out}.json").write_text(json.dumps(doc, indent=1))
+    plot(doc, results / f"{args.out}.png")
+    print(json.dumps({"checks": doc["checks"], "requests": counts, "violations": violations[:10],
+                      "faults": [{k: f.get(k) for k in ("kind", "target", "recovered_s", "left_after_s")}
+                                 for f in faults]}, indent=1))  # fmt: skip
+    print(f"{'PASS' if doc['passed'] else 'FAIL'}; wrote {results / args.out}.json", flush=True)
+    return 0 if doc["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
