@@ -44,8 +44,10 @@ Nothing raises into the engine for it.
 
 ``maybe_rejoin()`` (the engine's tick; one ``connect`` at most every
 ``REJOIN_INTERVAL_S`` while lost) reconnects once the socket answers again (a new
-arbiter, started by the next server that joins the pool) and ``ADOPT``s the kept
-chunks, so the new arbiter's budget counts them (``arbiter_protocol``). Until
+arbiter, started by the next server that joins the pool, or by ``restart_arbiter``: a
+callable the engine passes that starts a new arbiter if the old one *crashed*, so
+survivors do not wait for a server to join) and ``ADOPT``s the kept chunks, so the
+new arbiter's budget counts them (``arbiter_protocol``). Until
 every kept chunk is booked, ``borrow`` still returns 0 (more memory would
 over-commit the device), adoption is retried every ``REJOIN_INTERVAL_S``, and
 ``give_back`` destroys unbooked kept chunks first (then adopted ones, with a
@@ -72,9 +74,11 @@ class LentPool:
     REJOIN_INTERVAL_S = 1.0  # while lost (or partly adopted): how often to try the socket again
     REJOIN_TIMEOUT_S = 2.0  # longest a rejoin's HELLO / ADOPT may take
 
-    def __init__(self, socket_path, name: str, backend: VmmBackend, *, timeout: float = 30.0):
+    def __init__(self, socket_path, name: str, backend: VmmBackend, *, timeout: float = 30.0,
+                 restart_arbiter=None):  # fmt: skip
         self._lock = threading.Lock()
         self._socket_path, self._name, self._backend, self._timeout = socket_path, name, backend, timeout
+        self._restart_arbiter = restart_arbiter  # () -> bool: started a new arbiter (the old one crashed)
         self._closed = False
         self._lost = False  # the arbiter is gone and no new one took this process back yet
         self.lost_reason: str | None = None  # why the last arbiter connection ended
@@ -141,6 +145,18 @@ class LentPool:
         )  # fmt: skip
         return True
 
+    def _try_restart(self) -> bool:
+        """Ask the engine's ``restart_arbiter`` to start a new arbiter; True when it says it did."""
+        try:
+            started = bool(self._restart_arbiter())
+        except Exception as exc:  # noqa: BLE001 - the engine keeps serving on its private budget
+            log.warning("lent pool %s: could not restart the arbiter: %s", self._name, exc)
+            return False
+        if started:
+            log.warning("lent pool %s: the arbiter had crashed; started a new one at %s", self._name,
+                        self._socket_path)  # fmt: skip
+        return started
+
     def maybe_rejoin(self) -> bool:
         """From the engine's tick (cheap: nothing unless the arbiter is lost or kept chunks are
         unbooked, then one attempt every ``REJOIN_INTERVAL_S``): reconnect once the pool's
@@ -157,7 +173,13 @@ class LentPool:
                 client = self._connect(self.REJOIN_TIMEOUT_S)
             except (OSError, ArbiterError) as exc:
                 log.debug("lent pool %s: no arbiter at %s yet: %s", self._name, self._socket_path, exc)
-                return False
+                if self._restart_arbiter is None or not self._try_restart():
+                    return False
+                try:
+                    client = self._connect(self.REJOIN_TIMEOUT_S)
+                except (OSError, ArbiterError) as exc2:
+                    log.warning("lent pool %s: the restarted arbiter does not answer: %s", self._name, exc2)
+                    return False
             if client.budget != self.client.budget:
                 log.warning("lent pool %s: the arbiter at %s has a budget of %d chunk(s), this pool %d; staying "
                             "private", self._name, self._socket_path, client.budget, self.client.budget)  # fmt: skip

@@ -124,10 +124,41 @@ def ensure_arbiter(config: MemxConfig, chunk_bytes: int, timeout: float = 60.0) 
         return sock
 
 
+def restart_crashed_arbiter(config: MemxConfig, chunk_bytes: int) -> bool:
+    """Start the pool's arbiter again if it *crashed* (SIGKILL, OOM kill): its pid file is still
+    there and names a dead process. An arbiter stopped on purpose (SIGTERM, ``sglang-memx pool
+    stop``, ``serve`` shutting down) removes its pid file, so nothing restarts it. Concurrent
+    survivors start one arbiter: ``ensure_arbiter`` runs under the pool's lock. Returns whether
+    an arbiter answers now because of this call."""
+    pid_file = pool_dir(config) / f"{config.pool}.pid"
+    try:
+        pid = int(pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return False
+    if _pid_alive(pid):
+        return False  # still alive (stuck, or exiting): not ours to replace
+    ensure_arbiter(config, chunk_bytes)
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (its parent has not reaped it yet) is dead
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def join_pool(config: MemxConfig, backend) -> LentPool:
     sock = ensure_arbiter(config, backend.granularity)
     try:
-        lent = LentPool(sock, f"sglang-{os.getpid()}", backend)
+        lent = LentPool(sock, f"sglang-{os.getpid()}", backend,
+                        restart_arbiter=lambda: restart_crashed_arbiter(config, backend.granularity))  # fmt: skip
     except ArbiterError as exc:
         if exc.field == "granularity":
             raise MemxConfigError(
