@@ -20,13 +20,21 @@ import pytest
 
 from memory_ext.pool import Owner
 from memory_ext.pool.arbiter import Arbiter
-from memory_ext.pool.arbiter_client import ArbiterClient
+from memory_ext.pool.arbiter_client import ArbiterClient, ArbiterError, query_arbiter_status
 from memory_ext.pool.lent_pool import LentPool
 from memory_ext.vmm import host_backend
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 G = 4 * PAGE
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _answers(sock_path) -> bool:
+    try:
+        query_arbiter_status(sock_path)
+        return True
+    except (OSError, ArbiterError):
+        return False
 
 
 def _wait(pred, timeout=10.0, what="condition"):
@@ -83,7 +91,7 @@ def test_sigkilled_arbiter_process_leaves_a_private_budget_and_one_warning(sock_
     )  # fmt: skip
     vmm = host_backend(G)
     try:
-        _wait(lambda: os.path.exists(sock_path), what="the arbiter process to listen")
+        _wait(lambda: _answers(sock_path), what="the arbiter process to listen")  # bound is not listening yet
         lent = LentPool(sock_path, "survivor", vmm, timeout=5.0)
         assert lent.borrow(5) == 5
         assert lent.status()["arbiter"]["connected"] is True
