@@ -57,13 +57,15 @@ def servers(tmp_path_factory, tiny_model_root):
     borrower = DumpingServer(model, name="peer-borrower", max_total_tokens=512,
                             extra_args=COMMON + pool + ["--memx-peer-kv", "borrow"])  # fmt: skip
     stock = SGLangServer(model, name="peer-stock", stock=True, max_total_tokens=4096, extra_args=COMMON)
-    start_all([donor, borrower, stock])
-    donor.dump_on_stop = borrower.dump_on_stop = False
-    yield {"donor": donor, "borrower": borrower, "stock": stock, "sock": pool_dir / f"{name}.sock"}
-    for s in (donor, borrower, stock):
-        s.stop()
-    subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir", str(pool_dir)],
-                   check=False)  # fmt: skip
+    try:
+        start_all([donor, borrower, stock])
+        donor.dump_on_stop = borrower.dump_on_stop = False
+        yield {"donor": donor, "borrower": borrower, "stock": stock, "sock": pool_dir / f"{name}.sock"}
+    finally:  # the pool's arbiter outlives its servers: stop it even when they never became healthy
+        for s in (donor, borrower, stock):
+            s.stop()
+        subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir",
+                        str(pool_dir)], check=False)  # fmt: skip
 
 
 class DumpingServer(SGLangServer):
