@@ -15,8 +15,10 @@ Invariants:
   threads on its own cores; two unpinned CPU servers on shared cores run many times
   slower); CUDA devices: ``CUDA_VISIBLE_DEVICES`` is the device's ordinal.
 * Each engine runs in its own session (its scheduler and detokenizer in its process
-  group) and gets SIGTERM if this process dies (``PR_SET_PDEATHSIG``). ``stop_all`` kills
-  every group and stops the pool arbiters the engines started: after it returns, no
+  group) and gets SIGTERM if this process dies (``PR_SET_PDEATHSIG``); a sentinel process
+  (``sentinel.py``) then stops every engine group whatever state it was in, and the pool's
+  arbiter ends with this process too (``--owner-pid``). ``stop_all`` kills every group,
+  stops the pool arbiters the engines started and the sentinel: after it returns, no
   process this launcher started is running.
 * Health (``Launcher.supervise``): one supervisor thread polls every engine; an engine
   whose process exited (crash, SIGKILL, OOM kill) is cleaned up (its process group is
@@ -58,6 +60,7 @@ from pathlib import Path
 from ..config import POOL_OWNER_ENV
 from .config import ServeConfig
 from .placement import GIB, Placement, instance_name
+from .sentinel import Sentinel
 
 __all__ = ["EngineSpec", "engine_specs", "default_pool_dir", "Engine", "Launcher", "EngineStartError",
            "RestartPolicy", "RestartBudget", "ENGINE_STATES", "STARTING", "AWAKE", "RESTARTING", "DEAD",
@@ -326,6 +329,7 @@ class Engine:
         self.spec = spec
         self.port = spec.port
         self.proc: subprocess.Popen | None = None
+        self.on_started = None  # (pgid) -> None after every start: the launcher's sentinel tracks it
         self.startup_s: float | None = None
         self._log = None
         self.state = STARTING
@@ -368,6 +372,8 @@ class Engine:
             self._argv(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, **self.spec.env}, start_new_session=True, preexec_fn=_die_with_parent,
         )  # fmt: skip
+        if self.on_started is not None:  # its own session: its pid is its process group
+            self.on_started(self.proc.pid)
 
     def alive(self) -> bool:
         proc = self.proc  # read once: the supervisor thread may replace it meanwhile
@@ -528,8 +534,14 @@ class Launcher:
         self._pools = sorted({(s.pool, s.pool_dir) for s in specs})
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._health: HealthProbe | None = None  # set by ``supervise``: no probing before
+        self._sentinel: Sentinel | None = None
 
     def start_all(self, timeout_s: float) -> None:
+        if self.engines and self._sentinel is None:  # stops every engine group if this process is killed
+            first = Path(next(iter(self.engines.values())).spec.log_path).parent
+            self._sentinel = Sentinel.spawn(first / f".sglang-memx-serve-{os.getpid()}.groups")
+            for e in self.engines.values():
+                e.on_started = self._sentinel.track
         for e in self.engines.values():
             e.start()
             self._log(f"sglang-memx serve: starting {e.spec.key} on {e.spec.device} (pid {e.pid}, port {e.port}, "
@@ -714,6 +726,9 @@ class Launcher:
             e.stop()
         for pool, directory in self._pools:
             stop_pool(pool, directory)
+        if self._sentinel is not None:  # nothing left for it to stop
+            self._sentinel.stop()
+            self._sentinel = None
 
 
 def stop_pool(name: str, directory: str, timeout_s: float = 10.0) -> bool:
