@@ -65,6 +65,19 @@ def wait_healthy(serve: Serve, timeout: float) -> float:
     raise TimeoutError(f"not healthy {timeout:.0f} s after the fault")
 
 
+def wait_for(pred, timeout: float, what: str) -> float:
+    """Seconds until ``pred()`` is true (exceptions count as false); raises TimeoutError."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if pred():
+                return time.monotonic() - t0
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{what}: not within {timeout:.0f} s")
+
+
 def engines(serve: Serve) -> dict[str, dict]:
     return http_json(serve.url + "/memx/serve")["engines"]
 
@@ -188,6 +201,14 @@ def main(argv=None) -> int:
                 key = rng.choice(sorted(live))
                 record.update(target=key, pid=live[key]["pid"])
                 os.kill(live[key]["pid"], signal.SIGKILL)
+                t_kill = time.monotonic()
+                try:
+                    wait_for(lambda s=serve, k=key, old=record["pid"]: engines(s)[k]["pid"] != old
+                             and engines(s)[k]["state"] == "awake", args.recover_timeout_s,
+                             f"{key} restarted")  # fmt: skip
+                    record["restarted_s"] = round(time.monotonic() - t_kill, 1)
+                except TimeoutError as exc:
+                    violations.append(f"fault {i} (engine): {exc}")
             elif kind == "arbiter":
                 pids = checker.arbiter_pids()
                 if not pids:
@@ -195,8 +216,16 @@ def main(argv=None) -> int:
                 else:
                     record.update(target="arbiter", pid=pids[0])
                     os.kill(pids[0], signal.SIGKILL)
-                    time.sleep(3.0)  # the engines notice at their next tick / borrow
+                    t_kill = time.monotonic()
+                    time.sleep(0.5)
                     record["engines_see_arbiter"] = arbiter_states(serve)
+                    try:  # a survivor restarts a crashed arbiter and every engine rejoins it
+                        wait_for(lambda s=serve, old=record["pid"]: all(v is True for v in arbiter_states(s).values())
+                                 and checker.arbiter_pids() and checker.arbiter_pids()[0] != old,
+                                 args.recover_timeout_s, "every engine back on a new arbiter")  # fmt: skip
+                        record["rejoined_s"] = round(time.monotonic() - t_kill, 1)
+                    except TimeoutError as exc:
+                        violations.append(f"fault {i} (arbiter): {exc}")
             else:
                 tree = process_tree(serve.proc.pid) + checker.arbiter_pids()
                 record.update(target="router", pid=serve.proc.pid)

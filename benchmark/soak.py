@@ -122,6 +122,7 @@ def traffic(args, names: list[str], rng: random.Random, until: float) -> list[tu
 # one of these got a clear answer, not a hang.
 ROUTER_ERROR_CODES = ("engine_restarting", "engine_down", "engine_error", "engine_timeout",
                       "engine_failed_mid_response", "queue_full", "deadline")  # fmt: skip
+CONNECTION_ERRORS = ("ConnectionRefusedError", "ConnectionResetError", "RemoteDisconnected", "IncompleteRead")
 
 
 class Client:
@@ -153,7 +154,8 @@ class Client:
             return "failed", f"URLError: {exc.reason!r}"[:300]
         except Exception as exc:  # noqa: BLE001 - every other way a request can go wrong is a failure
             text = f"{type(exc).__name__}: {exc}"[:300]
-            return ("error" if any(c in text for c in ROUTER_ERROR_CODES) else "failed"), text
+            clear = ROUTER_ERROR_CODES + CONNECTION_ERRORS  # e.g. a frontend program's HTTP error, re-raised
+            return ("error" if any(c in text for c in clear) else "failed"), text
 
     def _post(self, path: str, body: dict) -> dict:
         return http_json(self.url + path, body, timeout=self.timeout)
@@ -220,6 +222,11 @@ class Client:
             forks = s.fork(2)
             for i, f in enumerate(forks):
                 f += f" angle {i}:" + sgl.gen("x", max_tokens=8, temperature=0)
+            for f in forks:
+                f.sync()
+            errors = [f.error() for f in forks if f.error() is not None]
+            if errors:  # the frontend logs a fork's HTTP error and leaves its variable unset
+                raise RuntimeError(f"fork failed: {errors[0]!r}")
             s += forks[0]["x"] + forks[1]["x"]
 
         state = branches.run(topic=str(n), backend=backend)

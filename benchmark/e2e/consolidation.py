@@ -312,6 +312,8 @@ def plot(doc: dict, path: Path) -> None:
         ax.plot(xs, [curve[k]["median"] for k in curve], marker="o", color=color, label=setup)
         ax.fill_between(xs, [curve[k]["min"] for k in curve], [curve[k]["max"] for k in curve], color=color, alpha=0.2)
     ax.set_xscale("log")
+    ax.minorticks_off()
+    ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("SLO scale (x uncontended TTFT / TPOT)")
     ax.set_ylabel("SLO attainment (median, range)")
     ax.set_ylim(0, 1.02)
