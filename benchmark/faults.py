@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 from benchmark.e2e.consolidation import model_specs  # noqa: E402
 from benchmark.e2e.router_proc import Serve, http_json, process_tree  # noqa: E402
 from benchmark.soak import Checker, Client, drive, probe, serve_config, traffic  # noqa: E402
+from memory_ext.proc import pid_alive  # noqa: E402
 from support.server import free_port  # noqa: E402
 
 KINDS = ("engine", "arbiter", "router")
@@ -92,19 +93,6 @@ def arbiter_states(serve: Serve) -> dict[str, object]:
         except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
             out[name] = f"unknown: {exc!r}"[:120]
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is gone for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def plot(doc: dict, path: Path) -> None:
@@ -232,9 +220,9 @@ def main(argv=None) -> int:
                 os.kill(serve.proc.pid, signal.SIGKILL)
                 serve.proc.wait()
                 t0 = time.monotonic()
-                while any(alive(p) for p in tree) and time.monotonic() - t0 < args.leftover_timeout_s:
+                while any(pid_alive(p) for p in tree) and time.monotonic() - t0 < args.leftover_timeout_s:
                     time.sleep(0.5)
-                left = [p for p in tree if alive(p)]
+                left = [p for p in tree if pid_alive(p)]
                 record["left_after_s"] = round(time.monotonic() - t0, 1)
                 if left:
                     violations.append(f"fault {i} (router): processes left {args.leftover_timeout_s:.0f} s on: {left}")
@@ -269,8 +257,8 @@ def main(argv=None) -> int:
     finally:
         stop.set()
         stopped = serve.stop()
-    leftovers = [p for p in process_tree(os.getpid()) if p != os.getpid() and alive(p)]
-    leftovers += [p for p in (checker.arbiter_pids() if checker is not None else []) if alive(p)]
+    leftovers = [p for p in process_tree(os.getpid()) if p != os.getpid() and pid_alive(p)]
+    leftovers += [p for p in (checker.arbiter_pids() if checker is not None else []) if pid_alive(p)]
     doc = {"command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "params": vars(args), "order": order, "faults": faults, "requests": counts,
            "failures": failures[:80], "violations": violations, "final": final, "serve_exit": stopped,

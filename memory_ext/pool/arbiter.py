@@ -106,6 +106,7 @@ from dataclasses import dataclass, field
 
 from ..policy.arbiter import DEFAULT_TIERS, AccountKey, Donor, Kind, plan_takes
 from ..policy.select_n import GpuDemand, LinkCoordinator
+from ..proc import wait_for_exit
 from ..vmm.base import PhysicalChunk, VmmBackend
 from ..vmm.ipc import MAX_FDS, listen_unix, send_chunks
 from . import arbiter_protocol as proto
@@ -725,35 +726,12 @@ class Arbiter:
             self._serve_pending()
 
 
-def _stop_when_gone(pid: int, stop, poll_s: float = 0.5) -> None:
+def _stop_when_gone(pid: int, stop) -> None:
     """Call ``stop`` once process ``pid`` has exited (at once if it is gone already).
 
     Invariant: an arbiter whose owner died does not outlive it, so a SIGKILLed ``sglang-memx
-    serve`` (whose engines die with it, ``PR_SET_PDEATHSIG``) leaves no pool holding memory.
-    A pidfd waits for exactly that process (no pid-reuse race); kernels without
-    ``pidfd_open`` are polled with signal 0."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        log.warning("arbiter: owner pid %d is gone: stopping the pool", pid)
-        stop()
-        return
-    except (AttributeError, OSError):
-        fd = None
-    if fd is not None:
-        try:
-            select.select([fd], [], [])
-        finally:
-            os.close(fd)
-    else:
-        while True:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            except PermissionError:
-                pass
-            time.sleep(poll_s)
+    serve`` (whose engines die with it, ``PR_SET_PDEATHSIG``) leaves no pool holding memory."""
+    wait_for_exit(pid)
     log.warning("arbiter: owner pid %d exited: stopping the pool", pid)
     stop()
 

@@ -21,11 +21,12 @@ and servers started with one.
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from memory_ext.proc import pid_alive
 
 BAR = 24
 
@@ -40,16 +41,6 @@ def _gib(n: float) -> str:
 def _bar(part: float, whole: float, width: int = BAR) -> str:
     filled = 0 if whole <= 0 else min(width, round(width * part / whole))
     return "[" + "#" * filled + "." * (width - filled) + "]"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _get_json(url: str, timeout: float, api_key: str | None = None) -> Any:
@@ -95,7 +86,7 @@ def collect(
                 info = json.loads(reg.read_text())
             except (OSError, ValueError):
                 continue
-            if isinstance(info, dict) and _pid_alive(int(info.get("pid", 0))) and info.get("url"):
+            if isinstance(info, dict) and pid_alive(int(info.get("pid", 0))) and info.get("url"):
                 known.setdefault(str(info["url"]).rstrip("/"), info.get("pool"))
     for url, pool in known.items():
         entry = {"url": url, "pool": pool}

@@ -32,6 +32,7 @@ from pathlib import Path
 from memory_ext.pool import Owner
 from memory_ext.pool.arbiter_client import ArbiterError
 from memory_ext.pool.lent_pool import LentPool
+from memory_ext.proc import pid_alive
 from memory_ext.vmm import private_dir
 from sglang_memx import router_activity
 from sglang_memx.config import MemxConfig, MemxConfigError, pool_owner_pid
@@ -135,23 +136,10 @@ def restart_crashed_arbiter(config: MemxConfig, chunk_bytes: int) -> bool:
         pid = int(pid_file.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return False
-    if _pid_alive(pid):
+    if pid_alive(pid):
         return False  # still alive (stuck, or exiting): not ours to replace
     ensure_arbiter(config, chunk_bytes)
     return True
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (its parent has not reaped it yet) is dead
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def join_pool(config: MemxConfig, backend) -> LentPool:

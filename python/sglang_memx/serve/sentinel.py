@@ -26,33 +26,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def _wait_for_exit(pid: int, poll_s: float = 0.5) -> None:
-    """Return once process ``pid`` has exited (a pidfd when the kernel has them, else polling)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    except (AttributeError, OSError):
-        while True:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            except PermissionError:
-                pass
-            time.sleep(poll_s)
-    try:
-        select.select([fd], [], [])
-    finally:
-        os.close(fd)
+from memory_ext.proc import wait_for_exit
 
 
 def read_groups(path: Path) -> list[int]:
@@ -142,7 +122,7 @@ def main(argv=None) -> int:
     if not args.grace_s >= 0:
         ap.error(f"--grace-s: must be >= 0, got {args.grace_s}")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # serve's clean shutdown: nothing to do
-    _wait_for_exit(args.owner)
+    wait_for_exit(args.owner)
     stop_groups(read_groups(Path(args.groups)), args.grace_s, log=lambda m: print(m, file=sys.stderr, flush=True))
     return 0
 
