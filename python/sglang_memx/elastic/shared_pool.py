@@ -230,6 +230,22 @@ def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = Fals
     return got
 
 
+def grow_for_alloc(kv, allocator, pages: int) -> None:
+    """Map groups until ``pages`` pages are free, before an allocation upstream has already
+    decided on (a prefill chunk, an extend, a decode step).
+
+    With a shared pool, what the local pool cannot map is borrowed at once (urgent): memory that
+    looked growable when a chunked prefill was admitted may have gone back to the arbiter since
+    (a RECLAIM for another server, answered between two of its chunks), and upstream treats a
+    short allocation as fatal ("Out of memory" ends the scheduler; seen in the soak, two servers
+    busy). Invariant: an allocation falls short only when the device's whole pool cannot cover it.
+    """
+    kv.grow(allocator, pages)
+    short = pages - up_kv.free_page_count(allocator)
+    if short > 0 and kv.lent is not None and borrow_tokens(kv, short * up_kv.page_size(allocator), urgent=True):
+        kv.grow(allocator, pages)
+
+
 def spare_free_chunks(kv, allocator, scheduler) -> int:
     """FREE chunks not needed for the running requests' remaining decode (those may go back).
 

@@ -10,6 +10,7 @@
 * Token allocators: ``clear`` (after) keeps only mapped pages in the free list;
   ``available_size`` (after) adds the pages the pool could map now; ``alloc`` /
   ``alloc_extend`` / ``alloc_decode`` (around) map groups first when the free list is short
+  (borrowing from a shared pool what the local pool lacks)
   (``elastic.kv``; the tick premaps, so a steady decode step maps nothing here).
 * ``BaseTokenToKVPoolAllocator.check_decode_capacity`` (around): the step's activation and,
   with a shared pool, a borrow before upstream retracts (``elastic.capacity``).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from sglang_memx.elastic import pool_build
 from sglang_memx.elastic.capacity import decode_step_fits
+from sglang_memx.elastic.shared_pool import grow_for_alloc
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import scheduler as up_sched
 from sglang_memx.upstream.registry import HookSpec
@@ -54,7 +56,7 @@ def after_available_size(result, allocator):
 def around_alloc(original, allocator, need_size):
     kv = up_kv.elastic_of(allocator)
     if kv is not None:
-        kv.grow(allocator, -(-int(need_size) // up_kv.page_size(allocator)))
+        grow_for_alloc(kv, allocator, -(-int(need_size) // up_kv.page_size(allocator)))
     return original(allocator, need_size)
 
 
@@ -62,7 +64,7 @@ def around_alloc_extend(original, allocator, prefix_lens, prefix_lens_cpu, seq_l
                         extend_num_tokens, *args, **kwargs):  # fmt: skip
     kv = up_kv.elastic_of(allocator)
     if kv is not None:  # upstream's own bound on the pages one extend can take
-        kv.grow(allocator, int(extend_num_tokens) // up_kv.page_size(allocator) + len(prefix_lens) + 1)
+        grow_for_alloc(kv, allocator, int(extend_num_tokens) // up_kv.page_size(allocator) + len(prefix_lens) + 1)
     return original(allocator, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
                     *args, **kwargs)  # fmt: skip
 
@@ -70,7 +72,7 @@ def around_alloc_extend(original, allocator, prefix_lens, prefix_lens_cpu, seq_l
 def around_alloc_decode(original, allocator, seq_lens, seq_lens_cpu, last_loc):
     kv = up_kv.elastic_of(allocator)
     if kv is not None:
-        kv.grow(allocator, len(seq_lens))
+        grow_for_alloc(kv, allocator, len(seq_lens))
     return original(allocator, seq_lens, seq_lens_cpu, last_loc)
 
 
