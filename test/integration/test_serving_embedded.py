@@ -212,7 +212,7 @@ def test_both_engines_share_one_pool_with_different_kv_cells(served):
     assert shared[NAME]["client_id"] != shared[FP32]["client_id"]
     for name, rank in ranks.items():
         assert rank["features"] == {"status_endpoint": True, "elastic_kv": True, "shared_pool": True,
-                                    "host_buffer": True, "weights": False}, name  # fmt: skip
+                                    "host_buffer": True, "weights": False, "peer_kv": False}, name  # fmt: skip
         assert rank["kv_pool"]["capacity_tokens"] == TOKENS and rank["kv_pool"]["layers"] == 30
         elastic = rank["elastic_kv"]
         assert elastic["group_bytes"] == elastic["group_tokens"] * KV_CELL[name]  # the model's KV cell
