@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO / "test"))
 sys.path.insert(0, str(REPO))
 
 from benchmark._stats import percentile  # noqa: E402
-from benchmark.e2e.load import stream_one  # noqa: E402
+from benchmark.e2e.load import play, stream_one  # noqa: E402
 from benchmark.e2e.router_proc import Serve, http_json  # noqa: E402
 from benchmark.pairs import plot_ratios, ratio_stats, run_rounds, wins  # noqa: E402
 from support.server import LOG_DIR, SGLangServer, free_port  # noqa: E402
@@ -217,26 +217,6 @@ class WakeWatcher:
                 "wake_max_s": max(times) if times else float("nan")}  # fmt: skip
 
 
-def play(urls: dict[str, str], sched, new_tokens: int) -> tuple[list[dict], float]:
-    """Send every scheduled request at its offset (one thread each); (results, wall seconds)."""
-    results, lock, threads = [], threading.Lock(), []
-
-    def one(name: str, text: str, offset: float):
-        r = stream_one(urls[name], text, new_tokens, timeout=600)
-        r.update(model=name, offset=offset)
-        with lock:
-            results.append(r)
-
-    t0 = time.perf_counter()
-    for offset, name, text in sorted(sched, key=lambda x: x[0]):
-        time.sleep(max(0.0, t0 + offset - time.perf_counter()))
-        threads.append(threading.Thread(target=one, args=(name, text, offset)))
-        threads[-1].start()
-    for t in threads:
-        t.join()
-    return results, time.perf_counter() - t0
-
-
 SCALES = (2, 5, 10, 20, 50)  # SLO scales of the attainment curve (FineServe Fig. 10 sweeps it too)
 
 
@@ -287,7 +267,9 @@ def run_once(setup: str, urls: dict[str, str], sched, args, slos, router_url: st
         except OSError:
             pass
     watcher = WakeWatcher(router_url) if setup == "memx" else None
-    results, wall = play(urls, sched, args.new_tokens)
+    results, wall = play(urls, sched, args.new_tokens)  # keyed by model name: "server" is the model
+    for r in results:
+        r["model"] = r.pop("server")
     out = summarize(results, wall, slos, args.slo_scale)
     if watcher is not None:
         out["wake"] = watcher.stop()

@@ -53,8 +53,10 @@ def stream_one(url: str, text: str, new_tokens: int, timeout: float = 900) -> di
             "retractions": meta.get("num_retractions", 0)}  # fmt: skip
 
 
-def play(urls: list[str], schedule: list[tuple[float, int, str]], new_tokens: int) -> tuple[list[dict], float]:
-    """Send every scheduled request at its offset; return (results, wall seconds until the last finished)."""
+def play(urls, schedule: list[tuple[float, object, str]], new_tokens: int) -> tuple[list[dict], float]:
+    """Send every scheduled request at its offset; return (results, wall seconds until the last finished).
+    ``urls[key]`` is the server of a schedule entry ``(offset, key, prompt)``: a list indexed by
+    server number, or a mapping (e.g. by model name); each result records its ``server`` key."""
     results, lock, threads = [], threading.Lock(), []
 
     def one(i: int, text: str, offset: float):

@@ -22,7 +22,7 @@ def attach_peer(unified, state) -> None:
 
 def peer_of(unified):
     """The peer-tier state of a cache, or None (memx's own marker, not an upstream name)."""
-    return getattr(unified, STATE_ATTR, None)
+    return vars(unified).get(STATE_ATTR)  # memx's own attribute, absent until attached
 
 
 def is_unified(tree) -> bool:
