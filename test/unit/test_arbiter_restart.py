@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -18,31 +17,24 @@ from memory_ext.pool.lent_pool import LentPool
 from memory_ext.vmm import host_backend
 from sglang_memx.config import MemxConfig
 from sglang_memx.elastic.shared_pool import ensure_arbiter, restart_crashed_arbiter
+from support.arbiter import socket_dir
+from support.waiting import wait_until
 
 G = 4 * os.sysconf("SC_PAGE_SIZE")
 
 
-def _wait(pred, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+_wait = partial(wait_until, timeout=20.0, interval=0.02)
 
 
 @pytest.fixture
 def pool_dir():
-    d = Path(tempfile.mkdtemp(prefix="arbr-", dir="/tmp"))  # AF_UNIX paths are limited to 107 bytes
-    yield d
-    for pid_file in d.glob("*.pid"):
-        try:
-            os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
-        except (ProcessLookupError, ValueError, OSError):
-            pass
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
+    with socket_dir("arbr-") as d:
+        yield d
+        for pid_file in d.glob("*.pid"):
+            try:
+                os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+            except (ProcessLookupError, ValueError, OSError):
+                pass
 
 
 def _config(pool_dir: Path) -> MemxConfig:
@@ -98,30 +90,27 @@ def test_a_live_arbiter_is_never_replaced(pool_dir):
 
 @pytest.mark.parametrize("outcome", ["refuses", "raises"])
 def test_a_restart_that_fails_leaves_the_survivor_private(outcome, caplog):
-    d = tempfile.mkdtemp(prefix="arbr-", dir="/tmp")
-    sock = os.path.join(d, "arb.sock")
-    arb = Arbiter(sock, host_backend(G), 6).start()
-    vmm = host_backend(G)
-    calls = []
+    with socket_dir("arbr-") as d:
+        sock = str(d / "arb.sock")
+        arb = Arbiter(sock, host_backend(G), 6).start()
+        vmm = host_backend(G)
+        calls = []
 
-    def restart():
-        calls.append(1)
-        if outcome == "raises":
-            raise RuntimeError("no budget")
-        return False
+        def restart():
+            calls.append(1)
+            if outcome == "raises":
+                raise RuntimeError("no budget")
+            return False
 
-    lent = LentPool(sock, "survivor", vmm, timeout=5.0, restart_arbiter=restart)
-    try:
-        assert lent.borrow(2) == 2
-        arb.stop()
-        _wait(lambda: not lent.client.connected)
-        assert lent.maybe_rejoin() is False and calls == [1]
-        assert lent.status()["arbiter"]["connected"] is False and lent.borrow(1) == 0
-        if outcome == "raises":
-            assert any("could not restart the arbiter" in r.getMessage() for r in caplog.records)
-    finally:
-        lent.close()
-        vmm.close()
-        for p in Path(d).iterdir():
-            p.unlink()
-        os.rmdir(d)
+        lent = LentPool(sock, "survivor", vmm, timeout=5.0, restart_arbiter=restart)
+        try:
+            assert lent.borrow(2) == 2
+            arb.stop()
+            _wait(lambda: not lent.client.connected)
+            assert lent.maybe_rejoin() is False and calls == [1]
+            assert lent.status()["arbiter"]["connected"] is False and lent.borrow(1) == 0
+            if outcome == "raises":
+                assert any("could not restart the arbiter" in r.getMessage() for r in caplog.records)
+        finally:
+            lent.close()
+            vmm.close()

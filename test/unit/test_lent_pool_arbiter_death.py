@@ -10,49 +10,28 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
+from functools import partial
 
 import pytest
 
 from memory_ext.pool import Owner
 from memory_ext.pool.arbiter import Arbiter
-from memory_ext.pool.arbiter_client import ArbiterClient, ArbiterError, query_arbiter_status
+from memory_ext.pool.arbiter_client import ArbiterClient
 from memory_ext.pool.lent_pool import LentPool
 from memory_ext.vmm import host_backend
+from support.arbiter import arbiter_process, socket_dir
+from support.waiting import wait_until
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 G = 4 * PAGE
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _answers(sock_path) -> bool:
-    try:
-        query_arbiter_status(sock_path)
-        return True
-    except (OSError, ArbiterError):
-        return False
-
-
-def _wait(pred, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+_wait = partial(wait_until, timeout=10.0, interval=0.01)
 
 
 @pytest.fixture
 def sock_path():
-    d = tempfile.mkdtemp(prefix="arbd-", dir="/tmp")  # AF_UNIX paths are limited to 107 bytes
-    yield os.path.join(d, "arb.sock")
-    for p in Path(d).iterdir():
-        p.unlink()
-    os.rmdir(d)
+    with socket_dir("arbd-") as d:
+        yield str(d / "arb.sock")
 
 
 def _fill(vmm, chunk, value: int):
@@ -83,51 +62,43 @@ def _lost_pool(sock_path, *, budget=8, borrow=4):
 
 
 def test_sigkilled_arbiter_process_leaves_a_private_budget_and_one_warning(sock_path, caplog):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "memory_ext.pool.arbiter", "--socket", sock_path, "--budget-chunks", "8",
-         "--granularity-kib", str(G >> 10)],
-        env=env, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     vmm = host_backend(G)
+    flags = ("--budget-chunks", "8", "--granularity-kib", str(G >> 10))
     try:
-        _wait(lambda: _answers(sock_path), what="the arbiter process to listen")  # bound is not listening yet
-        lent = LentPool(sock_path, "survivor", vmm, timeout=5.0)
-        assert lent.borrow(5) == 5
-        assert lent.status()["arbiter"]["connected"] is True
-        used = lent.pool.acquire(Owner.KV, 2)
-        _fill(vmm, used[0], 7)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        _wait(lambda: not lent.client.connected, what="the client to see the arbiter gone")
-        denied = lent.denied_total
-        with caplog.at_level(logging.WARNING, logger="memory_ext.pool.lent_pool"):
-            assert lent.borrow(2, wait=0.1) == 0  # no raise, no hang
-            assert lent.borrow(1) == 0
-            assert lent.available_now() == 0
-            assert lent.give_back() == 0  # the 3 FREE chunks stay
-            assert lent.report(3, 0, False) is False
-            st = lent.status()
-        warnings = [r for r in caplog.records if "lost the arbiter" in r.getMessage()]
-        assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
-        assert "survivor" in warnings[0].getMessage() and "5 chunk(s)" in warnings[0].getMessage()
-        assert lent.denied_total == denied + 2
-        arb = st["arbiter"]
-        assert arb["connected"] is False and arb["private_budget_chunks"] == 5
-        assert arb["lost_reason"] and arb["lost_at"] <= time.time()
-        assert st["held_chunks"] == 5
-        assert lent.pool.usage()[Owner.FREE] == 3
-        more = lent.pool.acquire(Owner.KV, 3)  # the engine still allocates from what it kept
-        for c in used + more:
-            _fill(vmm, c, 3)
-        lent.pool.release(Owner.KV, used + more)
-        assert lent.maybe_rejoin() is False  # nothing answers on the socket
-        lent.close()
-        assert vmm.live_chunks() == []  # nothing leaked
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        with arbiter_process(sock_path, *flags) as proc:
+            lent = LentPool(sock_path, "survivor", vmm, timeout=5.0)
+            assert lent.borrow(5) == 5
+            assert lent.status()["arbiter"]["connected"] is True
+            used = lent.pool.acquire(Owner.KV, 2)
+            _fill(vmm, used[0], 7)
+            proc.send_signal(signal.SIGKILL)
             proc.wait(10)
+            _wait(lambda: not lent.client.connected, what="the client to see the arbiter gone")
+            denied = lent.denied_total
+            with caplog.at_level(logging.WARNING, logger="memory_ext.pool.lent_pool"):
+                assert lent.borrow(2, wait=0.1) == 0  # no raise, no hang
+                assert lent.borrow(1) == 0
+                assert lent.available_now() == 0
+                assert lent.give_back() == 0  # the 3 FREE chunks stay
+                assert lent.report(3, 0, False) is False
+                st = lent.status()
+            warnings = [r for r in caplog.records if "lost the arbiter" in r.getMessage()]
+            assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+            assert "survivor" in warnings[0].getMessage() and "5 chunk(s)" in warnings[0].getMessage()
+            assert lent.denied_total == denied + 2
+            arb = st["arbiter"]
+            assert arb["connected"] is False and arb["private_budget_chunks"] == 5
+            assert arb["lost_reason"] and arb["lost_at"] <= time.time()
+            assert st["held_chunks"] == 5
+            assert lent.pool.usage()[Owner.FREE] == 3
+            more = lent.pool.acquire(Owner.KV, 3)  # the engine still allocates from what it kept
+            for c in used + more:
+                _fill(vmm, c, 3)
+            lent.pool.release(Owner.KV, used + more)
+            assert lent.maybe_rejoin() is False  # nothing answers on the socket
+            lent.close()
+            assert vmm.live_chunks() == []  # nothing leaked
+    finally:
         vmm.close()
 
 

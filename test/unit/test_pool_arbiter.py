@@ -7,9 +7,9 @@ import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,8 @@ from memory_ext.pool import arbiter_protocol as proto
 from memory_ext.pool.arbiter import Arbiter
 from memory_ext.pool.arbiter_client import ArbiterClient, ArbiterDenied, ArbiterError
 from memory_ext.vmm import connect_unix, host_backend
+from support.arbiter import arbiter_process, socket_dir
+from support.waiting import wait_until
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 G = 4 * PAGE
@@ -30,22 +32,13 @@ def _nfds():
     return len(os.listdir("/proc/self/fd"))
 
 
-def _wait(pred, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+_wait = partial(wait_until, timeout=10.0, interval=0.01)
 
 
 @pytest.fixture
 def sock_path():
-    d = tempfile.mkdtemp(prefix="arb-", dir="/tmp")  # AF_UNIX paths are limited to 107 bytes
-    yield os.path.join(d, "arb.sock")
-    for p in Path(d).iterdir():
-        p.unlink()
-    os.rmdir(d)
+    with socket_dir("arb-") as d:
+        yield str(d / "arb.sock")
 
 
 def _by_name(status, name):
@@ -315,24 +308,7 @@ def test_client_reports_arbiter_errors_and_disconnect(sock_path):
 
 
 def test_arbiter_runs_as_its_own_process(sock_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "memory_ext.pool.arbiter",
-            "--socket",
-            sock_path,
-            "--budget-chunks",
-            "3",
-            "--granularity-mib",
-            "2",
-        ],
-        env=env,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        _wait(lambda: os.path.exists(sock_path), what="the arbiter process to listen")
+    with arbiter_process(sock_path, "--budget-chunks", "3", "--granularity-mib", "2") as proc:
         vmm = host_backend(2 << 20)
         c = ArbiterClient(sock_path, "p", vmm)
         assert c.budget == 3 and len(c.borrow(3)) == 3
@@ -341,10 +317,6 @@ def test_arbiter_runs_as_its_own_process(sock_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
         assert not os.path.exists(sock_path)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 _json = st.recursive(

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -22,64 +22,24 @@ from sglang_memx.serve.admission import AdmissionGate
 from sglang_memx.serve.launcher import (
     AWAKE,
     RESTARTING,
-    EngineSpec,
     HealthProbe,
     Launcher,
     RestartPolicy,
-    free_port,
     process_running,
 )
 from sglang_memx.serve.metrics import RouterMetrics
 from sglang_memx.serve.router import ENGINE_STATES, EngineRoute, build_app
-
-# GET /health: 200 at once (start-up check); GET /memx/status (the probe): 200 after
-# $FAKE_PROBE_DELAY_S (sleeping, or computing with $FAKE_PROBE_BURN=1), one line per probe
-# appended to $FAKE_PROBES; POST /generate: its pid.
-FAKE_ENGINE = """
-import http.server, json, os, sys, time
-port = int(sys.argv[sys.argv.index("--port") + 1])
-delay = float(os.environ.get("FAKE_PROBE_DELAY_S", "0"))
-probes = os.environ["FAKE_PROBES"]
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        if self.path == "/memx/status":
-            with open(probes, "a") as f:
-                f.write(f"{os.getpid()}\\n")
-            if os.environ.get("FAKE_PROBE_BURN"):
-                end = time.monotonic() + delay
-                while time.monotonic() < end:
-                    pass
-            else:
-                time.sleep(delay)
-        self.send_response(200 if self.path in ("/health", "/memx/status") else 404)
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        body = json.dumps({"pid": os.getpid()}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *a):
-        pass
-http.server.ThreadingHTTPServer.allow_reuse_address = True
-http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
-"""
+from support.fake_engine import fake_engine_spec
+from support.waiting import wait_until
 
 
 def fake_launcher(tmp_path, names=("a", "b"), delay_s=0.0, burn=False) -> tuple[Launcher, list[str]]:
     specs = []
     for n in names:
-        port = free_port()
         env = {"FAKE_PROBES": str(tmp_path / f"{n}.probes"), "FAKE_PROBE_DELAY_S": str(delay_s)}
         if burn:
             env["FAKE_PROBE_BURN"] = "1"
-        specs.append(EngineSpec(n, "cpu0", "pool-x", str(tmp_path), port,
-                                (sys.executable, "-c", FAKE_ENGINE, "--port", str(port)), env,
-                                str(tmp_path / f"{n}.log")))  # fmt: skip
+        specs.append(fake_engine_spec(tmp_path, n, env))
     logs: list[str] = []
     return Launcher(specs, log=logs.append), logs
 
@@ -89,11 +49,7 @@ def probes_of(tmp_path, name: str, pid: int) -> int:
     return p.read_text().split().count(str(pid)) if p.exists() else 0
 
 
-def wait_for(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+wait_for = partial(wait_until, timeout=20.0, interval=0.02)
 
 
 def test_health_probe_rejects_bad_values():

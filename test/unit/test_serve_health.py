@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 import time
+from functools import partial
 
 import httpx
 import pytest
@@ -23,17 +24,17 @@ from sglang_memx.serve.launcher import (
     AWAKE,
     DEAD,
     RESTARTING,
-    EngineSpec,
     Launcher,
     RestartBudget,
     RestartPolicy,
     describe_exit,
     engine_specs,
-    free_port,
 )
 from sglang_memx.serve.metrics import Histogram, RouterMetrics
 from sglang_memx.serve.router import ENGINE_STATES, EngineRoute, build_app
 from sglang_memx.top import render
+from support.fake_engine import fake_engine_spec
+from support.waiting import wait_until
 
 # ------------------------------------------------------------------ restart policy
 
@@ -64,40 +65,14 @@ def test_describe_exit():
 
 # ------------------------------------------------------------------ supervisor with fake engines
 
-# Serves GET /health on --port; with $FAKE_MARKER set, every start after the first exits 3 at once.
-FAKE_ENGINE = """
-import http.server, os, sys
-port = int(sys.argv[sys.argv.index("--port") + 1])
-marker = os.environ.get("FAKE_MARKER")
-if marker:
-    if os.path.exists(marker):
-        sys.exit(3)
-    open(marker, "w").close()
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-    def log_message(self, *a):
-        pass
-http.server.ThreadingHTTPServer.allow_reuse_address = True
-http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
-"""
-
 
 def fake_launcher(tmp_path, env=None) -> tuple[Launcher, list[str]]:
-    port = free_port()
-    spec = EngineSpec("m", "cpu0", "pool-x", str(tmp_path), port,
-                      (sys.executable, "-c", FAKE_ENGINE, "--port", str(port)), env or {},
-                      str(tmp_path / "m.log"))  # fmt: skip
+    """One fake engine "m" (GET /health; with $FAKE_MARKER, every start after the first exits 3)."""
     logs: list[str] = []
-    return Launcher([spec], log=logs.append), logs
+    return Launcher([fake_engine_spec(tmp_path, "m", env)], log=logs.append), logs
 
 
-def wait_for(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
+wait_for = partial(wait_until, timeout=20.0, interval=0.05)
 
 
 def test_supervisor_restarts_a_killed_engine_on_the_same_port(tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 
 import httpx
@@ -15,9 +14,10 @@ from fastapi import FastAPI, Request
 
 from memory_ext.policy.edf_admission import EdfAdmission, ModelLimits
 from sglang_memx.serve.admission import AdmissionGate
-from sglang_memx.serve.launcher import AWAKE, DEAD, RESTARTING, EngineSpec, Launcher, RestartPolicy, free_port
+from sglang_memx.serve.launcher import AWAKE, DEAD, RESTARTING, Launcher, RestartPolicy
 from sglang_memx.serve.router import EngineRoute, build_app
 from sglang_memx.top import render
+from support.fake_engine import fake_engine_spec
 
 KEYS = ("m", "m#1")
 
@@ -226,36 +226,10 @@ def test_prefix_native_calls_pick_a_replica_and_status_lists_each():
 
 # ---------------------------------------------------- supervisor + router with real processes
 
-# A fake engine process: GET /health, POST /generate answering with its port.
-FAKE_ENGINE = """
-import http.server, json, sys
-port = int(sys.argv[sys.argv.index("--port") + 1])
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("content-length") or 0))
-        body = json.dumps({"port": port}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *a):
-        pass
-http.server.ThreadingHTTPServer.allow_reuse_address = True
-http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
-"""
-
 
 def test_sigkilled_replica_restarts_while_the_other_serves(tmp_path):
-    specs = []
-    for r in (0, 1):
-        port = free_port()
-        specs.append(EngineSpec("m", "cpu0", "pool-x", str(tmp_path), port,
-                                (sys.executable, "-c", FAKE_ENGINE, "--port", str(port)), {},
-                                str(tmp_path / f"m{r}.log"), r))  # fmt: skip
+    # fake engine processes: GET /health, POST /generate answering with its port
+    specs = [fake_engine_spec(tmp_path, "m", {"FAKE_ANSWER": "port"}, r, log_name=f"m{r}") for r in (0, 1)]
     logs: list[str] = []
     launcher = Launcher(specs, log=logs.append)
     try:
