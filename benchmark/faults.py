@@ -35,7 +35,6 @@ import platform
 import random
 import signal
 import sys
-import threading
 import time
 import urllib.error
 from pathlib import Path
@@ -46,7 +45,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmark.e2e.consolidation import model_specs  # noqa: E402
 from benchmark.e2e.router_proc import Serve, http_json, process_tree  # noqa: E402
-from benchmark.soak import Checker, Client, drive, probe, serve_config, traffic  # noqa: E402
+from benchmark.load_driver import LoadDriver, add_load_arguments  # noqa: E402
+from benchmark.soak import Checker, Client, probe, serve_config, traffic  # noqa: E402
 from memory_ext.proc import pid_alive  # noqa: E402
 from support.server import free_port  # noqa: E402
 
@@ -127,17 +127,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kills", type=int, default=6)
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--gap-s", type=float, default=20.0, help="mean load time between recoveries and kills")
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--rate", type=float, default=1.0, help="requests/s per model while ON")
-    ap.add_argument("--memory-mb", type=float, default=8.0)
-    ap.add_argument("--host-buffer-gb", type=float, default=0.05)
-    ap.add_argument("--sleep-after-s", type=float, default=8.0)
-    ap.add_argument("--request-timeout-s", type=float, default=180.0)
+    add_load_arguments(ap, "faults", rate=1.0)
     ap.add_argument("--recover-timeout-s", type=float, default=600.0)
     ap.add_argument("--leftover-timeout-s", type=float, default=30.0)
-    ap.add_argument("--workers", type=int, default=24)
-    ap.add_argument("--results-dir", default=str(REPO / "benchmark" / "results" / "faults"))
-    ap.add_argument("--out", default="faults")
     args = ap.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if not kinds or set(kinds) - set(KINDS):
@@ -163,13 +155,11 @@ def main(argv=None) -> int:
     config = serve_config(args, models, port, tmp, peer=False)
     pool_dir = tmp / "pools"
     serve = Serve(config, port, "faults-serve")
-    counts: dict = {}
-    failures: list = []
-    lock = threading.Lock()
-    stop = threading.Event()
+    load = LoadDriver(args.workers)
+    counts, failures = load.counts, load.failures
     faults: list[dict] = []
     violations: list[str] = []
-    driver = checker = final = None
+    checker = final = None
     t_begin = time.monotonic()
     try:
         serve.wait_ready()
@@ -178,9 +168,7 @@ def main(argv=None) -> int:
         horizon = args.kills * (args.gap_s * 1.5 + args.recover_timeout_s)
         client = Client(serve.url, args.request_timeout_s)
         events = traffic(args, names, rng, horizon)
-        driver = threading.Thread(target=drive, args=(client, events, time.monotonic(), stop, counts, failures, lock,
-                                                      args.workers), daemon=True)  # fmt: skip
-        driver.start()
+        load.start(client, events)
         for i, kind in enumerate(order):
             time.sleep(rng.uniform(0.5, 1.5) * args.gap_s)
             record = {"n": i, "kind": kind, "t": round(time.monotonic() - t_begin, 1)}
@@ -250,12 +238,12 @@ def main(argv=None) -> int:
             record["engines_see_arbiter_after"] = arbiter_states(serve)
             print(json.dumps(record), flush=True)
             faults.append(record)
-        stop.set()
-        driver.join(args.request_timeout_s + 30)
+        load.stop()
+        load.join(args.request_timeout_s + 30)
         final = checker.check("end", with_probe=False)
         violations += checker.violations
     finally:
-        stop.set()
+        load.stop()
         stopped = serve.stop()
     leftovers = [p for p in process_tree(os.getpid()) if p != os.getpid() and pid_alive(p)]
     leftovers += [p for p in (checker.arbiter_pids() if checker is not None else []) if pid_alive(p)]

@@ -53,7 +53,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,6 +61,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmark.e2e.consolidation import model_specs  # noqa: E402
 from benchmark.e2e.router_proc import Serve, http_json, process_tree, process_usage  # noqa: E402
+from benchmark.load_driver import LoadDriver, add_load_arguments  # noqa: E402
 from support.server import LOG_DIR, free_port  # noqa: E402
 
 KINDS = {"chat": 3, "chat_stream": 3, "long": 1, "program": 1, "generate": 1, "abort": 1}
@@ -316,27 +316,6 @@ class Checker:
         return sample
 
 
-def drive(client: Client, events, t_start: float, stop: threading.Event, counts: dict, failures: list,
-          lock: threading.Lock, workers: int) -> None:  # fmt: skip
-    """Send ``events`` at their offsets from ``t_start`` until they run out or ``stop`` is set."""
-
-    def one(i: int, name: str, kind: str):
-        t0 = time.monotonic()
-        outcome, detail = client.run(name, kind, i)
-        with lock:
-            counts.setdefault(kind, {}).setdefault(outcome, 0)
-            counts[kind][outcome] += 1
-            if outcome in ("failed", "error"):
-                failures.append({"t": round(time.monotonic() - t_start, 1), "model": name, "kind": kind,
-                                 "latency_s": round(time.monotonic() - t0, 2), "detail": detail})  # fmt: skip
-
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for i, (offset, name, kind) in enumerate(events):
-            if stop.wait(max(0.0, t_start + offset - time.monotonic())):
-                break
-            pool.submit(one, i, name, kind)
-
-
 def quiet(serve: Serve, settle_s: float, timeout: float = 300.0) -> None:
     """Until the router has nothing queued or in flight, then ``settle_s`` more: idle keep-alive
     connections (router -> engine, client -> router) expire after 5 s on either side (httpx's and
@@ -395,18 +374,10 @@ def main(argv=None) -> int:
     ap.add_argument("--duration-s", type=float, default=1800.0)
     ap.add_argument("--warmup-s", type=float, default=30.0)
     ap.add_argument("--check-s", type=float, default=5.0)
-    ap.add_argument("--seed", type=int, default=None, help="default: random (printed)")
-    ap.add_argument("--rate", type=float, default=1.5, help="requests/s per model while ON")
-    ap.add_argument("--memory-mb", type=float, default=8.0, help="the CPU device's memory for all three models")
-    ap.add_argument("--host-buffer-gb", type=float, default=0.05)
-    ap.add_argument("--sleep-after-s", type=float, default=8.0)
+    add_load_arguments(ap, "soak", rate=1.5)
     ap.add_argument("--peer-kv", choices=("auto", "off"), default="auto")
-    ap.add_argument("--request-timeout-s", type=float, default=180.0)
-    ap.add_argument("--workers", type=int, default=24, help="client threads (requests in flight at most)")
     ap.add_argument("--max-growth", type=float, default=0.05)
     ap.add_argument("--settle-s", type=float, default=12.0, help="quiet samples wait this long after the drain")
-    ap.add_argument("--results-dir", default=str(REPO / "benchmark" / "results" / "soak"))
-    ap.add_argument("--out", default="soak")
     args = ap.parse_args(argv)
     for field in ("duration_s", "check_s", "rate", "memory_mb", "request_timeout_s", "workers"):
         if not getattr(args, field) > 0:
@@ -428,9 +399,8 @@ def main(argv=None) -> int:
     port = free_port()
     serve = Serve(serve_config(args, models, port, tmp, peer), port, "soak-serve")
     rng = random.Random(args.seed)
-    counts: dict = {}
-    failures: list = []
-    lock = threading.Lock()
+    load = LoadDriver(args.workers)
+    counts, failures = load.counts, load.failures
     checker = None
     t_begin = time.monotonic()
     try:
@@ -440,15 +410,10 @@ def main(argv=None) -> int:
         checker = Checker(serve, tmp / "pools", names, baseline, args.request_timeout_s)
         client = Client(serve.url, args.request_timeout_s)
         for phase, length in (("warmup", args.warmup_s), ("soak", args.duration_s)):
-            events = traffic(args, names, rng, length)
-            stop = threading.Event()
-            t_start = time.monotonic()
-            driver = threading.Thread(target=drive, args=(client, events, t_start, stop, counts, failures, lock,
-                                                          args.workers), daemon=True)  # fmt: skip
-            driver.start()
-            while driver.is_alive():
-                driver.join(args.check_s)
-                if driver.is_alive():
+            load.start(client, traffic(args, names, rng, length))
+            while load.is_alive():
+                load.join(args.check_s)
+                if load.is_alive():
                     checker.check(phase)
             quiet(serve, args.settle_s)
             checker.check(f"{phase} end (quiet)", per_process=True)
