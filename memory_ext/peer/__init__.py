@@ -37,6 +37,7 @@ from .index import PrefixIndex, chain_hashes
 from .kvio import PeerKVIO
 from .layout import PeerKVLayout
 from .link import BlockRef, PeerLink
+from .lsc import LayerStreamCache, LayerStreamLost
 from .region import DonatedRegion
 from .tier import PeerKVTier
 
@@ -47,6 +48,8 @@ __all__ = [
     "DonorController",
     "GenerationTable",
     "HostCopier",
+    "LayerStreamCache",
+    "LayerStreamLost",
     "PeerDonor",
     "PeerKVIO",
     "PeerKVLayout",

@@ -11,6 +11,12 @@ policy never believes it lent memory it still has. A lease that ends gives its u
 books too (``PeerDonor(on_lost=controller.lease_lost)``).
 
 Every lease must carry the borrower layout the policy was built for (``accept_layout``).
+
+Pinned leases (a borrower's layer stream cache, HELLO ``pin_bytes``; docs/peer-kv.md, W2) hold
+KV that exists nowhere else while the borrower runs: ``on_demand`` never reclaims them (the donor's
+own demand is then met from ordinary leases only; what is left short stays short, as the policy's
+``shortfall`` says), and ``on_tick`` fills them first, up to ``pin_bytes``, then lends to the others.
+A pinned lease's units come back when its borrower leaves or dies (``lease_lost``).
 """
 
 from __future__ import annotations
@@ -79,6 +85,14 @@ class DonorController:
             return {}
         return {lid: donor.region(lid).units for lid in donor.leases()}
 
+    def _pinned_room(self, lid: int, units: int) -> int | None:
+        """Region units a pinned lease still wants (None: not pinned)."""
+        want = self.donor.pin_bytes(lid)
+        if not want:
+            return None
+        unit_bytes = self.donor.region(lid).unit_bytes
+        return max(0, -(-want // unit_bytes) - units)
+
     def on_tick(self, now: float) -> int:
         """SCALEDOWN: donate; returns the chunks donated."""
         leases = self._leases()
@@ -89,7 +103,10 @@ class DonorController:
             return 0
         placed = 0
         for _ in range(step.decision.units):
-            for lid in sorted(leases, key=leases.get):
+            room = {lid: self._pinned_room(lid, u) for lid, u in leases.items()}
+            wanting = [lid for lid, r in room.items() if r]  # pinned leases below their ask come first
+            ordinary = sorted((lid for lid, r in room.items() if r is None), key=leases.get)
+            for lid in wanting + ordinary:
                 try:
                     self.donor.grow(lid, self.region_units_per_meu)
                 except (PoolError, ValueError) as exc:
@@ -109,11 +126,15 @@ class DonorController:
         if not step.reclaim:
             return []
         out = []
-        leases = self._leases()
+        leases = {lid: u for lid, u in self._leases().items() if not self.donor.pin_bytes(lid)}
+        done = 0
         for _ in range(step.decision.units):
             if not leases or max(leases.values()) < self.region_units_per_meu:
                 break
             lid = max(leases, key=leases.get)
             out.extend(self.donor.reclaim(lid, self.region_units_per_meu, to=to))
             leases[lid] -= self.region_units_per_meu
+            done += 1
+        if done < step.decision.units:  # what pinned leases hold stays lent in the books too
+            self.policy.still_lent((step.decision.units - done) * self.policy.unit.meu_worker)
         return out

@@ -60,6 +60,7 @@ class _Lease:
         self.fences: collections.Counter[int] = collections.Counter()
         self.pending_to = Owner.FREE
         self.alive = True
+        self.pin_bytes = 0  # > 0: a pinned lease (layer stream cache): never reclaimed while it lives
         self.send_lock = threading.Lock()
 
     def fenced(self, blocks: range) -> bool:
@@ -147,6 +148,11 @@ class PeerDonor:
         with self._lock:
             return self._lease(lease_id).region
 
+    def pin_bytes(self, lease_id: int) -> int:
+        """Bytes a pinned lease asked for (its borrower streams layers from it); 0: an ordinary lease."""
+        with self._lock:
+            return self._lease(lease_id).pin_bytes
+
     def grow(self, lease_id: int, units: int) -> list[PhysicalChunk]:
         """Donate ``units`` more elastic units to the lease (PoolExhausted etc. propagate)."""
         with self._lock:
@@ -205,6 +211,7 @@ class PeerDonor:
                         "fenced_units": r.physical_units - r.units,
                         "donated_bytes": r.units * r.unit_bytes,
                         "fences": sum(1 for v in lease.fences.values() if v),
+                        "pin_bytes": lease.pin_bytes,
                     }
                 )
             return {"leases": out, **dict(self.stats)}
@@ -324,6 +331,7 @@ class PeerDonor:
                 self.pool, layout.block_bytes, max_units, unit_chunks=unit_chunks, name=f"memx-peer-{lease.id}"
             )
             lease.name, lease.layout = msg["name"], layout
+            lease.pin_bytes = msg.get("pin_bytes", 0)
             gen_fd = region.generations.export_fd()
             try:
                 lease.send(

@@ -25,6 +25,7 @@ under the fence.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..policy._checks import check_int
 from ..vmm.base import PhysicalChunk, VmmBackend
 from ..vmm.ipc import connect_unix
 from . import wire
@@ -91,6 +93,7 @@ class PeerLink:
         on_revoke: Callable[[PeerLink, range], None] | None = None,
         on_dead: Callable[[PeerLink], None] | None = None,
         write_timeout: float = 10.0,
+        pin_bytes: int = 0,
     ):
         if not isinstance(layout, PeerKVLayout):
             raise ValueError(f"layout must be a PeerKVLayout, got {type(layout).__name__}")
@@ -99,6 +102,7 @@ class PeerLink:
         self.copier = copier if copier is not None else copier_for(backend.device)
         self.on_grow, self.on_revoke, self.on_dead = on_grow, on_revoke, on_dead
         self.write_timeout = write_timeout
+        self.pin_bytes = check_int("pin_bytes", pin_bytes)
         self.socket_path = os.fspath(socket_path)
         self.peer = self.socket_path  # how the index names this donor
         self._cond = threading.Condition()
@@ -125,6 +129,8 @@ class PeerLink:
     # ------------------------------------------------------------------ setup
     def _handshake(self, name: str) -> None:
         hello = {"type": "HELLO", "version": wire.VERSION, "name": name, "pid": os.getpid()}
+        if self.pin_bytes:
+            hello["pin_bytes"] = self.pin_bytes
         wire.send(self.sock, {**hello, "layout": self.layout.to_wire()})
         got = wire.recv(self.sock)
         if got is None:
@@ -219,6 +225,42 @@ class PeerLink:
                     del self._reading[b]
                     self._trim()
                     self._cond.notify_all()
+
+    @property
+    def usable_bytes(self) -> int:
+        """Bytes of the complete blocks of the lease now (what ``span`` may cover)."""
+        with self._cond:
+            return 0 if self.dead else self.num_blocks * self.block_bytes
+
+    @contextlib.contextmanager
+    def span(self, offset: int, nbytes: int):
+        """A uint8 view of bytes ``[offset, offset + nbytes)`` of the lease, for raw copies (the
+        layer stream cache's layer planes), or None when the donor is gone or those bytes are not
+        (any more) in the lease. While the ``with`` body runs, the blocks under the span count as
+        being read: a revoke or the donor's death unmaps them only after it ends, so a copy never
+        faults. Whether the bytes stayed the donor's is the caller's check (``alive`` after the
+        copy): only pinned leases, which the donor never revokes, should be read this way."""
+        first, end = offset // self.block_bytes, -(-(offset + nbytes) // self.block_bytes)
+        blocks = range(first, end)
+        with self._cond:
+            ok = not (self.dead or self._closing or end > self.num_blocks)
+            if ok:
+                self._reading.update(blocks)
+        if not ok:
+            yield None
+            return
+        try:
+            yield self.backend.tensor_view(self.vrange, offset, nbytes)
+        finally:
+            with self._cond:
+                self._reading.subtract(blocks)
+                self._reading += Counter()  # drop zero counts
+                self._trim()
+                self._cond.notify_all()
+
+    def alive(self) -> bool:
+        """The donor is connected and the lease not revoked (a hang-up is seen at once)."""
+        return not self.dead and not self._hung_up()
 
     def write(self, blocks: Sequence[int], srcs: Sequence[torch.Tensor]) -> list[BlockRef] | None:
         """Copy ``srcs[i]`` into block ``blocks[i]`` under the donor's fence; None if refused or gone."""

@@ -2,7 +2,7 @@
 
 | direction | type | fields | fds |
 |---|---|---|---|
-| B->D | HELLO | version, name, pid, layout | - |
+| B->D | HELLO | version, name, pid, layout; optional pin_bytes (a pinned lease, W2) | - |
 | D->B | WELCOME | version, lease, device, chunk_bytes, block_bytes, unit_chunks, max_units | gen. table |
 | D->B | REFUSE | field, message (then the donor closes) | - |
 | D->B | GROW | first_unit, units, chunks (donor chunk ids, slot order) | one per chunk |
@@ -53,6 +53,10 @@ SCHEMA: dict[str, dict[str, str]] = {
 }
 
 
+#: fields a message may carry besides its SCHEMA fields
+OPTIONAL: dict[str, dict[str, str]] = {"HELLO": {"pin_bytes": _INT}}
+
+
 def _expected_fds(msg: dict) -> int:
     if msg["type"] == "WELCOME":
         return 1
@@ -67,8 +71,9 @@ def validate(msg) -> dict:
     kind = msg.get("type")
     if not isinstance(kind, str) or kind not in SCHEMA:  # a list or dict would be unhashable
         raise ValueError(f"type: unknown message type {kind!r}")
-    spec = SCHEMA[kind]
+    optional = OPTIONAL.get(kind, {})
     got = set(msg) - {"type"}
+    spec = {**SCHEMA[kind], **{k: v for k, v in optional.items() if k in got}}
     if got != set(spec):
         missing, extra = sorted(set(spec) - got), sorted(got - set(spec))
         raise ValueError(f"{(missing or extra)[0]}: {kind} fields wrong (missing {missing}, unexpected {extra})")

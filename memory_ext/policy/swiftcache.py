@@ -5,7 +5,8 @@ Only the standard library (dataclasses, enum, math, collections) is used.
 
 * W2 -- sizing of the master's layer stream cache (LSC) and regular cache (RC),
   paper section 3.2, Eq. 1-5: :func:`layer_block_bytes`, :func:`worker_full_layer_blocks`,
-  :func:`master_single_layer_blocks`, :func:`plan_lsc_from_blocks`, :func:`plan_lsc`.
+  :func:`master_single_layer_blocks`, :func:`plan_lsc_from_blocks`, :func:`plan_lsc`;
+  its layer-granular realisation in a server (:func:`plan_layer_stream`).
 * W3 -- block-major elastic cache and its minimum elastic unit (MEU), section 3.4,
   Eq. 6-9: :func:`block_elems`, :func:`block_major_shape`, :func:`min_elastic_unit`.
 * W4 -- worker scale up / scale down, section 3.5, Algorithm 1: :func:`scale_up`,
@@ -77,6 +78,8 @@ __all__ = [
     "master_single_layer_blocks",
     "plan_lsc_from_blocks",
     "plan_lsc",
+    "LayerStreamPlan",
+    "plan_layer_stream",
     "block_elems",
     "block_major_shape",
     "min_elastic_unit",
@@ -242,6 +245,80 @@ def plan_lsc(master: KVGeometry, master_cache_bytes: int, worker_cache_bytes: Se
         for i, c in enumerate(worker_cache_bytes)
     ]
     return plan_lsc_from_blocks(k_master, ks, master.num_layers, block_size=master.block_size, m_block_bytes=m_block)
+
+
+@dataclass(frozen=True)
+class LayerStreamPlan:
+    """The server's realisation of an ``LSCPlan`` at layer granularity (docs/peer-kv.md, W2).
+
+    An engine whose KV pool gives a token one slot shared by all layers cannot split tokens into
+    LSC and RC blocks (the paper's Eq. 4-5 split); it splits *layers*: ``resident_layers`` keep
+    their KV of every slot locally, ``streamed_layers`` keep it at the donors and share
+    ``staging_layers`` local layer buffer(s) into which each streamed layer's used rows are copied
+    before its attention. For ``capacity_tokens`` slots the local memory is
+    ``(resident + staging) x capacity`` layer-rows, the donors' ``streamed x capacity``.
+    Invariant: ``capacity_tokens <= lsc.max_context_tokens`` (the paper's bound for the same
+    budgets; the layer split can only reach it, never pass it) and both byte totals fit.
+    """
+
+    lsc: LSCPlan
+    resident_layers: int
+    streamed_layers: int
+    staging_layers: int
+    capacity_tokens: int
+    token_layer_bytes: int  # K and V of one token in one layer
+
+    @property
+    def local_bytes(self) -> int:
+        return (self.resident_layers + self.staging_layers) * self.capacity_tokens * self.token_layer_bytes
+
+    @property
+    def peer_bytes(self) -> int:
+        return self.streamed_layers * self.capacity_tokens * self.token_layer_bytes
+
+    @property
+    def baseline_tokens(self) -> int:
+        """Tokens a server without LSC holds in the same local memory (every layer resident)."""
+        return self.lsc.baseline_context_blocks * (self.lsc.block_size or 1)
+
+
+def plan_layer_stream(
+    master: KVGeometry,
+    master_cache_bytes: int,
+    worker_cache_bytes: Sequence[int],
+    *,
+    staging_layers: int = 1,
+) -> LayerStreamPlan:
+    """Eq. 1-5 (``plan_lsc``) for the budgets, then the layer split that holds the most tokens.
+
+    For each resident count R (0 .. L-1; R = L means no streaming) the capacity is
+    ``min(C_master / ((R + staging) * b), sum(C_worker) / ((L - R) * b))`` tokens (b: K+V bytes of
+    one token in one layer), capped by the paper's ``(N_LSC + N_RC) * B`` and rounded down to whole
+    blocks of ``B`` tokens; the largest wins (ties: more resident layers, less streaming).
+    """
+    lsc = plan_lsc(master, master_cache_bytes, worker_cache_bytes)
+    _int("staging_layers", staging_layers, minimum=1)
+    layers, block = master.num_layers, master.block_size
+    b = lsc.m_block_bytes // block  # Eq. 1 per token
+    peer = sum(int(c) for c in worker_cache_bytes)
+    bound = lsc.max_context_tokens
+    best = (master_cache_bytes // (layers * b) // block * block, layers)  # no streaming: every layer resident
+    for resident in range(layers - 1, -1, -1):
+        local_rows = master_cache_bytes // ((resident + staging_layers) * b)
+        peer_rows = peer // ((layers - resident) * b)
+        tokens = min(local_rows, peer_rows, bound) // block * block
+        if tokens > best[0]:
+            best = (tokens, resident)
+    tokens, resident = best
+    streamed = layers - resident
+    return LayerStreamPlan(
+        lsc=lsc,
+        resident_layers=resident,
+        streamed_layers=streamed,
+        staging_layers=staging_layers if streamed else 0,
+        capacity_tokens=tokens,
+        token_layer_bytes=b,
+    )
 
 
 # --------------------------------------------------------------------------- W3: MEU
@@ -648,6 +725,14 @@ class DonationPolicy:
 
     def on_tick(self, now: float) -> DonationStep:
         return self._step(self.policy.on_tick(now))
+
+    def still_lent(self, worker_blocks: int) -> None:
+        """A reclaim the mechanism could not carry out (e.g. only pinned leases hold the memory):
+        those blocks are still lent, and the donor does not have them."""
+        _int("worker_blocks", worker_blocks)
+        worker_blocks = min(worker_blocks, self.policy.current_blocks)
+        self.policy.current_blocks -= worker_blocks
+        self.policy.donated_blocks += worker_blocks
 
     def lost(self, worker_blocks: int) -> None:
         """The borrower is gone: its donation is the donor's again (the chunks came back)."""
