@@ -283,6 +283,18 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         "(default: half of its KV capacity; within the cap it lends what its own load leaves idle, "
         "SwiftCache Alg. 1).",
     ),
+    MemxFlag(
+        "--memx-peer-layer-stream",
+        "peer_layer_stream",
+        action="store_true",
+        default=False,
+        help="With --memx-peer-kv borrow: the layer stream cache (SwiftCache W2). Some layers' KV lives in "
+        "a donor's memory (a pinned lease, never reclaimed while this server runs) and is streamed "
+        "through one local staging layer around each of those layers' attention, so the same local KV "
+        "memory holds a longer context: the KV capacity upstream sizes (--max-total-tokens or "
+        "--mem-fraction-static) becomes the local budget and the server holds as many tokens as "
+        "plan_lsc (Eq. 1-5) allows with the donation it gets at start-up (docs/peer-kv.md).",
+    ),
 )
 
 PEER_KV_MODES = ("off", "donate", "borrow", "both")
@@ -316,6 +328,7 @@ class MemxConfig:
     sleep_after_s: float | None = None
     peer_kv: str = "off"
     peer_donate_max_gb: float | None = None
+    peer_layer_stream: bool = False
 
     def validate(self) -> MemxConfig:
         path = self.status_path
@@ -462,6 +475,17 @@ class MemxConfig:
                 raise MemxConfigError("--memx-peer-donate-max-gb", f"must be a positive number of GB, got {g!r}")
             if mode not in ("donate", "both"):
                 raise MemxConfigError("--memx-peer-donate-max-gb", "needs --memx-peer-kv donate or both")
+        if self.peer_layer_stream and mode != "borrow":
+            raise MemxConfigError(
+                "--memx-peer-layer-stream",
+                f"needs --memx-peer-kv borrow (its streamed layers live in a donor's lease), got {mode!r}",
+            )
+        if self.peer_layer_stream and self.host_buffer_gb is not None:
+            raise MemxConfigError(
+                "--memx-peer-layer-stream",
+                "cannot run with --memx-host-buffer-gb (parked KV is gathered layer by layer, and streamed "
+                "layers have no buffer of their own); drop one of the two",
+            )
         if mode == "off":
             return
         if self.pool is None:

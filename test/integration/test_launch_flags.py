@@ -64,6 +64,7 @@ DEFAULTS = {
     "sleep_after_s": None,
     "peer_kv": "off",
     "peer_donate_max_gb": None,
+    "peer_layer_stream": False,
 }
 
 PARSE_SCRIPT = r"""

@@ -82,6 +82,7 @@ class ElasticKV:
         self.activation = None  # ActivationBalloon sharing the pool, or None
         self.host = None  # HostBufferState (--memx-host-buffer-gb), or None
         self.weights = None  # WeightsState (--memx-weights), or None
+        self.layer_stream = None  # peer.layer_stream.LayerStreamSetup (--memx-peer-layer-stream), or None
         self.slab = None  # SlabFormat of this server's groups (elastic.slab), set by the build
         self.cell: dict = {}  # its KV cell (dtype, layers, KV heads, head dims, F2 token size)
         self.device = device

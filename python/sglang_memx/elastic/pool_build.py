@@ -11,6 +11,7 @@ to the ElasticKV, and builds the host buffer.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from dataclasses import dataclass
 
@@ -18,7 +19,9 @@ from sglang_memx.config import MemxConfig, MemxConfigError
 from sglang_memx.elastic.build import activation_profile, build_elastic_kv
 from sglang_memx.elastic.host_buffer import build_host_buffer
 from sglang_memx.elastic.slab import cell_format
+from sglang_memx.peer import layer_stream
 from sglang_memx.upstream import kv as up_kv
+from sglang_memx.upstream import layer_stream as up_ls
 from sglang_memx.upstream import model as up_model
 from sglang_memx.upstream import server_args as up_args
 
@@ -34,6 +37,31 @@ class Build:
     profile: object
     batch_tokens: int
     kv: object = None
+    layer_stream: object = None  # peer.layer_stream.LayerStreamSetup (--memx-peer-layer-stream), once planned
+
+
+def current() -> Build | None:
+    """The build open in this thread (the main model's pool build with elastic KV), or None."""
+    return vars(_current).get("build")
+
+
+def plan_layer_stream(build: Build, configurator, stock_tokens: int) -> int:
+    """With --memx-peer-layer-stream: the token count upstream should build the pool with, planned
+    once per build from what upstream sized (``stock_tokens``: the local KV budget) and the donation."""
+    if build.layer_stream is None:
+        dims = up_model.decoder_dims(up_kv.configurator_parts(configurator)[1])
+        if dims is None:
+            raise MemxConfigError("--memx-peer-layer-stream", "the model's config lacks its KV heads / head dim")
+        args = build.server_args
+        build.layer_stream = layer_stream.plan(
+            build.config, stock_tokens=stock_tokens, layers=up_ls.configurator_layers(configurator),
+            kv_heads=dims["num_kv_heads"], head_dim=dims["head_dim"], dtype=up_ls.configurator_kv_dtype(configurator),
+            page_size=up_args.page_size(args), model=up_args.model_path(args),
+            name=f"s{up_args.server_url(args).rsplit(':', 1)[-1]}-{os.getpid()}",
+            chunk_bytes=build.config.chunk_kb << 10,
+        )  # fmt: skip
+    page = up_args.page_size(build.server_args)
+    return build.layer_stream.plan.capacity_tokens // page * page
 
 
 @contextlib.contextmanager
@@ -61,12 +89,20 @@ def make_elastic(pool) -> bool:
     if why is not None:
         raise MemxConfigError("--memx-elastic-kv", f"does not support {why}; run without the flag")
     g = up_kv.pool_geometry(pool)
-    kv = build_elastic_kv(build.config, [g["k_row_bytes"]] * g["layers"] + [g["v_row_bytes"]] * g["layers"],
+    layers, stream = g["layers"], build.layer_stream
+    own, index_of = (layers, lambda i: i) if stream is None else layer_stream.buffer_index(stream, layers)
+    kv = build_elastic_kv(build.config, [g["k_row_bytes"]] * own + [g["v_row_bytes"]] * own,
                           g["rows"], g["page_size"], g["pages"], g["device"],
                           server_url=up_args.server_url(build.server_args), profile=build.profile,
                           batch_tokens=build.batch_tokens)  # fmt: skip
-    up_kv.set_kv_views(pool, kv.buffers.view)
-    kv.cell, kv.slab = cell_format(g, kv.buffers.pool.chunk_bytes)  # the group is this slab (same LCM rule)
+    up_kv.set_kv_views(pool, lambda i, dtype, shape: kv.buffers.view(index_of(i), dtype, shape))
+    if stream is not None:  # the staging layer's views: what every streamed layer's buffer is
+        k_stage = kv.buffers.view(index_of(layers - 1), g["store_dtype"], (g["kv_heads"], g["head_dim"]))
+        v_stage = kv.buffers.view(index_of(2 * layers - 1), g["store_dtype"], (g["kv_heads"], g["v_head_dim"]))
+        layer_stream.attach(stream, layers, k_stage, v_stage)
+        kv.layer_stream = stream
+    # the group is this slab (same LCM rule); with the layer stream cache it holds the local layers only
+    kv.cell, kv.slab = cell_format({**g, "layers": own}, kv.buffers.pool.chunk_bytes)
     build.kv = kv
     return True
 
@@ -89,6 +125,8 @@ def finish(build: Build, result) -> None:
         )
     up_kv.attach_elastic(allocator, kv)
     kv.restrict_free_list(allocator)
+    if build.layer_stream is not None:
+        build.layer_stream.req_to_token = up_ls.req_to_token_table(result)
     # again here: a server may be built without the CLI parser
     build.config.check_server_args(
         up_args.radix_cache_disabled(build.server_args), up_args.cuda_graphs_possible(build.server_args)

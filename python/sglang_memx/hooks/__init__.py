@@ -24,6 +24,7 @@ HOOK_MODULES = (
     "sglang_memx.hooks.kv_cache",
     "sglang_memx.hooks.model_runner",
     "sglang_memx.hooks.peer_kv",
+    "sglang_memx.hooks.layer_stream",
 )
 
 __all__ = ["HOOK_MODULES", "HookSpec", "all_hook_specs", "hook_table", "register_all", "verify_hooks"]

@@ -41,8 +41,10 @@ from memory_ext.peer.kvpack import layout_of_buffers
 from memory_ext.policy.swiftcache import DonationPolicy
 from memory_ext.vmm import host_backend
 from sglang_memx.elastic.shared_pool import pool_dir
+from sglang_memx.peer import layer_stream
 from sglang_memx.peer.prefix import PeerPrefixCache
 from sglang_memx.upstream import kv as up_kv
+from sglang_memx.upstream import layer_stream as up_ls
 from sglang_memx.upstream import peer_radix as up_peer
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
@@ -105,7 +107,13 @@ class PeerKVServer:
             self.controller.attach(self.donor)
             logger.info("memx peer KV: donor %s listening (at most %d chunks of %d B)", self.name, self.cap_chunks,
                         chunk)  # fmt: skip
-        if self.mode in ("borrow", "both"):
+        self.layer_stream = kv.layer_stream  # --memx-peer-layer-stream: built with the pool (peer.layer_stream)
+        if self.layer_stream is not None:
+            # streamed layers' buffers are one staging buffer: a spilled page would gather stale rows,
+            # so the prefix tier is not built next to the cache (docs/peer-kv.md)
+            logger.info("memx peer KV: layer stream cache on (%d of %d layers streamed); no prefix tier",
+                        len(self.layer_stream.streamed), layers)  # fmt: skip
+        elif self.mode in ("borrow", "both"):
             self.tier = PeerKVTier(self.layout)
             self.io = PeerKVIO(self.tier, self.k_layers, self.v_layers)
             self.cache = PeerPrefixCache(tree, allocator, self.io, self.k_layers[0].shape[0], self.stats)
@@ -116,6 +124,11 @@ class PeerKVServer:
     # ------------------------------------------------------------------ once per iteration
     def tick(self, scheduler) -> None:
         now = time.monotonic()
+        lost = layer_stream.broken(self.layer_stream)
+        if lost is not None and (up_sched.admitted_reqs(scheduler) or up_sched.waiting(scheduler)):
+            self.stats["layer_stream_aborts"] += 1
+            logger.error("memx layer stream cache: %s; aborting every request", lost)
+            up_ls.abort_everything(scheduler, f"{layer_stream.LOST} ({lost})")
         if self.donor is not None:
             self._donor_step(scheduler, now)
         if self.tier is not None and now >= self._next_discover:
@@ -195,6 +208,8 @@ class PeerKVServer:
                 "reclaimed_bytes": self.stats["reclaimed_chunks"] * self.kv.buffers.pool.chunk_bytes,
                 "refused": st.get("refused", 0),
             }
+        if self.layer_stream is not None:
+            doc["layer_stream"] = self.layer_stream.status()
         if self.tier is not None:
             st = self.tier.status()
             doc["borrower"] = {

@@ -68,6 +68,9 @@ CLASSES: dict[str, str] = {
     "MatchResult": _C + "base_prefix_cache.MatchResult",
     "InsertParams": _C + "base_prefix_cache.InsertParams",
     "RadixKey": _C + "radix_cache.RadixKey",
+    "MemoryPoolConfig": "sglang.srt.model_executor.pool_configurator.MemoryPoolConfig",
+    "RadixAttention": "sglang.srt.layers.radix_attention.RadixAttention",
+    "FINISH_ABORT": _M + "schedule_batch.FINISH_ABORT",
     "RadixCache": _C + "radix_cache.RadixCache",
     "UnifiedRadixCache": _C + "unified_radix_cache.UnifiedRadixCache",
     "InsertResult": _C + "base_prefix_cache.InsertResult",
@@ -82,7 +85,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
                    "max_prefill_tokens": None,
                    "device": None, "disable_cuda_graph": None, "disable_decode_cuda_graph": None,
                    "disable_prefill_cuda_graph": None, "cuda_graph_backend_decode": None,
-                   "cuda_graph_backend_prefill": None, "cuda_graph_config": None},
+                   "cuda_graph_backend_prefill": None, "cuda_graph_config": None, "page_size": None},
     "HookRegistry": {"register": None},
     "HookType": {"BEFORE": None, "AFTER": None, "AROUND": None, "REPLACE": None},
     "Scheduler": {
@@ -110,7 +113,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     },
     "ReqKvInfo": {"kv_allocated_len": None, "holds_kv": None, "req_pool_idx": None},
     "SamplingParams": {"max_new_tokens": None, "ignore_eos": None},
-    "AbortReq": {"abort_all": None, "rid": None},
+    "AbortReq": {"abort_all": None, "rid": None, "abort_message": None, "finished_reason": None},
     "GetInternalStateReqOutput": {"internal_state": None},
     "SetInternalStateReq": {"server_args": None},
     "SetInternalStateReqOutput": {"updated": None},
@@ -127,9 +130,14 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     "PoolStats": {"full_num_used": None, "full_available_size": None, "full_evictable_size": None,
                   "full_token_usage": None},
     "KVCacheConfigurator": {"server_args": "ServerArgs", "model_config": "ModelConfig", "model_dtype": None,
-                            "is_draft_worker": None},
-    "KVCacheConfigResult": {"token_to_kv_pool": "KVCache", "token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator"},
-    "ModelConfig": {"hf_text_config": None},
+                            "is_draft_worker": None, "kv_cache_dtype": None},
+    "KVCacheConfigResult": {"token_to_kv_pool": "KVCache", "token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator",
+                            "req_to_token_pool": "ReqToTokenPool"},
+    "ModelConfig": {"hf_text_config": None, "num_hidden_layers": None},
+    # the layer stream cache (upstream.layer_stream)
+    "MemoryPoolConfig": {"max_total_num_tokens": None},
+    "RadixAttention": {"layer_id": None},
+    "FINISH_ABORT": {"to_json": None},
     "KVCache": {"dtype": None, "store_dtype": None, "device": None, "layer_num": None, "mem_usage": None},
     "MHATokenToKVPool": {
         "dtype": None, "store_dtype": None, "size": None, "page_size": None, "head_num": None, "head_dim": None,
@@ -160,7 +168,8 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     # remappable weights: the decoder layers of a causal LM shaped like Llama's (most SGLang models)
     "LlamaForCausalLM": {"model": "LlamaModel", "start_layer": None, "end_layer": None},
     "LlamaModel": {"layers": None},
-    "ForwardBatch": {"input_ids": None, "batch_size": None, "forward_mode": "ForwardMode"},
+    "ForwardBatch": {"input_ids": None, "batch_size": None, "forward_mode": "ForwardMode",
+                     "req_pool_indices": None, "seq_lens": None, "out_cache_loc": None},
     "GlobalState": {"tokenizer_manager": "TokenizerManager"},
     "TokenizerManager": {"get_internal_state": None, "set_internal_state": None},
 }  # fmt: skip
@@ -230,6 +239,8 @@ TARGETS: dict[str, tuple[str, ...]] = {
     _C + "unified_radix_cache.UnifiedRadixCache._evict_device_leaf": ("self", "node_id", "tracker"),
     _C + "unified_radix_cache.UnifiedRadixCache.match_prefix": ("self", "params"),
     _C + "unified_radix_cache.UnifiedRadixCache.insert": ("self", "params"),
+    _C + "kv_cache_configurator.KVCacheConfigurator.config_from_budget": ("self", "budget_bytes"),
+    "sglang.srt.layers.radix_attention.RadixAttention.forward": ("self", "q", "k", "v", "forward_batch"),
 }  # fmt: skip
 
 # Names the adapter modules give upstream objects (parameters and locals) -> their class.
@@ -245,7 +256,8 @@ ROLES: dict[str, str] = {
     "matched": "MatchResult", "evicted": "EvictResult", "registry": "HookRegistry", "radix": "RadixCache",
     "sleeper": "IdleSleeper", "causal_lm": "LlamaForCausalLM", "lm_body": "LlamaModel",
     "unified": "UnifiedRadixCache", "match_params": "MatchPrefixParams", "insert_params": "InsertParams",
-    "radix_key": "RadixKey",
+    "radix_key": "RadixKey", "pool_config": "MemoryPoolConfig", "attn_layer": "RadixAttention",
+    "req_pool": "ReqToTokenPool",
 }  # fmt: skip
 
 

@@ -81,3 +81,8 @@ def max_prefill_batch_tokens(server_args) -> int:
     if chunk is not None and chunk > 0:
         return int(chunk)
     return int(server_args.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS)
+
+
+def page_size(server_args) -> int:
+    """Tokens of one KV page (upstream's default when unset: 1)."""
+    return int(server_args.page_size or 1)
