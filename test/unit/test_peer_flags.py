@@ -39,6 +39,13 @@ def test_default_is_off():
         (POOL + ["--memx-peer-kv", "donate", "--memx-peer-donate-max-gb", "nan"], "--memx-peer-donate-max-gb",
          "positive number of GB"),
         (["--memx-disable", "--memx-peer-kv", "off", "--memx-status-path", "/x"], "--memx-disable", "contradicts"),
+        (POOL + ["--memx-peer-layer-stream"], "--memx-peer-layer-stream", "needs --memx-peer-kv borrow"),
+        (POOL + ["--memx-peer-kv", "both", "--memx-peer-layer-stream"], "--memx-peer-layer-stream",
+         "needs --memx-peer-kv borrow"),
+        (POOL + ["--memx-peer-kv", "donate", "--memx-peer-layer-stream"], "--memx-peer-layer-stream",
+         "needs --memx-peer-kv borrow"),
+        (POOL + ["--memx-peer-kv", "borrow", "--memx-peer-layer-stream", "--memx-host-buffer-gb", "1"],
+         "--memx-peer-layer-stream", "cannot run with --memx-host-buffer-gb"),
     ],
 )  # fmt: skip
 def test_bad_values_name_the_flag(argv, flag, fragment):
@@ -89,3 +96,11 @@ def test_the_server_parser_exits_2_naming_the_flag(capsys):
         parser.parse_args(["--memx-peer-kv", "borrow"])
     assert exit_.value.code == 2
     assert "argument --memx-peer-kv: needs --memx-pool" in capsys.readouterr().err
+
+
+def test_layer_stream_with_borrow(monkeypatch):
+    assert _parse([]).peer_layer_stream is False
+    monkeypatch.setenv(PEER_KV_UNVERIFIED_ENV, "1")
+    cfg = _parse(POOL + ["--memx-peer-kv", "borrow", "--memx-peer-layer-stream"])
+    assert cfg.peer_layer_stream is True and cfg.features["peer_kv"] is True
+    assert MemxConfig.from_dict(cfg.to_dict()) == cfg
