@@ -112,4 +112,3 @@ def test_no_donor_is_a_named_error(tmp_path, monkeypatch):
     with pytest.raises(MemxConfigError) as err:
         _plan(config)
     assert err.value.flag == "--memx-peer-layer-stream" and "no donor of pool 'p'" in str(err.value)
-
