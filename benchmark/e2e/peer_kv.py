@@ -270,6 +270,14 @@ def peer_counters(server: SGLangServer) -> dict:
     return out
 
 
+def memory_status(server: SGLangServer) -> dict:
+    """A memx server's KV accounting (``kv_pool``) and physical side (``elastic_kv``, without the slab and
+    backend details): how much of its KV is mapped and cached after a run."""
+    sched = http_json(server.url + "/memx/status", timeout=30)["schedulers"][0]
+    elastic = {k: v for k, v in (sched.get("elastic_kv") or {}).items() if k not in ("slab", "backend")}
+    return {"kv_pool": sched.get("kv_pool"), "elastic_kv": elastic}
+
+
 class DonorLoad:
     """The donor side's light load: one short greedy request every ``gap_s`` until stopped."""
 
@@ -324,6 +332,7 @@ def run_once(setup: str, pair: dict[str, SGLangServer], args, round_no: int, voc
         after = peer_counters(borrower)
         out["peer"] = {k: after[k] - before[k] for k in PEER_COUNTERS + ("entries_dropped_reclaim",)}
         out["peer"]["borrowed_bytes_after"] = after["borrowed_bytes"]
+        out["memory_after"] = {role: memory_status(server) for role, server in pair.items()}
         back = [r for r in results if "error" not in r and r["turn"] > 0]
         prompt = sum(r["prompt_tokens"] for r in back)
         # tokens_loaded counts every load, turn 1's too (none expected: fresh prefixes)
