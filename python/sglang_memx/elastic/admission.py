@@ -6,13 +6,15 @@ simulator's eLLM scheduler scans its queue with), with the server's numbers in K
 (``server_ask``):
 
 * budget: free + evictable KV (upstream's ``available + evictable``, which with elastic KV
-  counts FREE and idle activation chunks as growable) plus the activation already held live
-  for this batch;
+  counts FREE and idle activation chunks as growable, in whole groups);
 * reserved / reserved now: upstream's prefill budget offsets (the running requests' decode
   reservation and the batch so far / what the batch occupies now);
 * the request's KV as upstream reserves it (the rest of its input, a page, its clipped
-  max_new) and, if offloaded, what its next chunk occupies on the device now,
-  the batch's activation with it, and, with a host buffer, what parking its KV would cost.
+  max_new) and, if offloaded, what its next chunk occupies on the device now;
+  the batch's activation with it, as what making it live takes from that budget
+  (``ElasticKV.activation_cost_pages``: FREE and idle chunks first, whole groups only when
+  KV must shrink, the last group at its usable size); and, with a host buffer, what parking
+  its KV would cost.
 
 ``ON_GPU``: the batch's activation chunks are reserved (``ballooning``) and upstream's own
 admission runs (it may still refuse, e.g. on its request or token caps; then the offload
@@ -57,12 +59,10 @@ def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool) -> PrefillAsk:
     page = up_sched.adder_page_size(adder)
     state = up_sched.adder_state(adder)
     balloon = kv.activation
-    live = act = 0
-    if balloon is not None:
-        live = demand.activation_tokens(kv, balloon.live)
-        act = demand.activation_tokens(
-            kv, balloon.need_chunks(state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1)
-        )
+    act = 0
+    if balloon is not None:  # what making the batch's activation live takes from the budget (in KV tokens)
+        need = balloon.need_chunks(state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1)
+        act = kv.activation_cost_pages(need - balloon.live) * page
     offload_kv = room = 0
     host = kv.host
     if (host is not None and not has_chunked_req and not up_sched.adder_has_chunked(adder)
@@ -73,7 +73,7 @@ def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool) -> PrefillAsk:
     rest = demand.next_chunk_tokens(req, None)  # the whole rest of its input, as upstream reserves it
     running_steps = page * up_sched.adder_running_count(adder) * _chunks(rest, chunk)
     return PrefillAsk(
-        budget=up_sched.budget_free(budget) + live,
+        budget=up_sched.budget_free(budget),
         # an offloaded chunked prefill under way holds the rest of its prompt on the device
         reserved=total + state.offload_rest,
         # + the running requests' decode while this prompt's chunks run

@@ -153,18 +153,26 @@ class ElasticKV:
         and no chunk the activation holds below ``keep_activation`` is lent, so the
         reserve that comes next neither unmaps a group nor acquires what KV just took.
         """
+        return self._outside_chunks(free_only=free_only, keep_activation=keep_activation) // self.buffers.chunks_per_group
+
+    def _outside_chunks(self, *, free_only: bool = False, keep_activation: int = 0) -> int:
+        """Chunks outside KV that ``affordable_groups`` counts (FREE and, unless ``free_only``, idle
+        activation beyond what must stay held)."""
         free = self.buffers.pool.available()
         if self.activation is None:
-            return free // self.buffers.chunks_per_group
+            return free
         keep = max(self.activation.live, keep_activation)
         held = self.activation.held
         lendable = 0 if free_only else max(0, held - keep)
-        return (max(0, free - max(0, keep - held)) + lendable) // self.buffers.chunks_per_group
+        return max(0, free - max(0, keep - held)) + lendable
 
     def growable_pages(self) -> int:
         """Pages ``grow`` could add now: the lowest affordable unmapped groups."""
+        return self._growable_for(self.affordable_groups())
+
+    def _growable_for(self, affordable: int) -> int:
         unmapped = self.num_groups - self.buffers.num_mapped
-        k = min(unmapped, self.affordable_groups())
+        k = min(unmapped, affordable)
         if k <= 0:
             return 0
         pages = k * self.group_pages
@@ -172,6 +180,26 @@ class ElasticKV:
         if k == unmapped and not self.buffers.is_mapped(last):
             pages -= self.group_pages - self.usable_pages(last)
         return pages
+
+    def activation_cost_pages(self, chunks: int) -> int:
+        """Pages the scheduler's available count (free list + ``growable_pages``) loses when the
+        activation makes ``chunks`` more chunks live.
+
+        They come from FREE and idle activation chunks first, which count as growable pages only
+        in whole groups (so a remainder is free of charge), then from the highest mapped groups
+        other than 0, unmapped, each costing its usable pages (the last group may be partial).
+        A shortfall beyond those groups is charged a whole group each: it cannot be met."""
+        if chunks <= 0:
+            return 0
+        cpg = self.buffers.chunks_per_group
+        outside = self._outside_chunks()
+        before = self._growable_for(outside // cpg)
+        left = outside - chunks
+        if left >= 0:
+            return before - self._growable_for(left // cpg)
+        groups = -(left // cpg)  # ceil(-left / cpg)
+        victims = sorted((g for g in self.buffers.mapped_groups() if 0 < g < self.num_groups), reverse=True)[:groups]
+        return before + sum(self.usable_pages(g) for g in victims) + (groups - len(victims)) * self.group_pages
 
     # ---------------------------------------------------------- mutations
     def _timed(self, kind: str, fn, groups) -> int:

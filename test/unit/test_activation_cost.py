@@ -1,0 +1,92 @@
+"""``ElasticKV.activation_cost_pages``: what admission charges a batch's activation, in the
+scheduler's own currency (free list + growable pages), must be what reserving it really takes.
+
+Regression (issue 16): a server whose KV is one slab group plus upstream's padded page (512
+tokens of 512-token groups: group 1 holds a single page) charged a 64-token prefill's activation
+a whole group, 512 tokens, against a budget of 512, and never admitted its warm-up, although
+FREE and idle activation chunks covered it.
+"""
+
+import random
+import types
+
+import torch
+
+from memory_ext.policy.activation import ActivationProfile
+from memory_ext.pool import ChunkPool, LayeredKVBuffers
+from memory_ext.pool.activation_balloon import ActivationBalloon
+from memory_ext.vmm import host_backend
+from sglang_memx.elastic.ballooning import reserve_activation
+from sglang_memx.elastic.kv import ElasticKV
+from sglang_memx.upstream import kv as up_kv
+
+CHUNK = 4096
+ROW = 64  # a group is 64 tokens in 4 chunks (4 buffers x 64 B x 64 rows = 16 KiB)
+
+
+def _server(num_tokens: int, pool_chunks: int):
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    pool = ChunkPool(host_backend(CHUNK), pool_chunks)
+    kv = ElasticKV(LayeredKVBuffers(pool, [ROW] * 4, num_tokens + 1, 1), 1, num_tokens)
+    kv.activation = ActivationBalloon(pool, ActivationProfile(per_token_bytes=CHUNK))
+    kv.lengths_capped = True
+    alloc = TokenToKVPoolAllocator(num_tokens, torch.bfloat16, "cpu", types.SimpleNamespace(), need_sort=True)
+    up_kv.attach_elastic(alloc, kv)
+    kv.restrict_free_list(alloc)
+    return kv, alloc, pool
+
+
+def _available(kv, alloc) -> int:
+    return up_kv.free_page_count(alloc) + kv.growable_pages()
+
+
+def _hold(kv, chunks: int) -> None:
+    """Make the activation hold ``chunks`` chunks, idle (as after an iteration's end)."""
+    assert kv.activation.reserve(_tokens_for(kv, chunks), 1, lambda: 0, lambda n: 0)
+    assert kv.activation.held == chunks
+    kv.activation.end_iteration()
+
+
+def _tokens_for(kv, chunks: int) -> int:
+    t = 1
+    while kv.activation.need_chunks(t, 1) < chunks:
+        t += 1
+    assert kv.activation.need_chunks(t, 1) == chunks
+    return t
+
+
+def test_one_group_server_pays_nothing_when_free_and_idle_chunks_cover_the_activation():
+    kv, alloc, pool = _server(64, 11)  # groups 0 (63 pages) and 1 (1 page): 8 chunks, 3 more
+    kv.grow(alloc, 64, "request")
+    assert sorted(kv.buffers.mapped_groups()) == [0, 1] and kv.usable_pages(1) == 1
+    _hold(kv, 1)
+    assert pool.available() == 2 and _available(kv, alloc) == 64
+    assert kv.activation_cost_pages(3) == 0  # the old rule charged a whole group: 64 of 64
+    assert kv.activation_cost_pages(4) == 1  # one chunk short: group 1 goes, with its single page
+    before = _available(kv, alloc)
+    assert reserve_activation(kv, alloc, None, _tokens_for(kv, 4), 1)
+    assert before - _available(kv, alloc) == 1
+
+
+def test_cost_equals_what_reserving_takes_from_the_scheduler_count():
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(300):
+        num_tokens = rng.randrange(40, 400)
+        pool_chunks = 4 * (num_tokens // 64 + 1) + rng.randrange(0, 12)  # every group, and some more
+        kv, alloc, pool = _server(num_tokens, pool_chunks)
+        kv.grow(alloc, rng.randrange(0, num_tokens + 1), "request")
+        idle_max = pool.available()
+        if idle_max:
+            _hold(kv, rng.randrange(0, idle_max + 1) or 1)
+        extra = rng.randrange(1, 10)
+        predicted = kv.activation_cost_pages(extra)
+        before = _available(kv, alloc)
+        need = kv.activation.live + extra
+        if not reserve_activation(kv, alloc, None, _tokens_for(kv, need), 1):
+            continue  # it does not fit at all (group 0 is never unmapped)
+        assert kv.activation.live == need
+        assert before - _available(kv, alloc) == predicted, (num_tokens, pool_chunks, extra)
+        checked += 1
+    assert checked > 150
