@@ -153,7 +153,8 @@ class ElasticKV:
         and no chunk the activation holds below ``keep_activation`` is lent, so the
         reserve that comes next neither unmaps a group nor acquires what KV just took.
         """
-        return self._outside_chunks(free_only=free_only, keep_activation=keep_activation) // self.buffers.chunks_per_group
+        outside = self._outside_chunks(free_only=free_only, keep_activation=keep_activation)
+        return outside // self.buffers.chunks_per_group
 
     def _outside_chunks(self, *, free_only: bool = False, keep_activation: int = 0) -> int:
         """Chunks outside KV that ``affordable_groups`` counts (FREE and, unless ``free_only``, idle
