@@ -9,8 +9,8 @@
 #      `docker run` unchanged (the drop-in promise): server up, one chat completion,
 #      GET /memx/status;
 #   3. `sglang-memx version` and `python3` resolve to the image's locked environment.
-# Prints the build time, the smoke-test time and the image size; logs go to
-# test-logs/docker-images/ (summary.txt has the figures).
+# Prints the build time, the smoke-test time, the image size and its largest layers; logs go to
+# test-logs/docker-images/ (summary.txt has the figures, history.txt every layer's size).
 #
 #   docker/test_images.sh
 #
@@ -232,6 +232,10 @@ build_s=$(($(date +%s) - t0))
 size_b=$(docker image inspect -f '{{.Size}}' "$IMAGE")
 note "build: $IMAGE in ${build_s} s"
 note "image size: $(python3 -c "import sys; print(f'{int(sys.argv[1]) / 1e9:.2f} GB ({int(sys.argv[1])} bytes)')" "$size_b")"
+# Where the size is: every layer (docker history, bytes) in history.txt, the three largest here.
+docker history --human=false --no-trunc --format '{{.Size}}\t{{.CreatedBy}}' "$IMAGE" >"$LOG_DIR/history.txt" 2>&1 || true
+note "largest layers: $(sort -rn "$LOG_DIR/history.txt" | head -n 3 |
+  awk -F'\t' '{sub(/^\/bin\/sh -c (#\(nop\) )?/, "", $2); printf "%s%.2f GB %s", (NR > 1 ? "; " : ""), $1 / 1e9, substr($2, 1, 60)}')"
 
 # ---------------------------------------------------------------- 4. smoke tests
 # check_server URL NAMES TIMEOUT CONTAINER: wait for /health, then one chat completion per model

@@ -4,7 +4,7 @@ The GPU image is upstream's image of the pinned release plus the plugin and noth
 that changes how a container starts; the CPU image puts the locked environment on PATH and
 installs it in layers that a source change does not invalidate; docker/test_images.sh is a
 valid, executable script. Building and running the CPU image is ``test_images_script``,
-which needs a Docker engine and an explicit opt-in (it builds a ~10 GB image).
+which needs a Docker engine and an explicit opt-in (it builds a ~11 GB image).
 """
 
 from __future__ import annotations
@@ -175,9 +175,9 @@ def docker_engine() -> str | None:
 @pytest.mark.slow
 @pytest.mark.timeout(3 * 3600)
 def test_images_script():
-    """Build the CPU image and smoke-test it (tens of minutes; ~10 GB of image)."""
+    """Build the CPU image and smoke-test it (tens of minutes; ~11 GB of image)."""
     if os.environ.get("MEMX_TEST_DOCKER_IMAGES") != "1":
-        pytest.skip("builds the ~10 GB CPU image: opt in with MEMX_TEST_DOCKER_IMAGES=1 (needs a Docker engine)")
+        pytest.skip("builds the ~11 GB CPU image: opt in with MEMX_TEST_DOCKER_IMAGES=1 (needs a Docker engine)")
     why = docker_engine()
     if why:
         pytest.skip(why)
