@@ -90,3 +90,48 @@ def test_cost_equals_what_reserving_takes_from_the_scheduler_count():
         assert before - _available(kv, alloc) == predicted, (num_tokens, pool_chunks, extra)
         checked += 1
     assert checked > 150
+
+
+def test_a_partial_last_group_counts_as_emptiable_by_eviction():
+    """Regression (issue 16): 509 cached tokens, 3 free, groups of 512 with a 1-page group 1:
+    evicting frees group 1, but ``evictable // group_rows`` said 0 groups, so an activation
+    that needed KV to shrink was refused forever while the cache sat there."""
+    kv, alloc, pool = _server(64, 11)
+    kv.grow(alloc, 64, "request")
+    pages = alloc.alloc(64)  # everything allocated (the cache's pages, say)
+    assert pages is not None and sorted(kv.buffers.mapped_groups()) == [0, 1]
+    alloc.free(pages[pages < 4])  # 3 pages of group 0 free again (page 0 is upstream's padding)
+    assert kv.emptiable_groups(alloc, 0) == 0
+    assert kv.emptiable_groups(alloc, 61) == 1  # group 1's one page is cached: evicting it empties it
+    assert kv.emptiable_groups(alloc, 1_000) == 1  # group 0 is never unmapped
+    alloc.free(pages[pages == 64])
+    assert kv.emptiable_groups(alloc, 0) == 1 and kv.empty_groups(alloc) == [1]
+
+
+def test_activation_borrows_its_chunks_from_the_arbiter_when_kv_holds_every_group(tmp_path):
+    """Regression (issue 16): in a shared pool, a server whose KV groups are all mapped asked the
+    arbiter for KV *groups* for its activation; KV could map none, so nothing was asked and the
+    prefill waited forever with the arbiter's chunks free."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    from memory_ext.pool.arbiter import Arbiter
+    from memory_ext.pool.lent_pool import LentPool
+    from support.arbiter import socket_dir
+
+    with socket_dir("memx-act-") as d, Arbiter(str(d / "p.sock"), host_backend(CHUNK), 64):
+        lent = LentPool(str(d / "p.sock"), "server", host_backend(CHUNK))
+        try:
+            assert lent.borrow(8) == 8  # both groups, nothing more
+            kv = ElasticKV(LayeredKVBuffers(lent.pool, [ROW] * 4, 65, 1), 1, 64, lent=lent)
+            kv.activation = ActivationBalloon(lent.pool, ActivationProfile(per_token_bytes=CHUNK))
+            kv.lengths_capped = True
+            alloc = TokenToKVPoolAllocator(64, torch.bfloat16, "cpu", types.SimpleNamespace(), need_sort=True)
+            up_kv.attach_elastic(alloc, kv)
+            kv.restrict_free_list(alloc)
+            kv.grow(alloc, 64, "request")
+            assert alloc.alloc(64) is not None  # every page held (running requests, say)
+            assert kv.buffers.num_mapped == 2 and lent.pool.available() == 0
+            assert reserve_activation(kv, alloc, None, _tokens_for(kv, 3), 1)
+            assert kv.activation.live == 3 and kv.buffers.num_mapped == 2  # borrowed, KV untouched
+        finally:
+            lent.close()

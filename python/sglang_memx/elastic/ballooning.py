@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
-from sglang_memx.elastic.shared_pool import borrow_tokens
+from sglang_memx.elastic.shared_pool import borrow_chunks
 
 
 def reserve_activation(kv, allocator, tree, tokens: int, seqs: int, *, urgent: bool = False) -> bool:
@@ -39,8 +39,8 @@ def reserve_activation(kv, allocator, tree, tokens: int, seqs: int, *, urgent: b
     if kv.lent is None:
         return False
     short = balloon.need_chunks(tokens, seqs) - balloon.held - kv.buffers.pool.available()
-    groups = -(-max(short, 1) // cpg)
-    if not borrow_tokens(kv, groups * kv.buffers.group_rows, may_wait=urgent, urgent=urgent):
+    # the activation's own chunks: KV's capacity (all groups mapped, say) does not bound them
+    if not borrow_chunks(kv, max(short, 1), may_wait=urgent, urgent=urgent):
         return False
     return balloon.reserve(tokens, seqs, kv_idle, deflate)
 

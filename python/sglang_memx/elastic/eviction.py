@@ -26,6 +26,5 @@ def free_groups(kv, allocator, tree, groups: int) -> int:
 def idle_kv_chunks(kv, allocator, tree) -> int:
     """KV chunks that could become FREE now: empty groups, plus groups' worth of evictable cache
     (``tree`` None: empty groups only, nothing evicted)."""
-    empty = len(kv.empty_groups(allocator))
-    evictable = up_radix.evictable_tokens(tree)
-    return (empty + evictable // kv.buffers.group_rows) * kv.buffers.chunks_per_group
+    evictable_pages = up_radix.evictable_tokens(tree) // kv.page_size
+    return kv.emptiable_groups(allocator, evictable_pages) * kv.buffers.chunks_per_group

@@ -329,6 +329,31 @@ class ElasticKV:
         empty = [g for g in self.buffers.mapped_groups() if g != 0 and counts[g] == self.usable_pages(g)]
         return sorted(empty, reverse=True)
 
+    def emptiable_groups(self, allocator, evictable_pages: int) -> int:
+        """Mapped groups other than 0 that are empty or that evicting at most ``evictable_pages``
+        cached pages in all could empty (cheapest first).
+
+        An upper estimate: it assumes the cached pages lie in those groups, so eviction (LRU,
+        upstream's order) may empty fewer; callers re-check what eviction freed. Counting whole
+        ``group_rows`` of evictable tokens instead would miss a partial last group (one page of
+        a server whose capacity is one group) and never evict for it.
+        """
+        if evictable_pages <= 0:
+            return len(self.empty_groups(allocator))
+        mapped = [g for g in self.buffers.mapped_groups() if 0 < g < self.num_groups]
+        if not mapped:
+            return 0
+        up_kv.merge_staged_frees(allocator)
+        counts = torch.bincount(up_kv.free_pages(allocator) // self.group_pages, minlength=self.num_groups).tolist()
+        used = sorted(self.usable_pages(g) - counts[g] for g in mapped)
+        n = 0
+        for u in used:
+            if u > evictable_pages:
+                break
+            evictable_pages -= u
+            n += 1
+        return n
+
     # ------------------------------------------------------------ checks
     def logical_free_pages(self, allocator) -> int:
         """Free pages in the logical sense (mapped free + every page of unmapped groups)."""

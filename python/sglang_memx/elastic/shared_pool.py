@@ -192,7 +192,18 @@ def attend(kv, scheduler) -> None:
 
 # ------------------------------------------------------------------ borrowing and giving back
 def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = False) -> int:
-    """Borrow enough whole groups for ``tokens`` more tokens; return groups borrowed.
+    """Borrow enough whole groups for ``tokens`` more tokens of KV (never more groups than KV
+    could still map); return groups borrowed. Waiting, back-off: ``borrow_chunks``."""
+    if kv.lent is None or tokens <= 0:
+        return 0
+    unmapped = kv.num_groups - kv.buffers.num_mapped - kv.affordable_groups()
+    groups = min(-(-tokens // kv.buffers.group_rows), max(0, unmapped))
+    return borrow_chunks(kv, groups, kv.buffers.chunks_per_group, may_wait=may_wait, urgent=urgent)
+
+
+def borrow_chunks(kv, units: int, unit_chunks: int = 1, *, may_wait: bool = True, urgent: bool = False) -> int:
+    """Borrow ``units`` units of ``unit_chunks`` chunks (KV: whole groups; an activation: single
+    chunks, which KV's capacity does not bound); return units borrowed.
 
     ``may_wait=False`` takes only what the arbiter has free right now. ``may_wait=True`` may
     make the arbiter reclaim from other servers; the scheduler waits for the grant at most
@@ -204,23 +215,20 @@ def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = Fals
     reclaiming from peers) is no refusal: nothing more is asked until it lands, without back-off.
     """
     lent = kv.lent
-    if lent is None or tokens <= 0:
+    if lent is None or units <= 0:
         return 0
     now = time.monotonic()
     if not urgent and now < kv.borrow_backoff_until:
         return 0
-    unmapped = kv.num_groups - kv.buffers.num_mapped - kv.affordable_groups()
-    groups = min(-(-tokens // kv.buffers.group_rows), max(0, unmapped))
-    cpg = kv.buffers.chunks_per_group
     if not may_wait:
-        groups = min(groups, lent.available_now() // cpg)
-    if groups <= 0:
+        units = min(units, lent.available_now() // unit_chunks)
+    if units <= 0:
         return 0
     wait = URGENT_WAIT_S if urgent else QUEUE_WAIT_S
-    got = groups if lent.borrow(groups * cpg, wait=wait) else 0
+    got = units if lent.borrow(units * unit_chunks, wait=wait) else 0
     if not got and may_wait:
-        fewer = min(groups - 1, lent.last_denied_available // cpg)  # take what can be had now
-        got = fewer if fewer > 0 and lent.borrow(fewer * cpg, wait=wait) else 0
+        fewer = min(units - 1, lent.last_denied_available // unit_chunks)  # take what can be had now
+        got = fewer if fewer > 0 and lent.borrow(fewer * unit_chunks, wait=wait) else 0
     if got:
         kv.borrow_backoff_s = BORROW_BACKOFF_S
     elif may_wait and not lent.outstanding:
