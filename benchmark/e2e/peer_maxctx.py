@@ -48,7 +48,11 @@ def model(layers: int):
 
 
 def fits(server: SGLangServer, ids: list[int]) -> list[int] | None:
-    """The greedy output, or None if the server refused or failed the prompt."""
+    """The greedy output, or None if the server refused or failed the prompt. Every probe starts
+    with an empty prefix cache (``/flush_cache``): probes are independent, and a memx server then
+    never has to evict an earlier probe's prefix first (an elastic-KV admission stall seen with an
+    evictable 4,115-token prefix and a 6,144-token probe: docs/peer-kv.md)."""
+    server.request_text("/flush_cache")
     try:
         out = server.request("/generate", {"input_ids": ids, "sampling_params": {
             "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}}, timeout=600)  # fmt: skip
