@@ -86,7 +86,8 @@ def plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["stock", "memx LSC", "plan_lsc bound"]
+    names = ["stock", "memx LSC (at least)" if doc["memx"].get("max_context_is_lower_bound") else "memx LSC",
+             "plan_lsc bound"]  # fmt: skip
     bound = doc["memx"]["layer_stream"]["plan_lsc"]["max_context_tokens"]
     vals = [doc["stock"]["max_context"], doc["memx"]["max_context"], bound]
     fig, ax = plt.subplots(figsize=(6, 4))
