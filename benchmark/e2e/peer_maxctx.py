@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from support.server import SGLangServer, start_all  # noqa: E402
 
 RESULTS = REPO / "benchmark" / "results" / "e2e"
-COMMON = ["--dtype", "float32", "--chunked-prefill-size", "256"]
+COMMON = ["--dtype", "float32"]
 NEW = 4
 
 
@@ -107,8 +107,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--donate-gb", type=float, default=0.04, help="the donor's --memx-peer-donate-max-gb")
     ap.add_argument("--budget-gb", type=float, default=0.15, help="the shared pool's budget")
+    ap.add_argument("--chunk", type=int, default=256, help="--chunked-prefill-size of every server")
     ap.add_argument("--out", default="peer_maxctx")
     args = ap.parse_args()
+    common = COMMON + ["--chunked-prefill-size", str(args.chunk)]
     os.environ["SGLANG_MEMX_PEER_KV_UNVERIFIED"] = "1"
     path, spec = model(args.layers)
     pool_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"memx-maxctx-{os.getpid()}"
@@ -117,11 +119,11 @@ def main() -> None:
     pool = ["--memx-elastic-kv", "--memx-pool", name, "--memx-pool-budget-gb", str(args.budget_gb),
             "--memx-pool-dir", str(pool_dir)]  # fmt: skip
     donor = SGLangServer(path, name="maxctx-donor", max_total_tokens=65536,
-                         extra_args=COMMON + pool + ["--memx-peer-kv", "donate", "--memx-peer-donate-max-gb",
+                         extra_args=common + pool + ["--memx-peer-kv", "donate", "--memx-peer-donate-max-gb",
                                                      str(args.donate_gb)])  # fmt: skip
     stream = ["--memx-peer-kv", "borrow", "--memx-peer-layer-stream"]
-    memx = SGLangServer(path, name="maxctx-memx", max_total_tokens=args.tokens, extra_args=COMMON + pool + stream)
-    stock = SGLangServer(path, name="maxctx-stock", stock=True, max_total_tokens=args.tokens, extra_args=COMMON)
+    memx = SGLangServer(path, name="maxctx-memx", max_total_tokens=args.tokens, extra_args=common + pool + stream)
+    stock = SGLangServer(path, name="maxctx-stock", stock=True, max_total_tokens=args.tokens, extra_args=common)
     rng = random.Random(0)
     t0 = time.time()
     doc: dict = {
@@ -145,7 +147,7 @@ def main() -> None:
         doc["stock"] = {"max_total_num_tokens": info[stock.name], "max_context": st_stock}
         doc["memx"] = {"max_total_num_tokens": info[memx.name], "max_context": st_memx, "layer_stream": status}
         stock.stop()
-        big = SGLangServer(path, name="maxctx-stock-big", stock=True, max_total_tokens=st_memx + 256, extra_args=COMMON)
+        big = SGLangServer(path, name="maxctx-stock-big", stock=True, max_total_tokens=st_memx + 256, extra_args=common)
         start_all([big])
         try:
             ref = fits(big, tokens[:st_memx])
