@@ -10,6 +10,14 @@ Kinds (``--kinds``, rotated in a seeded order; ``--seed`` is printed so a run re
   (the chunks they hold), say so in ``/memx/status`` (``shared_pool.arbiter.connected``), and
   keep serving; when a restarted engine starts a new arbiter, the survivors rejoin it and their
   chunks are booked again (``docs/memory-pool.md``, "Arbiter death").
+* ``peer_donor`` (needs the peer tier: ``--peer-kv auto`` and a build that runs it): the first
+  model runs as two replicas of one layout (``soak.py``) that lend to / borrow from each other.
+  Once one of them is donating (its ``peer_kv.donor.donated_bytes > 0``) while its sibling
+  borrows, the donating engine (``launch_server`` and its scheduler / detokenizer) is SIGKILLed.
+  Checked: the sibling answers its greedy probe (asked on its own port) unchanged, its
+  ``peer_kv.borrower.donors_lost`` grows, the arbiter's books balance, the supervisor restarts
+  the killed replica, and the tier re-links: a replica borrows again (``borrowed_bytes > 0``
+  from a donor it did not know before the kill) within ``--relink-timeout-s``.
 * ``router``: ``sglang-memx serve`` itself. Its engines die with it (``PR_SET_PDEATHSIG``) and
   its pool's arbiter too (``--owner-pid``); the script checks that nothing is left, then starts
   ``serve`` again with the same config, as an operator's process manager would.
@@ -23,7 +31,7 @@ created == budget at every arbiter that answers. Over the whole run: no request 
 Exit 0 when every check held. JSON + PNG under ``benchmark/results/faults/``; the figures are in
 ``docs/reliability.md``, "Faults".
 
-    python benchmark/faults.py [--kills 6] [--kinds engine,arbiter,router] [--seed S]
+    python benchmark/faults.py [--kills 8] [--kinds engine,arbiter,peer_donor,router] [--seed S]
 """
 
 from __future__ import annotations
@@ -46,11 +54,11 @@ sys.path.insert(0, str(REPO))
 from benchmark.e2e.consolidation import model_specs  # noqa: E402
 from benchmark.e2e.router_proc import Serve, http_json, process_tree  # noqa: E402
 from benchmark.load_driver import LoadDriver, add_load_arguments  # noqa: E402
-from benchmark.soak import Checker, Client, probe, serve_config, traffic  # noqa: E402
+from benchmark.soak import Checker, Client, peer_tier_status, probe, serve_config, traffic  # noqa: E402
 from memory_ext.proc import pid_alive  # noqa: E402
 from support.server import free_port  # noqa: E402
 
-KINDS = ("engine", "arbiter", "router")
+KINDS = ("engine", "arbiter", "peer_donor", "router")
 
 
 def wait_healthy(serve: Serve, timeout: float) -> float:
@@ -95,6 +103,107 @@ def arbiter_states(serve: Serve) -> dict[str, object]:
     return out
 
 
+def peer_views(serve: Serve, model: str) -> dict[str, dict]:
+    """``peer_kv`` of every replica of ``model``: engine key -> {pid, url, donated_bytes, leases,
+    borrowed_bytes, donors (donor names with bytes borrowed from each), donors_lost}."""
+    out = {}
+    for key, e in engines(serve).items():
+        if e.get("model") != model or not e.get("alive", True):
+            continue
+        try:
+            pk = http_json(e["url"] + "/memx/status", timeout=10)["schedulers"][0]["peer_kv"]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            continue
+        donor, borrower = pk.get("donor") or {}, pk.get("borrower") or {}
+        out[key] = {"pid": e["pid"], "url": e["url"], "donated_bytes": donor.get("donated_bytes", 0),
+                    "leases": len(donor.get("leases", [])), "borrowed_bytes": borrower.get("borrowed_bytes", 0),
+                    "donors": {p["donor"]: p["borrowed_bytes"] for p in borrower.get("peers", [])},
+                    "donors_lost": borrower.get("donors_lost", 0),
+                    "pages_hit": borrower.get("pages_hit", 0)}  # fmt: skip
+    return out
+
+
+def lending_pair(serve: Serve, model: str) -> tuple[str, str, dict] | None:
+    """``(donor key, borrower key, views)`` when one replica lends (donated bytes or a lease) and
+    another borrows (borrowed bytes > 0), else None."""
+    views = peer_views(serve, model)
+    for d, dv in views.items():
+        if dv["donated_bytes"] > 0 or dv["leases"]:
+            for b, bv in views.items():
+                if b != d and bv["borrowed_bytes"] > 0:
+                    return d, b, views
+    return None
+
+
+def kill_peer_donor(serve: Serve, checker: Checker, model: str, baseline: str, args, record: dict) -> list[str]:
+    """The ``peer_donor`` fault (module docstring); fills ``record``, returns violations."""
+    bad: list[str] = []
+    pair = None
+    t0 = time.monotonic()
+    while pair is None and time.monotonic() - t0 < args.lend_timeout_s:
+        pair = lending_pair(serve, model)
+        if pair is None:
+            time.sleep(1.0)
+    record["waited_for_lending_s"] = round(time.monotonic() - t0, 1)
+    if pair is None:
+        record["skipped"] = f"no replica of {model} lent to a borrowing sibling within {args.lend_timeout_s:.0f} s"
+        return [f"peer_donor: {record['skipped']}"]
+    donor, sibling, views = pair
+    known = set(views[sibling]["donors"])
+    lost_before = views[sibling]["donors_lost"]
+    sib_url = views[sibling]["url"]
+    tree = process_tree(views[donor]["pid"])
+    record.update(target=donor, pid=views[donor]["pid"], sibling=sibling, before=views)
+    for p in tree:  # the whole engine at once: launch_server, its scheduler (the donor) and detokenizer
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    t_kill = time.monotonic()
+    try:
+        got = probe(sib_url, model, args.request_timeout_s)
+        record["sibling_probe_unchanged"] = got == baseline
+        if got != baseline:
+            bad.append(f"peer_donor: probe of the sibling {sibling} changed: {got!r}")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        record["sibling_probe_unchanged"] = False
+        bad.append(f"peer_donor: probe of the sibling {sibling} failed: {exc!r}")
+
+    def lost_grew():
+        return peer_views(serve, model)[sibling]["donors_lost"] > lost_before
+
+    try:
+        wait_for(lost_grew, 60, "the sibling's donors_lost grew")
+        record["donor_lost_seen_s"] = round(time.monotonic() - t_kill, 1)
+    except TimeoutError as exc:
+        bad.append(f"peer_donor: {exc}")
+    pools = checker.conservation()
+    record["pools_after_kill"] = pools
+    if not all(p["conserved"] and not p["dead_clients"] for p in pools):
+        bad.append(f"peer_donor: pool not conserved right after the kill: {pools}")
+    try:
+        wait_for(lambda: engines(serve)[donor]["pid"] != record["pid"] and engines(serve)[donor]["state"] == "awake",
+                 args.recover_timeout_s, f"{donor} restarted")  # fmt: skip
+        record["restarted_s"] = round(time.monotonic() - t_kill, 1)
+    except TimeoutError as exc:
+        bad.append(f"peer_donor: {exc}")
+        return bad
+
+    def relinked():
+        views = peer_views(serve, model)
+        new_donor = any(n not in known and b > 0 for n, b in views.get(sibling, {}).get("donors", {}).items())
+        return new_donor or views.get(donor, {}).get("borrowed_bytes", 0) > 0
+
+    try:
+        wait_for(relinked, args.relink_timeout_s, "the peer tier re-linked (a replica borrowing again)")
+        record["relinked_s"] = round(time.monotonic() - t_kill, 1)
+    except TimeoutError as exc:
+        record["relinked_s"] = None
+        bad.append(f"peer_donor: {exc}")
+    record["after"] = peer_views(serve, model)
+    return bad
+
+
 def plot(doc: dict, path: Path) -> None:
     """Recovery time per fault (bars, by kind) and the run's request outcomes."""
     import matplotlib
@@ -102,7 +211,7 @@ def plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"engine": "#48c", "arbiter": "#c84", "router": "#a4a"}
+    colors = {"engine": "#48c", "arbiter": "#c84", "peer_donor": "#4a6", "router": "#a4a"}
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [3, 2]})
     for f in doc["faults"]:
         a.bar(f["n"], f.get("recovered_s") or 0, color=colors[f["kind"]], label=f["kind"])
@@ -130,12 +239,18 @@ def main(argv=None) -> int:
     add_load_arguments(ap, "faults", rate=1.0)
     ap.add_argument("--recover-timeout-s", type=float, default=600.0)
     ap.add_argument("--leftover-timeout-s", type=float, default=30.0)
+    ap.add_argument("--peer-kv", choices=("auto", "off"), default="auto")
+    ap.add_argument("--lend-timeout-s", type=float, default=240.0, help="peer_donor: wait for a lending pair")
+    ap.add_argument("--relink-timeout-s", type=float, default=300.0, help="peer_donor: wait for borrowing again")
     args = ap.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if not kinds or set(kinds) - set(KINDS):
         ap.error(f"--kinds: choose from {', '.join(KINDS)}, got {args.kinds!r}")
     if args.kills < 1:
         ap.error("--kills: must be >= 1")
+    peer, peer_why = (False, "off (--peer-kv off)") if args.peer_kv == "off" else peer_tier_status()
+    if "peer_donor" in kinds and not peer:
+        ap.error(f"--kinds: peer_donor needs the peer KV tier, which is {peer_why}")
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 30)
     command = "python benchmark/faults.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -152,7 +267,8 @@ def main(argv=None) -> int:
               for n, s in model_specs().items()}  # fmt: skip
     names = list(models)
     port = free_port()
-    config = serve_config(args, models, port, tmp, peer=False)
+    print(f"peer KV tier: {peer_why}", flush=True)
+    config = serve_config(args, models, port, tmp, peer=peer)
     pool_dir = tmp / "pools"
     serve = Serve(config, port, "faults-serve")
     load = LoadDriver(args.workers)
@@ -167,7 +283,7 @@ def main(argv=None) -> int:
         checker = Checker(serve, pool_dir, names, baseline, args.request_timeout_s)
         horizon = args.kills * (args.gap_s * 1.5 + args.recover_timeout_s)
         client = Client(serve.url, args.request_timeout_s)
-        events = traffic(args, names, rng, horizon)
+        events = traffic(args, names, rng, horizon, reuse_model=names[0] if peer else None)
         load.start(client, events)
         for i, kind in enumerate(order):
             time.sleep(rng.uniform(0.5, 1.5) * args.gap_s)
@@ -185,6 +301,8 @@ def main(argv=None) -> int:
                     record["restarted_s"] = round(time.monotonic() - t_kill, 1)
                 except TimeoutError as exc:
                     violations.append(f"fault {i} (engine): {exc}")
+            elif kind == "peer_donor":
+                violations += kill_peer_donor(serve, checker, names[0], baseline[names[0]], args, record)
             elif kind == "arbiter":
                 pids = checker.arbiter_pids()
                 if not pids:
@@ -248,7 +366,7 @@ def main(argv=None) -> int:
     leftovers = [p for p in process_tree(os.getpid()) if p != os.getpid() and pid_alive(p)]
     leftovers += [p for p in (checker.arbiter_pids() if checker is not None else []) if pid_alive(p)]
     doc = {"command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-           "params": vars(args), "order": order, "faults": faults, "requests": counts,
+           "params": vars(args), "peer_kv": peer_why, "order": order, "faults": faults, "requests": counts,
            "failures": failures[:80], "violations": violations, "final": final, "serve_exit": stopped,
            "leftovers": leftovers}  # fmt: skip
     doc["checks"] = {
@@ -259,13 +377,18 @@ def main(argv=None) -> int:
         "nothing left after a router kill or at the end": not leftovers and not any("left" in v for v in violations),
         "nothing else went wrong": not [v for v in violations if not any(w in v for w in ("probe", "pool", "left"))],
     }
+    donor_kills = [f for f in faults if f["kind"] == "peer_donor"]
+    if donor_kills:
+        doc["checks"]["peer_donor: a lending pair found, the sibling served, donors_lost grew, re-linked"] = all(
+            not f.get("skipped") and f.get("sibling_probe_unchanged") and f.get("donor_lost_seen_s") is not None
+            and f.get("relinked_s") is not None for f in donor_kills)  # fmt: skip
     doc["passed"] = all(doc["checks"].values())
     results = Path(args.results_dir)
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{args.out}.json").write_text(json.dumps(doc, indent=1))
     plot(doc, results / f"{args.out}.png")
     print(json.dumps({"checks": doc["checks"], "requests": counts, "violations": violations[:10],
-                      "faults": [{k: f.get(k) for k in ("kind", "target", "recovered_s", "left_after_s")}
+                      "faults": [{k: f.get(k) for k in ("kind", "target", "recovered_s", "left_after_s", "relinked_s")}
                                  for f in faults]}, indent=1))  # fmt: skip
     print(f"{'PASS' if doc['passed'] else 'FAIL'}; wrote {results / args.out}.json", flush=True)
     return 0 if doc["passed"] else 1

@@ -67,6 +67,19 @@ from support.server import LOG_DIR, free_port  # noqa: E402
 KINDS = {"chat": 3, "chat_stream": 3, "long": 1, "program": 1, "generate": 1, "abort": 1}
 PROBE = "The soak probe asks the same thing every time:"
 LONG_WORDS = 150
+# With the peer tier on, the first model runs as two replicas (one layout: they lend to and borrow
+# from each other) and also gets ``reuse``: long prompts whose prefix is one of REUSE_CONVERSATIONS
+# per conversation, more of them than its KV keeps, so prefixes are evicted (spilled to the
+# sibling) and come back (peer hits).
+PEER_REPLICAS = 2
+REUSE_WEIGHT = 4
+REUSE_CONVERSATIONS = 10
+# What the JSON records of every engine's ``/memx/status`` ``peer_kv`` per check.
+PEER_COUNTERS = ("spills", "pages_spilled", "hits", "pages_loaded", "tokens_loaded", "lookups_missed",
+                 "loads_no_room", "recomputes_after_reclaim", "reclaims", "reclaimed_chunks", "donated_chunks",
+                 "donors_connected")  # fmt: skip
+PEER_BORROWER = ("borrowed_bytes", "pages_stored", "bytes_stored", "pages_hit", "bytes_loaded", "donors_lost",
+                 "entries_dropped_reclaim", "entries_dropped_dead")  # fmt: skip
 
 
 def peer_tier_status() -> tuple[bool, str]:
@@ -89,7 +102,8 @@ def serve_config(args, models: dict[str, Path], port: int, tmp: Path, peer: bool
             {"name": name, "path": str(path), "dtype": "float32", "ttft_slo_ms": 5000, "max_total_tokens": 4096,
              "kv_reserve_tokens": 64, "max_inflight": 8, "max_queued": 32,
              "sleep_after_s": None if i == 0 else args.sleep_after_s,
-             "server_args": ["--chunked-prefill-size", "64"]}
+             "server_args": ["--chunked-prefill-size", "64"],
+             **({"min_replicas": PEER_REPLICAS} if peer and i == 0 else {})}
             for i, (name, path) in enumerate(models.items())
         ],
         "devices": [{"name": "cpu0", "kind": "cpu", "memory_gb": args.memory_mb / 1024}],
@@ -101,11 +115,14 @@ def serve_config(args, models: dict[str, Path], port: int, tmp: Path, peer: bool
     return path
 
 
-def traffic(args, names: list[str], rng: random.Random, until: float) -> list[tuple[float, str, str]]:
-    """``(offset s, model, kind)``, sorted: per model ON/OFF periods with Poisson arrivals."""
+def traffic(args, names: list[str], rng: random.Random, until: float,
+            reuse_model: str | None = None) -> list[tuple[float, str, str]]:  # fmt: skip
+    """``(offset s, model, kind)``, sorted: per model ON/OFF periods with Poisson arrivals;
+    ``reuse_model`` (the replicated model when the peer tier is on) also gets ``reuse``."""
     out = []
-    kinds, weights = list(KINDS), list(KINDS.values())
     for name in names:
+        mix = {**KINDS, "reuse": REUSE_WEIGHT} if name == reuse_model else KINDS
+        kinds, weights = list(mix), list(mix.values())
         t, on = rng.uniform(0, 6), rng.random() < 0.5
         while t < until:
             length = rng.uniform(4, 12) if on else rng.uniform(6, 20)
@@ -196,6 +213,13 @@ class Client:
         r = self._post("/v1/completions", {"model": name, "prompt": text, "max_tokens": 16, "temperature": 0})
         return ("ok", "") if r["usage"]["completion_tokens"] >= 1 else ("failed", f"no tokens: {r}")
 
+    def _reuse(self, name, n):
+        """A long prompt whose first LONG_WORDS words are conversation ``n % REUSE_CONVERSATIONS``'s."""
+        c = n % REUSE_CONVERSATIONS
+        text = f"conversation {c} " + " ".join(f"c{c}_{j}" for j in range(LONG_WORDS)) + f" turn {n}:"
+        r = self._post("/v1/completions", {"model": name, "prompt": text, "max_tokens": 8, "temperature": 0})
+        return ("ok", "") if r["usage"]["completion_tokens"] >= 1 else ("failed", f"no tokens: {r}")
+
     def _generate(self, name, n):
         r = self._post(
             f"/models/{name}/generate",
@@ -242,8 +266,10 @@ def probe(url: str, name: str, timeout: float) -> str:
 class Checker:
     """The periodic checks; every violation is appended to ``self.violations`` with its time."""
 
-    def __init__(self, serve: Serve, pool_dir: Path, names: list[str], baseline: dict[str, str], timeout: float):
+    def __init__(self, serve: Serve, pool_dir: Path, names: list[str], baseline: dict[str, str], timeout: float,
+                 peer: bool = False):  # fmt: skip
         self.serve, self.pool_dir, self.names, self.baseline, self.timeout = serve, pool_dir, names, baseline, timeout
+        self.peer = peer
         self.samples: list[dict] = []
         self.violations: list[str] = []
         self.t0 = time.monotonic()
@@ -273,9 +299,44 @@ class Checker:
             held = sum(c["held"] for c in st["clients"])
             ok = held + st["free"] + (st["budget"] - st["created"]) == st["budget"] and st["created"] <= st["budget"]
             dead = [c["pid"] for c in st["clients"] if c.get("pid") and not Path(f"/proc/{c['pid']}").exists()]
+            # Every chunk lent here is booked under exactly one owner (a peer donation is the donor's,
+            # ``peer_donation``; a borrower imports it but never holds it at the arbiter); adopted
+            # chunks (after an arbiter restart) carry no owner.
+            by_owner: dict[str, int] = {}
+            for c in st["clients"]:
+                for owner, n in c.get("by_owner", {}).items():
+                    by_owner[owner] = by_owner.get(owner, 0) + n
+            unlabelled = [
+                c["pid"]
+                for c in st["clients"]
+                if sum(c.get("by_owner", {}).values()) + c.get("adopted", 0) != c["held"]
+            ]
             out.append({"pool": sock.stem, "budget": st["budget"], "created": st["created"], "free": st["free"],
-                        "held": held, "clients": len(st["clients"]), "conserved": ok,
+                        "held": held, "clients": len(st["clients"]), "by_owner": by_owner,
+                        "conserved": ok and not unlabelled, "owner_mismatch": unlabelled,
                         "dead_clients": dead})  # fmt: skip
+        return out
+
+    def peer_counters(self) -> dict[str, dict]:
+        """Every engine's ``/memx/status`` ``peer_kv`` counters (scheduler 0), by engine key."""
+        out = {}
+        for key, e in http_json(self.serve.url + "/memx/serve")["engines"].items():
+            try:
+                pk = http_json(e["url"] + "/memx/status", timeout=10)["schedulers"][0].get("peer_kv") or {}
+            except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+                out[key] = {"error": f"{exc!r}"[:120]}
+                continue
+            row = {k: pk.get(k, 0) for k in PEER_COUNTERS}
+            donor = pk.get("donor") or {}
+            row["donated_bytes"] = donor.get("donated_bytes", 0)
+            row["leases"] = len(donor.get("leases", []))
+            row["refused"] = donor.get("refused", 0)
+            borrower = pk.get("borrower") or {}
+            row.update({k: borrower.get(k, 0) for k in PEER_BORROWER})
+            row["donors"] = len(borrower.get("peers", []))
+            row["refused_by"] = len(borrower.get("refused_by", []))
+            row["pid"] = e.get("pid")
+            out[key] = row
         return out
 
     def check(self, label: str, with_probe: bool = True, per_process: bool = False) -> dict:
@@ -289,6 +350,11 @@ class Checker:
         for p in sample["pools"]:
             if not p["conserved"] or p["dead_clients"]:
                 self.violations.append(f"{t:.0f} s: pool {p['pool']} not conserved or dead clients: {p}")
+        if self.peer:
+            try:
+                sample["peer"] = self.peer_counters()
+            except Exception as exc:  # noqa: BLE001 - the router's status not answering is a violation
+                self.violations.append(f"{t:.0f} s: peer counters unreadable: {exc!r}")
         procs = self.processes()
         sample["rss_bytes"] = sum(p["rss_bytes"] for p in procs)
         sample["fds"] = sum(p["fds"] for p in procs)
@@ -337,6 +403,25 @@ def per_process_change(before: dict, after: dict) -> list[dict]:
              "memfd_fds": [old[p["pid"]]["memfd_fds"], p["memfd_fds"]],
              "rss_mib": [round(old[p["pid"]]["rss_bytes"] / 2**20, 1), round(p["rss_bytes"] / 2**20, 1)]}
             for p in after.get("per_process", []) if p["pid"] in old]  # fmt: skip
+
+
+def peer_summary(samples: list[dict], model: str) -> dict:
+    """The peer tier over the run: the last check's counters per engine, their sums, and the most
+    any engine borrowed / lent at one check (counters restart with an engine)."""
+    rows = [x["peer"] for x in samples if x.get("peer")]
+    last = rows[-1] if rows else {}
+    numeric = [r for r in last.values() if "error" not in r]
+    keys = PEER_COUNTERS + PEER_BORROWER + ("donated_bytes",)
+    return {
+        "model": model,
+        "replicas": PEER_REPLICAS,
+        "final": last,
+        "totals": {k: sum(r.get(k, 0) for r in numeric) for k in keys},
+        "max_borrowed_bytes": max((r.get("borrowed_bytes", 0) for x in rows for r in x.values()), default=0),
+        "max_donated_bytes": max((r.get("donated_bytes", 0) for x in rows for r in x.values()), default=0),
+        "checks_with_borrowing": sum(any(r.get("borrowed_bytes", 0) > 0 for r in x.values()) for x in rows),
+        "checks": len(rows),
+    }
 
 
 def growth(before: dict, after: dict, key: str) -> float:
@@ -407,10 +492,10 @@ def main(argv=None) -> int:
         serve.wait_ready()
         startup_s = time.monotonic() - t_begin
         baseline = {n: probe(serve.url, n, args.request_timeout_s) for n in names}
-        checker = Checker(serve, tmp / "pools", names, baseline, args.request_timeout_s)
+        checker = Checker(serve, tmp / "pools", names, baseline, args.request_timeout_s, peer=peer)
         client = Client(serve.url, args.request_timeout_s)
         for phase, length in (("warmup", args.warmup_s), ("soak", args.duration_s)):
-            load.start(client, traffic(args, names, rng, length))
+            load.start(client, traffic(args, names, rng, length, reuse_model=names[0] if peer else None))
             while load.is_alive():
                 load.join(args.check_s)
                 if load.is_alive():
@@ -430,6 +515,7 @@ def main(argv=None) -> int:
         "rss_growth": growth(start, end, "rss_bytes"), "fd_growth": growth(start, end, "fds"),
         "serve_exit": stopped, "leftover_arbiters": leftovers,
         "per_process_change": per_process_change(start, end),
+        "peer": peer_summary(checker.samples, names[0]) if peer else None,
     }  # fmt: skip
     doc["checks"] = {
         "no failed request (5xx, hang, broken stream, unexpected 4xx)": not failures,
@@ -440,6 +526,10 @@ def main(argv=None) -> int:
         "serve exited 0 on SIGTERM, no arbiter left": stopped == 0 and not leftovers,
         "nothing else went wrong": not [v for v in checker.violations if "pool" not in v and "probe" not in v],
     }
+    if peer:  # the tier is only shown to work if bytes went to a donor and a sibling lent them
+        doc["checks"]["peer tier moved KV (bytes spilled to a donor, borrowed bytes > 0)"] = (
+            doc["peer"]["totals"].get("bytes_stored", 0) > 0 and doc["peer"]["max_borrowed_bytes"] > 0
+        )
     doc["passed"] = all(doc["checks"].values())
     results = Path(args.results_dir)
     results.mkdir(parents=True, exist_ok=True)
@@ -448,6 +538,7 @@ def main(argv=None) -> int:
     sent = sum(sum(v.values()) for v in counts.values())
     print(json.dumps({"checks": doc["checks"], "requests": counts, "sent": sent, "rss_growth": doc["rss_growth"],
                       "fd_growth": doc["fd_growth"], "violations": checker.violations[:10],
+                      "peer": doc["peer"] and {k: v for k, v in doc["peer"].items() if k != "final"},
                       "failures": failures[:5]}, indent=1))  # fmt: skip
     print(f"{'PASS' if doc['passed'] else 'FAIL'}; wrote {results / args.out}.json, .png", flush=True)
     return 0 if doc["passed"] else 1

@@ -1,5 +1,6 @@
 """The 2-minute soak (``benchmark/soak.py``): ``sglang-memx serve`` with three co-located tiny
-models, elastic KV + shared pool, host buffer, sleep / wake (and the peer tier when it runs),
+models, elastic KV + shared pool, host buffer, sleep / wake and, when the build runs it, the peer tier
+(the first model as two replicas lending KV to each other; then the tier must have moved bytes),
 under seeded bursty mixed traffic. Every check of the soak must hold; a failure prints the
 seed and the first violations so the run replays with ``--seed``."""
 
@@ -32,7 +33,14 @@ def test_two_minute_soak_keeps_every_invariant(tmp_path):
     assert not failed, (failed, doc["violations"][:10], doc["failures"][:5], f"replay: --seed {doc['params']['seed']}")
     assert proc.returncode == 0, out[-4000:]
     # The soak is only evidence if the traffic happened: every kind, mostly answered.
-    assert set(doc["requests"]) == {"chat", "chat_stream", "long", "program", "generate", "abort"}, doc["requests"]
+    kinds = {"chat", "chat_stream", "long", "program", "generate", "abort"}
+    if doc["peer"] is not None:
+        kinds.add("reuse")  # the replicated model's reused prefixes
+    assert set(doc["requests"]) == kinds, doc["requests"]
     ok = sum(v.get("ok", 0) for v in doc["requests"].values())
     assert ok >= 0.5 * sent and sent >= 60, doc["requests"]
     assert len(doc["samples"]) >= 10
+    if doc["peer"] is not None:  # the tier is on: two replicas of one model lent KV to each other
+        peer = doc["peer"]
+        assert peer["totals"]["bytes_stored"] > 0 and peer["max_borrowed_bytes"] > 0, peer
+        assert peer["max_donated_bytes"] > 0 and peer["totals"]["spills"] > 0, peer
