@@ -294,7 +294,8 @@ class Checker:
         from memory_ext.pool.arbiter_client import query_arbiter_status
 
         out = []
-        for sock in sorted(self.pool_dir.glob("*.sock")):
+        # The arbiters' sockets only: peer donors listen in the same directory (``<pool>.peer.<donor>.sock``).
+        for sock in sorted(p for p in self.pool_dir.glob("*.sock") if ".peer." not in p.name):
             st = query_arbiter_status(sock, name="soak-check")
             held = sum(c["held"] for c in st["clients"])
             ok = held + st["free"] + (st["budget"] - st["created"]) == st["budget"] and st["created"] <= st["budget"]
