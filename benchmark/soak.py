@@ -407,17 +407,21 @@ def per_process_change(before: dict, after: dict) -> list[dict]:
 
 
 def peer_summary(samples: list[dict], model: str) -> dict:
-    """The peer tier over the run: the last check's counters per engine, their sums, and the most
-    any engine borrowed / lent at one check (counters restart with an engine)."""
+    """The peer tier over the run. Counters start at 0 with each engine process, so the totals
+    add, per engine process (key, pid), its last reading; ``final`` is the last check's."""
     rows = [x["peer"] for x in samples if x.get("peer")]
-    last = rows[-1] if rows else {}
-    numeric = [r for r in last.values() if "error" not in r]
-    keys = PEER_COUNTERS + PEER_BORROWER + ("donated_bytes",)
+    last_of: dict[tuple[str, object], dict] = {}
+    for x in rows:
+        for key, r in x.items():
+            if "error" not in r:
+                last_of[(key, r.get("pid"))] = r
+    keys = PEER_COUNTERS + PEER_BORROWER
     return {
         "model": model,
         "replicas": PEER_REPLICAS,
-        "final": last,
-        "totals": {k: sum(r.get(k, 0) for r in numeric) for k in keys},
+        "engine_processes": len(last_of),
+        "final": rows[-1] if rows else {},
+        "totals": {k: sum(r.get(k, 0) for r in last_of.values()) for k in keys},
         "max_borrowed_bytes": max((r.get("borrowed_bytes", 0) for x in rows for r in x.values()), default=0),
         "max_donated_bytes": max((r.get("donated_bytes", 0) for x in rows for r in x.values()), default=0),
         "checks_with_borrowing": sum(any(r.get("borrowed_bytes", 0) > 0 for r in x.values()) for x in rows),
