@@ -30,9 +30,12 @@ def wait_until(cond, timeout=5.0):
 
 
 class FakeTree:
-    """Paths stored whole (node id -> tokens, slots); enough of UnifiedRadixCache for the tier."""
+    """Paths stored whole (node id -> tokens, slots); enough of UnifiedRadixCache for the tier.
+    ``insert`` follows upstream's duplicate rule (``unified_tree_core._insert_overlap_step``): the
+    slots of ``value`` past ``prev_prefix_len`` for tokens the tree already holds are freed."""
 
-    def __init__(self):
+    def __init__(self, alloc):
+        self.alloc = alloc
         self.nodes = {0: ([], torch.empty(0, dtype=torch.int64))}
 
     def path_device_indices(self, node):
@@ -59,6 +62,8 @@ class FakeTree:
     def insert(self, params):
         tokens = list(params.key.raw_token_ids())
         had, nid = self.match(tokens)[:2]
+        if params.prev_prefix_len < had:  # duplicates of what the tree holds go back to the allocator
+            self.alloc.free(params.value[params.prev_prefix_len : had])
         self.add(tokens, torch.cat([self.nodes[nid][1][:had], params.value[had:]]))
 
         class Result:
@@ -96,13 +101,22 @@ def setup(tmp_path):
     lease = donor.wait_for_lease()
     donor.grow(lease, 4)
     wait_until(lambda: link.num_blocks > 0)
-    tree, alloc = FakeTree(), FakeAllocator()
+    alloc = FakeAllocator()
+    tree = FakeTree(alloc)
     cache = PeerPrefixCache(tree, alloc, PeerKVIO(tier, k, v), SLOTS, Counter())
     yield cache, tree, alloc, k, v, donor, lease, link
     tier.close()
     donor.close()
     donor_vmm.close()
     borrower_vmm.close()
+
+
+def assert_no_slot_both_free_and_cached(tree, alloc):
+    """Every slot at most once in the allocator, and never both there and on a tree path."""
+    free = [int(i) for i in alloc.free_slots]
+    assert len(free) == len(set(free)), "a slot freed twice"
+    cached = {int(i) for _, slots in tree.nodes.values() for i in slots}
+    assert not cached & set(free), f"slots both cached and free: {sorted(cached & set(free))[:8]}"
 
 
 def _request(tree, cache, tokens, extra_key=None):
@@ -142,9 +156,39 @@ def test_evicted_path_comes_back_into_new_slots_and_nothing_leaks(setup):
     for layer, r in zip(k, rows):
         assert torch.equal(layer[path], r[: 5 * T])  # byte-identical KV for every token
     assert alloc.available_size() == free_before - (5 * T - 20)  # page 1's first 4 slots went back
+    assert_no_slot_both_free_and_cached(tree, alloc)  # the 20 device slots were not freed by the insert
     assert cache.stats["hits"] == 1 and cache.stats["pages_loaded"] == 4 and cache.stats["tokens_loaded"] == 60
     # a second match finds it all on the device: nothing is read again
     assert _request(tree, cache, tokens).device_prefix_len == 5 * T and cache.stats["hits"] == 1
+
+
+def test_tokens_the_tree_got_during_the_load_free_our_copies_once(setup, monkeypatch):
+    """Another request inserts part of the continuation while the peer read runs: the insert
+    keeps the tree's slots and frees our spare copies, exactly once (the soak's two replicas
+    crashed on upstream's idle leak check when these and the device prefix were freed too)."""
+    cache, tree, alloc, k, v, *_ = setup
+    tokens = list(range(4000, 4000 + 5 * T))
+    _spill_and_evict(cache, tree, alloc, k, tokens)
+    head = alloc.alloc(20)
+    tree.add(tokens[:20], head)
+    real_load = cache.io.load
+    theirs = {}
+
+    def load(toks, first, slots):
+        got = real_load(toks, first, slots)
+        theirs["slots"] = torch.cat([head, alloc.alloc(48 - 20)])  # another request's KV for 48 tokens
+        tree.add(tokens[:48], theirs["slots"])
+        return got
+
+    monkeypatch.setattr(cache.io, "load", load)
+    total = alloc.available_size() + 20  # every slot not cached by the evicted path
+    again = _request(tree, cache, tokens + [1])
+    assert again.device_prefix_len == 5 * T
+    path = tree.path_device_indices(again.last_device_node)
+    assert torch.equal(path[:48], theirs["slots"])  # the tree's slots win
+    assert_no_slot_both_free_and_cached(tree, alloc)
+    in_path = len({int(i) for i in path})
+    assert alloc.available_size() + in_path == total  # our 28 spare copies went back, nothing else
 
 
 def test_a_page_lost_between_match_and_read_is_recomputed(setup, monkeypatch):

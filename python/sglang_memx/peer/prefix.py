@@ -14,7 +14,9 @@ continuation, remember which token each tree slot holds.
   the allocator is short), the valid run is inserted into the tree, and the match is run again.
   A page whose read fails ends the run (the rest is recomputed); unused slots are freed.
 
-Invariant: no slot leaks. Every slot ``load`` allocates ends in the tree or back in the allocator.
+Invariant: no slot leaks. Every slot ``load`` allocates ends in the tree or back in the allocator,
+exactly once; the tree's own slots of the device match are never freed (the insert gets
+``prev_prefix_len`` = the device prefix, so upstream frees only our spare copies).
 """
 
 from __future__ import annotations
@@ -104,9 +106,10 @@ class PeerPrefixCache:
         if drop.numel():
             up_kv.free_tokens(self.allocator, drop)
         held = up_peer.path_slots(self.tree, last)[:prefix].to(keep.dtype)
-        had = up_peer.insert(self.tree, up_peer.key_prefix(radix_key, end), torch.cat([held, keep]))
-        if had > prefix:  # the tree got some of these tokens meanwhile: our copies are spare
-            up_kv.free_tokens(self.allocator, keep[: had - prefix])
+        # ``held`` is the tree's own slots: never freed. If the tree got some of the loaded tokens
+        # meanwhile, the insert itself frees our spare copies (upstream's duplicate rule past
+        # ``prev_prefix_len``); freeing them here too would free them twice.
+        up_peer.insert(self.tree, up_peer.key_prefix(radix_key, end), torch.cat([held, keep]), prefix)
         self.stats["hits"] += 1
         self.stats["pages_loaded"] += got
         self.stats["tokens_loaded"] += end - prefix

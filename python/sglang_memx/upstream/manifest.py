@@ -161,7 +161,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
                           "token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator"},
     "InsertResult": {"prefix_len": None},
     "RadixKey": {"is_bigram": None, "extra_key": None, "cache_salt": None, "raw_token_ids": None},
-    "InsertParams": {"key": "RadixKey", "value": None},
+    "InsertParams": {"key": "RadixKey", "value": None, "prev_prefix_len": None},
     "ModelRunner": {"token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator", "device": None,
                     "model": "LlamaForCausalLM", "server_args": "ServerArgs"},
     "WeightUpdater": {"get_model_runner": None},

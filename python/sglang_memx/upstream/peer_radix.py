@@ -73,7 +73,12 @@ def insert_parts(insert_params) -> tuple[object, object]:
     return insert_params.key, insert_params.value
 
 
-def insert(unified, radix_key, value: torch.Tensor) -> int:
-    """Insert ``value`` (KV slots) under ``radix_key``; returns the length the tree already held."""
+def insert(unified, radix_key, value: torch.Tensor, prev_prefix_len: int) -> int:
+    """Insert ``value`` (KV slots) under ``radix_key``; returns the length the tree already held.
+
+    Upstream's insert frees, as duplicates, the slots of ``value`` past ``prev_prefix_len`` for
+    tokens the tree already holds (``InsertParams.prev_prefix_len``): the caller passes the length
+    of ``value`` that *is* the tree's own slots (its device match), so those are never freed and
+    its spare copies of tokens the tree got meanwhile go back to the allocator here, once."""
     params = resolve("sglang.srt.mem_cache.base_prefix_cache.InsertParams")
-    return int(unified.insert(params(key=radix_key, value=value)).prefix_len)
+    return int(unified.insert(params(key=radix_key, value=value, prev_prefix_len=prev_prefix_len)).prefix_len)
