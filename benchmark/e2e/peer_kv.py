@@ -154,10 +154,6 @@ def make_servers(args, model: Path, plan: dict, pool_dir: Path, pool: str) -> di
         pool_args = ["--memx-elastic-kv", "--memx-pool", pool, "--memx-pool-dir", str(pool_dir),
                      "--memx-pool-budget-gb", repr(plan["memx_pool_budget_bytes"] / GIB)]  # fmt: skip
         env = {}
-        if args.unverified:
-            from sglang_memx.config import PEER_KV_UNVERIFIED_ENV
-
-            env[PEER_KV_UNVERIFIED_ENV] = "1"
         donate = ["--memx-peer-kv", "donate", "--memx-peer-donate-max-gb", repr(plan["memx_donate_max_bytes"] / GIB)]
         out["memx"] = {
             "borrower": SGLangServer(model, name="bench-peerkv-memx-b", max_total_tokens=args.borrower_tokens,
@@ -426,8 +422,6 @@ def main() -> int:
     ap.add_argument("--lend-tokens", type=int, default=3072, help="what the donor may lend (X): memx cap, HiCache host")
     ap.add_argument("--donor-gap-s", type=float, default=1.0, help="donor side: one short request this often")
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
-    ap.add_argument("--unverified", action="store_true",
-                    help="SGLANG_MEMX_PEER_KV_UNVERIFIED=1 for the memx servers (main refuses peer modes)")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
     ap.add_argument("--out", default="peer_kv", help="results name under benchmark/results/e2e/")
     args = ap.parse_args()

@@ -111,7 +111,6 @@ def main() -> None:
     ap.add_argument("--out", default="peer_maxctx")
     args = ap.parse_args()
     common = COMMON + ["--chunked-prefill-size", str(args.chunk)]
-    os.environ["SGLANG_MEMX_PEER_KV_UNVERIFIED"] = "1"
     path, spec = model(args.layers)
     pool_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"memx-maxctx-{os.getpid()}"
     pool_dir.mkdir(parents=True, exist_ok=True)

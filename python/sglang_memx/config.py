@@ -298,8 +298,6 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
 )
 
 PEER_KV_MODES = ("off", "donate", "borrow", "both")
-# Lifts the refusal of --memx-peer-kv for debugging the server wiring (test/integration/test_peer_kv.py).
-PEER_KV_UNVERIFIED_ENV = "SGLANG_MEMX_PEER_KV_UNVERIFIED"
 
 WEIGHT_MODES = ("off", "remap", "static")
 
@@ -491,13 +489,6 @@ class MemxConfig:
         if self.pool is None:
             raise MemxConfigError(
                 "--memx-peer-kv", "needs --memx-pool NAME (donors and borrowers are the servers of one shared pool)"
-            )
-        if os.environ.get(PEER_KV_UNVERIFIED_ENV) != "1":
-            raise MemxConfigError(
-                "--memx-peer-kv",
-                f"{mode!r} is not available yet: the tier is wired into the server (hooks, donor, borrower, "
-                "status) but its end-to-end test does not pass (a borrower's first request never runs); "
-                f"only 'off' runs unless {PEER_KV_UNVERIFIED_ENV}=1 (docs/peer-kv.md)",
             )
 
     def check_server_args(self, disable_radix_cache: bool, cuda_graphs: bool) -> None:

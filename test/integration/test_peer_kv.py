@@ -20,18 +20,12 @@ import time
 import pytest
 
 from memory_ext.pool.arbiter_client import query_arbiter_status
-from sglang_memx.config import PEER_KV_UNVERIFIED_ENV
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
 from support.server import SGLangServer, start_all
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(1200),
-    pytest.mark.skipif(
-        os.environ.get(PEER_KV_UNVERIFIED_ENV) != "1",
-        reason=f"--memx-peer-kv is refused until this passes; run with {PEER_KV_UNVERIFIED_ENV}=1 (docs/peer-kv.md: "
-        "the borrower's first request never runs)",
-    ),
 ]
 
 SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=7)

@@ -20,17 +20,12 @@ import urllib.error
 import pytest
 
 from memory_ext.pool.arbiter_client import query_arbiter_status
-from sglang_memx.config import PEER_KV_UNVERIFIED_ENV
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
 from support.server import SGLangServer, start_all
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(1200),
-    pytest.mark.skipif(
-        os.environ.get(PEER_KV_UNVERIFIED_ENV) != "1",
-        reason=f"--memx-peer-kv is refused until test_peer_kv passes; run with {PEER_KV_UNVERIFIED_ENV}=1",
-    ),
 ]
 
 # 8 layers: the layer split can reach L / (resident + staging) = 8x the stock tokens

@@ -1,12 +1,11 @@
-"""--memx-peer-kv / --memx-peer-donate-max-gb: parsed and validated (errors name the flag); any mode
-but 'off' is refused unless SGLANG_MEMX_PEER_KV_UNVERIFIED=1 (the server wiring's end-to-end test does
-not pass yet); the upstream flags the tier cannot serve are refused (docs/peer-kv.md)."""
+"""--memx-peer-kv / --memx-peer-donate-max-gb: parsed and validated (errors name the flag); the
+upstream flags the tier cannot serve are refused (docs/peer-kv.md)."""
 
 import argparse
 
 import pytest
 
-from sglang_memx.config import PEER_KV_UNVERIFIED_ENV, MemxConfig, MemxConfigError, add_memx_arguments
+from sglang_memx.config import MemxConfig, MemxConfigError, add_memx_arguments
 from sglang_memx.peer.checks import check_peer_kv
 
 POOL = ["--memx-elastic-kv", "--memx-pool", "p1"]
@@ -55,14 +54,8 @@ def test_bad_values_name_the_flag(argv, flag, fragment):
 
 
 @pytest.mark.parametrize("mode", ["donate", "borrow", "both"])
-def test_valid_modes_are_refused_unless_unverified_use_is_asked_for(mode, monkeypatch):
+def test_valid_modes_parse(mode):
     extra = ["--memx-peer-donate-max-gb", "1.5"] if mode != "borrow" else []
-    monkeypatch.delenv(PEER_KV_UNVERIFIED_ENV, raising=False)
-    with pytest.raises(MemxConfigError) as err:
-        _parse(POOL + ["--memx-peer-kv", mode] + extra)
-    assert err.value.flag == "--memx-peer-kv"
-    assert "not available yet" in str(err.value) and PEER_KV_UNVERIFIED_ENV in str(err.value)
-    monkeypatch.setenv(PEER_KV_UNVERIFIED_ENV, "1")
     cfg = _parse(POOL + ["--memx-peer-kv", mode] + extra)
     assert cfg.peer_kv == mode and cfg.features["peer_kv"] is True
     assert cfg.peer_donate_max_gb == (1.5 if extra else None)
@@ -98,9 +91,8 @@ def test_the_server_parser_exits_2_naming_the_flag(capsys):
     assert "argument --memx-peer-kv: needs --memx-pool" in capsys.readouterr().err
 
 
-def test_layer_stream_with_borrow(monkeypatch):
+def test_layer_stream_with_borrow():
     assert _parse([]).peer_layer_stream is False
-    monkeypatch.setenv(PEER_KV_UNVERIFIED_ENV, "1")
     cfg = _parse(POOL + ["--memx-peer-kv", "borrow", "--memx-peer-layer-stream"])
     assert cfg.peer_layer_stream is True and cfg.features["peer_kv"] is True
     assert MemxConfig.from_dict(cfg.to_dict()) == cfg
