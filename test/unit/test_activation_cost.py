@@ -135,3 +135,37 @@ def test_activation_borrows_its_chunks_from_the_arbiter_when_kv_holds_every_grou
             assert kv.activation.live == 3 and kv.buffers.num_mapped == 2  # borrowed, KV untouched
         finally:
             lent.close()
+
+
+def test_balance_borrows_what_kv_and_the_activation_need_together(monkeypatch):
+    """Regression (issue 16, the layer stream cache's long prompts): every unmapped group looked
+    affordable because FREE + idle activation chunks covered them, so ``borrow_tokens`` (capped
+    at ``unmapped - affordable`` groups) asked for nothing, while the request needed those
+    groups *and* its activation: it waited forever. The shortfall is now counted in chunks."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    from memory_ext.pool.arbiter import Arbiter
+    from memory_ext.pool.lent_pool import LentPool
+    from sglang_memx.elastic import demand, shared_pool
+    from support.arbiter import socket_dir
+
+    with socket_dir("memx-bal-") as d, Arbiter(str(d / "p.sock"), host_backend(CHUNK), 128):
+        lent = LentPool(str(d / "p.sock"), "server", host_backend(CHUNK))
+        try:
+            assert lent.borrow(4 + 29 + 3) == 36  # group 0, 29 FREE, 3 for the activation
+            kv = ElasticKV(LayeredKVBuffers(lent.pool, [ROW] * 4, 513, 1), 1, 512, lent=lent)
+            kv.activation = ActivationBalloon(lent.pool, ActivationProfile(per_token_bytes=CHUNK))
+            kv.lengths_capped = True
+            alloc = TokenToKVPoolAllocator(512, torch.bfloat16, "cpu", types.SimpleNamespace(), need_sort=True)
+            up_kv.attach_elastic(alloc, kv)
+            kv.restrict_free_list(alloc)
+            _hold(kv, 3)
+            assert kv.num_groups - kv.buffers.num_mapped == 8 and kv.affordable_groups() == 8
+            monkeypatch.setattr(demand, "queue_demand_tokens", lambda scheduler: 512)  # the head: all 8 groups
+            monkeypatch.setattr(shared_pool, "report", lambda *a: None)
+            scheduler = types.SimpleNamespace(waiting_queue=[object()])
+            shared_pool.balance(kv, alloc, None, scheduler, 3)
+            # 8 groups (32 chunks) + 3 activation chunks against 29 FREE + 3 held: 3 borrowed
+            assert lent.pool.available() == 29 + 3
+        finally:
+            lent.close()

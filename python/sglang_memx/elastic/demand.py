@@ -94,11 +94,9 @@ def activation_tokens(kv, chunks: int) -> int:
     return -(-chunks // kv.buffers.chunks_per_group) * kv.buffers.group_rows
 
 
-def head_activation_tokens(kv, scheduler) -> int:
-    """The head request's prefill activation in KV-token equivalents, held or not: the
-    allocator's ``available_size`` counts idle activation chunks as growable KV, and the
-    head's prefill will make them live again."""
+def head_activation_chunks(kv, scheduler) -> int:
+    """Chunks the head request's next prefill chunk needs for its activation, held or not."""
     tokens = head_prefill_tokens(scheduler, kv)
     if kv.activation is None or tokens <= 0:
         return 0
-    return activation_tokens(kv, kv.activation.need_chunks(tokens, 1))
+    return kv.activation.need_chunks(tokens, 1)

@@ -300,14 +300,26 @@ def report(kv, allocator, tree, scheduler) -> None:
     kv.lent.report(idle, headroom, busy)
 
 
-def balance(kv, allocator, tree, scheduler, activation_demand_tokens: int) -> None:
-    """Give unused chunks back when nothing waits, borrow the queue's shortfall, report."""
+def balance(kv, allocator, tree, scheduler, activation_chunks: int) -> None:
+    """Give unused chunks back when nothing waits, borrow the queue's shortfall, report.
+
+    The shortfall is counted in chunks: the KV groups the queue's demand needs beyond the mapped
+    free pages and the evictable cache (at most the groups KV can still map), plus the head's
+    prefill activation (``activation_chunks``), against what the local pool has outside KV (FREE
+    and the activation's chunks). Counted in KV tokens instead, idle activation chunks would
+    count twice (as growable KV in ``available_size`` and as the activation), and a request
+    whose KV and activation need more than the pool holds would wait without anything asked.
+    """
     if not up_sched.waiting(scheduler):  # nothing waits: unused chunks go back
         if kv.activation is not None:  # keep what the running requests' decode steps need
             kv.activation.release_idle(keep=demand.decode_activation_chunks(kv, scheduler))
         kv.lent.give_back(spare_free_chunks(kv, allocator, scheduler))
-    need = demand.queue_demand_tokens(scheduler) + activation_demand_tokens
-    shortfall = need - up_kv.available_tokens(allocator) - up_radix.evictable_tokens(tree)
-    if shortfall > 0:
-        borrow_tokens(kv, shortfall)
+    mapped_free = up_kv.free_page_count(allocator) * kv.page_size
+    kv_short = demand.queue_demand_tokens(scheduler) - mapped_free - up_radix.evictable_tokens(tree)
+    unmapped = kv.num_groups - kv.buffers.num_mapped
+    groups = min(-(-max(0, kv_short) // kv.buffers.group_rows), unmapped)
+    held = kv.activation.held if kv.activation is not None else 0
+    short = groups * kv.buffers.chunks_per_group + activation_chunks - kv.buffers.pool.available() - held
+    if short > 0:
+        borrow_chunks(kv, short)
     report(kv, allocator, tree, scheduler)

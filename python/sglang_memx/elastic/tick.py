@@ -105,7 +105,7 @@ def _tick(scheduler, allocator, kv) -> None:
     if kv.host is not None:
         slo.observe(kv, scheduler)
     if kv.lent is not None:
-        shared_pool.balance(kv, allocator, tree, scheduler, demand.head_activation_tokens(kv, scheduler))
+        shared_pool.balance(kv, allocator, tree, scheduler, demand.head_activation_chunks(kv, scheduler))
     if kv.host is not None:  # first: the head's prefill size depends on its parked KV being back
         host_buffer.fetch_parked(kv, scheduler, int(demand.decode_reserve_tokens(scheduler)))
         reopen_admission_for_offload(kv, scheduler)
