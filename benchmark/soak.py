@@ -312,7 +312,8 @@ class Checker:
                 for c in st["clients"]
                 if sum(c.get("by_owner", {}).values()) + c.get("adopted", 0) != c["held"]
             ]
-            out.append({"pool": sock.stem, "budget": st["budget"], "created": st["created"], "free": st["free"],
+            out.append({"pool": sock.stem, "chunk_bytes": st.get("granularity"),
+                        "budget": st["budget"], "created": st["created"], "free": st["free"],
                         "held": held, "clients": len(st["clients"]), "by_owner": by_owner,
                         "conserved": ok and not unlabelled, "owner_mismatch": unlabelled,
                         "dead_clients": dead})  # fmt: skip
@@ -356,6 +357,16 @@ class Checker:
                 sample["peer"] = self.peer_counters()
             except Exception as exc:  # noqa: BLE001 - the router's status not answering is a violation
                 self.violations.append(f"{t:.0f} s: peer counters unreadable: {exc!r}")
+            # A donation is booked at the arbiter as the donor's (under the owner it was borrowed
+            # as, ``kv``; ``peer_donation`` is the donor's own ledger), never also as the borrower's:
+            # what the donors say they lend must fit in what the arbiter says is held.
+            gran = sample["pools"][0].get("chunk_bytes") if len(sample["pools"]) == 1 else None
+            if sample.get("peer") and gran:
+                lent = sum(r.get("donated_bytes", 0) for r in sample["peer"].values() if "error" not in r)
+                sample["peer_donated_chunks"] = lent // gran
+                if sample["peer_donated_chunks"] > sample["pools"][0]["held"]:
+                    self.violations.append(f"{t:.0f} s: pool donors lend {lent // gran} chunks, more than the "
+                                           f"{sample['pools'][0]['held']} the arbiter books as held")  # fmt: skip
         procs = self.processes()
         sample["rss_bytes"] = sum(p["rss_bytes"] for p in procs)
         sample["fds"] = sum(p["fds"] for p in procs)
