@@ -367,8 +367,8 @@ def main(argv=None) -> int:
     leftovers += [p for p in (checker.arbiter_pids() if checker is not None else []) if pid_alive(p)]
     doc = {"command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "params": vars(args), "peer_kv": peer_why, "order": order, "faults": faults, "requests": counts,
-           "failures": failures[:80], "violations": violations, "final": final, "serve_exit": stopped,
-           "leftovers": leftovers}  # fmt: skip
+           "failures": failures[:80], "failed": [f for f in failures if f.get("outcome") == "failed"][:80],
+           "violations": violations, "final": final, "serve_exit": stopped, "leftovers": leftovers}  # fmt: skip
     doc["checks"] = {
         "every fault recovered": all(f.get("recovered_s") is not None for f in faults),
         "no request hung or ended without a clear error": not any(c.get("failed") for c in counts.values()),

@@ -32,7 +32,8 @@ def drive(client, events, t_start: float, stop: threading.Event, counts: dict, f
             counts[kind][outcome] += 1
             if outcome in ("failed", "error"):
                 failures.append({"t": round(time.monotonic() - t_start, 1), "model": name, "kind": kind,
-                                 "latency_s": round(time.monotonic() - t0, 2), "detail": detail})  # fmt: skip
+                                 "outcome": outcome, "latency_s": round(time.monotonic() - t0, 2),
+                                 "detail": detail})  # fmt: skip
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for i, (offset, name, kind) in enumerate(events):
