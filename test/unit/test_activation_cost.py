@@ -13,7 +13,7 @@ import types
 import torch
 
 from memory_ext.policy.activation import ActivationProfile
-from memory_ext.pool import ChunkPool, LayeredKVBuffers
+from memory_ext.pool import ChunkPool, LayeredKVBuffers, Owner
 from memory_ext.pool.activation_balloon import ActivationBalloon
 from memory_ext.vmm import host_backend
 from sglang_memx.elastic.ballooning import reserve_activation
@@ -169,3 +169,47 @@ def test_balance_borrows_what_kv_and_the_activation_need_together(monkeypatch):
             assert lent.pool.available() == 29 + 3
         finally:
             lent.close()
+
+
+def test_a_short_allocation_takes_the_live_activation_chunks_when_they_are_only_counted():
+    """The soak's crash (upstream's fatal "Out of memory" in a chunked prefill's next chunk):
+    the chunk's activation had taken the FREE chunks its KV was admitted against. Without an
+    arena the activation's chunks only count torch's allocations, so KV takes them (the forward
+    over-commits, counted) rather than ending the scheduler."""
+    from sglang_memx.elastic.shared_pool import grow_for_alloc
+
+    kv, alloc, pool = _server(128, 12)  # groups 0-2 (group 2: one page) need 12 chunks; the activation 3
+    kv.grow(alloc, 63, "request")
+    assert kv.buffers.num_mapped == 1
+    assert kv.activation.reserve(_tokens_for(kv, 3), 1, lambda: 0, lambda n: 0) and kv.activation.live == 3
+    assert pool.available() == 5  # one group's worth and one chunk
+    grow_for_alloc(kv, alloc, 63 + 64 + 1)  # all three groups: the third needs the activation's chunks
+    assert up_kv.free_page_count(alloc) == 128 and kv.buffers.num_mapped == 3
+    assert kv.activation.stats["overcommitted_chunks"] > 0 and kv.activation.live <= kv.activation.held
+
+    kv, alloc, pool = _server(128, 12)
+    kv.grow(alloc, 63, "request")
+    assert kv.activation.reserve(_tokens_for(kv, 3), 1, lambda: 0, lambda n: 0)
+    kv.activation.arena = object()  # an arena: the chunks back the forward's tensors
+    grow_for_alloc(kv, alloc, 128)
+    assert kv.buffers.num_mapped == 2 and kv.activation.live == 3  # upstream then refuses, nothing lent
+
+
+def test_a_chunked_prefill_keeps_its_next_chunks_activation_from_going_back(monkeypatch):
+    """Between two chunks a RECLAIM (or a give-back) must leave the next chunk's activation, or it
+    takes FREE chunks the request's KV was admitted against."""
+    from sglang_memx.elastic import demand, shared_pool
+
+    kv, alloc, pool = _server(64, 8 + 5)
+    kv.grow(alloc, 64, "request")
+    pool.release(Owner.KV, pool.acquire(Owner.KV, 5))  # created and FREE, as in a shared pool
+    assert pool.usage()[Owner.FREE] == 5
+    scheduler = types.SimpleNamespace(chunked_req=object(), running_batch=None, last_batch=None)
+    monkeypatch.setattr(demand, "running_demand_tokens", lambda s: 0)
+    monkeypatch.setattr(demand, "decode_activation_chunks", lambda kv, s: 1)
+    monkeypatch.setattr(demand, "head_prefill_tokens", lambda s, kv: _tokens_for(kv, 3))
+    assert demand.admitted_activation_chunks(kv, scheduler) == 3
+    assert shared_pool.spare_free_chunks(kv, alloc, scheduler) == 2
+    scheduler.chunked_req = None
+    assert demand.admitted_activation_chunks(kv, scheduler) == 1
+    assert shared_pool.spare_free_chunks(kv, alloc, scheduler) == 4

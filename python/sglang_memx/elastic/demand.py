@@ -89,6 +89,19 @@ def decode_activation_chunks(kv, scheduler) -> int:
     return kv.activation.need_chunks(n, n)
 
 
+def admitted_activation_chunks(kv, scheduler) -> int:
+    """Activation chunks the admitted requests' next step needs: a decode step of all of them,
+    or the next chunk of a chunked prefill under way, whichever is more. What a server must not
+    give away between two chunks: the chunk's activation would otherwise take FREE chunks its
+    KV was admitted against, and a short KV allocation ends upstream's scheduler."""
+    if kv.activation is None:
+        return 0
+    need = decode_activation_chunks(kv, scheduler)
+    if up_sched.chunked_req(scheduler) is not None:
+        need = max(need, kv.activation.need_chunks(head_prefill_tokens(scheduler, kv), 1))
+    return need
+
+
 def activation_tokens(kv, chunks: int) -> int:
     """``chunks`` of pool memory in KV-token equivalents (whole groups)."""
     return -(-chunks // kv.buffers.chunks_per_group) * kv.buffers.group_rows

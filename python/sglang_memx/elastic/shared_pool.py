@@ -252,18 +252,38 @@ def grow_for_alloc(kv, allocator, pages: int) -> None:
     short = pages - up_kv.free_page_count(allocator)
     if short > 0 and kv.lent is not None and borrow_tokens(kv, short * up_kv.page_size(allocator), urgent=True):
         kv.grow(allocator, pages)
+    if pages > up_kv.free_page_count(allocator):
+        grow_over_activation(kv, allocator, pages)
+
+
+def grow_over_activation(kv, allocator, pages: int) -> None:
+    """Last resort before upstream's fatal short allocation: map groups from the activation's
+    live chunks too, when they only count torch's own allocations (no arena: CPU, or
+    ``--memx-torch-activations``), so lending them moves no byte a forward uses. The forward
+    then over-commits the pool by what was lent (``overcommitted_chunks``). With an arena the
+    chunks back the forward's tensors and are never lent."""
+    balloon = kv.activation
+    if balloon is None or balloon.arena is not None or balloon.live <= 0:
+        return
+    live, balloon.live = balloon.live, 0
+    try:
+        kv.grow(allocator, pages)
+    finally:
+        balloon.live = min(live, balloon.held)
+        balloon.stats["overcommitted_chunks"] += live - balloon.live
 
 
 def spare_free_chunks(kv, allocator, scheduler) -> int:
-    """FREE chunks not needed for the running requests' remaining decode (those may go back).
+    """FREE chunks not needed for the running requests' remaining decode, nor for the activation
+    of their next step (a decode step, or a chunked prefill's next chunk): those may go back.
 
     A running request was admitted against memory counted as available; giving that memory
     away would make its later decode steps fail (upstream then retracts or aborts it).
     """
     need = demand.running_demand_tokens(scheduler) - up_kv.free_page_count(allocator) * kv.page_size
     keep = -(-max(0, need) // kv.buffers.group_rows) * kv.buffers.chunks_per_group
-    if kv.activation is not None:  # and their decode steps' activation
-        keep += max(0, demand.decode_activation_chunks(kv, scheduler) - kv.activation.held)
+    if kv.activation is not None:  # and their next step's activation
+        keep += max(0, demand.admitted_activation_chunks(kv, scheduler) - kv.activation.held)
     return max(0, kv.buffers.pool.usage()[Owner.FREE] - keep)
 
 
@@ -274,7 +294,7 @@ def answer_reclaim(kv, allocator, tree, scheduler) -> int:
     if pending <= 0:
         return 0
     if kv.activation is not None:  # idle activation memory is the cheapest to give
-        kv.activation.release_idle(keep=demand.decode_activation_chunks(kv, scheduler))
+        kv.activation.release_idle(keep=demand.admitted_activation_chunks(kv, scheduler))
     free_groups(kv, allocator, tree, -(-pending // kv.buffers.chunks_per_group))
     if kv.weights is not None:  # an inactive server's layers go next (Oneiros: inactive models first)
         lending.release_for_reclaim(kv, pending - spare_free_chunks(kv, allocator, scheduler))
@@ -293,7 +313,7 @@ def report(kv, allocator, tree, scheduler) -> None:
     idle = spare_free_chunks(kv, allocator, scheduler) + idle_kv_chunks(kv, allocator, tree)
     idle += lending.lendable_chunks(kv)  # 0 unless remappable weights of an inactive model
     if kv.activation is not None:
-        idle += max(0, kv.activation.idle() - demand.decode_activation_chunks(kv, scheduler))
+        idle += max(0, kv.activation.idle() - demand.admitted_activation_chunks(kv, scheduler))
     wanted = demand.queue_demand_tokens(scheduler) - demand.running_demand_tokens(scheduler)
     headroom = min(idle, -(-max(0, wanted) // kv.buffers.group_rows) * kv.buffers.chunks_per_group)
     headroom, busy = router_activity.report_numbers(kv, idle, headroom, busy)  # requests queued at the router
@@ -312,7 +332,7 @@ def balance(kv, allocator, tree, scheduler, activation_chunks: int) -> None:
     """
     if not up_sched.waiting(scheduler):  # nothing waits: unused chunks go back
         if kv.activation is not None:  # keep what the running requests' decode steps need
-            kv.activation.release_idle(keep=demand.decode_activation_chunks(kv, scheduler))
+            kv.activation.release_idle(keep=demand.admitted_activation_chunks(kv, scheduler))
         kv.lent.give_back(spare_free_chunks(kv, allocator, scheduler))
     mapped_free = up_kv.free_page_count(allocator) * kv.page_size
     kv_short = demand.queue_demand_tokens(scheduler) - mapped_free - up_radix.evictable_tokens(tree)

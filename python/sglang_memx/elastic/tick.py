@@ -116,4 +116,4 @@ def _tick(scheduler, allocator, kv) -> None:
     if busy:  # idle activation may back the premap only when no prefill waits to take it back
         kv.refill(allocator, premap_pages(kv, scheduler) + kv.spare_groups * kv.group_pages,
                   free_only=bool(up_sched.waiting(scheduler)),
-                  keep_activation=demand.decode_activation_chunks(kv, scheduler))  # fmt: skip
+                  keep_activation=demand.admitted_activation_chunks(kv, scheduler))  # fmt: skip
