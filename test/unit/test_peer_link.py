@@ -12,6 +12,7 @@ import torch
 from memory_ext.peer import HostCopier, PeerDonor, PeerKVLayout, PeerKVTier, PeerLink
 from memory_ext.pool import ChunkPool, Owner
 from memory_ext.vmm import host_backend, private_dir
+from support.waiting import wait_until as support_wait_until
 
 G = 1 << 16
 LAYOUT = PeerKVLayout(num_layers=2, block_tokens=16, num_kv_heads=2, head_dim=32, dtype="float16", model="m")
@@ -19,11 +20,7 @@ LAYOUT = PeerKVLayout(num_layers=2, block_tokens=16, num_kv_heads=2, head_dim=32
 
 
 def wait_until(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        time.sleep(0.002)
+    support_wait_until(cond, timeout, interval=0.002)
 
 
 @pytest.fixture

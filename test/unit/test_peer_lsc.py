@@ -5,7 +5,6 @@ death breaks the cache with a named error and leaves nothing mapped; the layer s
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from memory_ext.peer.lsc import plane_bytes
 from memory_ext.policy.swiftcache import DonationPolicy, KVGeometry, plan_layer_stream, plan_lsc
 from memory_ext.pool import ChunkPool, Owner
 from memory_ext.vmm import host_backend, private_dir
+from support.waiting import wait_until as support_wait_until
 
 G = 1 << 16
 LAYERS, HEADS, DIM, ROWS = 4, 2, 8, 512
@@ -24,11 +24,7 @@ ROW_BYTES = HEADS * DIM * 4
 
 
 def wait_until(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        time.sleep(0.002)
+    support_wait_until(cond, timeout, interval=0.002)
 
 
 @pytest.fixture
