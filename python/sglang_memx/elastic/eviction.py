@@ -24,7 +24,7 @@ def free_groups(kv, allocator, tree, groups: int) -> int:
 
 
 def idle_kv_chunks(kv, allocator, tree) -> int:
-    """KV chunks that could become FREE now: empty groups, plus groups' worth of evictable cache
-    (``tree`` None: empty groups only, nothing evicted)."""
+    """KV chunks that could become FREE now: empty groups, plus the groups evicting the cached
+    pages could empty (``ElasticKV.emptiable_groups``; ``tree`` None: empty groups only)."""
     evictable_pages = up_radix.evictable_tokens(tree) // kv.page_size
     return kv.emptiable_groups(allocator, evictable_pages) * kv.buffers.chunks_per_group

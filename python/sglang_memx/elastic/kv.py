@@ -324,10 +324,14 @@ class ElasticKV:
             self.group_pages, self._last_group_pages
         ):
             return []
-        up_kv.merge_staged_frees(allocator)
-        counts = torch.bincount(up_kv.free_pages(allocator) // self.group_pages, minlength=self.num_groups).tolist()
+        counts = self._free_pages_per_group(allocator)
         empty = [g for g in self.buffers.mapped_groups() if g != 0 and counts[g] == self.usable_pages(g)]
         return sorted(empty, reverse=True)
+
+    def _free_pages_per_group(self, allocator) -> list[int]:
+        """Free pages of each group (staged frees merged first): an O(free pages) scan."""
+        up_kv.merge_staged_frees(allocator)
+        return torch.bincount(up_kv.free_pages(allocator) // self.group_pages, minlength=self.num_groups).tolist()
 
     def emptiable_groups(self, allocator, evictable_pages: int) -> int:
         """Mapped groups other than 0 that are empty or that evicting at most ``evictable_pages``
@@ -343,8 +347,7 @@ class ElasticKV:
         mapped = [g for g in self.buffers.mapped_groups() if 0 < g < self.num_groups]
         if not mapped:
             return 0
-        up_kv.merge_staged_frees(allocator)
-        counts = torch.bincount(up_kv.free_pages(allocator) // self.group_pages, minlength=self.num_groups).tolist()
+        counts = self._free_pages_per_group(allocator)
         used = sorted(self.usable_pages(g) - counts[g] for g in mapped)
         n = 0
         for u in used:

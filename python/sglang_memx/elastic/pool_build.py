@@ -11,7 +11,6 @@ to the ElasticKV, and builds the host buffer.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ from sglang_memx.config import MemxConfig, MemxConfigError
 from sglang_memx.elastic.build import activation_profile, build_elastic_kv
 from sglang_memx.elastic.host_buffer import build_host_buffer
 from sglang_memx.elastic.slab import cell_format
-from sglang_memx.peer import layer_stream
+from sglang_memx.peer import layer_stream, peer_name
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import layer_stream as up_ls
 from sglang_memx.upstream import model as up_model
@@ -57,7 +56,7 @@ def plan_layer_stream(build: Build, configurator, stock_tokens: int) -> int:
             build.config, stock_tokens=stock_tokens, layers=up_ls.configurator_layers(configurator),
             kv_heads=dims["num_kv_heads"], head_dim=dims["head_dim"], dtype=up_ls.configurator_kv_dtype(configurator),
             page_size=up_args.page_size(args), model=up_args.model_path(args),
-            name=f"s{up_args.server_url(args).rsplit(':', 1)[-1]}-{os.getpid()}",
+            name=peer_name(args),
             chunk_bytes=build.config.chunk_kb << 10,
         )  # fmt: skip
     page = up_args.page_size(build.server_args)

@@ -35,7 +35,8 @@ def around_attention(original, attn_layer, q, k, v, forward_batch, *args, **kwar
     layer = up_ls.attn_layer_id(attn_layer)
     if not layer_stream.streams(setup, layer):
         return original(attn_layer, q, k, v, forward_batch, *args, **kwargs)
-    layer_stream.before(setup, layer, up_ls.read_rows(forward_batch, setup.req_to_token))
+    rows = layer_stream.batch_rows(setup, layer, lambda: up_ls.read_rows(forward_batch, setup.req_to_token))
+    layer_stream.before(setup, layer, rows)
     out = original(attn_layer, q, k, v, forward_batch, *args, **kwargs)
     layer_stream.after(setup, layer, up_ls.written_rows(forward_batch))
     return out

@@ -64,6 +64,7 @@ class LayerStreamSetup:
     req_to_token: torch.Tensor | None = None
     stats: dict = field(default_factory=lambda: {"forwards": 0, "bytes_last_forward": 0, "copies_skipped": 0})
     _forward_bytes: int = 0
+    _rows: torch.Tensor | None = None  # the current forward's read rows (see ``batch_rows``)
 
     def status(self) -> dict:
         p = self.plan
@@ -193,6 +194,14 @@ def attach(setup: LayerStreamSetup, layers: int, staging_k: torch.Tensor, stagin
 
 def streams(setup: LayerStreamSetup | None, layer: int) -> bool:
     return setup is not None and setup.lsc is not None and setup.lsc.streams(layer)
+
+
+def batch_rows(setup: LayerStreamSetup, layer: int, read) -> torch.Tensor:
+    """The rows the current forward reads: ``read()`` at its first streamed layer, reused by the
+    others (layers run in order within one forward, and its batch does not change between them)."""
+    if layer == setup.streamed[0] or setup._rows is None:
+        setup._rows = read()
+    return setup._rows
 
 
 def before(setup: LayerStreamSetup, layer: int, rows: torch.Tensor) -> None:

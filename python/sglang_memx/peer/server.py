@@ -41,7 +41,7 @@ from memory_ext.peer.kvpack import layout_of_buffers
 from memory_ext.policy.swiftcache import DonationPolicy
 from memory_ext.vmm import host_backend
 from sglang_memx.elastic.shared_pool import pool_dir
-from sglang_memx.peer import layer_stream
+from sglang_memx.peer import layer_stream, peer_name
 from sglang_memx.peer.prefix import PeerPrefixCache
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import layer_stream as up_ls
@@ -81,8 +81,7 @@ class PeerKVServer:
         self.mode = config.peer_kv
         self.tree, self.allocator, self.kv = tree, allocator, kv
         self.pool_name, self.directory = config.pool, os.fspath(pool_dir(config))
-        port = up_args.server_url(up_sched.server_args(scheduler)).rsplit(":", 1)[-1]
-        self.name = f"s{port}-{os.getpid()}"
+        self.name = peer_name(up_sched.server_args(scheduler))
         self.stats: Counter[str] = Counter()
         self.donor = self.controller = None
         self.tier = self.io = self.cache = None
