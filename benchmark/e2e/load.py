@@ -26,25 +26,31 @@ DECODE_LINE = re.compile(
 )
 
 
-def stream_one(url: str, text: str, new_tokens: int, timeout: float = 900) -> dict:
-    """One streaming /generate; returns ttft, e2e, tokens, tpot, retractions (or error)."""
-    body = json.dumps({"text": text, "stream": True, "sampling_params": {
-        "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}).encode()  # fmt: skip
+def stream_generate(url: str, payload: dict, timeout: float) -> tuple[float | None, float, dict | None]:
+    """One streaming ``/generate`` of ``payload``: (seconds to the first event or None, seconds to the
+    end, the last event or None). Raises what the connection or the JSON decoding raises."""
+    body = json.dumps({**payload, "stream": True}).encode()
     req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     ttft, last = None, None
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = json.loads(line[5:])
+    return ttft, time.perf_counter() - t0, last
+
+
+def stream_one(url: str, text: str, new_tokens: int, timeout: float = 900) -> dict:
+    """One streaming /generate; returns ttft, e2e, tokens, tpot, retractions (or error)."""
+    sampling = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                last = json.loads(line[5:])
+        ttft, e2e, last = stream_generate(url, {"text": text, "sampling_params": sampling}, timeout)
     except Exception as exc:  # noqa: BLE001 - recorded, counted as a failure
         return {"error": repr(exc)}
-    e2e = time.perf_counter() - t0
     if last is None or "meta_info" not in last:
         return {"error": f"stream ended without a result: {last!r}"}
     meta = last["meta_info"]

@@ -59,6 +59,7 @@ sys.path.insert(0, str(REPO / "test"))
 sys.path.insert(0, str(REPO))
 
 from benchmark._stats import percentile  # noqa: E402
+from benchmark.e2e.load import stream_generate  # noqa: E402
 from benchmark.pairs import ratio_stats, run_rounds  # noqa: E402
 from support.server import SGLangServer  # noqa: E402
 
@@ -220,20 +221,9 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300) -> di
 
 def stream_ids(url: str, ids: list[int], new_tokens: int, timeout: float = 600) -> dict:
     """One streaming greedy /generate of token ids: ttft, e2e, output_ids, cached tokens (or error)."""
-    body = json.dumps({"input_ids": ids, "stream": True, "sampling_params": {
-        "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}).encode()  # fmt: skip
-    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft, last = None, None
+    sampling = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                last = json.loads(line[5:])
+        ttft, e2e, last = stream_generate(url, {"input_ids": ids, "sampling_params": sampling}, timeout)
     except Exception as exc:  # noqa: BLE001 - recorded, counted as a failure
         return {"error": repr(exc)}
     if last is None or "meta_info" not in last:
@@ -243,7 +233,7 @@ def stream_ids(url: str, ids: list[int], new_tokens: int, timeout: float = 600) 
     if len(out) != new_tokens:
         return {"error": f"{len(out)} output ids, wanted {new_tokens} (incremental streaming?)"}
     details = meta.get("cached_tokens_details") or {}
-    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "output_ids": out, "prompt_tokens": len(ids),
+    return {"ttft": ttft, "e2e": e2e, "output_ids": out, "prompt_tokens": len(ids),
             "cached_tokens": int(meta.get("cached_tokens", 0)), "cached_host": int(details.get("host", 0))}  # fmt: skip
 
 
