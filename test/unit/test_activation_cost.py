@@ -7,6 +7,7 @@ a whole group, 512 tokens, against a budget of 512, and never admitted its warm-
 FREE and idle activation chunks covered it.
 """
 
+import contextlib
 import random
 import types
 
@@ -25,16 +26,39 @@ ROW = 64  # a group is 64 tokens in 4 chunks (4 buffers x 64 B x 64 rows = 16 Ki
 
 
 def _server(num_tokens: int, pool_chunks: int):
+    pool = ChunkPool(host_backend(CHUNK), pool_chunks)
+    kv, alloc = _elastic(pool, num_tokens)
+    return kv, alloc, pool
+
+
+def _elastic(pool, num_tokens: int, lent=None):
+    """Elastic KV of ``num_tokens`` (page size 1) over ``pool``, an activation balloon, and upstream's
+    own allocator tied to it."""
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
-    pool = ChunkPool(host_backend(CHUNK), pool_chunks)
-    kv = ElasticKV(LayeredKVBuffers(pool, [ROW] * 4, num_tokens + 1, 1), 1, num_tokens)
+    kv = ElasticKV(LayeredKVBuffers(pool, [ROW] * 4, num_tokens + 1, 1), 1, num_tokens, lent=lent)
     kv.activation = ActivationBalloon(pool, ActivationProfile(per_token_bytes=CHUNK))
     kv.lengths_capped = True
     alloc = TokenToKVPoolAllocator(num_tokens, torch.bfloat16, "cpu", types.SimpleNamespace(), need_sort=True)
     up_kv.attach_elastic(alloc, kv)
     kv.restrict_free_list(alloc)
-    return kv, alloc, pool
+    return kv, alloc
+
+
+@contextlib.contextmanager
+def _shared_pool(budget_chunks: int, borrow: int):
+    """A live arbiter of ``budget_chunks`` and a client that borrowed ``borrow`` chunks."""
+    from memory_ext.pool.arbiter import Arbiter
+    from memory_ext.pool.lent_pool import LentPool
+    from support.arbiter import socket_dir
+
+    with socket_dir("memx-act-") as d, Arbiter(str(d / "p.sock"), host_backend(CHUNK), budget_chunks):
+        lent = LentPool(str(d / "p.sock"), "server", host_backend(CHUNK))
+        try:
+            assert lent.borrow(borrow) == borrow
+            yield lent
+        finally:
+            lent.close()
 
 
 def _available(kv, alloc) -> int:
@@ -112,29 +136,13 @@ def test_activation_borrows_its_chunks_from_the_arbiter_when_kv_holds_every_grou
     """Regression (issue 16): in a shared pool, a server whose KV groups are all mapped asked the
     arbiter for KV *groups* for its activation; KV could map none, so nothing was asked and the
     prefill waited forever with the arbiter's chunks free."""
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-
-    from memory_ext.pool.arbiter import Arbiter
-    from memory_ext.pool.lent_pool import LentPool
-    from support.arbiter import socket_dir
-
-    with socket_dir("memx-act-") as d, Arbiter(str(d / "p.sock"), host_backend(CHUNK), 64):
-        lent = LentPool(str(d / "p.sock"), "server", host_backend(CHUNK))
-        try:
-            assert lent.borrow(8) == 8  # both groups, nothing more
-            kv = ElasticKV(LayeredKVBuffers(lent.pool, [ROW] * 4, 65, 1), 1, 64, lent=lent)
-            kv.activation = ActivationBalloon(lent.pool, ActivationProfile(per_token_bytes=CHUNK))
-            kv.lengths_capped = True
-            alloc = TokenToKVPoolAllocator(64, torch.bfloat16, "cpu", types.SimpleNamespace(), need_sort=True)
-            up_kv.attach_elastic(alloc, kv)
-            kv.restrict_free_list(alloc)
-            kv.grow(alloc, 64, "request")
-            assert alloc.alloc(64) is not None  # every page held (running requests, say)
-            assert kv.buffers.num_mapped == 2 and lent.pool.available() == 0
-            assert reserve_activation(kv, alloc, None, _tokens_for(kv, 3), 1)
-            assert kv.activation.live == 3 and kv.buffers.num_mapped == 2  # borrowed, KV untouched
-        finally:
-            lent.close()
+    with _shared_pool(64, 8) as lent:  # both groups, nothing more
+        kv, alloc = _elastic(lent.pool, 64, lent)
+        kv.grow(alloc, 64, "request")
+        assert alloc.alloc(64) is not None  # every page held (running requests, say)
+        assert kv.buffers.num_mapped == 2 and lent.pool.available() == 0
+        assert reserve_activation(kv, alloc, None, _tokens_for(kv, 3), 1)
+        assert kv.activation.live == 3 and kv.buffers.num_mapped == 2  # borrowed, KV untouched
 
 
 def test_balance_borrows_what_kv_and_the_activation_need_together(monkeypatch):
@@ -142,33 +150,18 @@ def test_balance_borrows_what_kv_and_the_activation_need_together(monkeypatch):
     affordable because FREE + idle activation chunks covered them, so ``borrow_tokens`` (capped
     at ``unmapped - affordable`` groups) asked for nothing, while the request needed those
     groups *and* its activation: it waited forever. The shortfall is now counted in chunks."""
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-
-    from memory_ext.pool.arbiter import Arbiter
-    from memory_ext.pool.lent_pool import LentPool
     from sglang_memx.elastic import demand, shared_pool
-    from support.arbiter import socket_dir
 
-    with socket_dir("memx-bal-") as d, Arbiter(str(d / "p.sock"), host_backend(CHUNK), 128):
-        lent = LentPool(str(d / "p.sock"), "server", host_backend(CHUNK))
-        try:
-            assert lent.borrow(4 + 29 + 3) == 36  # group 0, 29 FREE, 3 for the activation
-            kv = ElasticKV(LayeredKVBuffers(lent.pool, [ROW] * 4, 513, 1), 1, 512, lent=lent)
-            kv.activation = ActivationBalloon(lent.pool, ActivationProfile(per_token_bytes=CHUNK))
-            kv.lengths_capped = True
-            alloc = TokenToKVPoolAllocator(512, torch.bfloat16, "cpu", types.SimpleNamespace(), need_sort=True)
-            up_kv.attach_elastic(alloc, kv)
-            kv.restrict_free_list(alloc)
-            _hold(kv, 3)
-            assert kv.num_groups - kv.buffers.num_mapped == 8 and kv.affordable_groups() == 8
-            monkeypatch.setattr(demand, "queue_demand_tokens", lambda scheduler: 512)  # the head: all 8 groups
-            monkeypatch.setattr(shared_pool, "report", lambda *a: None)
-            scheduler = types.SimpleNamespace(waiting_queue=[object()])
-            shared_pool.balance(kv, alloc, None, scheduler, 3)
-            # 8 groups (32 chunks) + 3 activation chunks against 29 FREE + 3 held: 3 borrowed
-            assert lent.pool.available() == 29 + 3
-        finally:
-            lent.close()
+    with _shared_pool(128, 4 + 29 + 3) as lent:  # group 0, 29 FREE, 3 for the activation
+        kv, alloc = _elastic(lent.pool, 512, lent)
+        _hold(kv, 3)
+        assert kv.num_groups - kv.buffers.num_mapped == 8 and kv.affordable_groups() == 8
+        monkeypatch.setattr(demand, "queue_demand_tokens", lambda scheduler: 512)  # the head: all 8 groups
+        monkeypatch.setattr(shared_pool, "report", lambda *a: None)
+        scheduler = types.SimpleNamespace(waiting_queue=[object()])
+        shared_pool.balance(kv, alloc, None, scheduler, 3)
+        # 8 groups (32 chunks) + 3 activation chunks against 29 FREE + 3 held: 3 borrowed
+        assert lent.pool.available() == 29 + 3
 
 
 def test_a_short_allocation_takes_the_live_activation_chunks_when_they_are_only_counted():
