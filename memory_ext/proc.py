@@ -2,7 +2,9 @@
 
 ``pid_alive``: a zombie (exited, not yet reaped) counts as gone. ``wait_for_exit``: returns
 once the process has exited; a pidfd waits for exactly that process (no pid-reuse race),
-kernels without ``pidfd_open`` are polled with signal 0.
+kernels without ``pidfd_open`` are polled with signal 0. The pidfd is waited on with ``poll``,
+not ``select``: an arbiter holds one fd per memory chunk, so its pidfd's number can exceed
+``select``'s limit (1024).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def wait_for_exit(pid: int, poll_s: float = 0.5) -> None:
             time.sleep(poll_s)
         return
     try:
-        select.select([fd], [], [])
+        waiter = select.poll()
+        waiter.register(fd, select.POLLIN)
+        while not waiter.poll():
+            pass
     finally:
         os.close(fd)

@@ -2,7 +2,9 @@
 
 ``on_demand(now, tokens)`` (the donor needs ``tokens`` of KV now) reclaims what SCALEUP says,
 from the leases holding most first, and returns the chunks handed back now (owned by ``to``).
-``on_tick(now)`` donates what SCALEDOWN says, spread over the leases (fewest units first). Work
+``revoked_chunks`` counts every chunk a reclaim took back, including those still under a
+borrower's write fence, which reach their owner later (``PeerDonor(on_release=...)``): a reclaim
+happened even when nothing came back at once. ``on_tick(now)`` donates what SCALEDOWN says, spread over the leases (fewest units first). Work
 moves in whole MEUs: ``region_units_per_meu`` region units each (the policy's unit is a whole
 number of every lease's region units: ``chunk_aligned_unit`` makes it whole chunks, and an exact
 region unit, lcm(block, chunk), divides it too). What the mechanism could not do
@@ -54,6 +56,7 @@ class DonorController:
         self.policy, self.master, self.chunk_bytes = policy, master, chunk_bytes
         self.region_units_per_meu = 0
         self.donor: PeerDonor | None = None
+        self.revoked_chunks = 0
 
     def attach(self, donor: PeerDonor) -> None:
         """Drive ``donor``; one MEU must be a whole number of its region units for this layout."""
@@ -135,6 +138,7 @@ class DonorController:
             out.extend(self.donor.reclaim(lid, self.region_units_per_meu, to=to))
             leases[lid] -= self.region_units_per_meu
             done += 1
+        self.revoked_chunks += done * self.policy.unit.meu_bytes // self.chunk_bytes
         if done < step.decision.units:  # what pinned leases hold stays lent in the books too
             self.policy.still_lent((step.decision.units - done) * self.policy.unit.meu_worker)
         return out

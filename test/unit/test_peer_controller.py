@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from memory_ext.peer import PeerDonor, PeerKVLayout, PeerKVTier
+from memory_ext.peer import HostCopier, PeerDonor, PeerKVLayout, PeerKVTier
 from memory_ext.peer.controller import DonorController, geometry_of
 from memory_ext.policy.swiftcache import DonationPolicy, KVGeometry
 from memory_ext.pool import ChunkPool, Owner
@@ -87,5 +87,40 @@ def test_what_cannot_be_placed_stays_the_donors(tmp_path):
         tier.close()
     finally:
         donor.close()
+        vmm.close()
+        bvmm.close()
+
+
+def test_a_reclaim_under_a_write_fence_counts_though_its_chunks_come_back_later(tmp_path):
+    """A reclaim while the borrower writes to the tail: nothing comes back at once, yet the chunk
+    is revoked (``revoked_chunks``), and reaches the pool when the write ends."""
+    vmm, bvmm, pool, policy, ctl, donor, path = make(tmp_path, capacity=32)
+    late = []
+    donor._on_release = lambda lease_id, chunks: late.extend(chunks)
+    try:
+        tier = PeerKVTier(MASTER)
+        link = tier.connect(path, "b", bvmm)
+        lease = donor.wait_for_lease()
+        assert ctl.on_tick(0.5) == 6
+        wait_until(lambda: link.num_blocks == 48)
+        seen = {}
+
+        class ReclaimWhileWriting(HostCopier):
+            def copy(self, dst, src):
+                if "back" not in seen:
+                    seen["back"] = ctl.on_demand(1.0, 16 * 64 - 8)  # all but one free block: one MEU back
+                dst.copy_(src)
+
+        link.copier = ReclaimWhileWriting()
+        g = torch.Generator().manual_seed(1)
+        tier.store(list(range(48 * 16)), [torch.randn(MASTER.block_shape, generator=g).half() for _ in range(48)])
+        assert seen["back"] == [] and ctl.revoked_chunks >= 1  # fenced: later, yet reclaimed
+        assert donor.region(lease).units == 6 - ctl.revoked_chunks
+        wait_until(lambda: len(late) == ctl.revoked_chunks)
+        assert pool.usage()[Owner.PEER_DONATION] == 6 - ctl.revoked_chunks
+        link.close()
+    finally:
+        donor.close()
+        pool.check_invariants()
         vmm.close()
         bvmm.close()

@@ -31,3 +31,15 @@ def test_wait_for_exit_returns_on_the_exit_not_before():
     p.wait()
     assert done.wait(10)
     wait_for_exit(p.pid)  # already gone: returns at once
+
+
+def test_wait_for_exit_works_when_fds_are_numbered_past_1024():
+    """An arbiter holds an fd per memory chunk: its pidfd may be numbered beyond select's limit."""
+    spare = []
+    try:
+        while not spare or spare[-1] < 1100:
+            spare.append(os.open(os.devnull, os.O_RDONLY))
+        test_wait_for_exit_returns_on_the_exit_not_before()
+    finally:
+        for fd in spare:
+            os.close(fd)

@@ -142,11 +142,14 @@ class PeerKVServer:
     def _donor_step(self, scheduler, now: float) -> None:
         demand = self._demand_tokens(scheduler)
         if demand:
+            revoked_before = self.controller.revoked_chunks
             back = self.controller.on_demand(now, demand)
-            if back:
+            revoked = self.controller.revoked_chunks - revoked_before
+            if revoked:  # chunks under a borrower's write fence come back when the write ends
                 self.stats["reclaims"] += 1
-                self.stats["reclaimed_chunks"] += len(back)
-                logger.info("memx peer KV: reclaimed %d chunks from borrowers (demand %d tokens)", len(back), demand)
+                self.stats["reclaimed_chunks"] += revoked
+                logger.info("memx peer KV: reclaimed %d chunks from borrowers, %d at once (demand %d tokens)",
+                            revoked, len(back), demand)  # fmt: skip
         if now < self._next_donate or not self.donor.leases():
             return
         self._next_donate = now + DONATE_INTERVAL_S
