@@ -4,7 +4,9 @@
 from the leases holding most first, and returns the chunks handed back now (owned by ``to``).
 ``revoked_chunks`` counts every chunk a reclaim took back, including those still under a
 borrower's write fence, which reach their owner later (``PeerDonor(on_release=...)``): a reclaim
-happened even when nothing came back at once. ``on_tick(now)`` donates what SCALEDOWN says, spread over the leases (fewest units first). Work
+happened even when nothing came back at once.
+
+``on_tick(now)`` donates what SCALEDOWN says, spread over the leases (fewest units first). Work
 moves in whole MEUs: ``region_units_per_meu`` region units each (the policy's unit is a whole
 number of every lease's region units: ``chunk_aligned_unit`` makes it whole chunks, and an exact
 region unit, lcm(block, chunk), divides it too). What the mechanism could not do
