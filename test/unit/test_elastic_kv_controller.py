@@ -177,6 +177,45 @@ def test_a_budget_without_room_for_one_prefill_batch_is_refused_naming_the_flag(
     assert "--chunked-prefill-size" in str(err.value)
 
 
+class _FullPool:
+    """A shared pool's client whose arbiter refuses ``refusals`` borrows, then grants."""
+
+    def __init__(self, refusals):
+        self.refusals, self.asked, self.last_denied_available = refusals, [], 2
+
+    def borrow(self, n):
+        self.asked.append(n)
+        if len(self.asked) <= self.refusals:
+            return 0
+        return n
+
+
+class _Clock:
+    def __init__(self):
+        self.now, self.slept = 0.0, []
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, s):
+        self.slept.append(s)
+        self.now += s
+
+
+def test_a_server_joining_a_full_pool_waits_for_its_first_group_then_gives_up_naming_the_flag(caplog):
+    from sglang_memx.config import MemxConfigError
+    from sglang_memx.elastic.build import JOIN_RETRY_S, borrow_first_group
+
+    clock, lent = _Clock(), _FullPool(refusals=30)
+    borrow_first_group(lent, 4, "p", CHUNK, wait_s=60, clock=clock, sleep=clock.sleep)  # the others gave back
+    assert lent.asked == [4] * 31 and clock.slept == [JOIN_RETRY_S] * 30
+    assert "waiting up to" in caplog.text and "pool 'p'" in caplog.text
+    clock, lent = _Clock(), _FullPool(refusals=10**6)
+    with pytest.raises(MemxConfigError, match="--memx-pool-budget-gb") as err:
+        borrow_first_group(lent, 4, "p", CHUNK, wait_s=60, clock=clock, sleep=clock.sleep)
+    assert "in 60 s" in str(err.value) and clock.now == pytest.approx(60, abs=JOIN_RETRY_S)
+
+
 def test_demand_counts_the_rest_of_a_chunked_prompt():
     """A request mid chunked-prefill is in no batch; its remaining prompt and decode still need
     memory (a shared-pool server once gave that memory back and crashed on the next chunk)."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from memory_ext.policy.activation import ActivationProfile
 from memory_ext.pool import ChunkPool
@@ -21,6 +22,11 @@ from sglang_memx.elastic.shared_pool import GB, join_pool, register_server
 logger = logging.getLogger("sglang_memx")
 
 SPARE_GROUPS = 1  # empty KV groups kept mapped while the server has work (premapped for the next steps)
+# A (re)starting server on a full shared pool waits this long for its first KV group: the pool's
+# other servers give memory back as their requests finish (an engine restarted under load).
+JOIN_WAIT_S = 300.0
+JOIN_RETRY_S = 1.0
+JOIN_LOG_EVERY_S = 15.0
 
 
 def make_backend(config: MemxConfig, device: str):
@@ -93,13 +99,44 @@ def _join_shared_pool(config: MemxConfig, backend, group_chunks: int, act_chunks
             f"plus the activation of a {batch_tokens}-token prefill batch ({act_chunks} chunks); raise the budget "
             f"or lower --chunked-prefill-size",
         )
-    if lent.borrow(group_chunks) == 0:
+    try:
+        borrow_first_group(lent, group_chunks, config.pool, backend.granularity)
+    except BaseException:
         lent.close()
-        raise MemxConfigError(
-            "--memx-pool-budget-gb",
-            f"pool {config.pool!r} cannot lend even one KV group ({group_chunks * backend.granularity / GB:.3f} GB)",
-        )
+        raise
     return lent
+
+
+def borrow_first_group(
+    lent,
+    group_chunks: int,
+    pool_name: str,
+    chunk_bytes: int,
+    wait_s: float = JOIN_WAIT_S,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Borrow the server's first KV group from the shared pool, retrying every ``JOIN_RETRY_S``
+    while the pool cannot lend it (full, its servers busy), for at most ``wait_s`` seconds (logged
+    every ``JOIN_LOG_EVERY_S``); then MemxConfigError naming the budget flag."""
+    start = clock()
+    next_log = start
+    while lent.borrow(group_chunks) == 0:
+        now = clock()
+        if now - start >= wait_s:
+            raise MemxConfigError(
+                "--memx-pool-budget-gb",
+                f"pool {pool_name!r} could not lend one KV group ({group_chunks * chunk_bytes / GB:.3f} GB) "
+                f"in {wait_s:g} s: its other servers keep the whole budget busy; raise the budget",
+            )
+        if now >= next_log:
+            next_log = now + JOIN_LOG_EVERY_S
+            logger.warning(
+                "memx: pool %r cannot lend one KV group (%d chunks) now (at most %d could be gathered); "
+                "waiting up to %.0f s more for its servers to give memory back",
+                pool_name, group_chunks, lent.last_denied_available, wait_s - (now - start),
+            )  # fmt: skip
+        sleep(JOIN_RETRY_S)
 
 
 def build_elastic_kv(
