@@ -100,19 +100,22 @@ def test_cost_equals_what_reserving_takes_from_the_scheduler_count():
         num_tokens = rng.randrange(40, 400)
         pool_chunks = 4 * (num_tokens // 64 + 1) + rng.randrange(0, 12)  # every group, and some more
         kv, alloc, pool = _server(num_tokens, pool_chunks)
-        kv.grow(alloc, rng.randrange(0, num_tokens + 1), "request")
-        idle_max = pool.available()
-        if idle_max:
-            _hold(kv, rng.randrange(0, idle_max + 1) or 1)
-        extra = rng.randrange(1, 10)
-        predicted = kv.activation_cost_pages(extra)
-        before = _available(kv, alloc)
-        need = kv.activation.live + extra
-        if not reserve_activation(kv, alloc, None, _tokens_for(kv, need), 1):
-            continue  # it does not fit at all (group 0 is never unmapped)
-        assert kv.activation.live == need
-        assert before - _available(kv, alloc) == predicted, (num_tokens, pool_chunks, extra)
-        checked += 1
+        try:
+            kv.grow(alloc, rng.randrange(0, num_tokens + 1), "request")
+            idle_max = pool.available()
+            if idle_max:
+                _hold(kv, rng.randrange(0, idle_max + 1) or 1)
+            extra = rng.randrange(1, 10)
+            predicted = kv.activation_cost_pages(extra)
+            before = _available(kv, alloc)
+            need = kv.activation.live + extra
+            if not reserve_activation(kv, alloc, None, _tokens_for(kv, need), 1):
+                continue  # it does not fit at all (group 0 is never unmapped)
+            assert kv.activation.live == need
+            assert before - _available(kv, alloc) == predicted, (num_tokens, pool_chunks, extra)
+            checked += 1
+        finally:
+            pool.backend.close()  # its memfds: 300 pools would hold thousands of fds
     assert checked > 150
 
 
