@@ -167,6 +167,29 @@ def test_balance_borrows_what_kv_and_the_activation_need_together(monkeypatch):
         assert lent.pool.available() == 29 + 3
 
 
+def test_balance_keeps_cached_prefixes_with_what_the_arbiter_has_free(monkeypatch):
+    """The head's KV would come from evicting cached prefixes (group 0 holds 63 cached tokens):
+    while the arbiter has chunks nobody holds, balance borrows the group eviction would have
+    freed, at once and once; with nothing free at the arbiter it asks for nothing (no reclaim
+    from another server for a cache)."""
+    from sglang_memx.elastic import demand, shared_pool
+
+    monkeypatch.setattr(demand, "queue_demand_tokens", lambda scheduler: 60)
+    monkeypatch.setattr(shared_pool, "report", lambda *a: None)
+    scheduler = types.SimpleNamespace(waiting_queue=[object()])
+    tree = types.SimpleNamespace(evictable_size=lambda: 63)
+    for budget, kept in ((128, 4), (4, 0)):
+        with _shared_pool(budget, 4) as lent:  # group 0 mapped, nothing else held
+            kv, alloc = _elastic(lent.pool, 512, lent)
+            pages = alloc.alloc(63)  # the cache's pages, say: nothing mapped is free
+            assert pages is not None and up_kv.free_page_count(alloc) == 0 and lent.pool.available() == 0
+            shared_pool.balance(kv, alloc, tree, scheduler, 0)
+            assert lent.pool.available() == kept
+            shared_pool.balance(kv, alloc, tree, scheduler, 0)
+            assert lent.pool.available() == kept  # covered now: nothing more asked
+            assert lent.client.status()["pending"] == 0
+
+
 def test_a_short_allocation_takes_the_live_activation_chunks_when_they_are_only_counted():
     """The soak's crash (upstream's fatal "Out of memory" in a chunked prefill's next chunk):
     the chunk's activation had taken the FREE chunks its KV was admitted against. Without an

@@ -329,17 +329,29 @@ def balance(kv, allocator, tree, scheduler, activation_chunks: int) -> None:
     and the activation's chunks). Counted in KV tokens instead, idle activation chunks would
     count twice (as growable KV in ``available_size`` and as the activation), and a request
     whose KV and activation need more than the pool holds would wait without anything asked.
+
+    Cached prefixes are kept while the arbiter has memory nobody holds: when the queue's demand
+    would be met by evicting them, the groups that eviction would free are borrowed instead,
+    only from what the arbiter can grant at once (never reclaimed from another server). Another
+    server that needs memory later gets it back through a RECLAIM, which evicts them
+    (``answer_reclaim``); the report counts them as idle.
     """
     if not up_sched.waiting(scheduler):  # nothing waits: unused chunks go back
         if kv.activation is not None:  # keep what the running requests' decode steps need
             kv.activation.release_idle(keep=demand.admitted_activation_chunks(kv, scheduler))
         kv.lent.give_back(spare_free_chunks(kv, allocator, scheduler))
     mapped_free = up_kv.free_page_count(allocator) * kv.page_size
-    kv_short = demand.queue_demand_tokens(scheduler) - mapped_free - up_radix.evictable_tokens(tree)
+    beyond_free = demand.queue_demand_tokens(scheduler) - mapped_free
+    kv_short = beyond_free - up_radix.evictable_tokens(tree)
     unmapped = kv.num_groups - kv.buffers.num_mapped
     groups = min(-(-max(0, kv_short) // kv.buffers.group_rows), unmapped)
     held = kv.activation.held if kv.activation is not None else 0
     short = groups * kv.buffers.chunks_per_group + activation_chunks - kv.buffers.pool.available() - held
     if short > 0:
         borrow_chunks(kv, short)
+    elif beyond_free > 0 and groups < unmapped:  # the rest would come from evicting cached prefixes
+        cache_groups = min(-(-beyond_free // kv.buffers.group_rows), unmapped) - groups
+        keep = cache_groups * kv.buffers.chunks_per_group + short  # short <= 0: what the pool has spare
+        if keep > 0:
+            borrow_chunks(kv, keep, may_wait=False)
     report(kv, allocator, tree, scheduler)
