@@ -26,7 +26,11 @@ After every kill: the router's ``/health`` answers ok again within ``--recover-t
 every model's greedy probe answers what it answered before any fault; held + free + not yet
 created == budget at every arbiter that answers. Over the whole run: no request ``failed``
 (hung, or ended without one of the router's named errors or a refused / reset connection --
-``soak.Client``); at the end no engine, scheduler or arbiter is left.
+``soak.Client``); at the end no engine, scheduler or arbiter is left. A stream whose connection
+simply closed before ``[DONE]`` within ``ROUTER_CUT_S`` of a router kill was cut by that kill (the
+killed router can send nothing more; the socket's end is its clear error): it counts as an
+``error`` naming the kill (``cut_by_router_kills``). Anywhere else it stays a failure: a living
+router must end a stream with ``[DONE]`` or a named error event.
 
 Exit 0 when every check held. JSON + PNG under ``benchmark/results/faults/``; the figures are in
 ``docs/reliability.md``, "Faults".
@@ -59,6 +63,32 @@ from memory_ext.proc import pid_alive  # noqa: E402
 from support.server import free_port  # noqa: E402
 
 KINDS = ("engine", "arbiter", "peer_donor", "router")
+
+
+ROUTER_CUT_S = 3.0  # a stream that ends this soon after a router kill was cut by it
+CUT_DETAIL = "stream ended without [DONE]"
+
+
+def cut_by_router_kills(failures: list[dict], counts: dict, faults: list[dict], load_offset_s: float) -> int:
+    """Relabel as ``error`` each failed stream that closed without ``[DONE]`` within ``ROUTER_CUT_S``
+    after a router kill (fault times count from the run's start, failure times from the load's:
+    ``load_offset_s`` apart); returns how many. ``counts`` follows."""
+    kills = [f for f in faults if f["kind"] == "router"]
+    cut = 0
+    for f in failures:
+        if f["outcome"] != "failed" or f["detail"] != CUT_DETAIL:
+            continue
+        end = load_offset_s + f["t"]
+        kill = next((k for k in kills if k["t"] - 0.5 <= end <= k["t"] + ROUTER_CUT_S), None)
+        if kill is None:
+            continue
+        f["outcome"], f["detail"] = "error", f"{CUT_DETAIL}: cut by the router's kill (fault {kill['n']})"
+        counts[f["kind"]]["failed"] -= 1
+        counts[f["kind"]]["error"] = counts[f["kind"]].get("error", 0) + 1
+        if not counts[f["kind"]]["failed"]:
+            del counts[f["kind"]]["failed"]
+        cut += 1
+    return cut
 
 
 def wait_healthy(serve: Serve, timeout: float) -> float:
@@ -275,7 +305,7 @@ def main(argv=None) -> int:
     counts, failures = load.counts, load.failures
     faults: list[dict] = []
     violations: list[str] = []
-    checker = final = None
+    checker = final = load_offset_s = None
     t_begin = time.monotonic()
     try:
         serve.wait_ready()
@@ -284,6 +314,7 @@ def main(argv=None) -> int:
         horizon = args.kills * (args.gap_s * 1.5 + args.recover_timeout_s)
         client = Client(serve.url, args.request_timeout_s)
         events = traffic(args, names, rng, horizon, reuse_model=names[0] if peer else None)
+        load_offset_s = time.monotonic() - t_begin
         load.start(client, events)
         for i, kind in enumerate(order):
             time.sleep(rng.uniform(0.5, 1.5) * args.gap_s)
@@ -363,12 +394,14 @@ def main(argv=None) -> int:
     finally:
         load.stop()
         stopped = serve.stop()
+    cut = cut_by_router_kills(failures, counts, faults, load_offset_s) if load_offset_s is not None else 0
     leftovers = [p for p in process_tree(os.getpid()) if p != os.getpid() and pid_alive(p)]
     leftovers += [p for p in (checker.arbiter_pids() if checker is not None else []) if pid_alive(p)]
     doc = {"command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "params": vars(args), "peer_kv": peer_why, "order": order, "faults": faults, "requests": counts,
            "failures": failures[:80], "failed": [f for f in failures if f.get("outcome") == "failed"][:80],
-           "violations": violations, "final": final, "serve_exit": stopped, "leftovers": leftovers}  # fmt: skip
+           "violations": violations, "final": final, "serve_exit": stopped, "leftovers": leftovers,
+           "load_offset_s": load_offset_s, "streams_cut_by_router_kills": cut}  # fmt: skip
     doc["checks"] = {
         "every fault recovered": all(f.get("recovered_s") is not None for f in faults),
         "no request hung or ended without a clear error": not any(c.get("failed") for c in counts.values()),
