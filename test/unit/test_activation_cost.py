@@ -185,9 +185,12 @@ def test_balance_keeps_cached_prefixes_with_what_the_arbiter_has_free(monkeypatc
             assert pages is not None and up_kv.free_page_count(alloc) == 0 and lent.pool.available() == 0
             shared_pool.balance(kv, alloc, tree, scheduler, 0)
             assert lent.pool.available() == kept
+            asked = []
+            monkeypatch.setattr(lent, "available_now", lambda asked=asked: asked.append(1) or 0)
             shared_pool.balance(kv, alloc, tree, scheduler, 0)
-            assert lent.pool.available() == kept  # covered now: nothing more asked
-            assert lent.client.status()["pending"] == 0
+            assert lent.pool.available() == kept and lent.client.status()["pending"] == 0
+            # covered now: nothing more asked; found nothing free: not asked again within the second
+            assert asked == []
 
 
 def test_a_short_allocation_takes_the_live_activation_chunks_when_they_are_only_counted():

@@ -116,6 +116,7 @@ class ElasticKV:
         # scheduler-side state: borrow back-off (shared pool), one-time length cap
         self.borrow_backoff_until = 0.0
         self.borrow_backoff_s = 0.0
+        self.cache_keep_until = 0.0  # shared pool: no borrow to keep cached prefixes before this time
         self.lengths_capped = False
         self.lent_wakeup_registered = False
         buffers.map_groups([0])  # the padded page 0 must always be writable

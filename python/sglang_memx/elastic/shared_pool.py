@@ -50,6 +50,7 @@ BORROW_BACKOFF_S = 0.5
 BORROW_BACKOFF_MAX_S = 1.0
 QUEUE_WAIT_S = 0.02  # longest a scheduler iteration waits for a grant for its queue
 URGENT_WAIT_S = 0.5  # ... for a decode step that would otherwise retract
+CACHE_KEEP_RETRY_S = 1.0  # after the arbiter had nothing free for the cache, ask again no sooner
 
 
 # ------------------------------------------------------------------ the arbiter process
@@ -334,7 +335,8 @@ def balance(kv, allocator, tree, scheduler, activation_chunks: int) -> None:
     would be met by evicting them, the groups that eviction would free are borrowed instead,
     only from what the arbiter can grant at once (never reclaimed from another server). Another
     server that needs memory later gets it back through a RECLAIM, which evicts them
-    (``answer_reclaim``); the report counts them as idle.
+    (``answer_reclaim``); the report counts them as idle. When the arbiter had nothing free,
+    the next such borrow waits ``CACHE_KEEP_RETRY_S`` (each costs the arbiter a STATUS).
     """
     if not up_sched.waiting(scheduler):  # nothing waits: unused chunks go back
         if kv.activation is not None:  # keep what the running requests' decode steps need
@@ -349,9 +351,10 @@ def balance(kv, allocator, tree, scheduler, activation_chunks: int) -> None:
     short = groups * kv.buffers.chunks_per_group + activation_chunks - kv.buffers.pool.available() - held
     if short > 0:
         borrow_chunks(kv, short)
-    elif beyond_free > 0 and groups < unmapped:  # the rest would come from evicting cached prefixes
+    elif beyond_free > 0 and groups < unmapped and time.monotonic() >= kv.cache_keep_until:
+        # the rest would come from evicting cached prefixes
         cache_groups = min(-(-beyond_free // kv.buffers.group_rows), unmapped) - groups
         keep = cache_groups * kv.buffers.chunks_per_group + short  # short <= 0: what the pool has spare
-        if keep > 0:
-            borrow_chunks(kv, keep, may_wait=False)
+        if keep > 0 and not borrow_chunks(kv, keep, may_wait=False):  # one STATUS a second at most
+            kv.cache_keep_until = time.monotonic() + CACHE_KEEP_RETRY_S
     report(kv, allocator, tree, scheduler)
