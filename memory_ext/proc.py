@@ -44,7 +44,6 @@ def wait_for_exit(pid: int, poll_s: float = 0.5) -> None:
     try:
         waiter = select.poll()
         waiter.register(fd, select.POLLIN)
-        while not waiter.poll():
-            pass
+        waiter.poll()  # no timeout: returns only once the pidfd is readable (the process exited)
     finally:
         os.close(fd)
