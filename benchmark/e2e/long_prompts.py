@@ -93,16 +93,22 @@ def make_servers(model, memory_bytes: int, args) -> dict[str, SGLangServer]:
     return servers
 
 
+def host_offloads(server: SGLangServer) -> int:
+    """The memx server's ``prefill_offloads`` so far (a counter since start; 0 without a host buffer)."""
+    host = server.request("/memx/status")["schedulers"][0]["elastic_kv"]["host_buffer"]
+    return host["prefill_offloads"] if host else 0
+
+
 def run_once(server: SGLangServer, args) -> dict:
     server.request_text("/flush_cache")
+    before = None if server.stock else host_offloads(server)
     sched = [(0.0, 0, f"long {i} " + " ".join(f"p{i}_{j}" for j in range(args.prompt_words)))
              for i in range(args.requests)]  # fmt: skip
     results, wall = play([server.url], sched, args.new_tokens)
     out = summarize(results, wall)
     out["max_decoding"] = max_concurrent(results)
-    if not server.stock:
-        host = server.request("/memx/status")["schedulers"][0]["elastic_kv"]["host_buffer"]
-        out["prefill_offloads"] = host["prefill_offloads"] if host else 0
+    if not server.stock:  # this run's offloads: the server stays up across rounds
+        out["prefill_offloads"] = host_offloads(server) - before
     return out
 
 

@@ -72,6 +72,8 @@ KEYS = ("ttft_p50_s", "ttft_p99_s", "ttft_all_p50_s", "ttft_all_p99_s", "hit_rat
 # peer_kv counters read before and after a run (docs/peer-kv.md "Status")
 PEER_COUNTERS = ("spills", "pages_spilled", "hits", "pages_loaded", "tokens_loaded", "lookups_missed",
                  "loads_no_room", "recomputes_after_reclaim")  # fmt: skip
+# what a round reports as its own delta (the borrower's ``borrowed_bytes`` is a gauge, kept apart)
+PEER_DELTAS = PEER_COUNTERS + ("entries_dropped_reclaim",)
 
 
 def model_spec():
@@ -316,14 +318,24 @@ def run_once(setup: str, pair: dict[str, SGLangServer], args, round_no: int, voc
     out["donor_load"] = load.stop()
     if setup == "memx":
         after = peer_counters(borrower)
-        out["peer"] = {k: after[k] - before[k] for k in PEER_COUNTERS + ("entries_dropped_reclaim",)}
-        out["peer"]["borrowed_bytes_after"] = after["borrowed_bytes"]
+        out["peer"] = {k: after[k] - before[k] for k in PEER_DELTAS}
+        out["borrowed_bytes_after"] = after["borrowed_bytes"]  # a gauge: held at the round's end
         out["memory_after"] = {role: memory_status(server) for role, server in pair.items()}
         back = [r for r in results if "error" not in r and r["turn"] > 0]
         prompt = sum(r["prompt_tokens"] for r in back)
         # tokens_loaded counts every load, turn 1's too (none expected: fresh prefixes)
         out["peer_hit_rate"] = out["peer"]["tokens_loaded"] / prompt if prompt else float("nan")
     return out
+
+
+def peer_totals(rounds: list[dict]) -> dict:
+    """The memx borrower's peer counters over all rounds (each round's are its own deltas)."""
+    return {k: sum(r["memx"]["peer"][k] for r in rounds) for k in PEER_DELTAS}
+
+
+def borrowed_after_each_round(rounds: list[dict]) -> list[int]:
+    """Bytes the memx borrower held from its donor at each round's end: a gauge, never summed."""
+    return [r["memx"]["borrowed_bytes_after"] for r in rounds]
 
 
 def summarize(results: list[dict], wall: float) -> dict:
@@ -492,7 +504,8 @@ def main() -> int:
     doc["ratios"] = {s: {k: ratio_stats(rounds, k, s, "stock") for k in KEYS[:4]} for s in names if s != "stock"}
     doc["mismatches"] = {s: mismatches(rounds, s) for s in names if s != "stock" and "stock" in names}
     if "memx" in names:
-        doc["peer_totals"] = {k: sum(r["memx"]["peer"][k] for r in rounds) for k in rounds[0]["memx"]["peer"]}
+        doc["peer_totals"] = peer_totals(rounds)
+        doc["memx_borrowed_bytes_after_each_round"] = borrowed_after_each_round(rounds)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(doc, indent=1))
     plot(doc, RESULTS / f"{args.out}.png")
@@ -502,7 +515,9 @@ def main() -> int:
                                                         for k, st in r.items()} for s, r in doc["ratios"].items()},
                       "mismatches": {s: {k: v for k, v in m.items() if k != "first"}
                                      for s, m in doc["mismatches"].items()},
-                      "peer_totals": doc.get("peer_totals"), "not_run": {k: v[:300] for k, v in failed.items()},
+                      "peer_totals": doc.get("peer_totals"),
+                      "memx_borrowed_bytes_after_each_round": doc.get("memx_borrowed_bytes_after_each_round"),
+                      "not_run": {k: v[:300] for k, v in failed.items()},
                       "wall_s": doc["wall_s"]}, indent=1))  # fmt: skip
     print(f"wrote {RESULTS / args.out}.json, .png")
     return 0

@@ -3,6 +3,7 @@ of a round and fresh every round, hit rates count only returning turns, and a di
 greedy output is reported as a mismatch."""
 
 import argparse
+import io
 
 import pytest
 
@@ -59,3 +60,44 @@ def test_mismatches_name_every_differing_or_missing_output():
     m = peer_kv.mismatches([{"stock": ref, "memx": same}, {"stock": ref, "memx": diff}], "memx")
     assert m["compared"] == 4 and m["mismatched"] == 1
     assert m["first"][0]["round"] == 1 and m["first"][0]["turn"] == 1 and m["first"][0]["want"] == [3, 4]
+
+
+class _Borrower:
+    """A memx borrower's ``/memx/status``: loads 16 tokens a request, holds 12 MiB from its donor."""
+
+    def __init__(self):
+        self.peer = dict.fromkeys(peer_kv.PEER_COUNTERS, 0)
+        self.peer["tokens_loaded"] = 1000  # from before the rounds: the counters are cumulative
+        self.borrowed = 12 << 20
+
+    def status(self, url, timeout=30):
+        peer = dict(self.peer, borrower={"borrowed_bytes": self.borrowed, "entries_dropped_reclaim": 0})
+        return {"schedulers": [{"peer_kv": peer, "kv_pool": {}, "elastic_kv": {}}]}
+
+    def stream(self, url, ids, new_tokens):
+        self.peer["tokens_loaded"] += 16
+        return {"ttft": 0.1, "prompt_tokens": len(ids), "cached_tokens": 16, "cached_host": 0,
+                "output_ids": [7] * new_tokens}  # fmt: skip
+
+
+class _NoLoad:
+    def __init__(self, *a, **kw):
+        pass
+
+    def stop(self):
+        return {"requests": 0, "errors": [], "failed": 0}
+
+
+def test_peer_totals_add_round_deltas_and_keep_the_borrowed_gauge_apart(monkeypatch):
+    fake = _Borrower()
+    monkeypatch.setattr(peer_kv, "http_json", fake.status)
+    monkeypatch.setattr(peer_kv, "stream_ids", fake.stream)
+    monkeypatch.setattr(peer_kv, "DonorLoad", _NoLoad)
+    monkeypatch.setattr(peer_kv.urllib.request, "urlopen", lambda *a, **kw: io.BytesIO())  # /flush_cache
+    pair = {role: argparse.Namespace(url=f"http://{role}") for role in ("borrower", "donor")}
+    args = _args(convs=2, turns=2, donor_gap_s=1.0)
+    rounds = [{"memx": peer_kv.run_once("memx", pair, args, r, 512)} for r in range(3)]
+    assert [r["memx"]["peer"]["tokens_loaded"] for r in rounds] == [64, 64, 64]
+    totals = peer_kv.peer_totals(rounds)
+    assert totals["tokens_loaded"] == 3 * 64 and "borrowed_bytes_after" not in totals
+    assert peer_kv.borrowed_after_each_round(rounds) == [12 << 20] * 3
