@@ -1,7 +1,8 @@
 """A stand-in engine process for the serve supervisor's unit tests (no SGLang): a tiny HTTP
 server on ``--port``, run as ``python -c SCRIPT --port N`` by the real ``Launcher``.
 
-* ``GET /health``: 200 at once (the start-up check).
+* ``GET /health``: 200 at once (the start-up check), or after ``$FAKE_HEALTH_DELAY_S`` s (upstream's
+  /health sleeps one second before it answers).
 * ``GET /memx/status`` (the health probe), only when ``$FAKE_PROBES`` names a file: appends
   its pid to that file, then answers 200 after ``$FAKE_PROBE_DELAY_S`` s (sleeping, or
   computing with ``$FAKE_PROBE_BURN=1``); otherwise 404 like any other path.
@@ -43,6 +44,8 @@ class H(http.server.BaseHTTPRequestHandler):
             ok = True
         else:
             ok = self.path == "/health"
+            if ok:
+                time.sleep(float(os.environ.get("FAKE_HEALTH_DELAY_S", "0")))
         self.send_response(200 if ok else 404)
         self.send_header("Content-Length", "2")
         self.end_headers()

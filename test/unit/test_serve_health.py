@@ -98,6 +98,30 @@ def test_supervisor_restarts_a_killed_engine_on_the_same_port(tmp_path):
     assert not launcher.engines["m"].alive()
 
 
+def test_a_restarted_engine_whose_health_takes_over_a_second_becomes_awake(tmp_path):
+    """Upstream's /health sleeps a second before it answers: the supervisor's readiness probe
+    must wait longer than that (it used a 1-second timeout, and a restarted engine stayed
+    'restarting' for good), and must not stall the supervisor meanwhile."""
+    launcher, logs = fake_launcher(tmp_path, env={"FAKE_HEALTH_DELAY_S": "1.2"})
+    try:
+        launcher.start_all(20)
+        e = launcher.engines["m"]
+        launcher.configure_restarts(RestartPolicy(backoff_s=0.05), startup_timeout_s=30)  # ticks driven here
+        os.kill(e.pid, signal.SIGKILL)
+        e.proc.wait(5)
+        t0 = time.monotonic()
+        while e.state != AWAKE or e.restarts == 0:
+            tick0 = time.monotonic()
+            launcher.tick(time.monotonic())  # as the supervisor thread runs it: never waits on a probe
+            assert time.monotonic() - tick0 < 0.5 and e.state in (AWAKE, RESTARTING), e.info()
+            assert time.monotonic() - t0 < 15, e.info()
+            time.sleep(0.05)
+        assert e.state == AWAKE and e.restarts == 1 and e.restart_failures == 0, e.info()
+        assert 1.2 <= e.last_restart_s < 10
+    finally:
+        launcher.stop_all()
+
+
 def test_supervisor_gives_up_after_max_restarts(tmp_path):
     launcher, logs = fake_launcher(tmp_path, env={"FAKE_MARKER": str(tmp_path / "started")})
     try:

@@ -71,6 +71,12 @@ STARTING, AWAKE, RESTARTING, DEAD = "starting", "awake", "restarting", "dead"
 SLEEPING, WAKING = "sleeping", "waking"  # reported from the engine's own status (``Engine.sleep``), not set here
 SLEEP_POLL_S = 1.0  # how often the supervisor reads a sleeping-capable engine's state
 ENGINE_STATES = (STARTING, AWAKE, SLEEPING, WAKING, RESTARTING, DEAD)
+# Readiness of a (re)started engine: upstream's /health runs a one-token generation and sleeps a
+# whole second before it looks for the answer, so it never answers in under 1 s. A 1-second
+# timeout passed only when asyncio's timer fired a hair early; on other machines a restarted
+# engine never became awake (issue 27).
+READY_PATH = "/health"
+READY_TIMEOUT_S = 10.0
 
 CPU_DEFAULTS = {
     "--attention-backend": "torch_native",
@@ -659,7 +665,7 @@ class Launcher:
                 self._log(f"sglang-memx serve: restart of {name} failed ({why}); log tail:\n{e.log_tail(10)}")
                 e.stop(grace_s=2.0)
                 self._schedule(e, now)
-            elif e.healthy(timeout=1.0):
+            elif self._ready(e):
                 if self._health is not None:
                     e.reset_probes(now, self._health.interval_s)
                 took = now - e._down_since
@@ -669,6 +675,19 @@ class Launcher:
                 e.state = AWAKE
                 self._log(f"sglang-memx serve: {name} restarted at {e.url} in {took:.1f} s "
                           f"(restart {e.restarts})")  # fmt: skip
+
+    @staticmethod
+    def _ready(e: Engine) -> bool:
+        """Whether the restarted process answered a readiness probe (``READY_PATH`` within
+        ``READY_TIMEOUT_S``); starts the next one when none is in flight. Probes run in their own
+        thread: the supervisor never waits on one engine while it watches the others. A probe of
+        an earlier process (a health probe in flight when it died) counts for nothing."""
+        done = e.probe_outcome()
+        if done is not None and done[0] is e.proc and done[1] is None:
+            return True
+        if e._probe_thread is None:
+            e.start_probe(READY_PATH, READY_TIMEOUT_S)
+        return False
 
     def _check_health(self, e: Engine, now: float) -> bool:
         """Take a finished probe's result, start the next one when due; True when ``e`` was found
