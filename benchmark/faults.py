@@ -24,13 +24,20 @@ Kinds (``--kinds``, rotated in a seeded order; ``--seed`` is printed so a run re
 
 After every kill: the router's ``/health`` answers ok again within ``--recover-timeout-s``;
 every model's greedy probe answers what it answered before any fault; held + free + not yet
-created == budget at every arbiter that answers. Over the whole run: no request ``failed``
-(hung, or ended without one of the router's named errors or a refused / reset connection --
-``soak.Client``); at the end no engine, scheduler or arbiter is left. A stream whose connection
-simply closed before ``[DONE]`` within ``ROUTER_CUT_S`` of a router kill was cut by that kill (the
-killed router can send nothing more; the socket's end is its clear error): it counts as an
-``error`` naming the kill (``cut_by_router_kills``). Anywhere else it stays a failure: a living
-router must end a stream with ``[DONE]`` or a named error event.
+created == budget at every arbiter that answers. Over the whole run (``accounting.faults_verdict``):
+
+* every scheduled request accounted for (``accounting.judge``, every outcome in the JSON):
+  sent == scheduled; each answered finish_reason ``stop`` / ``length`` with its tokens, or is our
+  abort, or was in flight within a kill's window (``--kill-window-s`` past recovery) on the
+  killed process's requests -- its model for an engine / peer_donor kill, every model for a
+  router kill, none for an arbiter kill -- and ended with a named error (a router code; for a
+  router kill also a refused / reset / cut connection). Anything else fails: a reset or a named
+  error no kill explains, a 429 beyond ``--shed-budget`` (0), a hang;
+* no engine died on its own: per router incarnation, the supervisor's restarts + failed restarts
+  + hang kills of an engine equal the run's own kills of it;
+* no KV group leaked: the pool-unit ``accounting.leak_check`` between a quiet point before the
+  load and one after it (caches flushed);
+* at the end no engine, scheduler or arbiter is left.
 
 Exit 0 when every check held. JSON + PNG under ``benchmark/results/faults/``; the figures are in
 ``docs/reliability.md``, "Faults".
@@ -55,40 +62,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "test"))
 sys.path.insert(0, str(REPO))
 
+from benchmark.accounting import faults_verdict  # noqa: E402
 from benchmark.e2e.consolidation import model_specs  # noqa: E402
 from benchmark.e2e.router_proc import Serve, http_json, process_tree  # noqa: E402
 from benchmark.load_driver import LoadDriver, add_load_arguments  # noqa: E402
-from benchmark.soak import Checker, Client, peer_tier_status, probe, serve_config, traffic  # noqa: E402
+from benchmark.quiet_point import engine_health, quiet  # noqa: E402
+from benchmark.soak import Checker, peer_tier_status, probe, serve_config, traffic  # noqa: E402
+from benchmark.soak_client import Client  # noqa: E402
 from memory_ext.proc import pid_alive  # noqa: E402
 from support.server import free_port  # noqa: E402
 
 KINDS = ("engine", "arbiter", "peer_donor", "router")
-
-
-ROUTER_CUT_S = 3.0  # a stream that ends this soon after a router kill was cut by it
-CUT_DETAIL = "stream ended without [DONE]"
-
-
-def cut_by_router_kills(failures: list[dict], counts: dict, faults: list[dict], load_offset_s: float) -> int:
-    """Relabel as ``error`` each failed stream that closed without ``[DONE]`` within ``ROUTER_CUT_S``
-    after a router kill (fault times count from the run's start, failure times from the load's:
-    ``load_offset_s`` apart); returns how many. ``counts`` follows."""
-    kills = [f for f in faults if f["kind"] == "router"]
-    cut = 0
-    for f in failures:
-        if f["outcome"] != "failed" or f["detail"] != CUT_DETAIL:
-            continue
-        end = load_offset_s + f["t"]
-        kill = next((k for k in kills if k["t"] - 0.5 <= end <= k["t"] + ROUTER_CUT_S), None)
-        if kill is None:
-            continue
-        f["outcome"], f["detail"] = "error", f"{CUT_DETAIL}: cut by the router's kill (fault {kill['n']})"
-        counts[f["kind"]]["failed"] -= 1
-        counts[f["kind"]]["error"] = counts[f["kind"]].get("error", 0) + 1
-        if not counts[f["kind"]]["failed"]:
-            del counts[f["kind"]]["failed"]
-        cut += 1
-    return cut
 
 
 def wait_healthy(serve: Serve, timeout: float) -> float:
@@ -261,7 +245,123 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+class Run:
+    """A fault run's moving parts: the serve it talks to (replaced after a router kill), the
+    checker, the violations so far, and the engines' health per router incarnation
+    (``health[i]``: the last ``/memx/serve`` reading of incarnation ``i``)."""
+
+    def __init__(self, args, config: Path, port: int, names: list[str]):
+        self.args, self.config, self.port, self.names = args, config, port, names
+        self.serve = Serve(config, port, "faults-serve")
+        self.checker: Checker | None = None
+        self.baseline: dict[str, str] = {}
+        self.violations: list[str] = []
+        self.health: list[dict] = [{}]
+        self.t_begin = time.monotonic()
+
+    def now(self) -> float:
+        return round(time.monotonic() - self.t_begin, 1)
+
+    def read_health(self) -> None:
+        try:
+            self.health[-1] = engine_health(self.serve.url)
+        except (OSError, ValueError, KeyError) as exc:
+            self.violations.append(f"{self.now():.0f} s: engine health unreadable: {exc!r}")
+
+
+def fault_engine(run: Run, rng: random.Random, i: int, record: dict) -> None:
+    """SIGKILL a random live replica's ``launch_server``; wait until the supervisor restarted it."""
+    live = {k: e for k, e in engines(run.serve).items() if e.get("pid") and e.get("alive", True)}
+    key = rng.choice(sorted(live))
+    record.update(target=key, pid=live[key]["pid"])
+    os.kill(live[key]["pid"], signal.SIGKILL)
+    t_kill = time.monotonic()
+    try:
+        wait_for(lambda s=run.serve, k=key, old=record["pid"]: engines(s)[k]["pid"] != old
+                 and engines(s)[k]["state"] == "awake", run.args.recover_timeout_s, f"{key} restarted")  # fmt: skip
+        record["restarted_s"] = round(time.monotonic() - t_kill, 1)
+    except TimeoutError as exc:
+        run.violations.append(f"fault {i} (engine): {exc}")
+
+
+def fault_arbiter(run: Run, i: int, record: dict) -> None:
+    """SIGKILL the pool's arbiter; wait until every engine is on a new one."""
+    pids = run.checker.arbiter_pids()
+    if not pids:
+        record["skipped"] = "no arbiter running (lost earlier, no engine restarted since)"
+        return
+    record.update(target="arbiter", pid=pids[0])
+    os.kill(pids[0], signal.SIGKILL)
+    t_kill = time.monotonic()
+    time.sleep(0.5)
+    record["engines_see_arbiter"] = arbiter_states(run.serve)
+    checker = run.checker
+    try:  # a survivor restarts a crashed arbiter and every engine rejoins it
+        wait_for(lambda s=run.serve, old=record["pid"]: all(v is True for v in arbiter_states(s).values())
+                 and checker.arbiter_pids() and checker.arbiter_pids()[0] != old,
+                 run.args.recover_timeout_s, "every engine back on a new arbiter")  # fmt: skip
+        record["rejoined_s"] = round(time.monotonic() - t_kill, 1)
+    except TimeoutError as exc:
+        run.violations.append(f"fault {i} (arbiter): {exc}")
+
+
+def fault_router(run: Run, i: int, record: dict) -> None:
+    """SIGKILL ``serve``; check nothing is left; start it again (a new router incarnation)."""
+    run.read_health()  # the last word of this incarnation's supervisor
+    tree = process_tree(run.serve.proc.pid) + run.checker.arbiter_pids()
+    record.update(target="router", pid=run.serve.proc.pid)
+    os.kill(run.serve.proc.pid, signal.SIGKILL)
+    run.serve.proc.wait()
+    t0 = time.monotonic()
+    while any(pid_alive(p) for p in tree) and time.monotonic() - t0 < run.args.leftover_timeout_s:
+        time.sleep(0.5)
+    left = [p for p in tree if pid_alive(p)]
+    record["left_after_s"] = round(time.monotonic() - t0, 1)
+    if left:
+        run.violations.append(f"fault {i} (router): processes left {run.args.leftover_timeout_s:.0f} s on: {left}")
+        for p in left:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    run.serve = Serve(run.config, run.port, f"faults-serve-{i}")
+    run.checker.serve = run.serve
+    run.health.append({})
+
+
+def one_fault(run: Run, rng: random.Random, i: int, kind: str) -> dict:
+    """Kill, wait for recovery, probe every model, check the books; the fault's record."""
+    record = {"n": i, "kind": kind, "t": run.now(), "incarnation": len(run.health) - 1}
+    if kind == "engine":
+        fault_engine(run, rng, i, record)
+    elif kind == "peer_donor":
+        name = run.names[0]
+        run.violations.extend(kill_peer_donor(run.serve, run.checker, name, run.baseline[name], run.args, record))
+    elif kind == "arbiter":
+        fault_arbiter(run, i, record)
+    else:
+        fault_router(run, i, record)
+    try:
+        record["recovered_s"] = round(wait_healthy(run.serve, run.args.recover_timeout_s), 1)
+        record["t_recovered"] = run.now()
+    except TimeoutError as exc:
+        run.violations.append(f"fault {i} ({kind}): {exc}")
+        record["recovered_s"] = record["t_recovered"] = None
+    for name in run.names:
+        try:
+            got = probe(run.serve.url, name, run.args.request_timeout_s)
+            if got != run.baseline[name]:
+                run.violations.append(f"fault {i} ({kind}): probe of {name} changed: {got!r}")
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            run.violations.append(f"fault {i} ({kind}): probe of {name} failed: {exc!r}")
+    sample = run.checker.check(f"after fault {i} ({kind})", with_probe=False)
+    record["pools"] = sample["pools"]
+    record["engines_see_arbiter_after"] = arbiter_states(run.serve)
+    run.read_health()
+    return record
+
+
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=6)
     ap.add_argument("--kinds", default=",".join(KINDS))
@@ -269,24 +369,56 @@ def main(argv=None) -> int:
     add_load_arguments(ap, "faults", rate=1.0)
     ap.add_argument("--recover-timeout-s", type=float, default=600.0)
     ap.add_argument("--leftover-timeout-s", type=float, default=30.0)
+    ap.add_argument("--kill-window-s", type=float, default=10.0, help="a kill's window: until recovery + this")
+    ap.add_argument("--settle-s", type=float, default=12.0, help="quiet points wait this long after the drain")
     ap.add_argument("--peer-kv", choices=("auto", "off"), default="auto")
     ap.add_argument("--lend-timeout-s", type=float, default=240.0, help="peer_donor: wait for a lending pair")
     ap.add_argument("--relink-timeout-s", type=float, default=300.0, help="peer_donor: wait for borrowing again")
     args = ap.parse_args(argv)
-    kinds = [k for k in args.kinds.split(",") if k]
-    if not kinds or set(kinds) - set(KINDS):
+    args.kind_list = [k for k in args.kinds.split(",") if k]
+    if not args.kind_list or set(args.kind_list) - set(KINDS):
         ap.error(f"--kinds: choose from {', '.join(KINDS)}, got {args.kinds!r}")
     if args.kills < 1:
         ap.error("--kills: must be >= 1")
-    peer, peer_why = (False, "off (--peer-kv off)") if args.peer_kv == "off" else peer_tier_status()
-    if "peer_donor" in kinds and not peer:
-        ap.error(f"--kinds: peer_donor needs the peer KV tier, which is {peer_why}")
+    args.peer, args.peer_why = (False, "off (--peer-kv off)") if args.peer_kv == "off" else peer_tier_status()
+    if "peer_donor" in args.kind_list and not args.peer:
+        ap.error(f"--kinds: peer_donor needs the peer KV tier, which is {args.peer_why}")
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 30)
+    return args
+
+
+def drive_faults(run: Run, rng: random.Random, order: list[str], load: LoadDriver, faults: list[dict]) -> dict:
+    """Baseline, quiet point, load with the kills in ``order``, quiet point; the two snapshots."""
+    args, names = run.args, run.names
+    run.serve.wait_ready()
+    run.baseline = {n: probe(run.serve.url, n, args.request_timeout_s) for n in names}
+    run.checker = Checker(run.serve, run.config.parent / "pools", names, run.baseline, args.request_timeout_s)
+    quiet(run.serve, args.settle_s)
+    first = run.checker.check("before the load (quiet)", with_probe=False, per_process=True)
+    horizon = args.kills * (args.gap_s * 1.5 + args.recover_timeout_s)
+    events = traffic(args, names, rng, horizon, reuse_model=names[0] if args.peer else None)
+    run.load_offset_s = run.now()
+    load.start(Client(run.serve.url, args.request_timeout_s), events, "faults")
+    for i, kind in enumerate(order):
+        time.sleep(rng.uniform(0.5, 1.5) * args.gap_s)
+        faults.append(one_fault(run, rng, i, kind))
+        print(json.dumps(faults[-1]), flush=True)
+    load.stop()
+    load.join(args.request_timeout_s + 30)
+    quiet(run.serve, args.settle_s)
+    last = run.checker.check("end (quiet)", with_probe=False, per_process=True)
+    run.read_health()
+    run.violations += run.checker.violations
+    return {"before": first.get("quiet", {}), "after": last.get("quiet", {}), "final": last}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     command = "python benchmark/faults.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"# {command}\n# seed {args.seed} (replay: --seed {args.seed})", flush=True)
     rng = random.Random(args.seed)
-    order = [kinds[i % len(kinds)] for i in range(args.kills)]
+    order = [args.kind_list[i % len(args.kind_list)] for i in range(args.kills)]
     rng.shuffle(order)
 
     from sglang_memx.models.tiny import tiny_model
@@ -295,116 +427,36 @@ def main(argv=None) -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     models = {n: tiny_model(s, Path(os.environ.get("TMPDIR", "/tmp")) / "sglang-memx-bench-models")
               for n, s in model_specs().items()}  # fmt: skip
-    names = list(models)
     port = free_port()
-    print(f"peer KV tier: {peer_why}", flush=True)
-    config = serve_config(args, models, port, tmp, peer=peer)
-    pool_dir = tmp / "pools"
-    serve = Serve(config, port, "faults-serve")
-    load = LoadDriver(args.workers)
-    counts, failures = load.counts, load.failures
+    print(f"peer KV tier: {args.peer_why}", flush=True)
+    run = Run(args, serve_config(args, models, port, tmp, peer=args.peer), port, list(models))
+    run.load_offset_s = None
+    load = LoadDriver(args.workers, origin=run.t_begin, fault=args.inject_fault)
     faults: list[dict] = []
-    violations: list[str] = []
-    checker = final = load_offset_s = None
-    t_begin = time.monotonic()
+    quiet_points: dict = {}
     try:
-        serve.wait_ready()
-        baseline = {n: probe(serve.url, n, args.request_timeout_s) for n in names}
-        checker = Checker(serve, pool_dir, names, baseline, args.request_timeout_s)
-        horizon = args.kills * (args.gap_s * 1.5 + args.recover_timeout_s)
-        client = Client(serve.url, args.request_timeout_s)
-        events = traffic(args, names, rng, horizon, reuse_model=names[0] if peer else None)
-        load_offset_s = time.monotonic() - t_begin
-        load.start(client, events)
-        for i, kind in enumerate(order):
-            time.sleep(rng.uniform(0.5, 1.5) * args.gap_s)
-            record = {"n": i, "kind": kind, "t": round(time.monotonic() - t_begin, 1)}
-            if kind == "engine":
-                live = {k: e for k, e in engines(serve).items() if e.get("pid") and e.get("alive", True)}
-                key = rng.choice(sorted(live))
-                record.update(target=key, pid=live[key]["pid"])
-                os.kill(live[key]["pid"], signal.SIGKILL)
-                t_kill = time.monotonic()
-                try:
-                    wait_for(lambda s=serve, k=key, old=record["pid"]: engines(s)[k]["pid"] != old
-                             and engines(s)[k]["state"] == "awake", args.recover_timeout_s,
-                             f"{key} restarted")  # fmt: skip
-                    record["restarted_s"] = round(time.monotonic() - t_kill, 1)
-                except TimeoutError as exc:
-                    violations.append(f"fault {i} (engine): {exc}")
-            elif kind == "peer_donor":
-                violations += kill_peer_donor(serve, checker, names[0], baseline[names[0]], args, record)
-            elif kind == "arbiter":
-                pids = checker.arbiter_pids()
-                if not pids:
-                    record["skipped"] = "no arbiter running (lost earlier, no engine restarted since)"
-                else:
-                    record.update(target="arbiter", pid=pids[0])
-                    os.kill(pids[0], signal.SIGKILL)
-                    t_kill = time.monotonic()
-                    time.sleep(0.5)
-                    record["engines_see_arbiter"] = arbiter_states(serve)
-                    try:  # a survivor restarts a crashed arbiter and every engine rejoins it
-                        wait_for(lambda s=serve, old=record["pid"]: all(v is True for v in arbiter_states(s).values())
-                                 and checker.arbiter_pids() and checker.arbiter_pids()[0] != old,
-                                 args.recover_timeout_s, "every engine back on a new arbiter")  # fmt: skip
-                        record["rejoined_s"] = round(time.monotonic() - t_kill, 1)
-                    except TimeoutError as exc:
-                        violations.append(f"fault {i} (arbiter): {exc}")
-            else:
-                tree = process_tree(serve.proc.pid) + checker.arbiter_pids()
-                record.update(target="router", pid=serve.proc.pid)
-                os.kill(serve.proc.pid, signal.SIGKILL)
-                serve.proc.wait()
-                t0 = time.monotonic()
-                while any(pid_alive(p) for p in tree) and time.monotonic() - t0 < args.leftover_timeout_s:
-                    time.sleep(0.5)
-                left = [p for p in tree if pid_alive(p)]
-                record["left_after_s"] = round(time.monotonic() - t0, 1)
-                if left:
-                    violations.append(f"fault {i} (router): processes left {args.leftover_timeout_s:.0f} s on: {left}")
-                    for p in left:
-                        try:
-                            os.kill(p, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                serve = Serve(config, port, f"faults-serve-{i}")
-                checker.serve = serve
-            try:
-                record["recovered_s"] = round(wait_healthy(serve, args.recover_timeout_s), 1)
-            except TimeoutError as exc:
-                violations.append(f"fault {i} ({kind}): {exc}")
-                record["recovered_s"] = None
-            for name in names:
-                try:
-                    got = probe(serve.url, name, args.request_timeout_s)
-                    if got != baseline[name]:
-                        violations.append(f"fault {i} ({kind}): probe of {name} changed: {got!r}")
-                except (urllib.error.URLError, OSError, ValueError) as exc:
-                    violations.append(f"fault {i} ({kind}): probe of {name} failed: {exc!r}")
-            sample = checker.check(f"after fault {i} ({kind})", with_probe=False)
-            record["pools"] = sample["pools"]
-            record["engines_see_arbiter_after"] = arbiter_states(serve)
-            print(json.dumps(record), flush=True)
-            faults.append(record)
-        load.stop()
-        load.join(args.request_timeout_s + 30)
-        final = checker.check("end", with_probe=False)
-        violations += checker.violations
+        quiet_points = drive_faults(run, rng, order, load, faults)
     finally:
         load.stop()
-        stopped = serve.stop()
-    cut = cut_by_router_kills(failures, counts, faults, load_offset_s) if load_offset_s is not None else 0
+        stopped = run.serve.stop()
     leftovers = [p for p in process_tree(os.getpid()) if p != os.getpid() and pid_alive(p)]
-    leftovers += [p for p in (checker.arbiter_pids() if checker is not None else []) if pid_alive(p)]
+    leftovers += [p for p in (run.checker.arbiter_pids() if run.checker is not None else []) if pid_alive(p)]
+    checks, details = faults_verdict(load.outcomes, faults, run.health, quiet_points.get("before", {}),
+                                  quiet_points.get("after", {}), args.kill_window_s, args.shed_budget)  # fmt: skip
+    violations = run.violations
     doc = {"command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-           "params": vars(args), "peer_kv": peer_why, "order": order, "faults": faults, "requests": counts,
-           "failures": failures[:80], "failed": [f for f in failures if f.get("outcome") == "failed"][:80],
-           "violations": violations, "final": final, "serve_exit": stopped, "leftovers": leftovers,
-           "load_offset_s": load_offset_s, "streams_cut_by_router_kills": cut}  # fmt: skip
+           "params": {k: v for k, v in vars(args).items() if k not in ("peer", "kind_list")}, "peer_kv": args.peer_why,
+           "order": order, "faults": faults, "requests": load.counts, "scheduled": len(load.outcomes),
+           "sent": details["judgement"]["sent"], "failure_reasons": details["judgement"]["failure_reasons"],
+           "excused_by_kills": details["judgement"]["excused_by_kills"], "kill_windows": details["kill_windows"],
+           "engine_health": run.health, "self_deaths": details["self_deaths"], "leak": details["leak"],
+           "failed": [o.to_json() for o in load.outcomes if o.verdict.startswith("fail")],
+           "violations": violations, "final": quiet_points.get("final"), "serve_exit": stopped,
+           "leftovers": leftovers, "load_offset_s": run.load_offset_s,
+           "outcomes": [o.to_json() for o in load.outcomes]}  # fmt: skip
     doc["checks"] = {
+        **checks,
         "every fault recovered": all(f.get("recovered_s") is not None for f in faults),
-        "no request hung or ended without a clear error": not any(c.get("failed") for c in counts.values()),
         "probes unchanged after every fault": not any("probe" in v for v in violations),
         "chunks conserved wherever an arbiter answered": not any("pool" in v for v in violations),
         "nothing left after a router kill or at the end": not leftovers and not any("left" in v for v in violations),
@@ -420,7 +472,8 @@ def main(argv=None) -> int:
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{args.out}.json").write_text(json.dumps(doc, indent=1))
     plot(doc, results / f"{args.out}.png")
-    print(json.dumps({"checks": doc["checks"], "requests": counts, "violations": violations[:10],
+    print(json.dumps({"checks": doc["checks"], "requests": load.counts, "failure_reasons": doc["failure_reasons"],
+                      "self_deaths": doc["self_deaths"], "violations": violations[:10],
                       "faults": [{k: f.get(k) for k in ("kind", "target", "recovered_s", "left_after_s", "relinked_s")}
                                  for f in faults]}, indent=1))  # fmt: skip
     print(f"{'PASS' if doc['passed'] else 'FAIL'}; wrote {results / args.out}.json", flush=True)

@@ -94,7 +94,7 @@ def process_tree(root: int) -> list[int]:
 
 
 def process_usage(pid: int) -> dict | None:
-    """``{"pid", "cmd", "rss_bytes", "fds", "memfd_fds"}`` of a live process, None when it is gone.
+    """``{"pid", "cmd", "rss_bytes", "fds", "memfd_fds", "threads"}`` of a live process, None when it is gone.
     ``fds`` excludes memfds: those are memory chunks (memx's pool chunks travel as memfds and are
     created lazily up to the pool's budget), counted apart in ``memfd_fds``."""
     try:
@@ -110,4 +110,12 @@ def process_usage(pid: int) -> dict | None:
         except OSError:
             pass  # closed meanwhile
     rss = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return {"pid": pid, "cmd": cmd[:200], "rss_bytes": rss, "fds": len(names) - memfds, "memfd_fds": memfds}
+    threads = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("Threads:")), 0)
+    return {
+        "pid": pid,
+        "cmd": cmd[:200],
+        "rss_bytes": rss,
+        "fds": len(names) - memfds,
+        "memfd_fds": memfds,
+        "threads": threads,
+    }

@@ -1,8 +1,10 @@
-"""The 2-minute soak (``benchmark/soak.py``): ``sglang-memx serve`` with three co-located tiny
+"""The short soak (``benchmark/soak.py``): ``sglang-memx serve`` with three co-located tiny
 models, elastic KV + shared pool, host buffer, sleep / wake and, when the build runs it, the peer tier
 (the first model as two replicas lending KV to each other; then the tier must have moved bytes),
-under seeded bursty mixed traffic. Every check of the soak must hold; a failure prints the
-seed and the first violations so the run replays with ``--seed``."""
+under seeded bursty mixed traffic. Every check of the soak must hold (every scheduled
+request answered stop / length with its tokens or aborted by us, no engine death, no leak of a
+KV group between quiet points); a failure prints the seed and the first violations so the run
+replays with ``--seed``."""
 
 from __future__ import annotations
 
@@ -26,20 +28,22 @@ def test_two_minute_soak_keeps_every_invariant(tmp_path):
     doc_path = tmp_path / "soak_ci.json"
     assert doc_path.exists(), out[-4000:]
     doc = json.loads(doc_path.read_text())
-    sent = sum(sum(v.values()) for v in doc["requests"].values())
-    print(f"soak seed {doc['params']['seed']}: {sent} requests {doc['requests']}, rss growth "
-          f"{doc['rss_growth']:+.2%}, fd growth {doc['fd_growth']:+.2%}, peer tier: {doc['peer_kv']}")  # fmt: skip
+    sent = doc["sent"]
+    print(f"soak seed {doc['params']['seed']}: {sent} of {doc['scheduled']} requests sent {doc['requests']}, "
+          f"leak growth {doc['leak']['growth']}, peer tier: {doc['peer_kv']}")  # fmt: skip
     failed = {k: v for k, v in doc["checks"].items() if not v}
-    assert not failed, (failed, doc["violations"][:10], doc["failures"][:5], f"replay: --seed {doc['params']['seed']}")
+    why = (doc["failure_reasons"], doc["self_deaths"], doc["leak"]["violations"], doc["violations"][:10])
+    assert not failed, (failed, why, doc["failures"][:5], f"replay: --seed {doc['params']['seed']}")
     assert proc.returncode == 0, out[-4000:]
-    # The soak is only evidence if the traffic happened: every kind, mostly answered.
+    # The soak is only evidence if the traffic happened: every kind, every request accounted for,
+    # at least the schedule's minimum (a quarter of its mean for this duration and rate).
     kinds = {"chat", "chat_stream", "long", "program", "generate", "abort"}
     if doc["peer"] is not None:
         kinds.add("reuse")  # the replicated model's reused prefixes
     assert set(doc["requests"]) == kinds, doc["requests"]
-    ok = sum(v.get("ok", 0) for v in doc["requests"].values())
-    assert ok >= 0.5 * sent and sent >= 60, doc["requests"]
-    assert len(doc["samples"]) >= 10
+    assert sent == doc["scheduled"] == len(doc["outcomes"]) >= doc["min_scheduled"], doc["requests"]
+    assert all(o["verdict"].startswith("pass") for o in doc["outcomes"])
+    assert len(doc["samples"]) >= 5
     if doc["peer"] is not None:  # the tier is on: two replicas of one model lent KV to each other
         peer = doc["peer"]
         assert peer["totals"]["bytes_stored"] > 0 and peer["max_borrowed_bytes"] > 0, peer
