@@ -1,4 +1,5 @@
-"""One behavioural suite for every memory_ext.vmm backend (host always, CUDA on a GPU).
+"""One behavioural suite for every memory_ext.vmm backend (host always, CUDA on a GPU, and the
+CUDA backend on the fake driver of test/support/fake_cuda_driver.py always).
 
 Data is written and read through ``tensor_view`` only (never raw pointers), and
 compared on the host via ``.cpu()``, so the same assertions hold on both. The
@@ -19,12 +20,16 @@ from memory_ext.vmm import COUNTER_NAMES, PhysicalChunk, VirtualRange, VmmBacken
 PAGE = os.sysconf("SC_PAGE_SIZE")
 HOST_G = 4 * PAGE  # small granularity keeps the host runs light
 
-BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu)]
+BACKENDS = ["host", "fakecuda", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _make(kind, granularity=None) -> VmmBackend:
     if kind == "host":
         return host_backend(HOST_G if granularity is None else granularity)
+    if kind == "fakecuda":
+        from support.fake_cuda import fake_cuda_backend
+
+        return fake_cuda_backend(granularity)
     from memory_ext.vmm import cuda_backend
 
     return cuda_backend(0, granularity)
@@ -51,6 +56,8 @@ def vmm(kind):
     backend = _make(kind)
     yield backend
     backend.close()
+    if kind == "fakecuda":  # close gave every reservation, mapping, handle and the context back
+        assert set(backend._drv.live().values()) == {0}, backend._drv.live()
 
 
 def _read(vmm, vrange, offset, n=None, dtype=torch.uint8):
