@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..policy.fineserve import slab_tokens
+from ..policy.kv_format import slab_tokens
 from .ownership import ChunkPool, Owner
 from .slots import PooledSlots
 
@@ -46,7 +46,7 @@ def _positive_int(name: str, value) -> int:
 def group_rows_for(row_bytes: Sequence[int], chunk_bytes: int, rows_multiple: int = 1) -> int:
     """Smallest row count that is a multiple of ``rows_multiple`` and fills whole chunks in every buffer.
 
-    This is F1's slab rule on the chunk (``memory_ext.policy.fineserve.slab_tokens``): a group is
+    This is F1's slab rule on the chunk (``memory_ext.policy.kv_format.slab_tokens``): a group is
     the server's KV slab, and the status and the simulator size it with the same function."""
     _positive_int("rows_multiple", rows_multiple)
     _positive_int("chunk_bytes", chunk_bytes)

@@ -4,7 +4,8 @@ Pure function of the status document: every sample is labelled with the
 scheduler's ``dp_rank`` (and ``pool`` when the server joined a shared pool),
 so several servers scraped by one Prometheus stay apart by their ``instance``.
 Names follow Prometheus conventions: ``_bytes`` / ``_tokens`` gauges,
-``_total`` counters, ``_seconds_total`` for summed latencies.
+``_total`` counters, ``_seconds_total`` for summed latencies. The text format
+itself is ``sglang_memx.prometheus`` (shared with the router's ``/metrics``).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from .prometheus import CONTENT_TYPE, Samples, number, render
+
+__all__ = ["CONTENT_TYPE", "METRICS_PATH", "render_prometheus"]
+
 METRICS_PATH = "/memx/metrics"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # (name, type, help)
 _HELP = {
@@ -105,16 +109,6 @@ _HELP = {
     "memx_requests_running": ("gauge", "Requests decoding."),
     "memx_requests_waiting": ("gauge", "Requests waiting for admission."),
 }
-
-
-def _fmt_labels(labels: dict[str, Any]) -> str:
-    if not labels:
-        return ""
-    body = ",".join(
-        f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-        for k, v in sorted(labels.items())
-    )
-    return "{" + body + "}"
 
 
 def _samples(rank: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any], float]]:
@@ -253,16 +247,8 @@ def _peer_samples(base: dict[str, Any], peer: dict[str, Any] | None) -> Iterable
 
 def render_prometheus(doc: dict[str, Any]) -> str:
     """The status document as Prometheus text format 0.0.4 (one HELP/TYPE block per metric)."""
-    by_name: dict[str, list[str]] = {}
+    out = Samples()
     for rank in doc.get("schedulers", []):
         for name, labels, value in _samples(rank):
-            by_name.setdefault(name, []).append(f"{name}{_fmt_labels(labels)} {float(value):.17g}")
-    out: list[str] = []
-    for name in _HELP:
-        if name not in by_name:
-            continue
-        kind, text = _HELP[name]
-        out.append(f"# HELP {name} {text}")
-        out.append(f"# TYPE {name} {kind}")
-        out.extend(by_name[name])
-    return "\n".join(out) + "\n"
+            out.add(name, labels, number(value))
+    return render(_HELP, out)

@@ -237,7 +237,7 @@ def _slab_line(sl: dict[str, Any]) -> str:
 
 def _pool_slab_lines(snap: dict[str, Any], pool: str) -> list[str]:
     """The slab formats of the servers on ``pool`` and the one uniform slab FineServe would cut."""
-    from memory_ext.policy.fineserve import uniform_slab_units
+    from memory_ext.policy.kv_format import uniform_slab_units
 
     formats: dict[str, int] = {}
     for s in snap["servers"]:

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from memory_ext.policy.fineserve import KVLayout, KVPrecision, slab_format, token_kv_bytes, uniform_slab_units
+from memory_ext.policy.kv_format import KVLayout, KVPrecision, slab_format, token_kv_bytes, uniform_slab_units
 from memory_ext.pool.arbiter_client import query_arbiter_status
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
 from support.server import SGLangServer, start_all

@@ -9,12 +9,11 @@ import types
 import pytest
 import torch
 
-from memory_ext.policy.fineserve import (
+from memory_ext.policy.kv_format import (
     FP8,
     FP16,
     INT4,
     KVLayout,
-    SlabTable,
     kv_row_bytes,
     slab_format,
     slab_tokens,
@@ -22,6 +21,7 @@ from memory_ext.policy.fineserve import (
     token_qparam_bytes,
     uniform_slab_units,
 )
+from memory_ext.policy.slab_table import SlabTable
 from memory_ext.pool import ChunkPool, LayeredKVBuffers
 from memory_ext.pool.layered_kv import group_rows_for
 from memory_ext.vmm import host_backend

@@ -1,36 +1,39 @@
-"""FineServe policy (F1-F4): sizes, slab arithmetic, placement, EDF batching.
+"""FineServe policy (F1-F4): sizes, slab arithmetic, placement, EDF batching
+(``memory_ext.policy.kv_format`` / ``slab_table`` / ``placement``; the simulator-only parts in
+``benchmark.sim.core.fineserve_policy``).
 
 All numbers below are worked by hand in the comments.
 """
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
-from memory_ext.policy.fineserve import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmark/ (the simulator-only parts)
+
+from benchmark.sim.core.fineserve_policy import ChunkedPrefillModel, Request, adaptive_batch, slab_bytes  # noqa: E402
+from memory_ext.policy.kv_format import (  # noqa: E402
     BF16,
     FP8,
     FP16,
     INT4,
-    ChunkedPrefillModel,
-    GpuCandidate,
     KVLayout,
     KVPrecision,
-    ModelDemand,
-    PlacementInfeasible,
-    Request,
-    adaptive_batch,
-    blocks_per_slab,
-    engine_block_id,
     kv_block_bytes,
-    place_models,
-    placement_score,
     precision_by_name,
-    slab_bytes,
-    split_engine_block_id,
     token_kv_bytes,
     token_qparam_bytes,
 )
+from memory_ext.policy.placement import (  # noqa: E402
+    GpuCandidate,
+    ModelDemand,
+    PlacementInfeasible,
+    place_models,
+    placement_score,
+)
+from memory_ext.policy.slab_table import blocks_per_slab, engine_block_id, split_engine_block_id  # noqa: E402
 
 # Llama-3-8B: 32 layers, 32 query heads but 8 KV heads (GQA), head_dim 128.
 LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128)
@@ -271,14 +274,14 @@ def test_bad_inputs_raise_value_error_naming_field(build, field):
 
 # ------------------------------------------------ F1: slab table (paper §5.2)
 
-from memory_ext.policy.fineserve import (  # noqa: E402
-    SlabTable,
+from benchmark.sim.core.fineserve_policy import (  # noqa: E402
     base_footprint,
     model_demand,
     place_with_pins,
     smallest_batch_for_rate,
     static_partition,
 )
+from memory_ext.policy.slab_table import SlabTable  # noqa: E402
 
 
 def test_slab_table_formats_slabs_per_key_and_numbers_blocks_like_the_paper():

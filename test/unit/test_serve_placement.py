@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memory_ext.policy.fineserve import GpuCandidate, ModelDemand, place_models
+from memory_ext.policy.placement import GpuCandidate, ModelDemand, place_models
 from sglang_memx.serve.config import ServeConfigError, parse_config
 from sglang_memx.serve.placement import GIB, ModelSize, plan_placement, read_model_size
 from support.fake_checkpoint import fake_model

@@ -11,10 +11,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from benchmark.sim.core.fineserve_policy import slab_bytes  # noqa: E402
 from benchmark.sim.mechanisms import fineserve as fp  # noqa: E402
 from benchmark.sim.runner import run_spec  # noqa: E402
 from benchmark.sim.scenario import load_scenario  # noqa: E402
-from memory_ext.policy.fineserve import blocks_per_slab, slab_bytes  # noqa: E402
+from memory_ext.policy.slab_table import blocks_per_slab  # noqa: E402
 
 SC = load_scenario(REPO / "benchmark/sim/scenarios/fineserve_placement.yaml")
 VARIANTS = dict(SC.variants)
@@ -69,8 +70,9 @@ def test_footprint_kv_is_taken_at_the_smallest_batch_meeting_the_rate():
 
 
 def test_placement_goes_through_the_shared_policy(monkeypatch):
-    """The simulator's Alg. 1 is memory_ext.policy.fineserve.place_models, fed by model_demand."""
-    import memory_ext.policy.fineserve as pol
+    """The simulator's Alg. 1 is memory_ext.policy.placement.place_models (the router's), fed by model_demand."""
+    import benchmark.sim.core.fineserve_policy as sim
+    import memory_ext.policy.placement as pol
 
     calls = []
     real = pol.place_models
@@ -84,7 +86,7 @@ def test_placement_goes_through_the_shared_policy(monkeypatch):
     assert len(calls) == 1
     models, gpus = calls[0]
     ds = fp.model_demands(SC.base, HEADLINE)
-    assert models == [pol.model_demand(d.name, d.weights, d.kv_bytes_per_token, d.kv_tokens, d.activations) for d in ds]
+    assert models == [sim.model_demand(d.name, d.weights, d.kv_bytes_per_token, d.kv_tokens, d.activations) for d in ds]
     assert [g.total_memory for g in gpus] == [fp._budget(SC.base)] * SC.base.node.count
     assert got == {n: int(g) for n, g in real(models, gpus).assignment.items()}
 
@@ -93,7 +95,8 @@ def test_shared_placement_function_agrees_with_the_router(tmp_path):
     """serve/placement.py builds F_M = weights + kv_reserve_tokens x KV/token and mu = 1/(KV/token):
     model_demand + place_with_pins give the router's decision, pins included."""
     pytest.importorskip("sglang_memx.serve.placement")
-    from memory_ext.policy.fineserve import GpuCandidate, model_demand, place_with_pins
+    from benchmark.sim.core.fineserve_policy import model_demand, place_with_pins
+    from memory_ext.policy.placement import GpuCandidate
     from sglang_memx.serve.config import parse_config
     from sglang_memx.serve.placement import GIB, ModelSize, plan_placement
     from support.fake_checkpoint import fake_model
@@ -159,7 +162,7 @@ def test_shared_slabs_lend_beyond_static_share():
 def test_static_partition_follows_the_paper():
     """Static* (FineServe 7.1): GPU memory in proportion to F_M; weights and activations come out of
     each model's share; the rest is a private pool in the model's own block size (no slabs)."""
-    from memory_ext.policy.fineserve import static_partition
+    from benchmark.sim.core.fineserve_policy import static_partition
 
     r = run_spec(replace(VARIANTS["static"], duration_s=2.0, drain_s=30), None, 2.0)
     usable = fp._budget(VARIANTS["static"])

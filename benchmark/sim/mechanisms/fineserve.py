@@ -5,9 +5,9 @@ batching (Alg. 2), and the Prism-like / static baselines of FineServe §7.1.
 * ``SlabPool`` -- one per GPU, over the KV memory the runner planned for the
   GPU's instances (GPU memory - weights - activation reserves).
   Mode ``shared`` (FineServe, Prism*): the memory is cut into uniform slabs of
-  ``memory_ext.policy.fineserve.slab_bytes`` (smallest multiple of the LCM of
+  ``core.fineserve_policy.slab_bytes`` (smallest multiple of the LCM of
   the co-located models' KV block sizes that is >= ``min_slab_mb``) and
-  managed by ``memory_ext.policy.fineserve.SlabTable`` (the paper's slab
+  managed by ``memory_ext.policy.slab_table.SlabTable`` (the paper's slab
   table, §5.2), keyed by instance: every block a request holds is placed in a
   slab formatted for its model (lowest partly used slab first), a slab goes
   back to FREE as soon as its last block is freed, and an instance's KV
@@ -20,14 +20,14 @@ batching (Alg. 2), and the Prism-like / static baselines of FineServe §7.1.
   iteration; within one plan the instance's slab count is what bounds it.
   Mode ``static`` (Static*, FineServe §7.1): GPU memory is split once in
   proportion to each model's F_M (``footprint_gb``;
-  ``memory_ext.policy.fineserve.static_partition``); each model's weights and
+  ``core.fineserve_policy.static_partition``); each model's weights and
   activations come out of its share and the rest is a private pool of its
   own block size (no slabs; the free blocks of a partition are stranded
   too). ``block_tail_bytes_mean``: the unused tail of every running
   request's last block (block-internal fragmentation), in both modes.
 * ``FineServeScheduler`` (kind ``fineserve``) -- stock iteration structure
   (decodes, continuing prefill chunks, then admission) whose admission is
-  ``batching``: ``edf`` = ``fineserve.adaptive_batch`` (Alg. 2) with a
+  ``batching``: ``edf`` = ``core.fineserve_policy.adaptive_batch`` (Alg. 2) with a
   ``ChunkedPrefillModel`` fitted to this instance's roofline, N_max = free
   running slots, T_max = free KV tokens, and ``now`` shifted by the pending
   prefill work of admitted requests; dropped requests are rejected (they
@@ -36,8 +36,8 @@ batching (Alg. 2), and the Prism-like / static baselines of FineServe §7.1.
   ``fcfs`` = stock FCFS (Static*). Preempted requests (already past their
   first token) are re-admitted first, FCFS.
 * Placement: ``fineserve_placement`` (Alg. 1 through
-  ``memory_ext.policy.fineserve.place_with_pins`` -- with no pins exactly
-  ``place_models`` -- on demands from ``model_demand``, the functions the
+  ``core.fineserve_policy.place_with_pins`` -- with no pins exactly
+  ``memory_ext.policy.placement.place_models`` -- on demands from ``model_demand``, the functions the
   router's placement shares: F_M = weights + activation reserve + KV at the
   smallest batch whose profiled throughput meets the rate (§6.2;
   ``smallest_batch_for_rate`` over ``profiled_throughput``), mu = 1 / KV
@@ -90,7 +90,9 @@ class SlabPool:
     def __init__(
         self, insts: list[Instance], mode: str, min_slab_mb: float, footprints: dict[int, float] | None = None
     ) -> None:
-        from memory_ext.policy.fineserve import SlabTable, slab_bytes, static_partition
+        from memory_ext.policy.slab_table import SlabTable
+
+        from ..core.fineserve_policy import slab_bytes, static_partition
 
         if mode not in _KV_MODES:
             raise ValueError(f"kv must be one of {', '.join(_KV_MODES)}, got {mode!r}")
@@ -249,7 +251,7 @@ def slab_pool(inst: Instance) -> SlabPool | None:
 
 def _prefill_model(inst: Instance):
     """ChunkedPrefillModel fitted to the roofline: TTFT of T tokens in chunks of C."""
-    from memory_ext.policy.fineserve import ChunkedPrefillModel
+    from ..core.fineserve_policy import ChunkedPrefillModel
 
     c = inst.cfg.max_batched_tokens
 
@@ -326,8 +328,8 @@ class FineServeScheduler:
 
     def _candidates(self, inst: Instance, now: float, n_max: int, t_max: int) -> list[Request]:
         """Waiting requests to admit this iteration, in order."""
-        from memory_ext.policy.fineserve import Request as FReq
-        from memory_ext.policy.fineserve import adaptive_batch
+        from ..core.fineserve_policy import Request as FReq
+        from ..core.fineserve_policy import adaptive_batch
 
         fresh = [r for r in inst.waiting if r.first_token_t is None]
         again = [r for r in inst.waiting if r.first_token_t is not None]  # preempted: FCFS first
@@ -478,7 +480,7 @@ class Demand:
     weights: float
     activations: float
     kv_base: float
-    mu: float  # tokens per byte of KV (memory_ext.policy.fineserve.model_demand)
+    mu: float  # tokens per byte of KV (core.fineserve_policy.model_demand)
     slo_rate: float  # rate / ttft_slo (Prism's SLO-weighted rate)
     batch: int = 0  # profiled batch size the KV part of F_M is taken at
     rate_met: bool = True  # False: no batch <= max_running meets the rate (the paper would add DP replicas)
@@ -487,13 +489,13 @@ class Demand:
 
     @property
     def footprint(self) -> float:
-        from memory_ext.policy.fineserve import base_footprint
+        from ..core.fineserve_policy import base_footprint
 
         return base_footprint(self.weights, self.kv_bytes_per_token, self.kv_tokens, self.activations)
 
     def model_demand(self):
         """The ``ModelDemand`` Alg. 1 gets (the shared sizes -> demand function)."""
-        from memory_ext.policy.fineserve import model_demand
+        from ..core.fineserve_policy import model_demand
 
         return model_demand(self.name, self.weights, self.kv_bytes_per_token, self.kv_tokens, self.activations)
 
@@ -530,7 +532,7 @@ def model_demands(spec: ScenarioSpec, rate_scale: float = 1.0) -> list[Demand]:
     M's expected request rate" (``smallest_batch_for_rate`` over
     ``profiled_throughput``, at most ``max_running``): that batch x the mean
     context (prompt + output / 2) x KV bytes per token."""
-    from memory_ext.policy.fineserve import smallest_batch_for_rate
+    from ..core.fineserve_policy import smallest_batch_for_rate
 
     g = gpu_spec(spec.node.gpu)
     out = []
@@ -570,10 +572,12 @@ def _budget(spec: ScenarioSpec) -> float:
 
 def fineserve_placement(spec: ScenarioSpec, rate_scale: float = 1.0) -> dict[str, int]:
     """FineServe Alg. 1: model -> gpu. Goes through
-    ``memory_ext.policy.fineserve.place_with_pins`` (no pins: exactly
+    ``core.fineserve_policy.place_with_pins`` (no pins: exactly the router's
     ``place_models``) with demands from ``model_demand`` -- the functions the
     router's placement is to share (docs/simulation.md, FineServe)."""
-    from memory_ext.policy.fineserve import GpuCandidate, PlacementInfeasible, place_with_pins
+    from memory_ext.policy.placement import GpuCandidate, PlacementInfeasible
+
+    from ..core.fineserve_policy import place_with_pins
 
     ds = model_demands(spec, rate_scale)
     res = place_with_pins(

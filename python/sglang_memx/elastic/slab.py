@@ -3,7 +3,7 @@
 The pool's chunk is the common memory unit that every co-located server borrows from the
 device's arbiter. A server's slab is one of its KV groups: ``slab_units`` chunks formatted for
 this model's KV cell, holding ``tokens_per_slab`` tokens of every layer's K and V. Its size is
-F1's LCM rule on the chunk (``memory_ext.policy.fineserve.slab_tokens``, the very function that
+F1's LCM rule on the chunk (``memory_ext.policy.kv_format.slab_tokens``, the very function that
 sizes the group in ``memory_ext.pool.layered_kv``), so a slab holds whole tokens and wastes no
 byte of its chunks.
 
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from memory_ext.policy.fineserve import KVLayout, KVPrecision, SlabTable, slab_format, token_kv_bytes
+from memory_ext.policy.kv_format import KVLayout, KVPrecision, slab_format, token_kv_bytes
+from memory_ext.policy.slab_table import SlabTable
 from sglang_memx.upstream import kv as up_kv
 
 

@@ -8,22 +8,20 @@ events after the first), SLO attainment against the model's ``ttft_slo_ms`` /
 Admission (queue length, in flight) and engine health (state, restarts) are read at
 render time from the admission snapshot and the launcher.
 
-Conventions of ``sglang_memx.metrics``: names ``memx_router_*``, ``_total`` counters,
-``_seconds`` histograms (``_bucket`` / ``_sum`` / ``_count``), one HELP / TYPE block per
-name, a ``model`` label on every sample, and a ``replica`` label (0, 1, ...) on the
-per-engine ones (engine state, restarts, info, the router's load per replica). Engine
-state is one gauge per state (1 for the current one) so dashboards can plot it without
-knowing the state names.
+Conventions of ``sglang_memx.metrics``, in the same text format (``sglang_memx.prometheus``):
+names ``memx_router_*``, ``_total`` counters, ``_seconds`` histograms (``_bucket`` / ``_sum`` /
+``_count``), one HELP / TYPE block per name, a ``model`` label on every sample, and a
+``replica`` label (0, 1, ...) on the per-engine ones (engine state, restarts, info, the
+router's load per replica). Engine state is one gauge per state (1 for the current one) so
+dashboards can plot it without knowing the state names.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
 
-from sglang_memx.metrics import CONTENT_TYPE, _fmt_labels
+from sglang_memx.prometheus import CONTENT_TYPE, Histogram, Samples, number, render
 
 __all__ = ["RouterMetrics", "Histogram", "CONTENT_TYPE", "TTFT_BUCKETS", "TPOT_BUCKETS"]
 
@@ -50,35 +48,6 @@ _HELP = {
     "memx_router_model_info": ("gauge", "Served model: its device and engine URL (value 1), one per replica."),
     "memx_router_replica_inflight": ("gauge", "Requests the router handed to this replica's engine, not finished."),
 }
-
-
-def _num(v: float) -> str:
-    return f"{float(v):.17g}"
-
-
-class Histogram:
-    """Cumulative-bucket histogram (Prometheus semantics: ``le`` upper bounds, then +Inf)."""
-
-    def __init__(self, buckets: Iterable[float]):
-        self.bounds = tuple(sorted(float(b) for b in buckets))
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, v: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, v)] += 1
-        self.sum += v
-        self.count += 1
-
-    def lines(self, name: str, labels: dict[str, Any]) -> list[str]:
-        out, acc = [], 0
-        for bound, n in zip(self.bounds + (float("inf"),), self.counts):
-            acc += n
-            le = "+Inf" if bound == float("inf") else f"{bound:g}"
-            out.append(f"{name}_bucket{_fmt_labels({**labels, 'le': le})} {acc}")
-        out.append(f"{name}_sum{_fmt_labels(labels)} {_num(self.sum)}")
-        out.append(f"{name}_count{_fmt_labels(labels)} {self.count}")
-        return out
 
 
 class RouterMetrics:
@@ -139,58 +108,40 @@ class RouterMetrics:
         ``engines``: model -> the launcher's info of each replica engine (a list, replica 0 first;
         state, restarts, device, url, ``router_inflight``; a dict: one replica; may be empty)."""
         states = list(states)
-        by: dict[str, list[str]] = {n: [] for n in _HELP}
+        out = Samples()
         for m in self.models:
             lab = {"model": m}
             adm = admission.get(m, {})
-            by["memx_router_queue_length"].append(f"memx_router_queue_length{_fmt_labels(lab)} {adm.get('queued', 0)}")
-            by["memx_router_inflight"].append(f"memx_router_inflight{_fmt_labels(lab)} {adm.get('inflight', 0)}")
+            out.add("memx_router_queue_length", lab, adm.get("queued", 0))
+            out.add("memx_router_inflight", lab, adm.get("inflight", 0))
             for code, n in sorted(self.requests[m].items()):
-                by["memx_router_requests_total"].append(
-                    f"memx_router_requests_total{_fmt_labels({**lab, 'code': code})} {n}"
-                )
-            by["memx_router_ttft_seconds"] += self.ttft[m].lines("memx_router_ttft_seconds", lab)
-            by["memx_router_tpot_seconds"] += self.tpot[m].lines("memx_router_tpot_seconds", lab)
+                out.add("memx_router_requests_total", {**lab, "code": code}, n)
+            out.extend("memx_router_ttft_seconds", self.ttft[m].lines("memx_router_ttft_seconds", lab))
+            out.extend("memx_router_tpot_seconds", self.tpot[m].lines("memx_router_tpot_seconds", lab))
             for slo in ("ttft", "tpot"):
                 for result in ("met", "missed"):
                     n = self.slo[m][(slo, result)]
                     if n or slo == "ttft":
-                        by["memx_router_slo_total"].append(
-                            f"memx_router_slo_total{_fmt_labels({**lab, 'slo': slo, 'result': result})} {n}"
-                        )
+                        out.add("memx_router_slo_total", {**lab, "slo": slo, "result": result}, n)
             for reason, n in sorted(self.shed[m].items()):
-                by["memx_router_shed_total"].append(
-                    f"memx_router_shed_total{_fmt_labels({**lab, 'reason': reason})} {n}"
-                )
+                out.add("memx_router_shed_total", {**lab, "reason": reason}, n)
             for streamed in ("false", "true"):
-                by["memx_router_engine_failures_total"].append(
-                    f"memx_router_engine_failures_total{_fmt_labels({**lab, 'streamed': streamed})} "
-                    f"{self.failures[m][streamed]}"
-                )
+                out.add("memx_router_engine_failures_total", {**lab, "streamed": streamed}, self.failures[m][streamed])
             for result, n in sorted(self.retries[m].items()):
-                by["memx_router_retries_total"].append(
-                    f"memx_router_retries_total{_fmt_labels({**lab, 'result': result})} {n}"
-                )
+                out.add("memx_router_retries_total", {**lab, "result": result}, n)
             replicas = engines.get(m) or []
             for i, eng in enumerate([replicas] if isinstance(replicas, dict) else replicas):
-                self._engine_lines(by, {**lab, "replica": str(i)}, eng, states)
-        out: list[str] = []
-        for name, (kind, text) in _HELP.items():
-            if not by[name]:
-                continue
-            out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *by[name]]
-        return "\n".join(out) + "\n"
+                self._engine_samples(out, {**lab, "replica": str(i)}, eng, states)
+        return render(_HELP, out)
 
     @staticmethod
-    def _engine_lines(by: dict[str, list[str]], lab: dict, eng: dict, states: list[str]) -> None:
+    def _engine_samples(out: Samples, lab: dict, eng: dict, states: list[str]) -> None:
         """The per-engine samples of one replica (``lab``: model and replica)."""
         state = eng.get("state")
         if state is not None:
             for s in states:
-                by["memx_router_engine_state"].append(
-                    f"memx_router_engine_state{_fmt_labels({**lab, 'state': s})} {int(s == state)}"
-                )
-            by["memx_router_engine_up"].append(f"memx_router_engine_up{_fmt_labels(lab)} {int(state == 'awake')}")
+                out.add("memx_router_engine_state", {**lab, "state": s}, int(s == state))
+            out.add("memx_router_engine_up", lab, int(state == "awake"))
         for key, name in (("restarts", "memx_router_engine_restarts_total"),
                           ("hangs", "memx_router_engine_hangs_total"),
                           ("restart_failures", "memx_router_engine_restart_failures_total"),
@@ -198,7 +149,7 @@ class RouterMetrics:
                           ("last_restart_s", "memx_router_engine_last_restart_seconds"),
                           ("router_inflight", "memx_router_replica_inflight")):  # fmt: skip
             if eng.get(key) is not None:
-                by[name].append(f"{name}{_fmt_labels(lab)} {_num(eng[key])}")
+                out.add(name, lab, number(eng[key]))
         if eng.get("device") is not None or eng.get("url") is not None:
             info = {**lab, "device": eng.get("device") or "", "url": eng.get("url") or ""}
-            by["memx_router_model_info"].append(f"memx_router_model_info{_fmt_labels(info)} 1")
+            out.add("memx_router_model_info", info, 1)

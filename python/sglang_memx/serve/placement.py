@@ -2,7 +2,7 @@
 
 ``read_model_size`` reads a checkpoint directory (weight file sizes, ``config.json``);
 ``plan_placement`` turns the config and those sizes into
-``memory_ext.policy.fineserve.ModelDemand`` / ``GpuCandidate`` and calls ``place_models``,
+``memory_ext.policy.placement.ModelDemand`` / ``GpuCandidate`` and calls ``place_models``,
 the same procedure the simulator's FineServe placement runs.
 
 Invariants:
@@ -35,15 +35,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from memory_ext.policy.fineserve import (
-    GpuCandidate,
-    KVLayout,
-    KVPrecision,
-    ModelDemand,
-    PlacementResult,
-    place_models,
-    token_kv_bytes,
-)
+from memory_ext.policy.kv_format import KVLayout, KVPrecision, token_kv_bytes
+from memory_ext.policy.placement import GpuCandidate, ModelDemand, PlacementResult, place_models
 
 from .config import ServeConfig, ServeConfigError
 
