@@ -1,4 +1,5 @@
-"""The short soak (``benchmark/soak.py``): ``sglang-memx serve`` with three co-located tiny
+"""The one-minute soak (``benchmark/soak.py``, 60 s of traffic after a 10 s warm-up; the
+30-minute run is the script's default, figures in docs/reliability.md): ``sglang-memx serve`` with three co-located tiny
 models, elastic KV + shared pool, host buffer, sleep / wake and, when the build runs it, the peer tier
 (the first model as two replicas lending KV to each other; then the tier must have moved bytes),
 under seeded bursty mixed traffic. Every check of the soak must hold (every scheduled
@@ -20,8 +21,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_two_minute_soak_keeps_every_invariant(tmp_path):
-    cmd = [sys.executable, str(REPO / "benchmark" / "soak.py"), "--duration-s", "120", "--warmup-s", "20",
+def test_one_minute_soak_keeps_every_invariant(tmp_path):
+    cmd = [sys.executable, str(REPO / "benchmark" / "soak.py"), "--duration-s", "60", "--warmup-s", "10",
            "--results-dir", str(tmp_path), "--out", "soak_ci"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
     out = proc.stdout + proc.stderr
