@@ -204,10 +204,14 @@ def self_deaths(readings: list[dict[str, dict]], kills_by_target: dict[tuple[int
 class LeakLimits:
     """Growth allowed between two quiet points, each in its own unit: KV groups (per engine:
     mapped groups, mapped bytes / group size, chunks held at the arbiter / chunks per group),
-    open fds, threads, RSS bytes (stated as a multiple of the pool's size by the caller)."""
+    open fds, threads, RSS bytes (stated as a multiple of the pool's size by the caller).
+
+    fds: the router keeps keep-alive connections to its engines and may hold a few more at the
+    second quiet point than at the first (one more was seen in a clean run); a leak of one fd per
+    request (a hundred or more in the shortest soak) still trips the limit of 8."""
 
     kv_groups: int = 0
-    fds: int = 0
+    fds: int = 8
     threads: int = 4
     rss_bytes: int = 32 << 20
     check_processes: bool = True

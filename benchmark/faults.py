@@ -67,7 +67,7 @@ from benchmark.e2e.consolidation import model_specs  # noqa: E402
 from benchmark.e2e.router_proc import Serve, http_json, process_tree  # noqa: E402
 from benchmark.load_driver import LoadDriver, add_load_arguments  # noqa: E402
 from benchmark.quiet_point import engine_health, quiet  # noqa: E402
-from benchmark.soak import Checker, peer_tier_status, probe, serve_config, traffic  # noqa: E402
+from benchmark.soak import Checker, held_to, peer_tier_status, probe, reference_answers, serve_config, traffic  # noqa: E402
 from benchmark.soak_client import Client  # noqa: E402
 from memory_ext.proc import pid_alive  # noqa: E402
 from support.server import free_port  # noqa: E402
@@ -254,7 +254,8 @@ class Run:
         self.args, self.config, self.port, self.names = args, config, port, names
         self.serve = Serve(config, port, "faults-serve")
         self.checker: Checker | None = None
-        self.baseline: dict[str, str] = {}
+        self.baseline: dict[str, list[str]] = {}
+        self.reference: dict[str, list[str]] | None = None  # stock's answers (--stock-reference on)
         self.violations: list[str] = []
         self.health: list[dict] = [{}]
         self.t_begin = time.monotonic()
@@ -372,6 +373,12 @@ def parse_args(argv):
     ap.add_argument("--kill-window-s", type=float, default=10.0, help="a kill's window: until recovery + this")
     ap.add_argument("--settle-s", type=float, default=12.0, help="quiet points wait this long after the drain")
     ap.add_argument("--peer-kv", choices=("auto", "off"), default="auto")
+    ap.add_argument(
+        "--stock-reference",
+        choices=("on", "off"),
+        default="on",
+        help="hold the probes to stock SGLang's answers (one stock server per model, before serve)",
+    )
     ap.add_argument("--lend-timeout-s", type=float, default=240.0, help="peer_donor: wait for a lending pair")
     ap.add_argument("--relink-timeout-s", type=float, default=300.0, help="peer_donor: wait for borrowing again")
     args = ap.parse_args(argv)
@@ -392,8 +399,10 @@ def drive_faults(run: Run, rng: random.Random, order: list[str], load: LoadDrive
     """Baseline, quiet point, load with the kills in ``order``, quiet point; the two snapshots."""
     args, names = run.args, run.names
     run.serve.wait_ready()
-    run.baseline = {n: probe(run.serve.url, n, args.request_timeout_s) for n in names}
+    started = {n: probe(run.serve.url, n, args.request_timeout_s) for n in names}
+    run.baseline = run.reference or started
     run.checker = Checker(run.serve, run.config.parent / "pools", names, run.baseline, args.request_timeout_s)
+    held_to(run.checker, started, run.reference, "start (quiet)")
     quiet(run.serve, args.settle_s)
     first = run.checker.check("before the load (quiet)", with_probe=False, per_process=True)
     horizon = args.kills * (args.gap_s * 1.5 + args.recover_timeout_s)
@@ -408,6 +417,8 @@ def drive_faults(run: Run, rng: random.Random, order: list[str], load: LoadDrive
     load.join(args.request_timeout_s + 30)
     quiet(run.serve, args.settle_s)
     last = run.checker.check("end (quiet)", with_probe=False, per_process=True)
+    ended = {n: probe(run.serve.url, n, args.request_timeout_s) for n in names}
+    held_to(run.checker, ended, run.reference, "end (quiet)")
     run.read_health()
     run.violations += run.checker.violations
     return {"before": first.get("quiet", {}), "after": last.get("quiet", {}), "final": last}
@@ -429,7 +440,9 @@ def main(argv=None) -> int:
               for n, s in model_specs().items()}  # fmt: skip
     port = free_port()
     print(f"peer KV tier: {args.peer_why}", flush=True)
+    reference = reference_answers(args, models)
     run = Run(args, serve_config(args, models, port, tmp, peer=args.peer), port, list(models))
+    run.reference = reference
     run.load_offset_s = None
     load = LoadDriver(args.workers, origin=run.t_begin, fault=args.inject_fault)
     faults: list[dict] = []
@@ -453,11 +466,15 @@ def main(argv=None) -> int:
            "failed": [o.to_json() for o in load.outcomes if o.verdict.startswith("fail")],
            "violations": violations, "final": quiet_points.get("final"), "serve_exit": stopped,
            "leftovers": leftovers, "load_offset_s": run.load_offset_s,
-           "outcomes": [o.to_json() for o in load.outcomes]}  # fmt: skip
+           "stock_reference": run.reference, "outcomes": [o.to_json() for o in load.outcomes]}  # fmt: skip
     doc["checks"] = {
         **checks,
         "every fault recovered": all(f.get("recovered_s") is not None for f in faults),
-        "probes unchanged after every fault": not any("probe" in v for v in violations),
+        (
+            "probes equal stock's at the start, after every fault and at the end"
+            if run.reference
+            else "probes unchanged after every fault"
+        ): not any("probe" in v for v in violations),
         "chunks conserved wherever an arbiter answered": not any("pool" in v for v in violations),
         "nothing left after a router kill or at the end": not leftovers and not any("left" in v for v in violations),
         "nothing else went wrong": not [v for v in violations if not any(w in v for w in ("probe", "pool", "left"))],

@@ -25,15 +25,17 @@ Checks, every ``--check-s`` seconds and at the end:
   token count (``length``: exactly ``max_tokens``), or is one of our aborts; a 429 passes only
   within ``--shed-budget`` (0); every error fails (named, 5xx, reset, cut stream, hang);
 * no engine died: the router's ``/memx/serve`` counts no restart, failed restart or hang kill;
-* the greedy probe: a fixed prompt per model, ``temperature 0``, answers what it answered
-  before the traffic started (the traffic's chats sample at 0.8: only their finish_reason and
-  token counts are checked);
+* the greedy probes (``stock_reference.PROBES``, ``temperature 0``) answer what stock SGLang
+  answered them before ``serve`` started (``--stock-reference``; at quiet points every model,
+  batch 1; during the load one model a check); the traffic's chats sample at 0.8: only their
+  finish_reason and token counts are checked;
 * no leak (``accounting.leak_check``) between two quiet points (traffic drained, every engine's
   prefix cache flushed, keep-alive connections expired) -- after the warm-up and after the soak:
   per engine, mapped KV groups, mapped bytes and chunks held at the arbiter grow by less than one
   KV group (``--max-kv-group-growth`` 0), the engine's and the arbiter's chunk counts agree at
-  each, open fds (memfds apart: they are the pool's chunks) by ``--max-fd-growth`` (0), threads by
-  ``--max-thread-growth`` (4), RSS by ``--max-rss-growth-pools`` (4) times the device pool.
+  each, open fds (memfds apart: they are the pool's chunks) by ``--max-fd-growth`` (8: the
+  router's keep-alive connections), threads by ``--max-thread-growth`` (4), RSS by
+  ``--max-rss-growth-pools`` (4) times the device pool.
 
 ``--inject-fault drop|abort|reset|wrong`` (``load_driver``) spoils every 7th request: the run
 must then FAIL, naming it.
@@ -68,10 +70,10 @@ from benchmark.e2e.router_proc import Serve, http_json, process_tree, process_us
 from benchmark.load_driver import LoadDriver, add_load_arguments  # noqa: E402
 from benchmark.quiet_point import engine_health, quiet, snapshot  # noqa: E402
 from benchmark.soak_client import Client  # noqa: E402
+from benchmark.stock_reference import mismatches, probe_answers, stock_answers  # noqa: E402
 from support.server import LOG_DIR, free_port  # noqa: E402
 
 KINDS = {"chat": 3, "chat_stream": 3, "long": 1, "program": 1, "generate": 1, "abort": 1}
-PROBE = "The soak probe asks the same thing every time:"
 # With the peer tier on, the first model runs as two replicas (one layout: they lend to and borrow
 # from each other) and also gets ``reuse``: long prompts whose prefix is one of soak_client.REUSE_CONVERSATIONS
 # per conversation, more of them than its KV keeps, so prefixes are evicted (spilled to the
@@ -139,10 +141,25 @@ def traffic(args, names: list[str], rng: random.Random, until: float,
     return sorted(out)
 
 
-def probe(url: str, name: str, timeout: float) -> str:
-    r = http_json(url + "/v1/completions", {"model": name, "prompt": PROBE, "max_tokens": 8, "temperature": 0},
-                  timeout=timeout)  # fmt: skip
-    return r["choices"][0]["text"]
+def probe(url: str, name: str, timeout: float) -> list[str]:
+    """The model's greedy answers to ``stock_reference.PROBES`` through the router."""
+    return probe_answers(url, name, timeout)
+
+
+def reference_answers(args, models: dict[str, Path]) -> dict[str, list[str]] | None:
+    """Stock SGLang's answers to the probes (``--stock-reference on``), else None."""
+    if args.stock_reference == "off":
+        return None
+    t0 = time.monotonic()
+    ref = stock_answers(models, args.request_timeout_s)
+    print(f"stock reference answers in {time.monotonic() - t0:.0f} s", flush=True)
+    return ref
+
+
+def held_to(checker, got: dict[str, list[str]], reference: dict[str, list[str]] | None, label: str) -> None:
+    """Append a ``probe`` violation per answer that differs from stock's (nothing without a reference)."""
+    if reference is not None:
+        checker.violations.extend(f"{label}: probe differs from stock: {line}" for line in mismatches(got, reference))
 
 
 class Checker:
@@ -367,10 +384,21 @@ def parse_args(argv):
     add_load_arguments(ap, "soak", rate=1.5)
     ap.add_argument("--peer-kv", choices=("auto", "off"), default="auto")
     ap.add_argument("--max-kv-group-growth", type=int, default=0, help="KV groups per engine between quiet points")
-    ap.add_argument("--max-fd-growth", type=int, default=0)
+    ap.add_argument(
+        "--max-fd-growth",
+        type=int,
+        default=8,
+        help="open fds (router keep-alive connections to engines may vary by a few)",
+    )
     ap.add_argument("--max-thread-growth", type=int, default=4)
     ap.add_argument("--max-rss-growth-pools", type=float, default=4.0, help="RSS growth limit, in device pools")
     ap.add_argument("--settle-s", type=float, default=12.0, help="quiet samples wait this long after the drain")
+    ap.add_argument(
+        "--stock-reference",
+        choices=("on", "off"),
+        default="on",
+        help="hold the probes to stock SGLang's answers (one stock server per model, before serve)",
+    )
     args = ap.parse_args(argv)
     for field in ("duration_s", "check_s", "rate", "memory_mb", "request_timeout_s", "workers"):
         if not getattr(args, field) > 0:
@@ -394,6 +422,7 @@ def main(argv=None) -> int:
     names = list(models)
     peer, peer_why = (False, "off (--peer-kv off)") if args.peer_kv == "off" else peer_tier_status()
     print(f"peer KV tier: {peer_why}", flush=True)
+    reference = reference_answers(args, models)
     port = free_port()
     serve = Serve(serve_config(args, models, port, tmp, peer), port, "soak-serve")
     rng = random.Random(args.seed)
@@ -404,7 +433,8 @@ def main(argv=None) -> int:
         serve.wait_ready()
         startup_s = time.monotonic() - t_begin
         baseline = {n: probe(serve.url, n, args.request_timeout_s) for n in names}
-        checker = Checker(serve, tmp / "pools", names, baseline, args.request_timeout_s, peer=peer)
+        checker = Checker(serve, tmp / "pools", names, reference or baseline, args.request_timeout_s, peer=peer)
+        held_to(checker, baseline, reference, "start (quiet)")
         client = Client(serve.url, args.request_timeout_s)
         for phase, length in (("warmup", args.warmup_s), ("soak", args.duration_s)):
             load.start(client, traffic(args, names, rng, length, reuse_model=names[0] if peer else None), phase)
@@ -414,6 +444,8 @@ def main(argv=None) -> int:
                     checker.check(phase)
             flushed[phase] = quiet(serve, args.settle_s)
             checker.check(f"{phase} end (quiet)", per_process=True)
+            answers = {n: probe(serve.url, n, args.request_timeout_s) for n in names}
+            held_to(checker, answers, reference, f"{phase} end (quiet)")
         end = checker.samples[-1]
         start = next(s for s in checker.samples if s["label"] == "warmup end (quiet)")
         health = engine_health(serve.url)
@@ -437,12 +469,15 @@ def main(argv=None) -> int:
         "serve_exit": stopped, "leftover_arbiters": leftovers,
         "per_process_change": per_process_change(start, end),
         "peer": peer_summary(checker.samples, names[0]) if peer else None,
+        "stock_reference": reference,
         "outcomes": [o.to_json() for o in load.outcomes],
     }  # fmt: skip
     doc["checks"] = {
         **checks,
         "chunks conserved at every check, no dead client": not any("pool" in v for v in checker.violations),
-        "greedy probe unchanged": not any("probe" in v for v in checker.violations),
+        ("greedy probes equal stock's" if reference else "greedy probe unchanged"): not any(
+            "probe" in v for v in checker.violations
+        ),
         "serve exited 0 on SIGTERM, no arbiter left": stopped == 0 and not leftovers,
         "nothing else went wrong": not [v for v in checker.violations if "pool" not in v and "probe" not in v],
     }

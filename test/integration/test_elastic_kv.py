@@ -13,7 +13,7 @@ and the KV memory must go back to the pool when the requests are gone.
 import pytest
 
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all
+from support.server import SGLangServer, start_all, stop_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -91,8 +91,7 @@ def servers(tiny_model_root):
     everyone = [stock, tight, paged, parked, slo]
     start_all(everyone)
     yield {"stock": stock, "tight": tight, "paged": paged, "parked": parked, "slo": slo}
-    for s in everyone:
-        s.stop()
+    stop_all(everyone)
 
 
 def _gen(server, text, n=24, ignore_eos=True):

@@ -27,7 +27,7 @@ import pytest
 from memory_ext.policy.kv_format import KVLayout, KVPrecision, slab_format, token_kv_bytes, uniform_slab_units
 from memory_ext.pool.arbiter_client import query_arbiter_status
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all
+from support.server import SGLangServer, start_all, stop_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -58,8 +58,7 @@ def pool(tmp_path_factory, tiny_model_root):
         servers[f"stock-{key}"] = SGLangServer(model, name=f"slab-stock-{key}", stock=True, extra_args=args)
     start_all(list(servers.values()))
     yield {"servers": servers, "sock": pool_dir / f"{name}.sock", "dir": pool_dir, "name": name}
-    for s in servers.values():
-        s.stop()
+    stop_all(servers.values())
     subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir", str(pool_dir)],
                    check=False)  # fmt: skip
 

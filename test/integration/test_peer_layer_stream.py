@@ -21,7 +21,7 @@ import pytest
 
 from memory_ext.pool.arbiter_client import query_arbiter_status
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all
+from support.server import SGLangServer, start_all, stop_all
 
 pytestmark = [
     pytest.mark.integration,
@@ -54,8 +54,7 @@ def servers(tmp_path_factory, tiny_model_root):
         start_all([donor, borrower, stock])
         yield {"donor": donor, "borrower": borrower, "stock": stock, "sock": pool_dir / f"{name}.sock"}
     finally:
-        for s in (donor, borrower, stock):
-            s.stop()
+        stop_all((donor, borrower, stock))
         subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir",
                         str(pool_dir)], check=False)  # fmt: skip
 

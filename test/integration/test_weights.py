@@ -20,7 +20,7 @@ import urllib.error
 import pytest
 
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all
+from support.server import SGLangServer, start_all, stop_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -52,8 +52,7 @@ def servers(tiny_model_root):
     }
     start_all(list(everyone.values()))
     yield everyone
-    for s in everyone.values():
-        s.stop()
+    stop_all(everyone.values())
 
 
 def _gen(server, text, n=16):

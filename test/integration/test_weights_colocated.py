@@ -25,7 +25,7 @@ import pytest
 
 from memory_ext.pool.arbiter_client import query_arbiter_status
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all
+from support.server import SGLangServer, start_all, stop_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
@@ -48,8 +48,7 @@ def pair(tmp_path_factory, tiny_model_root):
     stock = SGLangServer(model, name="wcolo-stock", stock=True, max_total_tokens=4096, extra_args=COMMON)
     start_all([a, b, stock])
     yield {"a": a, "b": b, "stock": stock, "sock": pool_dir / f"{name}.sock", "model": model, "args": args}
-    for s in (a, b, stock):
-        s.stop()
+    stop_all((a, b, stock))
     subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir", str(pool_dir)],
                    check=False)  # fmt: skip
 

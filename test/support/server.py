@@ -141,14 +141,25 @@ class SGLangServer:
         raise TimeoutError(f"server {self.name} not healthy after {timeout}s; log tail:\n{self.log_tail()}")
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
+        self.terminate()
+        self.reap()
+
+    def terminate(self) -> None:
+        """SIGTERM the server's process group (no wait): ``stop_all`` signals every server first."""
+        if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
+            except ProcessLookupError:
                 pass
+
+    def reap(self, timeout: float = 30.0) -> None:
+        """Wait up to ``timeout`` for the signalled server, then SIGKILL its whole group."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # scheduler / detokenizer leftovers
         except ProcessLookupError:
@@ -189,6 +200,16 @@ def pin_to_cores(servers: list[SGLangServer]) -> None:
         server.env.setdefault("OMP_NUM_THREADS", str(len(mine)))
 
 
+def stop_all(servers) -> None:
+    """Stop servers together: every group gets its SIGTERM first, then each is waited for (their
+    graceful shutdowns overlap instead of adding up), and ``stop`` (a subclass's too) finishes each."""
+    servers = list(servers)
+    for s in servers:
+        s.terminate()
+    for s in servers:
+        s.stop()
+
+
 def start_all(servers: list[SGLangServer], timeout: float = 420.0) -> list[SGLangServer]:
     """Start servers concurrently (each pinned to its own cores) and wait for all;
     stop all if one fails."""
@@ -200,7 +221,6 @@ def start_all(servers: list[SGLangServer], timeout: float = 420.0) -> list[SGLan
         for s in servers:
             s.wait_ready(timeout)
     except BaseException:
-        for s in servers:
-            s.stop()
+        stop_all(servers)
         raise
     return servers
