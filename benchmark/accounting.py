@@ -30,6 +30,13 @@ CONNECTION_ERRORS = ("ConnectionRefusedError", "ConnectionResetError", "RemoteDi
 CUT_DETAIL = "stream ended without [DONE]"
 ANSWERED = ("stop", "length")
 KILL_PRE_S = 0.5  # a kill's window opens this long before the kill (the two clocks are read apart)
+# Fault kinds (``faults.py``, ``fault_kinds.py``) by what their kill ends. One engine: its model's
+# in-flight requests may end with a router code, and the kill explains one death of that engine
+# (a scheduler or detokenizer kill also one hang: upstream's ``launch_server`` may be found hung
+# before it exits). The arbiter: nothing may fail, no engine dies.
+ENGINE_KINDS = ("engine", "peer_donor", "scheduler", "detokenizer", "join_full_pool")
+CHILD_KINDS = ("scheduler", "detokenizer")
+ARBITER_KINDS = ("arbiter", "arbiter_reclaim")
 
 
 @dataclass
@@ -96,17 +103,18 @@ class KillWindow:
             return False
         if self.kind == "router":
             return o.error_code is not None
-        if self.kind in ("engine", "peer_donor"):
+        if self.kind in ENGINE_KINDS:
             return o.model == self.model and o.error_code in ROUTER_ERROR_CODES
-        return False  # the arbiter: engines keep serving on private budgets, no request may fail
+        return False  # the arbiter (ARBITER_KINDS): engines keep serving on private budgets, no request may fail
 
 
 def kill_windows(faults: list[dict], load_offset_s: float, post_s: float) -> list[KillWindow]:
     """The windows of ``faults.py``'s fault records (run clock; ``t_recovered`` when healthy
-    again, else the window stays open to the end of the run)."""
+    again, else the window stays open to the end of the run). Skipped faults and arbiter kills
+    (``ARBITER_KINDS``) have none."""
     out = []
     for f in faults:
-        if f.get("skipped") or f["kind"] == "arbiter":
+        if f.get("skipped") or f["kind"] in ARBITER_KINDS:
             continue
         end = f.get("t_recovered")
         end = float("inf") if end is None else end - load_offset_s + post_s
@@ -182,22 +190,41 @@ def judge(outcomes: list[Outcome], windows: list[KillWindow] = (), shed_budget: 
             "first_failures": [o.to_json() for o in failed[:10]]}  # fmt: skip
 
 
-def self_deaths(readings: list[dict[str, dict]], kills_by_target: dict[tuple[int, str], int]) -> list[str]:
+def self_deaths(readings: list[dict[str, dict]], kills_by_target: dict[tuple[int, str], int],
+                child_kills: dict[tuple[int, str], int] | None = None) -> list[str]:  # fmt: skip
     """Engine deaths no kill explains. ``readings[i]`` is the last ``/memx/serve`` ``engines`` read
     from router incarnation ``i`` (a router restart starts the counters again); a death is a
     restart, a failed restart attempt or a hang kill; ``kills_by_target[(i, key)]`` counts the
-    run's own kills of engine ``key`` in incarnation ``i`` (the soak: none)."""
+    run's own kills of engine ``key`` in incarnation ``i`` (the soak: none), one death each.
+    ``child_kills[(i, key)]`` (of those, the kills of its scheduler or detokenizer alone) may each
+    also explain one hang: a hung ``launch_server`` is killed, then restarted (hang + restart)."""
     out = []
     for i, engines in enumerate(readings):
         for key, e in sorted(engines.items()):
-            deaths = (e.get("restarts") or 0) + (e.get("restart_failures") or 0) + (e.get("hangs") or 0)
+            hangs = e.get("hangs") or 0
+            deaths = (e.get("restarts") or 0) + (e.get("restart_failures") or 0) + hangs
             if e.get("state") in ("restarting", "dead") and not e.get("alive", True):
                 deaths += 1  # down now, not yet counted as a restart
-            extra = deaths - kills_by_target.get((i, key), 0)
+            explained = kills_by_target.get((i, key), 0) + min(hangs, (child_kills or {}).get((i, key), 0))
+            extra = deaths - explained
             if extra > 0:
                 out.append(f"engine {key} (router incarnation {i}) died {extra} time(s) on its own; "
                            f"last exit: {e.get('last_exit')!r}")  # fmt: skip
     return out
+
+
+def run_kills(faults: list[dict]) -> tuple[dict[tuple[int, str], int], dict[tuple[int, str], int]]:
+    """``self_deaths``' two counts from the fault records: every done kill of one engine
+    (``ENGINE_KINDS``) and, of those, its scheduler's or detokenizer's (``CHILD_KINDS``)."""
+    kills: dict[tuple[int, str], int] = {}
+    child: dict[tuple[int, str], int] = {}
+    for f in faults:
+        if f["kind"] in ENGINE_KINDS and f.get("target") and not f.get("skipped"):
+            at = (f["incarnation"], f["target"])
+            kills[at] = kills.get(at, 0) + 1
+            if f["kind"] in CHILD_KINDS:
+                child[at] = child.get(at, 0) + 1
+    return kills, child
 
 
 @dataclass
@@ -303,11 +330,7 @@ def faults_verdict(outcomes, faults: list[dict], health: list[dict], before: dic
     the quiet points before the load and after it (processes are replaced by kills: not compared)."""
     windows = kill_windows(faults, 0.0, window_s)
     judgement = judge(outcomes, windows, shed_budget)
-    kills: dict[tuple[int, str], int] = {}
-    for f in faults:
-        if f["kind"] in ("engine", "peer_donor") and f.get("target") and not f.get("skipped"):
-            kills[(f["incarnation"], f["target"])] = kills.get((f["incarnation"], f["target"]), 0) + 1
-    deaths = self_deaths(health, kills)
+    deaths = self_deaths(health, *run_kills(faults))
     leak = leak_check(before, after, LeakLimits(check_processes=False))
     checks = dict(judgement["checks"])
     checks["no engine died on its own (restarts == the run's kills)"] = not deaths

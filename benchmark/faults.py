@@ -21,6 +21,11 @@ Kinds (``--kinds``, rotated in a seeded order; ``--seed`` is printed so a run re
 * ``router``: ``sglang-memx serve`` itself. Its engines die with it (``PR_SET_PDEATHSIG``) and
   its pool's arbiter too (``--owner-pid``); the script checks that nothing is left, then starts
   ``serve`` again with the same config, as an operator's process manager would.
+* ``scheduler``, ``detokenizer``, ``arbiter_reclaim``, ``join_full_pool`` (only when named in
+  ``--kinds``): one engine's scheduler or detokenizer alone; the arbiter while a reclaim is in
+  flight; an engine while the others hold the whole pool, its restart through the join wait.
+  They live in ``fault_kinds.py`` (its docstring says what each checks); each records its
+  ``recovery_s``, its own ``checks``, or ``skipped`` with the ``reason`` (a skip fails the run).
 
 After every kill: the router's ``/health`` answers ok again within ``--recover-timeout-s``;
 every model's greedy probe answers what it answered before any fault; held + free + not yet
@@ -29,12 +34,14 @@ created == budget at every arbiter that answers. Over the whole run (``accountin
 * every scheduled request accounted for (``accounting.judge``, every outcome in the JSON):
   sent == scheduled; each answered finish_reason ``stop`` / ``length`` with its tokens, or is our
   abort, or was in flight within a kill's window (``--kill-window-s`` past recovery) on the
-  killed process's requests -- its model for an engine / peer_donor kill, every model for a
-  router kill, none for an arbiter kill -- and ended with a named error (a router code; for a
-  router kill also a refused / reset / cut connection). Anything else fails: a reset or a named
-  error no kill explains, a 429 beyond ``--shed-budget`` (0), a hang;
+  killed process's requests -- its model for an engine / peer_donor / scheduler / detokenizer /
+  join_full_pool kill, every model for a router kill, none for an arbiter (or arbiter_reclaim)
+  kill -- and ended with a named error (a router code; for a router kill also a refused / reset /
+  cut connection). Anything else fails: a reset or a named error no kill explains, a 429 beyond
+  ``--shed-budget`` (0), a hang;
 * no engine died on its own: per router incarnation, the supervisor's restarts + failed restarts
-  + hang kills of an engine equal the run's own kills of it;
+  + hang kills of an engine equal the run's own kills of it (a scheduler or detokenizer kill may
+  also explain one hang: ``accounting.self_deaths``);
 * no KV group leaked: the pool-unit ``accounting.leak_check`` between a quiet point before the
   load and one after it (caches flushed);
 * at the end no engine, scheduler or arbiter is left.
@@ -43,6 +50,7 @@ Exit 0 when every check held. JSON + PNG under ``benchmark/results/faults/``; th
 ``docs/reliability.md``, "Faults".
 
     python benchmark/faults.py [--kills 8] [--kinds engine,arbiter,peer_donor,router] [--seed S]
+    python benchmark/faults.py --kills 4 --kinds scheduler,detokenizer,arbiter_reclaim,join_full_pool
 """
 
 from __future__ import annotations
@@ -65,6 +73,16 @@ sys.path.insert(0, str(REPO))
 from benchmark.accounting import faults_verdict  # noqa: E402
 from benchmark.e2e.consolidation import model_specs  # noqa: E402
 from benchmark.e2e.router_proc import Serve, http_json, process_tree  # noqa: E402
+from benchmark.fault_kinds import (  # noqa: E402
+    FAULTS,
+    NEW_KINDS,
+    add_arguments,
+    arbiter_states,
+    engines,
+    kill_arbiter,
+    kind_checks,
+    wait_for,
+)
 from benchmark.load_driver import LoadDriver, add_load_arguments  # noqa: E402
 from benchmark.quiet_point import engine_health, quiet  # noqa: E402
 from benchmark.soak import Checker, held_to, peer_tier_status, probe, reference_answers, serve_config, traffic  # noqa: E402
@@ -72,7 +90,9 @@ from benchmark.soak_client import Client  # noqa: E402
 from memory_ext.proc import pid_alive  # noqa: E402
 from support.server import free_port  # noqa: E402
 
-KINDS = ("engine", "arbiter", "peer_donor", "router")
+DEFAULT_KINDS = ("engine", "arbiter", "peer_donor", "router")
+KINDS = DEFAULT_KINDS + NEW_KINDS  # --kinds' choices; the new ones (fault_kinds.py) only when asked for
+SUMMARY_FIELDS = ("kind", "target", "recovered_s", "recovery_s", "skipped", "reason")
 
 
 def wait_healthy(serve: Serve, timeout: float) -> float:
@@ -86,35 +106,6 @@ def wait_healthy(serve: Serve, timeout: float) -> float:
             pass
         time.sleep(0.5)
     raise TimeoutError(f"not healthy {timeout:.0f} s after the fault")
-
-
-def wait_for(pred, timeout: float, what: str) -> float:
-    """Seconds until ``pred()`` is true (exceptions count as false); raises TimeoutError."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        try:
-            if pred():
-                return time.monotonic() - t0
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"{what}: not within {timeout:.0f} s")
-
-
-def engines(serve: Serve) -> dict[str, dict]:
-    return http_json(serve.url + "/memx/serve")["engines"]
-
-
-def arbiter_states(serve: Serve) -> dict[str, object]:
-    """Each engine's view of its pool's arbiter (``connected`` or the error reading it)."""
-    out = {}
-    for name, e in engines(serve).items():
-        try:
-            st = http_json(e["url"] + "/memx/status", timeout=10)
-            out[name] = st["schedulers"][0]["elastic_kv"]["shared_pool"]["arbiter"]["connected"]
-        except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-            out[name] = f"unknown: {exc!r}"[:120]
-    return out
 
 
 def peer_views(serve: Serve, model: str) -> dict[str, dict]:
@@ -225,14 +216,15 @@ def plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"engine": "#48c", "arbiter": "#c84", "peer_donor": "#4a6", "router": "#a4a"}
+    colors = {"engine": "#48c", "arbiter": "#c84", "peer_donor": "#4a6", "router": "#a4a", "scheduler": "#8ac",
+              "detokenizer": "#6bd", "arbiter_reclaim": "#e96", "join_full_pool": "#269"}  # fmt: skip
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [3, 2]})
     for f in doc["faults"]:
-        a.bar(f["n"], f.get("recovered_s") or 0, color=colors[f["kind"]], label=f["kind"])
+        a.bar(f["n"], f.get("recovery_s") or f.get("recovered_s") or 0, color=colors[f["kind"]], label=f["kind"])
     handles = {h.get_label(): h for h in a.patches}
     a.legend(handles.values(), handles.keys(), fontsize=7)
     a.set_xlabel("fault #")
-    a.set_ylabel("seconds until /health ok")
+    a.set_ylabel("recovery_s, else s until /health ok")
     outcomes: dict[str, int] = {}
     for per_kind in doc["requests"].values():
         for k, v in per_kind.items():
@@ -292,18 +284,7 @@ def fault_arbiter(run: Run, i: int, record: dict) -> None:
         record["skipped"] = "no arbiter running (lost earlier, no engine restarted since)"
         return
     record.update(target="arbiter", pid=pids[0])
-    os.kill(pids[0], signal.SIGKILL)
-    t_kill = time.monotonic()
-    time.sleep(0.5)
-    record["engines_see_arbiter"] = arbiter_states(run.serve)
-    checker = run.checker
-    try:  # a survivor restarts a crashed arbiter and every engine rejoins it
-        wait_for(lambda s=run.serve, old=record["pid"]: all(v is True for v in arbiter_states(s).values())
-                 and checker.arbiter_pids() and checker.arbiter_pids()[0] != old,
-                 run.args.recover_timeout_s, "every engine back on a new arbiter")  # fmt: skip
-        record["rejoined_s"] = round(time.monotonic() - t_kill, 1)
-    except TimeoutError as exc:
-        run.violations.append(f"fault {i} (arbiter): {exc}")
+    kill_arbiter(run, pids[0], i, record)
 
 
 def fault_router(run: Run, i: int, record: dict) -> None:
@@ -340,6 +321,8 @@ def one_fault(run: Run, rng: random.Random, i: int, kind: str) -> dict:
         run.violations.extend(kill_peer_donor(run.serve, run.checker, name, run.baseline[name], run.args, record))
     elif kind == "arbiter":
         fault_arbiter(run, i, record)
+    elif kind in FAULTS:
+        FAULTS[kind](run, rng, i, record)
     else:
         fault_router(run, i, record)
     try:
@@ -365,7 +348,7 @@ def one_fault(run: Run, rng: random.Random, i: int, kind: str) -> dict:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=6)
-    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help=f"from {', '.join(KINDS)}")
     ap.add_argument("--gap-s", type=float, default=20.0, help="mean load time between recoveries and kills")
     add_load_arguments(ap, "faults", rate=1.0)
     ap.add_argument("--recover-timeout-s", type=float, default=600.0)
@@ -381,6 +364,7 @@ def parse_args(argv):
     )
     ap.add_argument("--lend-timeout-s", type=float, default=240.0, help="peer_donor: wait for a lending pair")
     ap.add_argument("--relink-timeout-s", type=float, default=300.0, help="peer_donor: wait for borrowing again")
+    add_arguments(ap)
     args = ap.parse_args(argv)
     args.kind_list = [k for k in args.kinds.split(",") if k]
     if not args.kind_list or set(args.kind_list) - set(KINDS):
@@ -388,6 +372,8 @@ def parse_args(argv):
     if args.kills < 1:
         ap.error("--kills: must be >= 1")
     args.peer, args.peer_why = (False, "off (--peer-kv off)") if args.peer_kv == "off" else peer_tier_status()
+    if args.fill_streams < 1:
+        ap.error("--fill-streams: must be >= 1")
     if "peer_donor" in args.kind_list and not args.peer:
         ap.error(f"--kinds: peer_donor needs the peer KV tier, which is {args.peer_why}")
     if args.seed is None:
@@ -484,6 +470,7 @@ def main(argv=None) -> int:
         doc["checks"]["peer_donor: a lending pair found, the sibling served, donors_lost grew, re-linked"] = all(
             not f.get("skipped") and f.get("sibling_probe_unchanged") and f.get("donor_lost_seen_s") is not None
             and f.get("relinked_s") is not None for f in donor_kills)  # fmt: skip
+    doc["checks"].update(kind_checks(faults))
     doc["passed"] = all(doc["checks"].values())
     results = Path(args.results_dir)
     results.mkdir(parents=True, exist_ok=True)
@@ -491,8 +478,7 @@ def main(argv=None) -> int:
     plot(doc, results / f"{args.out}.png")
     print(json.dumps({"checks": doc["checks"], "requests": load.counts, "failure_reasons": doc["failure_reasons"],
                       "self_deaths": doc["self_deaths"], "violations": violations[:10],
-                      "faults": [{k: f.get(k) for k in ("kind", "target", "recovered_s", "left_after_s", "relinked_s")}
-                                 for f in faults]}, indent=1))  # fmt: skip
+                      "faults": [{k: f.get(k) for k in SUMMARY_FIELDS} for f in faults]}, indent=1))  # fmt: skip
     print(f"{'PASS' if doc['passed'] else 'FAIL'}; wrote {results / args.out}.json", flush=True)
     return 0 if doc["passed"] else 1
 

@@ -17,6 +17,14 @@ from pathlib import Path
 
 from support.server import LOG_DIR
 
+PROC = Path("/proc")
+# Upstream's process titles (``setproctitle`` in sglang/srt/managers/scheduler.py and
+# detokenizer_manager.py): role -> (title prefix, titles with that prefix that are not the role).
+ROLE_TITLES = {
+    "scheduler": ("sglang::scheduler", ()),
+    "detokenizer": ("sglang::detokenizer", ("sglang::detokenizer_router",)),
+}
+
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 30.0, headers: dict | None = None):
     data = None if payload is None else json.dumps(payload).encode()
@@ -68,14 +76,14 @@ class Serve:
         return self.proc.returncode
 
 
-def _children() -> dict[int, list[int]]:
-    """ppid -> pids of every process now visible in /proc."""
+def _children(proc: Path = PROC) -> dict[int, list[int]]:
+    """ppid -> pids of every process now visible in ``proc`` (/proc; a fake tree in tests)."""
     kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
+    for entry in os.listdir(proc):
         if not entry.isdigit():
             continue
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
+            stat = (proc / entry / "stat").read_text()
         except OSError:
             continue
         ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
@@ -83,14 +91,40 @@ def _children() -> dict[int, list[int]]:
     return kids
 
 
-def process_tree(root: int) -> list[int]:
+def process_tree(root: int, proc: Path = PROC) -> list[int]:
     """``root`` and all its descendants (a snapshot; processes may come and go)."""
-    kids, out, todo = _children(), [], [root]
+    kids, out, todo = _children(proc), [], [root]
     while todo:
         pid = todo.pop()
         out.append(pid)
         todo.extend(kids.get(pid, []))
     return out
+
+
+def process_titles(pid: int, proc: Path = PROC) -> tuple[str, str]:
+    """``(cmdline's first field, comm)`` of ``pid``; ``setproctitle`` sets both (comm cut to 15
+    bytes); empty strings when it is gone."""
+    try:
+        cmd = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+        return cmd, (proc / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return "", ""
+
+
+def role_processes(root: int, role: str, proc: Path = PROC) -> list[int]:
+    """The descendants of ``root`` (an engine's ``launch_server``) that upstream titled as ``role``
+    (``ROLE_TITLES``), lowest pid first; ``root`` itself never counts. Matched on the cmdline
+    when it holds a ``sglang::`` title, else on comm's first 15 bytes."""
+    prefix, others = ROLE_TITLES[role]
+    out = []
+    for pid in process_tree(root, proc)[1:]:
+        cmd, comm = process_titles(pid, proc)
+        if cmd.startswith("sglang::"):
+            if cmd.startswith(prefix) and not cmd.startswith(others):
+                out.append(pid)
+        elif comm and comm.startswith(prefix[:15]):
+            out.append(pid)
+    return sorted(out)
 
 
 def process_usage(pid: int) -> dict | None:

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from benchmark.accounting import LeakLimits, faults_verdict, judge, soak_verdict
-from benchmark.faults import KINDS
+from benchmark.faults import DEFAULT_KINDS
 from benchmark.load_driver import LoadDriver
 from benchmark.soak_client import Client, program_answer
 
@@ -125,4 +125,4 @@ def test_an_injected_reset_passes_in_a_router_kills_window_and_fails_the_soak():
     assert details["judgement"]["excused_by_kills"] == 1
     checks, details = soak_verdict(load.outcomes, {}, {}, {}, LeakLimits(), 0, 1)
     assert details["judgement"]["failure_reasons"] == {"connection error outside any kill window": 1}
-    assert KINDS == ("engine", "arbiter", "peer_donor", "router")
+    assert DEFAULT_KINDS == ("engine", "arbiter", "peer_donor", "router")
