@@ -85,8 +85,9 @@ from benchmark.fault_kinds import (  # noqa: E402
 )
 from benchmark.load_driver import LoadDriver, add_load_arguments  # noqa: E402
 from benchmark.quiet_point import engine_health, quiet  # noqa: E402
-from benchmark.soak import Checker, held_to, peer_tier_status, probe, reference_answers, serve_config, traffic  # noqa: E402
+from benchmark.soak import Checker, peer_tier_status, probe, serve_config, traffic  # noqa: E402
 from benchmark.soak_client import Client  # noqa: E402
+from benchmark.stock_reference import held_to, reference_answers  # noqa: E402
 from memory_ext.proc import pid_alive  # noqa: E402
 from support.server import free_port  # noqa: E402
 

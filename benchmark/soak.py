@@ -70,7 +70,7 @@ from benchmark.e2e.router_proc import Serve, http_json, process_tree, process_us
 from benchmark.load_driver import LoadDriver, add_load_arguments  # noqa: E402
 from benchmark.quiet_point import engine_health, quiet, snapshot  # noqa: E402
 from benchmark.soak_client import Client  # noqa: E402
-from benchmark.stock_reference import mismatches, probe_answers, stock_answers  # noqa: E402
+from benchmark.stock_reference import held_to, probe_answers, reference_answers  # noqa: E402
 from support.server import LOG_DIR, free_port  # noqa: E402
 
 KINDS = {"chat": 3, "chat_stream": 3, "long": 1, "program": 1, "generate": 1, "abort": 1}
@@ -144,22 +144,6 @@ def traffic(args, names: list[str], rng: random.Random, until: float,
 def probe(url: str, name: str, timeout: float) -> list[str]:
     """The model's greedy answers to ``stock_reference.PROBES`` through the router."""
     return probe_answers(url, name, timeout)
-
-
-def reference_answers(args, models: dict[str, Path]) -> dict[str, list[str]] | None:
-    """Stock SGLang's answers to the probes (``--stock-reference on``), else None."""
-    if args.stock_reference == "off":
-        return None
-    t0 = time.monotonic()
-    ref = stock_answers(models, args.request_timeout_s)
-    print(f"stock reference answers in {time.monotonic() - t0:.0f} s", flush=True)
-    return ref
-
-
-def held_to(checker, got: dict[str, list[str]], reference: dict[str, list[str]] | None, label: str) -> None:
-    """Append a ``probe`` violation per answer that differs from stock's (nothing without a reference)."""
-    if reference is not None:
-        checker.violations.extend(f"{label}: probe differs from stock: {line}" for line in mismatches(got, reference))
 
 
 class Checker:

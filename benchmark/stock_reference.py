@@ -15,6 +15,7 @@ in every run so far, and a mismatch there is reported like any other.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from benchmark.e2e.router_proc import http_json
@@ -71,3 +72,20 @@ def mismatches(got: dict[str, list[str]], reference: dict[str, list[str]]) -> li
             if a != b:
                 out.append(f"{name}: {prompt!r} -> {a!r}, stock {b!r}")
     return out
+
+
+def reference_answers(args, models: dict[str, Path]) -> dict[str, list[str]] | None:
+    """Stock SGLang's answers to the probes (``args.stock_reference == "on"``), else None."""
+    if args.stock_reference == "off":
+        return None
+    t0 = time.monotonic()
+    ref = stock_answers(models, args.request_timeout_s)
+    print(f"stock reference answers in {time.monotonic() - t0:.0f} s", flush=True)
+    return ref
+
+
+def held_to(checker, got: dict[str, list[str]], reference: dict[str, list[str]] | None, label: str) -> None:
+    """Append a ``probe`` violation to ``checker`` per answer that differs from stock's (nothing
+    without a reference)."""
+    if reference is not None:
+        checker.violations.extend(f"{label}: probe differs from stock: {line}" for line in mismatches(got, reference))
