@@ -37,6 +37,7 @@ KILL_PRE_S = 0.5  # a kill's window opens this long before the kill (the two clo
 ENGINE_KINDS = ("engine", "peer_donor", "scheduler", "detokenizer", "join_full_pool")
 CHILD_KINDS = ("scheduler", "detokenizer")
 ARBITER_KINDS = ("arbiter", "arbiter_reclaim")
+OVERLOAD_CODES = ("deadline", "queue_full")  # the router's shedding, named
 
 
 @dataclass
@@ -97,15 +98,31 @@ class KillWindow:
     start: float
     end: float
     model: str | None
+    overloaded: tuple[str, ...] = ()  # models the fault itself loaded past their SLOs (join_full_pool's fill)
+    overload_start: float = float("inf")
+
+    def _overlaps(self, o: Outcome, start: float) -> bool:
+        return o.sent_at is not None and o.ended_at is not None and o.sent_at <= self.end and o.ended_at >= start
 
     def excuses(self, o: Outcome) -> bool:
-        if o.sent_at is None or o.ended_at is None or o.sent_at > self.end or o.ended_at < self.start:
+        if self.excuses_shed(o) or (self.overloads(o) and o.error_code in OVERLOAD_CODES):
+            return True
+        if not self._overlaps(o, self.start):
             return False
         if self.kind == "router":
             return o.error_code is not None
         if self.kind in ENGINE_KINDS:
             return o.model == self.model and o.error_code in ROUTER_ERROR_CODES
         return False  # the arbiter (ARBITER_KINDS): engines keep serving on private budgets, no request may fail
+
+    def overloads(self, o: Outcome) -> bool:
+        """``o`` went to a model this fault overloaded on purpose, while it did."""
+        return o.model in self.overloaded and self._overlaps(o, self.overload_start)
+
+    def excuses_shed(self, o: Outcome) -> bool:
+        """A 429 of a model this fault overloaded on purpose: the fill is the run's own extra load,
+        beyond the schedule, so shedding there is the router doing its job, not harm."""
+        return o.result == "shed" and self.overloads(o)
 
 
 def kill_windows(faults: list[dict], load_offset_s: float, post_s: float) -> list[KillWindow]:
@@ -120,7 +137,11 @@ def kill_windows(faults: list[dict], load_offset_s: float, post_s: float) -> lis
         end = float("inf") if end is None else end - load_offset_s + post_s
         target = f.get("target") or ""
         model = None if f["kind"] == "router" else target.split("#")[0]
-        out.append(KillWindow(f["n"], f["kind"], f["t"] - load_offset_s - KILL_PRE_S, end, model))
+        window = KillWindow(f["n"], f["kind"], f["t"] - load_offset_s - KILL_PRE_S, end, model)
+        if f.get("fill_models"):  # join_full_pool: its filler loaded these from t_wait_began on
+            window.overloaded = tuple(m.split("#")[0] for m in f["fill_models"])
+            window.overload_start = f.get("t_wait_began", f["t"]) - load_offset_s - KILL_PRE_S
+        out.append(window)
     return out
 
 
@@ -146,6 +167,10 @@ def _decide(o: Outcome, windows: list[KillWindow], shed_left: list[int]) -> str:
     if o.result == "aborted":
         return "pass: our abort" if o.kind == "abort" else f"fail: a {o.kind} request ended as an abort"
     if o.result == "shed":
+        for w in windows:
+            if w.excuses_shed(o):
+                o.kill = w.n
+                return f"pass: shed while fault {w.n} ({w.kind}) overloaded {o.model} on purpose"
         if shed_left[0] > 0:
             shed_left[0] -= 1
             return "pass: shed within the budget"
@@ -178,7 +203,7 @@ def judge(outcomes: list[Outcome], windows: list[KillWindow] = (), shed_budget: 
         head = o.verdict.split(":")[1].strip()
         reasons[head] = reasons.get(head, 0) + 1
     sent = sum(o.sent for o in outcomes)
-    shed = sum(o.result == "shed" for o in outcomes)
+    shed = sum(o.result == "shed" and o.kill is None for o in outcomes)  # a fault's own overload apart
     checks = {
         f"sent == scheduled ({sent} of {len(outcomes)})": sent == len(outcomes),
         f"scheduled >= {min_scheduled}": len(outcomes) >= min_scheduled,

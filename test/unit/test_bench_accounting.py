@@ -223,3 +223,23 @@ def test_finish_reasons_of_openai_and_native():
     assert normalize_finish("length") == "length"
     assert normalize_finish({"type": "abort", "message": "x"}) == "abort"
     assert normalize_finish(None) is None
+
+
+def test_join_full_pool_excuses_the_sheds_of_the_models_its_filler_overloaded():
+    """The fill is the run's own extra load: while it runs, the filled models' 429s and deadline
+    errors are the router shedding by design; other models' and later ones still fail."""
+    fault = {"n": 0, "kind": "join_full_pool", "t": 20.0, "t_wait_began": 10.0, "t_recovered": 40.0,
+             "target": "tiny-a", "fill_models": ["tiny-a", "tiny-b#1"]}  # fmt: skip
+    [w] = kill_windows([fault], 0.0, 5.0)
+    assert w.overloaded == ("tiny-a", "tiny-b") and w.overload_start == 9.5 and w.end == 45.0
+
+    def out(i, model, result, error="", t=12.0):
+        return Outcome(i, model, "chat", t, sent=True, sent_at=t, ended_at=t + 1, result=result, status=429
+                       if result == "shed" else None, error=error)  # fmt: skip
+
+    deadline = "HTTP 503: {'code': 'deadline'}"
+    outcomes = [out(0, "tiny-b", "shed"), out(1, "tiny-b", "error", deadline), out(2, "tiny-c", "shed"),
+                out(3, "tiny-b", "shed", t=60.0)]  # fmt: skip
+    verdict = judge(outcomes, [w], shed_budget=0)
+    assert [o.verdict.split(":")[0] for o in outcomes] == ["pass", "pass", "fail", "fail"]
+    assert not verdict["checks"]["429s within the shed budget (2 <= 0)"]
