@@ -31,6 +31,7 @@ import logging
 from sglang_memx import router_activity
 from sglang_memx.elastic import admission, host_buffer
 from sglang_memx.elastic.tick import tick
+from sglang_memx.hooks import hooks_status
 from sglang_memx.peer import server as peer_server
 from sglang_memx.status import scheduler_status
 from sglang_memx.upstream import kv as up_kv
@@ -47,7 +48,7 @@ def after_get_internal_state(result, controller, recv_req):
     if config.disabled:
         return result
     try:
-        section = scheduler_status(scheduler, config)
+        section = scheduler_status(scheduler, config, hooks_status(config))
     except Exception as exc:  # never break upstream's /server_info
         logger.exception("memx: could not collect scheduler status")
         section = {"error": f"{type(exc).__name__}: {exc}"}
