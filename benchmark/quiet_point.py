@@ -2,7 +2,7 @@
 prefix cache flushed, idle connections expired; then one snapshot in the pool's own units for
 ``accounting.leak_check``, and the engines' restart counters for ``accounting.self_deaths``.
 
-An idle engine maps only the KV groups its cached prefixes need (``elastic/tick.py``: no spare
+An idle engine maps only the KV groups its cached prefixes need (``coordinator/tick.py``: no spare
 groups when idle), so with the caches flushed two quiet points must show the same KV groups,
 mapped bytes and held chunks per engine: a group more is a leak.
 """

@@ -128,7 +128,7 @@ def _cmd_status(args) -> int:
 
 def _pool_dir(args):
     from sglang_memx.config import MemxConfig
-    from sglang_memx.elastic.shared_pool import pool_dir
+    from sglang_memx.elastic.paths import pool_dir
 
     return pool_dir(MemxConfig(elastic_kv=True, pool_dir=args.pool_dir))
 

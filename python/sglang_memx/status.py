@@ -71,22 +71,16 @@ def elastic_status(allocator) -> dict[str, Any] | None:
     return doc
 
 
-def hooks_status(config: MemxConfig) -> list[dict[str, Any]]:
-    """The hooks of the features on, and whether each is in force in this process."""
-    from sglang_memx.hooks import all_hook_specs
-    from sglang_memx.upstream.registry import report
-
-    return report(all_hook_specs(), [name for name, on in config.features.items() if on])
-
-
-def scheduler_status(scheduler, config: MemxConfig) -> dict[str, Any]:
+def scheduler_status(scheduler, config: MemxConfig, hooks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One scheduler's section; ``hooks`` is the hooks' report (``hooks.hooks_status``: the hooks
+    package reports itself, status never imports it)."""
     doc = {
         "pid": os.getpid(),
         "time": time.time(),
         "features": config.features,
         "kv_pool": kv_pool_status(scheduler),
         "requests": request_status(scheduler),
-        "hooks": hooks_status(config),
+        "hooks": hooks,
     }
     elastic = elastic_status(up_sched.allocator(scheduler))
     if elastic is not None:

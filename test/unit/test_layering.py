@@ -3,6 +3,9 @@
 * ``memory_ext`` never imports sglang (or sglang_memx);
 * no import cycle anywhere in memx's own packages (``sglang_memx``, ``memory_ext``,
   ``benchmark``), counting imports inside functions and ``if TYPE_CHECKING:`` blocks;
+* between the parts of ``sglang_memx`` (its subpackages and top-level modules: ``elastic``,
+  ``weights``, ``peer``, ``coordinator``, ``hooks``, ``status``, ...) dependencies go one way:
+  no pair imports each other and no cycle runs through several, imports inside functions counted;
 * the engine-agnostic activation balloon lives in ``memory_ext``;
 * ``memory_ext.pool`` and its arbiter import without torch (the arbiter daemon needs none).
 """
@@ -48,6 +51,42 @@ def test_no_import_cycles_in_memx_packages():
     assert len(graph) > 50, "the scan found too few modules"
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def part_of(module: str) -> str:
+    """The part of ``sglang_memx`` a module belongs to: ``sglang_memx.elastic.kv`` -> ``elastic``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "sglang_memx"
+
+
+def memx_part_graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+    """Edges part -> parts it imports, and for each edge the module imports behind it."""
+    graph = import_graph(module_files(ROOTS["sglang_memx"], "sglang_memx"))
+    parts: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], list[str]] = {}
+    for mod, targets in graph.items():
+        a = part_of(mod)
+        parts.setdefault(a, set())
+        for t in targets:
+            b = part_of(t)
+            if a != b:
+                parts[a].add(b)
+                why.setdefault((a, b), []).append(f"{mod} -> {t}")
+    return parts, why
+
+
+def test_no_two_way_dependencies_between_memx_parts():
+    graph, why = memx_part_graph()
+    assert {"elastic", "weights", "peer", "hooks"} <= set(graph), "the scan missed memx's subpackages"
+    two_way = [f"{a} <-> {b}: {why[a, b]} / {why[b, a]}" for a in sorted(graph) for b in sorted(graph[a])
+               if a < b and a in graph.get(b, ())]  # fmt: skip
+    assert two_way == []
+
+
+def test_no_import_cycles_between_memx_parts():
+    graph, _ = memx_part_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, f"cycle between parts of sglang_memx: {' -> '.join(cycle)}"
 
 
 def test_the_activation_balloon_is_engine_agnostic():

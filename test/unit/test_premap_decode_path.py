@@ -18,9 +18,9 @@ from memory_ext.policy.activation import ActivationProfile
 from memory_ext.pool import ChunkPool, LayeredKVBuffers, Owner
 from memory_ext.pool.activation_balloon import ActivationBalloon
 from memory_ext.vmm import host_backend
+from sglang_memx.coordinator.tick import tick
 from sglang_memx.elastic.capacity import decode_step_fits
 from sglang_memx.elastic.kv import ElasticKV
-from sglang_memx.elastic.tick import tick
 from sglang_memx.hooks.kv_cache import around_alloc
 from sglang_memx.upstream import kv as up_kv
 

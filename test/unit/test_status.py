@@ -7,6 +7,7 @@ from fastapi import FastAPI
 
 from sglang_memx.config import MemxConfig
 from sglang_memx.endpoints import add_status_routes as add_status_route
+from sglang_memx.hooks import hooks_status
 from sglang_memx.hooks.scheduler import after_get_internal_state
 from sglang_memx.status import kv_pool_status, scheduler_status, status_document
 
@@ -51,7 +52,7 @@ def test_kv_pool_numbers_follow_upstream_formula():
 
 
 def test_scheduler_status_counts_requests_and_features():
-    st = scheduler_status(fake_scheduler(), MemxConfig())
+    st = scheduler_status(fake_scheduler(), MemxConfig(), hooks_status(MemxConfig()))
     assert st["requests"] == {"running": 2, "waiting": 3}
     assert st["features"] == {
         "status_endpoint": True,
@@ -64,7 +65,7 @@ def test_scheduler_status_counts_requests_and_features():
 
 
 def test_status_document_merges_ranks_and_flags_missing_ones():
-    rank = scheduler_status(fake_scheduler(), MemxConfig())
+    rank = scheduler_status(fake_scheduler(), MemxConfig(), hooks_status(MemxConfig()))
     doc = status_document(MemxConfig(), [{"memx": rank}, {"other": 1}])
     assert doc["schedulers"] == [dict(rank, dp_rank=0)] and doc["ranks_without_memx"] == [1]
     assert doc["enabled"] is True

@@ -20,7 +20,7 @@ choice (any page of its free list) never touches a hole. Pages move in and out:
   precedes the forward), counting those of decode forwards (``decode_steps``,
   ``decode_steps_with_map``, ``decode_map_calls``).
 * Unmaps are counted by ``phase`` (``unmap_calls``): ``"tick"`` while memx's tick runs
-  (``elastic.tick`` sets it: routine deflation, reclaims, background work) and ``"request"``
+  (``coordinator.tick`` sets it: routine deflation, reclaims, background work) and ``"request"``
   otherwise (the scheduler's own path: admission, a decode step's activation reserve and
   capacity check, allocation). ``note_forward`` attributes the request path's unmaps since
   the previous forward to a decode forward as it does maps (``decode_unmap_calls``,
@@ -93,7 +93,7 @@ class ElasticKV:
         self._last_group_pages = last_page - (self.num_groups - 1) * self.group_pages + 1
         self.map_calls = dict.fromkeys(PATHS, 0)
         self.unmap_calls = dict.fromkeys(PHASES, 0)  # groups unmapped, by phase
-        self.phase = "request"  # "tick" while elastic.tick runs
+        self.phase = "request"  # "tick" while coordinator.tick runs
         self.stats = {
             "grow_calls": 0,
             "groups_mapped_total": 0,

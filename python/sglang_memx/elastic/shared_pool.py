@@ -14,7 +14,8 @@ socket is 0600 and the arbiter refuses peers of another uid.
 
 Where a shortfall is taken from is the arbiter's decision
 (``memory_ext.policy.arbiter.plan_takes``, the simulator's too); this module feeds
-it (``report``) and applies what it asks (``answer_reclaim``).
+it (``report``) and applies what it asks (``answer_reclaim``). What weights add to both (layers
+lent to peers) the coordinator passes in: this package imports no other part of memx above it.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ from sglang_memx import router_activity
 from sglang_memx.config import MemxConfig, MemxConfigError, pool_owner_pid
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
+from sglang_memx.elastic.paths import pool_dir, pool_socket
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import radix as up_radix
 from sglang_memx.upstream import scheduler as up_sched
-from sglang_memx.weights import lending
 
 logger = logging.getLogger("sglang_memx")
 
@@ -54,17 +55,6 @@ CACHE_KEEP_RETRY_S = 1.0  # after the arbiter had nothing free for the cache, as
 
 
 # ------------------------------------------------------------------ the arbiter process
-def pool_dir(config: MemxConfig) -> Path:
-    if config.pool_dir:
-        return Path(config.pool_dir)
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(runtime) / "sglang-memx" if runtime else Path(f"/tmp/sglang-memx-{os.getuid()}")
-
-
-def pool_socket(config: MemxConfig, name: str | None = None) -> Path:
-    return pool_dir(config) / f"{name or config.pool}.sock"
-
-
 def _answers(path: Path) -> bool:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -288,31 +278,34 @@ def spare_free_chunks(kv, allocator, scheduler) -> int:
     return max(0, kv.buffers.pool.usage()[Owner.FREE] - keep)
 
 
-def answer_reclaim(kv, allocator, tree, scheduler) -> int:
+def answer_reclaim(kv, allocator, tree, scheduler, release_layers=None) -> int:
     """Free and return the chunks the arbiter asked for (idle activation, free groups, then
-    cached prefixes); return how many chunks went back."""
+    cached prefixes, then, with remappable weights, layers: ``release_layers(kv, chunks)``,
+    which the coordinator passes); return how many chunks went back."""
     pending = kv.lent.take_pending_reclaim()
     if pending <= 0:
         return 0
     if kv.activation is not None:  # idle activation memory is the cheapest to give
         kv.activation.release_idle(keep=demand.admitted_activation_chunks(kv, scheduler))
     free_groups(kv, allocator, tree, -(-pending // kv.buffers.chunks_per_group))
-    if kv.weights is not None:  # an inactive server's layers go next (Oneiros: inactive models first)
-        lending.release_for_reclaim(kv, pending - spare_free_chunks(kv, allocator, scheduler))
+    if kv.weights is not None and release_layers is not None:  # an inactive server's layers go next
+        release_layers(kv, pending - spare_free_chunks(kv, allocator, scheduler))  # (Oneiros: inactive first)
     return kv.lent.give_back(min(pending, spare_free_chunks(kv, allocator, scheduler)))
 
 
-def report(kv, allocator, tree, scheduler) -> None:
+def report(kv, allocator, tree, scheduler, lendable=None) -> None:
     """The arbiter policy's numbers for this server: chunks it could give back now (spare FREE,
-    empty groups, evictable cache, idle activation beyond the decode steps' need), how many of
-    those its waiting queue wants to keep, and whether it has work; requests the router holds
-    for this model (``router_activity``) count as work and their demand as headroom. Computed only when a report
-    could go out (``LentPool.report_due``)."""
+    empty groups, evictable cache, idle activation beyond the decode steps' need, and what
+    ``lendable(kv)`` says releasing weights' layers would free: the coordinator passes it), how
+    many of those its waiting queue wants to keep, and whether it has work; requests the router
+    holds for this model (``router_activity``) count as work and their demand as headroom.
+    Computed only when a report could go out (``LentPool.report_due``)."""
     busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
     if not kv.lent.report_due(busy or router_activity.holds_requests()):
         return
     idle = spare_free_chunks(kv, allocator, scheduler) + idle_kv_chunks(kv, allocator, tree)
-    idle += lending.lendable_chunks(kv)  # 0 unless remappable weights of an inactive model
+    if lendable is not None:
+        idle += lendable(kv)  # 0 unless remappable weights of an inactive model
     if kv.activation is not None:
         idle += max(0, kv.activation.idle() - demand.admitted_activation_chunks(kv, scheduler))
     wanted = demand.queue_demand_tokens(scheduler) - demand.running_demand_tokens(scheduler)
@@ -322,7 +315,8 @@ def report(kv, allocator, tree, scheduler) -> None:
 
 
 def balance(kv, allocator, tree, scheduler, activation_chunks: int) -> None:
-    """Give unused chunks back when nothing waits, borrow the queue's shortfall, report.
+    """Give unused chunks back when nothing waits, borrow the queue's shortfall (the coordinator
+    reports right after: ``report``).
 
     The shortfall is counted in chunks: the KV groups the queue's demand needs beyond the mapped
     free pages and the evictable cache (at most the groups KV can still map), plus the head's
@@ -357,4 +351,3 @@ def balance(kv, allocator, tree, scheduler, activation_chunks: int) -> None:
         keep = cache_groups * kv.buffers.chunks_per_group + short  # short <= 0: what the pool has spare
         if keep > 0 and not borrow_chunks(kv, keep, may_wait=False):  # one STATUS a second at most
             kv.cache_keep_until = time.monotonic() + CACHE_KEEP_RETRY_S
-    report(kv, allocator, tree, scheduler)

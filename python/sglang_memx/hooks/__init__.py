@@ -27,7 +27,7 @@ HOOK_MODULES = (
     "sglang_memx.hooks.layer_stream",
 )
 
-__all__ = ["HOOK_MODULES", "HookSpec", "all_hook_specs", "hook_table", "register_all", "verify_hooks"]
+__all__ = ["HOOK_MODULES", "HookSpec", "all_hook_specs", "hook_table", "hooks_status", "register_all", "verify_hooks"]
 
 
 def all_hook_specs() -> list[HookSpec]:
@@ -40,6 +40,13 @@ def all_hook_specs() -> list[HookSpec]:
 def register_all(specs: list[HookSpec] | None = None) -> int:
     """Register ``specs`` (default: all) with upstream's HookRegistry; returns the count."""
     return register(all_hook_specs() if specs is None else specs)
+
+
+def hooks_status(config) -> list[dict]:
+    """The hooks of the features on, and whether each is in force in this process (/memx/status)."""
+    from sglang_memx.upstream.registry import report
+
+    return report(all_hook_specs(), [name for name, on in config.features.items() if on])
 
 
 _verified: dict[tuple, list[dict]] = {}

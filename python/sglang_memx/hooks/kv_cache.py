@@ -1,7 +1,7 @@
 """Upstream subsystem: KV cache (``sglang.srt.mem_cache``): elastic KV (``--memx-elastic-kv``).
 
 * ``KVCacheConfigurator.configure`` (around): scopes the elastic build to this pool build
-  (``elastic.pool_build``), then checks that the pool and allocator it produced are kinds
+  (``coordinator.pool_build``), then checks that the pool and allocator it produced are kinds
   elastic KV supports (else a clear error naming the flag) and ties the allocator to the
   ElasticKV.
 * ``MHATokenToKVPool._create_buffers_normal`` (around): for the plain MHA/GQA pool (NHD
@@ -21,7 +21,7 @@
 
 from __future__ import annotations
 
-from sglang_memx.elastic import pool_build
+from sglang_memx.coordinator import pool_build
 from sglang_memx.elastic.capacity import decode_step_fits
 from sglang_memx.elastic.shared_pool import grow_for_alloc
 from sglang_memx.upstream import kv as up_kv

@@ -4,7 +4,7 @@
 * ``KVCacheConfigurator.config_from_budget`` (after): upstream has turned its KV budget into a token
   count (profile, ``--max-total-tokens``, page alignment); that many tokens of every layer is the local
   budget, and the pool is built with the tokens the layer split holds in it
-  (``elastic.pool_build.plan_layer_stream``). Only inside the main model's elastic pool build.
+  (``coordinator.pool_build.plan_layer_stream``). Only inside the main model's elastic pool build.
 * ``RadixAttention.forward`` (around): before a streamed layer's attention, the batch's rows of that
   layer are copied from the donor into the staging buffer; after it, the rows the forward wrote are
   copied back (``peer.layer_stream.before`` / ``after``). Other layers, and servers without the cache,
@@ -15,7 +15,7 @@ Both are registered with the ``peer_kv`` feature (they do nothing unless the cac
 
 from __future__ import annotations
 
-from sglang_memx.elastic import pool_build
+from sglang_memx.coordinator import pool_build
 from sglang_memx.peer import layer_stream
 from sglang_memx.upstream import layer_stream as up_ls
 from sglang_memx.upstream.registry import HookSpec

@@ -6,9 +6,9 @@
 * ``SchedulerInternalStateController.set_internal_state`` (around): the router's activity
   (``POST /memx/activity``) reaches the scheduler as ``memx_activity_*`` numbers of
   upstream's own request (``sglang_memx.router_activity``); other keys go to upstream.
-* ``Scheduler.get_next_batch_to_run`` (before): one elastic-KV ``tick`` per loop
-  iteration (``elastic.tick``); the first one checks that the hooks of every feature on
-  are in force in this process.
+* ``Scheduler.get_next_batch_to_run`` (before): memx's steps of one loop iteration
+  (``coordinator.tick.per_iteration``: the elastic-KV tick, then the peer tier's); the
+  first one checks that the hooks of every feature on are in force in this process.
 * ``PrefillAdder.add_one_req`` (around): memx's admission rule in front of upstream's
   (``elastic.admission``: eLLM Alg. 1 with ballooning and the CPU-buffer branch).
 * ``PrefillAdder.add_chunked_req`` (around): a chunked prefill's next chunk holds its
@@ -29,9 +29,9 @@ import dataclasses
 import logging
 
 from sglang_memx import router_activity
+from sglang_memx.coordinator.tick import per_iteration
 from sglang_memx.elastic import admission, host_buffer
-from sglang_memx.elastic.tick import tick
-from sglang_memx.peer import server as peer_server
+from sglang_memx.hooks import hooks_status
 from sglang_memx.status import scheduler_status
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import scheduler as up_sched
@@ -47,7 +47,7 @@ def after_get_internal_state(result, controller, recv_req):
     if config.disabled:
         return result
     try:
-        section = scheduler_status(scheduler, config)
+        section = scheduler_status(scheduler, config, hooks_status(config))
     except Exception as exc:  # never break upstream's /server_info
         logger.exception("memx: could not collect scheduler status")
         section = {"error": f"{type(exc).__name__}: {exc}"}
@@ -78,8 +78,7 @@ def before_get_next_batch_to_run(scheduler, *args, **kwargs):
 
         verify_hooks(up_args.config_of(up_sched.server_args(scheduler)))
         _verified = True
-    tick(scheduler)
-    peer_server.tick(scheduler)
+    per_iteration(scheduler)
 
 
 def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_size):

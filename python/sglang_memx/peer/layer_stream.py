@@ -36,7 +36,7 @@ from memory_ext.peer.lsc import plane_bytes
 from memory_ext.policy.swiftcache import KVGeometry, LayerStreamPlan, plan_layer_stream
 from memory_ext.vmm import host_backend
 from sglang_memx.config import MemxConfig, MemxConfigError
-from sglang_memx.elastic.shared_pool import pool_dir
+from sglang_memx.elastic.paths import pool_dir
 
 logger = logging.getLogger("sglang_memx")
 

@@ -40,7 +40,7 @@ from memory_ext.peer.controller import DonorController, geometry_of
 from memory_ext.peer.kvpack import layout_of_buffers
 from memory_ext.policy.swiftcache import DonationPolicy
 from memory_ext.vmm import host_backend
-from sglang_memx.elastic.shared_pool import pool_dir
+from sglang_memx.elastic.paths import pool_dir
 from sglang_memx.peer import layer_stream, peer_name
 from sglang_memx.peer.prefix import PeerPrefixCache
 from sglang_memx.upstream import kv as up_kv

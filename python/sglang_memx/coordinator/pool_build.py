@@ -1,4 +1,5 @@
-"""Elastic KV during upstream's KV pool build (``KVCacheConfigurator.configure``).
+"""Elastic KV during upstream's KV pool build (``KVCacheConfigurator.configure``), with its
+optional part from the peer tier (the layer stream cache), composed here above both.
 
 ``scope`` opens a build for this process's main model when ``--memx-elastic-kv`` is on
 (a draft model's pool stays stock); inside it, the MHA pool's ``_create_buffers_normal``

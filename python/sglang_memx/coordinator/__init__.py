@@ -1,0 +1,14 @@
+"""The coordinator: what composes memx's parts inside one SGLang server (the seed of a
+per-device coordinator).
+
+``elastic`` is the KV core (demand, eviction, shared pool, host buffer, pool paths);
+``weights`` (lending, remap, sleep) and ``peer`` (the peer KV tier, the layer stream cache)
+are mechanisms built on it. Their composition sits here, above all three:
+
+* ``tick``: the per-scheduler-iteration order, as data (``tick.STEPS``), including answering
+  the arbiter's reclaims with layers too;
+* ``pool_build``: the KV pool build with its optional parts (the layer stream cache).
+
+Invariant: ``elastic`` imports neither ``weights`` nor ``peer``, and they never import this
+package; hooks import it (``test/unit/test_layering.py``).
+"""

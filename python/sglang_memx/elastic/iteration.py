@@ -1,0 +1,72 @@
+"""The KV core's own steps of a scheduler iteration, which ``coordinator.tick`` runs in its order
+(the length cap, deflation, reopening admission for the host buffer, the premap).
+
+Invariant: nothing here imports weights or peer; what they add to an iteration is composed above.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_memx.elastic import demand
+from sglang_memx.upstream import request as up_req
+from sglang_memx.upstream import scheduler as up_sched
+
+logger = logging.getLogger("sglang_memx")
+
+
+def physical_max_tokens(kv) -> int:
+    """The most tokens this server can ever back: its whole budget (own pool or shared pool)."""
+    budget = kv.lent.budget_chunks if kv.lent is not None else kv.buffers.pool.capacity_chunks
+    if kv.weights is not None:  # weights share the budget; remap may lend all but a minimum to KV
+        budget -= kv.weights.min_held_chunks()
+    if kv.activation is not None:  # the largest prefill batch's activation shares the budget
+        budget -= kv.activation.need_chunks(kv.activation.max_batch_tokens, 1)
+    groups = min(kv.num_groups, max(0, budget) // kv.buffers.chunks_per_group)
+    return groups * kv.buffers.group_rows - kv.page_size  # page 0 is never allocatable
+
+
+def cap_request_lengths(scheduler, kv) -> None:
+    """Refuse (with upstream's own length error) requests that could never fit the physical budget."""
+    if kv.lengths_capped:
+        return
+    cap = physical_max_tokens(kv)
+    if up_sched.cap_request_lengths(scheduler, cap):
+        logger.info("memx: requests are limited to %d input tokens by the physical KV budget", cap - 6)
+    kv.lengths_capped = True
+
+
+def reopen_admission_for_offload(kv, scheduler) -> None:
+    """Upstream stops trying to admit after a refusal until a running request leaves; with room
+    in the host buffer a new request may still prefill there."""
+    if (
+        up_sched.admission_closed_for_memory(scheduler)
+        and kv.host.offload_room() > 0
+        and any(up_req.is_plain_text_request(r) for r in up_sched.waiting(scheduler))
+    ):
+        up_sched.reopen_admission(up_sched.running_batch(scheduler))
+
+
+def premap_pages(kv, scheduler) -> int:
+    """Free pages the next decode step may take: one page per admitted request (0 when idle)."""
+    return len(up_sched.admitted_reqs(scheduler))
+
+
+def has_work(scheduler) -> bool:
+    """Requests wait or run: deflation keeps its spare groups and the tick premaps."""
+    return bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
+
+
+def deflate(kv, allocator, busy: bool) -> None:
+    """Unmap groups whose pages are all free, keeping ``spare_groups`` while the server has work
+    (none when idle, so an idle server holds only its cached prefixes)."""
+    kv.shrink(allocator, spare_groups=kv.spare_groups if busy else 0, lazy=True)
+
+
+def premap(kv, allocator, scheduler) -> None:
+    """Map groups from FREE chunks (and idle activation when no prefill waits: it may back the
+    premap only when no prefill waits to take it back) for the next decode step's pages, never
+    from the chunks that step's activation reserve needs (``demand.admitted_activation_chunks``)."""
+    kv.refill(allocator, premap_pages(kv, scheduler) + kv.spare_groups * kv.group_pages,
+              free_only=bool(up_sched.waiting(scheduler)),
+              keep_activation=demand.admitted_activation_chunks(kv, scheduler))  # fmt: skip
