@@ -180,7 +180,10 @@ def fault_child(run, rng: random.Random, i: int, record: dict, role: str) -> dic
     record["health_after"] = {f: after.get(f) or 0 for f in ("restarts", "hangs", "restart_failures")}
     record["how"] = "found hung" if record["health_after"]["hangs"] > before["hangs"] else "exited"
     record["last_exit"] = after.get("last_exit")
-    left = [p for p in tree if pid_alive(p)]
+    # The pool's arbiter may be a child of this engine's scheduler (the first server of a pool, or a
+    # survivor of an arbiter kill, starts it in its own session): it serves the pool and must live on.
+    arbiters = set(run.checker.arbiter_pids())
+    left = [p for p in tree if pid_alive(p) and p not in arbiters]
     record["old_processes_left"] = left
     record["checks"] = {f"{key} went down after its {role} died": record["engine_down_s"] is not None,
                         f"{key} restarted (new pid, awake)": record["recovery_s"] is not None,

@@ -243,3 +243,16 @@ def test_join_full_pool_excuses_the_sheds_of_the_models_its_filler_overloaded():
     verdict = judge(outcomes, [w], shed_budget=0)
     assert [o.verdict.split(":")[0] for o in outcomes] == ["pass", "pass", "fail", "fail"]
     assert not verdict["checks"]["429s within the shed budget (2 <= 0)"]
+
+
+def test_a_429_of_the_killed_model_while_it_restarts_is_excused_others_are_not():
+    fault = {"n": 3, "kind": "detokenizer", "t": 100.0, "t_recovered": 150.0, "target": "tiny-b"}
+    windows = kill_windows([fault], 0.0, 10.0)
+
+    def shed(i, model, t):
+        return Outcome(i, model, "chat", t, sent=True, sent_at=t, ended_at=t + 25, result="shed", status=429)
+
+    outcomes = [shed(0, "tiny-b", 110.0), shed(1, "tiny-c", 110.0), shed(2, "tiny-b", 170.0)]
+    verdict = judge(outcomes, windows, shed_budget=0)
+    assert [o.verdict.split(":")[0] for o in outcomes] == ["pass", "fail", "fail"]
+    assert outcomes[0].kill == 3 and not verdict["checks"]["429s within the shed budget (2 <= 0)"]

@@ -106,7 +106,7 @@ def run_state(**args) -> SimpleNamespace:
     defaults.update(args)
     return SimpleNamespace(serve=SimpleNamespace(url="http://stub"), args=SimpleNamespace(**defaults),
                            violations=[], baseline={"tiny-a": "same"}, now=lambda: 7.0,
-                           checker=SimpleNamespace(pool_dir=Path("/nonexistent")))  # fmt: skip
+                           checker=SimpleNamespace(pool_dir=Path("/nonexistent"), arbiter_pids=list))  # fmt: skip
 
 
 class Supervisor:
