@@ -57,15 +57,22 @@ def _fault(f: dict) -> str:
     target = f.get("target") or f["kind"]
     if f.get("skipped"):
         return f"{f['kind']} ({target}): skipped, {f.get('reason', 'no reason recorded')}"
-    took = f.get("recovery_s", f.get("restarted_s", f.get("recovered_s")))
+    took = next(
+        (f[k] for k in ("recovery_s", "restarted_s", "rejoined_s", "recovered_s") if f.get(k) is not None), None
+    )
     return f"{f['kind']} ({target}): back in {took} s" if took is not None else f"{f['kind']} ({target})"
+
+
+def _excused(doc: dict) -> str:
+    n = doc.get("excused_by_kills")
+    return f" ({n:,} of them ended inside a kill's window, as the rules allow)" if n else ""
 
 
 def faults_row(doc: dict) -> str:
     p = doc["params"]
     kills = "; ".join(_fault(f) for f in doc.get("faults", []))
     return (f"| faults | `{doc['command']}` (seed {p['seed']}) | {len(doc.get('faults', []))} kills: {kills} | "
-            f"{_requests(doc)} | {_verdict(doc)} |")  # fmt: skip
+            f"{_requests(doc)}{_excused(doc)} | {_verdict(doc)} |")  # fmt: skip
 
 
 def render(soak: dict | None, faults: dict | None) -> str:
