@@ -105,7 +105,7 @@ class KillWindow:
         return o.sent_at is not None and o.ended_at is not None and o.sent_at <= self.end and o.ended_at >= start
 
     def excuses(self, o: Outcome) -> bool:
-        if self.excuses_shed(o) or (self.overloads(o) and o.error_code in OVERLOAD_CODES):
+        if self.overloads(o) and o.error_code in OVERLOAD_CODES:  # sheds (429) are judged by excuses_shed
             return True
         if not self._overlaps(o, self.start):
             return False
