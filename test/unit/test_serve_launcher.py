@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from sglang_memx.serve.config import ServeConfigError, parse_config
-from sglang_memx.serve.launcher import _split_cores, engine_specs
+from sglang_memx.serve.engine_specs import _split_cores, engine_specs
 from sglang_memx.serve.placement import GIB, plan_placement
 from support.fake_checkpoint import fake_model
 

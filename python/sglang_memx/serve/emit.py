@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ServeConfig, ServeConfigError
-from .launcher import _split_cores, engine_specs
+from .engine_specs import _split_cores, engine_specs
 from .placement import GIB, Placement
 
 __all__ = [

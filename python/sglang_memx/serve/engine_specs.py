@@ -1,0 +1,153 @@
+"""Every engine's command line and environment, from the config and the placement (pure).
+
+Invariants:
+
+* Replicas: every replica of a model (``placement.instance_name``) is one engine with its
+  own port, log and cores, keyed by its instance name (replica 0: the model's name).
+* Every engine of a device gets ``--memx-elastic-kv --memx-pool <device pool>
+  --memx-pool-budget-gb <device budget>`` with the same pool name and budget, so the first
+  server to start creates the device's arbiter and the others join it.
+* CPU devices: their cores are split among the device's servers (each server's OpenMP
+  threads on its own cores; two unpinned CPU servers on shared cores run many times
+  slower); CUDA devices: ``CUDA_VISIBLE_DEVICES`` is the device's ordinal.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import POOL_OWNER_ENV
+from .config import ServeConfig
+from .placement import GIB, Placement, instance_name
+
+__all__ = ["EngineSpec", "engine_specs", "default_pool_dir", "free_port", "CPU_DEFAULTS"]
+
+CPU_DEFAULTS = {
+    "--attention-backend": "torch_native",
+    "--cuda-graph-backend-decode": "disabled",
+    "--cuda-graph-backend-prefill": "disabled",
+}
+
+
+def default_pool_dir() -> str:
+    """memx's own default for --memx-pool-dir ($XDG_RUNTIME_DIR/sglang-memx, else /tmp/sglang-memx-$UID)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return str(Path(runtime) / "sglang-memx") if runtime else f"/tmp/sglang-memx-{os.getuid()}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str
+    device: str
+    pool: str
+    pool_dir: str
+    port: int
+    argv: tuple[str, ...]
+    env: dict = field(hash=False)  # only the variables set on top of os.environ
+    log_path: str
+    replica: int = 0  # which replica of ``model`` (0 .. min_replicas - 1)
+
+    @property
+    def key(self) -> str:
+        """The engine's name: ``instance_name(model, replica)`` (the model's name for replica 0)."""
+        return instance_name(self.model, self.replica)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _has(args, flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _split_cores(cores: list[int], n: int) -> list[list[int]]:
+    """n near-equal contiguous shares of ``cores`` (shared round-robin when there are fewer cores)."""
+    if len(cores) >= n:
+        per, extra = divmod(len(cores), n)
+        out, i = [], 0
+        for k in range(n):
+            take = per + (1 if k < extra else 0)
+            out.append(cores[i : i + take])
+            i += take
+        return out
+    return [[cores[k % len(cores)]] for k in range(n)]
+
+
+def engine_specs(
+    config: ServeConfig,
+    placement: Placement,
+    run_id: str,
+    *,
+    ports: dict[str, int] | None = None,
+    python: str = sys.executable,
+    log_dir: str | None = None,
+    api_key: str | None = None,
+) -> list[EngineSpec]:
+    """The command line and environment of every engine, in config order, a model's replicas
+    together (``api_key``: upstream's ``--api-key``, so the engines answer only the router;
+    ``ports``: by instance name)."""
+    log_root = Path(log_dir or config.launch.log_dir or "sglang-memx-serve-logs")
+    pool_dir = config.launch.pool_dir or default_pool_dir()
+    cuda_seen = 0
+    cuda_index, shares = {}, {}
+    for d in config.devices:
+        if d.kind == "cuda":
+            cuda_index[d.name] = d.index if d.index is not None else cuda_seen
+            cuda_seen += 1
+        else:
+            residents = placement.devices[d.name].models
+            if residents:
+                cores = list(d.cores) if d.cores is not None else sorted(os.sched_getaffinity(0))
+                shares.update(zip(residents, _split_cores(cores, len(residents))))
+    specs = []
+    replicas = [
+        (m, r, inst, dev) for m in config.models for r, (inst, dev) in enumerate(placement.models[m.name].replicas)
+    ]
+    for m, replica, inst, device in replicas:
+        placed = placement.models[m.name]
+        dev = config.device(device)
+        plan = placement.devices[dev.name]
+        pool = f"serve-{dev.name}-{run_id}"
+        port = (ports or {}).get(inst) or free_port()
+        args = [python, "-m", "sglang.launch_server", "--model-path", m.path, "--host", "127.0.0.1",
+                "--port", str(port), "--served-model-name", m.name, "--device", dev.kind,
+                "--max-total-tokens", str(placed.max_total_tokens)]  # fmt: skip
+        if m.dtype != "auto":
+            args += ["--dtype", m.dtype]
+        if m.kv_cache_dtype != "auto":
+            args += ["--kv-cache-dtype", m.kv_cache_dtype]
+        # the pool's arbiter (started by the first engine) ends when this process does
+        env = {"PYTHONUNBUFFERED": "1", POOL_OWNER_ENV: str(os.getpid())}
+        if dev.kind == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            for flag, value in CPU_DEFAULTS.items():
+                if not _has(m.server_args, flag):
+                    args += [flag, value]
+            mine = shares[inst]
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
+            env["OMP_NUM_THREADS"] = str(len(mine))
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = str(cuda_index[dev.name])
+        if not _has(m.server_args, "--sleep-on-idle"):  # co-located engines share the host's cores:
+            args.append("--sleep-on-idle")  # an idle one waits on its sockets instead of spinning a core
+        args += ["--memx-elastic-kv", "--memx-pool", pool, "--memx-pool-budget-gb",
+                 repr(plan.pool_budget_bytes / GIB), "--memx-pool-dir", pool_dir]  # fmt: skip
+        if api_key:
+            args += ["--api-key", api_key]
+        if m.sleep_after_s is not None:  # remappable weights in the pool: what a sleeping engine releases
+            args += ["--memx-weights", "remap", "--memx-sleep-after-s", repr(float(m.sleep_after_s))]
+        args += list(config.launch.memx_args) + list(m.server_args)
+        log = log_root / f"{inst.replace('/', '_').replace('#', '.replica')}.log"
+        specs.append(EngineSpec(m.name, dev.name, pool, pool_dir, port, tuple(args), env, str(log), replica))
+    return specs
