@@ -17,6 +17,7 @@ from memory_ext.policy.activation import ActivationProfile
 from memory_ext.pool import ChunkPool, LayeredKVBuffers, Owner
 from memory_ext.pool.activation_balloon import ActivationBalloon
 from memory_ext.vmm import host_backend
+from sglang_memx.coordinator import device
 from sglang_memx.elastic.ballooning import reserve_activation
 from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
@@ -40,7 +41,7 @@ def _elastic(pool, num_tokens: int, lent=None):
     kv.activation = ActivationBalloon(pool, ActivationProfile(per_token_bytes=CHUNK))
     kv.lengths_capped = True
     alloc = TokenToKVPoolAllocator(num_tokens, torch.bfloat16, "cpu", types.SimpleNamespace(), need_sort=True)
-    up_kv.attach_elastic(alloc, kv)
+    device.attach(alloc, kv)
     kv.restrict_free_list(alloc)
     return kv, alloc
 
@@ -198,14 +199,13 @@ def test_a_short_allocation_takes_the_live_activation_chunks_when_they_are_only_
     the chunk's activation had taken the FREE chunks its KV was admitted against. Without an
     arena the activation's chunks only count torch's allocations, so KV takes them (the forward
     over-commits, counted) rather than ending the scheduler."""
-    from sglang_memx.elastic.shared_pool import grow_for_alloc
 
     kv, alloc, pool = _server(128, 12)  # groups 0-2 (group 2: one page) need 12 chunks; the activation 3
     kv.grow(alloc, 63, "request")
     assert kv.buffers.num_mapped == 1
     assert kv.activation.reserve(_tokens_for(kv, 3), 1, lambda: 0, lambda n: 0) and kv.activation.live == 3
     assert pool.available() == 5  # one group's worth and one chunk
-    grow_for_alloc(kv, alloc, 63 + 64 + 1)  # all three groups: the third needs the activation's chunks
+    device.of(alloc).cover_allocation(alloc, 63 + 64 + 1)  # all three groups: the third needs the activation's chunks
     assert up_kv.free_page_count(alloc) == 128 and kv.buffers.num_mapped == 3
     assert kv.activation.stats["overcommitted_chunks"] > 0 and kv.activation.live <= kv.activation.held
 
@@ -213,7 +213,7 @@ def test_a_short_allocation_takes_the_live_activation_chunks_when_they_are_only_
     kv.grow(alloc, 63, "request")
     assert kv.activation.reserve(_tokens_for(kv, 3), 1, lambda: 0, lambda n: 0)
     kv.activation.arena = object()  # an arena: the chunks back the forward's tensors
-    grow_for_alloc(kv, alloc, 128)
+    device.of(alloc).cover_allocation(alloc, 128)
     assert kv.buffers.num_mapped == 2 and kv.activation.live == 3  # upstream then refuses, nothing lent
 
 

@@ -60,3 +60,19 @@ def reserve_decode_step(kv, allocator, tree, requests: int) -> bool:
     """A decode step of ``requests`` sequences reserves its activation before upstream checks
     KV capacity; False: it does not fit (upstream then retracts a request and asks again)."""
     return reserve_activation(kv, allocator, tree, requests, requests, urgent=True)
+
+
+def grow_over_activation(kv, balloon, allocator, pages: int) -> None:
+    """Last resort before upstream's fatal short allocation: map groups from the activation's
+    live chunks too, when they only count torch's own allocations (no arena: CPU, or
+    ``--memx-torch-activations``), so lending them moves no byte a forward uses. The forward
+    then over-commits the pool by what was lent (``overcommitted_chunks``). With an arena the
+    chunks back the forward's tensors and are never lent."""
+    if balloon.arena is not None or balloon.live <= 0:
+        return
+    live, balloon.live = balloon.live, 0
+    try:
+        kv.grow(allocator, pages)
+    finally:
+        balloon.live = min(live, balloon.held)
+        balloon.stats["overcommitted_chunks"] += live - balloon.live

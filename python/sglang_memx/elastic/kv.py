@@ -376,6 +376,7 @@ class ElasticKV:
         self.buffers.check_invariants()
 
     def status(self) -> dict:
+        """The KV space's own numbers; its components add theirs (``coordinator.device.Coordinator.status``)."""
         b = self.buffers
         return {
             "group_tokens": b.group_rows,
@@ -390,7 +391,4 @@ class ElasticKV:
             "map_calls": dict(self.map_calls),
             "unmap_calls": dict(self.unmap_calls),
             **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()},
-            "activation": self.activation.status() if self.activation is not None else None,
-            "host_buffer": self.host.status() if self.host is not None else None,
-            "weights": self.weights.status() if self.weights is not None else None,
         }

@@ -229,41 +229,6 @@ def borrow_chunks(kv, units: int, unit_chunks: int = 1, *, may_wait: bool = True
     return got
 
 
-def grow_for_alloc(kv, allocator, pages: int) -> None:
-    """Map groups until ``pages`` pages are free, before an allocation upstream has already
-    decided on (a prefill chunk, an extend, a decode step).
-
-    With a shared pool, what the local pool cannot map is borrowed at once (urgent): memory that
-    looked growable when a chunked prefill was admitted may have gone back to the arbiter since
-    (a RECLAIM for another server, answered between two of its chunks), and upstream treats a
-    short allocation as fatal ("Out of memory" ends the scheduler; seen in the soak, two servers
-    busy). Invariant: an allocation falls short only when the device's whole pool cannot cover it.
-    """
-    kv.grow(allocator, pages)
-    short = pages - up_kv.free_page_count(allocator)
-    if short > 0 and kv.lent is not None and borrow_tokens(kv, short * up_kv.page_size(allocator), urgent=True):
-        kv.grow(allocator, pages)
-    if pages > up_kv.free_page_count(allocator):
-        grow_over_activation(kv, allocator, pages)
-
-
-def grow_over_activation(kv, allocator, pages: int) -> None:
-    """Last resort before upstream's fatal short allocation: map groups from the activation's
-    live chunks too, when they only count torch's own allocations (no arena: CPU, or
-    ``--memx-torch-activations``), so lending them moves no byte a forward uses. The forward
-    then over-commits the pool by what was lent (``overcommitted_chunks``). With an arena the
-    chunks back the forward's tensors and are never lent."""
-    balloon = kv.activation
-    if balloon is None or balloon.arena is not None or balloon.live <= 0:
-        return
-    live, balloon.live = balloon.live, 0
-    try:
-        kv.grow(allocator, pages)
-    finally:
-        balloon.live = min(live, balloon.held)
-        balloon.stats["overcommitted_chunks"] += live - balloon.live
-
-
 def spare_free_chunks(kv, allocator, scheduler) -> int:
     """FREE chunks not needed for the running requests' remaining decode, nor for the activation
     of their next step (a decode step, or a chunked prefill's next chunk): those may go back.

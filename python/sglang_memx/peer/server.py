@@ -62,10 +62,9 @@ DEFAULT_DONATE_FRACTION = 0.5  # without --memx-peer-donate-max-gb: at most half
 
 
 class PeerKVServer:
-    def __init__(self, scheduler, config):
+    def __init__(self, scheduler, config, kv):
         tree = up_sched.tree_cache(scheduler)
         allocator = up_sched.allocator(scheduler)
-        kv = up_kv.elastic_of(allocator)
         if not up_peer.is_unified(tree):
             raise RuntimeError(f"--memx-peer-kv: needs upstream's unified radix cache, this server has {type(tree)}")
         if kv is None or kv.lent is None:
@@ -250,8 +249,9 @@ def server_of(scheduler):
 _without: set[int] = set()  # schedulers (by id) that run without the tier
 
 
-def tick(scheduler) -> None:
-    """Once per scheduler iteration (from the scheduler hook): build the tier on the first call."""
+def tick(scheduler, kv) -> None:
+    """Once per scheduler iteration (the coordinator's peer step; ``kv``: its KV space, None without
+    elastic KV): build the tier on the first call."""
     server = server_of(scheduler)
     if server is None:
         if id(scheduler) in _without:
@@ -260,6 +260,6 @@ def tick(scheduler) -> None:
         if config.disabled or config.peer_kv == "off":
             _without.add(id(scheduler))
             return
-        server = PeerKVServer(scheduler, config)
+        server = PeerKVServer(scheduler, config, kv)
         up_peer.attach_peer(up_sched.tree_cache(scheduler), server)
     server.tick(scheduler)

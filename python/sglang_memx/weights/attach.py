@@ -55,11 +55,12 @@ def load_profile(path: str, n_layers: int):
     return profile
 
 
-def attach(runner) -> WeightsState | None:
+def attach(runner, kv) -> WeightsState | None:
+    """Move the runner's decoder layers into the pool of ``kv`` (the KV space the coordinator holds;
+    None: stock KV) and return their state, or None when ``--memx-weights`` is off."""
     config = up_args.config_of(up_model.runner_server_args(runner))
     if config.disabled or config.weights == "off":
         return None
-    kv = up_model.runner_elastic(runner)
     if kv is None:  # a draft model's pool stays stock, and so do its weights
         return None
     try:
