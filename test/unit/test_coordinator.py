@@ -36,6 +36,8 @@ class FakeKV:
     def __init__(self, free=0, local=0):
         self.free, self.local = free, local
         self.phase = "request"
+        self.lengths_capped = False
+        self.buffers = SimpleNamespace(pool=SimpleNamespace(capacity_chunks=0))
         self.stats = {"ticks": 0, "tick_seconds": 0.0}
         self.phases_seen: list[str] = []
 
@@ -58,7 +60,7 @@ def quiet_kv_core(monkeypatch, alloc) -> list[str]:
     """The KV core's steps record their names instead of reading a scheduler."""
     ran: list[str] = []
     it = components.iteration
-    monkeypatch.setattr(it, "cap_request_lengths", lambda scheduler, kv: ran.append("cap"))
+    monkeypatch.setattr(it, "cap_request_lengths", lambda scheduler, kv, budget, kept: ran.append("cap"))
     monkeypatch.setattr(it, "has_work", lambda scheduler: ran.append("work?") is None)
     monkeypatch.setattr(it, "deflate", lambda kv, allocator, busy: ran.append("deflate"))
     monkeypatch.setattr(components, "hold_head_activation", lambda kv, allocator, tree, s: ran.append("hold"))
@@ -102,7 +104,7 @@ def test_absent_components_add_no_steps_and_no_sources():
 
 def test_components_come_from_the_parts_the_kv_space_was_built_with():
     host = object()
-    kv = SimpleNamespace(lent=None, activation=None, host=host, weights=None, layer_stream=None)
+    kv = SimpleNamespace(lent=None, activation=None, host=host, layer_stream=None)
     c = device.Coordinator(kv, device.components_of(kv))
     assert c.part(HostBufferPart).host is host and c.part(ActivationBalloonPart) is None
 
@@ -218,3 +220,32 @@ def test_the_architecture_doc_shows_both_orders_as_the_data_has_them():
     tables = device.orders_markdown(every_component(SimpleNamespace()))
     for table in tables.split("\n\n"):
         assert table in doc
+
+
+def test_the_physical_budget_is_the_pools_less_what_the_present_parts_keep():
+    kv = SimpleNamespace(buffers=SimpleNamespace(pool=SimpleNamespace(capacity_chunks=100)))
+    assert device.Coordinator(kv).physical_budget() == (100, 0)  # own pool, nothing else in it
+    c = device.Coordinator(
+        kv,
+        (
+            SharedPoolLender(kv, SimpleNamespace(budget_chunks=80)),
+            ActivationBalloonPart(
+                kv, SimpleNamespace(max_batch_tokens=64, need_chunks=lambda tokens, seqs: tokens // 8)
+            ),
+        ),
+    )
+    assert c.physical_budget() == (80, 8)  # the shared pool's budget; the largest prefill's activation
+    c.register(WeightLender(kv, SimpleNamespace(min_held_chunks=lambda: 5)))
+    assert c.physical_budget() == (80, 13)  # and the weights' minimum
+
+
+def test_sleep_runs_only_with_the_shared_pool(monkeypatch):
+    slept = []
+    monkeypatch.setattr(components.sleep, "step", lambda w, kv, allocator, tree, scheduler: slept.append(w))
+    kv, w = SimpleNamespace(), SimpleNamespace()
+    private = device.Coordinator(kv, (WeightLender(kv, w),))
+    shared = device.Coordinator(kv, (SharedPoolLender(kv, object()), WeightLender(kv, w)))
+    for c in (private, shared):
+        step = next(s for _, s in c.iteration_order() if s.name == "sleep or wake")
+        step.run(components.Iteration(None, None, kv, None, c))
+    assert slept == [w]

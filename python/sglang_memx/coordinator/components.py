@@ -38,7 +38,7 @@ class KVCore:
 
     def steps(self) -> tuple[Step, ...]:
         return (
-            step("cap request lengths", lambda it: iteration.cap_request_lengths(it.scheduler, it.kv)),
+            step("cap request lengths", self._cap_request_lengths),
             step("work?", self._note_work),
             step("deflate", lambda it: iteration.deflate(it.kv, it.allocator, it.busy)),
             step("hold the head's activation",
@@ -51,6 +51,11 @@ class KVCore:
 
     def status(self) -> dict[str, Any] | None:
         return None  # the KV space's own numbers are the section's body (``Coordinator.status``)
+
+    @staticmethod
+    def _cap_request_lengths(it: Iteration) -> None:
+        if not it.kv.lengths_capped:  # once: the budget is read then
+            iteration.cap_request_lengths(it.scheduler, it.kv, *it.coordinator.physical_budget())
 
     @staticmethod
     def _note_work(it: Iteration) -> None:
@@ -93,8 +98,9 @@ class SharedPoolLender:
 
     @staticmethod
     def _answer_reclaim(it: Iteration) -> None:
-        shared_pool.answer_reclaim(it.kv, it.allocator, it.tree, it.scheduler,
-                                   release_layers=lending.release_for_reclaim)  # fmt: skip
+        weights = it.coordinator.part(WeightLender)
+        release = None if weights is None else weights.release_for_reclaim
+        shared_pool.answer_reclaim(it.kv, it.allocator, it.tree, it.scheduler, release_layers=release)
 
     @staticmethod
     def _balance(it: Iteration) -> None:
@@ -103,7 +109,9 @@ class SharedPoolLender:
 
     @staticmethod
     def _report(it: Iteration) -> None:
-        shared_pool.report(it.kv, it.allocator, it.tree, it.scheduler, lendable=lending.lendable_chunks)
+        weights = it.coordinator.part(WeightLender)
+        lendable = None if weights is None else weights.lendable_chunks
+        shared_pool.report(it.kv, it.allocator, it.tree, it.scheduler, lendable=lendable)
 
 
 @dataclass(eq=False)
@@ -165,8 +173,8 @@ class WeightLender:
 
     def steps(self) -> tuple[Step, ...]:
         return (
-            step("sleep or wake", lambda it: sleep.step(it.kv, it.allocator, it.tree, it.scheduler)),
-            step("Oneiros step", lambda it: remap.step(it.kv, it.allocator, it.scheduler)),
+            step("sleep or wake", self._sleep_or_wake),
+            step("Oneiros step", lambda it: remap.step(self.weights, it.kv, it.allocator, it.scheduler)),
         )
 
     def sources(self) -> tuple[Source, ...]:
@@ -174,6 +182,17 @@ class WeightLender:
 
     def status(self) -> dict[str, Any] | None:
         return {"weights": self.weights.status()}
+
+    def lendable_chunks(self) -> int:
+        """Chunks releasing layers could free for the arbiter now (``weights.lending``)."""
+        return lending.lendable_chunks(self.weights, self.kv)
+
+    def release_for_reclaim(self, chunks: int) -> int:
+        return lending.release_for_reclaim(self.weights, self.kv, chunks)
+
+    def _sleep_or_wake(self, it: Iteration) -> None:
+        if it.coordinator.part(SharedPoolLender) is not None:  # sleep gives the memory to the pool's peers
+            sleep.step(self.weights, it.kv, it.allocator, it.tree, it.scheduler)
 
 
 @dataclass(eq=False)

@@ -83,6 +83,20 @@ class Coordinator:
             ],
         }
 
+    def physical_budget(self) -> tuple[int, int]:
+        """(chunks this server may ever use: its own pool or the shared pool's budget, chunks of
+        them other mechanisms always keep: the weights' minimum, the largest prefill batch's
+        activation)."""
+        lender, weights = self.part(SharedPoolLender), self.part(WeightLender)
+        balloon = self.part(ActivationBalloonPart)
+        budget = lender.lent.budget_chunks if lender is not None else self.kv.buffers.pool.capacity_chunks
+        kept = 0
+        if weights is not None:  # weights share the budget; remap may lend all but a minimum to KV
+            kept += weights.weights.min_held_chunks()
+        if balloon is not None:  # the largest prefill batch's activation shares the budget
+            kept += balloon.balloon.need_chunks(balloon.balloon.max_batch_tokens, 1)
+        return budget, kept
+
     # ------------------------------------------------------------ running them
     def tick(self, scheduler) -> None:
         """One scheduler iteration: the in-tick steps (their unmaps counted as the tick's phase,
@@ -92,7 +106,7 @@ class Coordinator:
         t0 = time.perf_counter()
         kv.phase = "tick"
         try:
-            it = Iteration(scheduler, allocator, kv, up_sched.tree_cache(scheduler))
+            it = Iteration(scheduler, allocator, kv, up_sched.tree_cache(scheduler), self)
             for _, s in self._steps:
                 if s.in_tick:
                     s.run(it)
@@ -127,17 +141,16 @@ class Coordinator:
 
 
 def components_of(kv) -> tuple[Component, ...]:
-    """The components of the parts a KV space was built with (the build sets them on it)."""
+    """The components of the parts a KV space was built with (the build sets them on it); the
+    weights come later, once the model is loaded (``WeightLender``, registered by the hooks)."""
     found: list[Component] = []
-    lent, balloon, host, weights, stream = kv.lent, kv.activation, kv.host, kv.weights, kv.layer_stream
+    lent, balloon, host, stream = kv.lent, kv.activation, kv.host, kv.layer_stream
     if lent is not None:
         found.append(SharedPoolLender(kv, lent))
     if balloon is not None:
         found.append(ActivationBalloonPart(kv, balloon))
     if host is not None:
         found.append(HostBufferPart(kv, host))
-    if weights is not None:
-        found.append(WeightLender(kv, weights))
     if stream is not None:
         found.append(LayerStreamPart(stream))
     return tuple(found)

@@ -58,6 +58,7 @@ class Iteration:
     allocator: object
     kv: object
     tree: object
+    coordinator: Any  # the coordinator running the tick: its parts, for a step that depends on others
     busy: bool = False
 
 

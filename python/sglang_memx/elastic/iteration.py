@@ -15,22 +15,19 @@ from sglang_memx.upstream import scheduler as up_sched
 logger = logging.getLogger("sglang_memx")
 
 
-def physical_max_tokens(kv) -> int:
-    """The most tokens this server can ever back: its whole budget (own pool or shared pool)."""
-    budget = kv.lent.budget_chunks if kv.lent is not None else kv.buffers.pool.capacity_chunks
-    if kv.weights is not None:  # weights share the budget; remap may lend all but a minimum to KV
-        budget -= kv.weights.min_held_chunks()
-    if kv.activation is not None:  # the largest prefill batch's activation shares the budget
-        budget -= kv.activation.need_chunks(kv.activation.max_batch_tokens, 1)
-    groups = min(kv.num_groups, max(0, budget) // kv.buffers.chunks_per_group)
+def physical_max_tokens(kv, budget_chunks: int, kept_chunks: int) -> int:
+    """The most tokens this server can ever back: its whole budget (own pool or shared pool,
+    ``budget_chunks``) less what other mechanisms always keep of it (``kept_chunks``: the
+    coordinator sums them, ``Coordinator.physical_budget``)."""
+    groups = min(kv.num_groups, max(0, budget_chunks - kept_chunks) // kv.buffers.chunks_per_group)
     return groups * kv.buffers.group_rows - kv.page_size  # page 0 is never allocatable
 
 
-def cap_request_lengths(scheduler, kv) -> None:
+def cap_request_lengths(scheduler, kv, budget_chunks: int, kept_chunks: int) -> None:
     """Refuse (with upstream's own length error) requests that could never fit the physical budget."""
     if kv.lengths_capped:
         return
-    cap = physical_max_tokens(kv)
+    cap = physical_max_tokens(kv, budget_chunks, kept_chunks)
     if up_sched.cap_request_lengths(scheduler, cap):
         logger.info("memx: requests are limited to %d input tokens by the physical KV budget", cap - 6)
     kv.lengths_capped = True

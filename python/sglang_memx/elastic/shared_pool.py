@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from memory_ext.pool import Owner
@@ -243,25 +244,25 @@ def spare_free_chunks(kv, allocator, scheduler) -> int:
     return max(0, kv.buffers.pool.usage()[Owner.FREE] - keep)
 
 
-def answer_reclaim(kv, allocator, tree, scheduler, release_layers=None) -> int:
+def answer_reclaim(kv, allocator, tree, scheduler, release_layers: Callable[[int], int] | None = None) -> int:
     """Free and return the chunks the arbiter asked for (idle activation, free groups, then
-    cached prefixes, then, with remappable weights, layers: ``release_layers(kv, chunks)``,
-    which the coordinator passes); return how many chunks went back."""
+    cached prefixes, then, with remappable weights, layers: ``release_layers(chunks)``, which
+    the coordinator passes when the weights are in the pool); return how many chunks went back."""
     pending = kv.lent.take_pending_reclaim()
     if pending <= 0:
         return 0
     if kv.activation is not None:  # idle activation memory is the cheapest to give
         kv.activation.release_idle(keep=demand.admitted_activation_chunks(kv, scheduler))
     free_groups(kv, allocator, tree, -(-pending // kv.buffers.chunks_per_group))
-    if kv.weights is not None and release_layers is not None:  # an inactive server's layers go next
-        release_layers(kv, pending - spare_free_chunks(kv, allocator, scheduler))  # (Oneiros: inactive first)
+    if release_layers is not None:  # an inactive server's layers go next (Oneiros: inactive first)
+        release_layers(pending - spare_free_chunks(kv, allocator, scheduler))
     return kv.lent.give_back(min(pending, spare_free_chunks(kv, allocator, scheduler)))
 
 
-def report(kv, allocator, tree, scheduler, lendable=None) -> None:
+def report(kv, allocator, tree, scheduler, lendable: Callable[[], int] | None = None) -> None:
     """The arbiter policy's numbers for this server: chunks it could give back now (spare FREE,
     empty groups, evictable cache, idle activation beyond the decode steps' need, and what
-    ``lendable(kv)`` says releasing weights' layers would free: the coordinator passes it), how
+    ``lendable()`` says releasing weights' layers would free: the coordinator passes it), how
     many of those its waiting queue wants to keep, and whether it has work; requests the router
     holds for this model (``router_activity``) count as work and their demand as headroom.
     Computed only when a report could go out (``LentPool.report_due``)."""
@@ -270,7 +271,7 @@ def report(kv, allocator, tree, scheduler, lendable=None) -> None:
         return
     idle = spare_free_chunks(kv, allocator, scheduler) + idle_kv_chunks(kv, allocator, tree)
     if lendable is not None:
-        idle += lendable(kv)  # 0 unless remappable weights of an inactive model
+        idle += lendable()  # 0 unless remappable weights of an inactive model
     if kv.activation is not None:
         idle += max(0, kv.activation.idle() - demand.admitted_activation_chunks(kv, scheduler))
     wanted = demand.queue_demand_tokens(scheduler) - demand.running_demand_tokens(scheduler)

@@ -114,7 +114,6 @@ def attach(runner, kv) -> WeightsState | None:
         slots = min(config.prefetch_depth or 2, n)
         pipeline.request([keys[j] for j in uniform_interval_layers(len(keys), n)], slots)
         pipeline.apply_pending()
-    kv.weights = state
     logger.info(
         "memx: %d decoder layers (%.1f MiB) moved into the pool (%s); %d streamed through %d slot(s)",
         len(keys), nbytes / (1 << 20), config.weights, len(store.streamed()), store.num_slots,
