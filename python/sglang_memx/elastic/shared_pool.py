@@ -185,8 +185,9 @@ def attend(kv, scheduler) -> None:
 # ------------------------------------------------------------------ borrowing and giving back
 def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = False) -> int:
     """Borrow enough whole groups for ``tokens`` more tokens of KV (never more groups than KV
-    could still map); return groups borrowed. Waiting, back-off: ``borrow_chunks``."""
-    if kv.lent is None or tokens <= 0:
+    could still map); return groups borrowed. Waiting, back-off: ``borrow_chunks``. Only on a
+    shared pool (the coordinator's lender, or a caller it gates)."""
+    if tokens <= 0:
         return 0
     unmapped = kv.num_groups - kv.buffers.num_mapped - kv.affordable_groups()
     groups = min(-(-tokens // kv.buffers.group_rows), max(0, unmapped))
@@ -207,7 +208,7 @@ def borrow_chunks(kv, units: int, unit_chunks: int = 1, *, may_wait: bool = True
     reclaiming from peers) is no refusal: nothing more is asked until it lands, without back-off.
     """
     lent = kv.lent
-    if lent is None or units <= 0:
+    if units <= 0:
         return 0
     now = time.monotonic()
     if not urgent and now < kv.borrow_backoff_until:
