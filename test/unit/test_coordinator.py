@@ -14,6 +14,7 @@ from sglang_memx.coordinator.components import (
     ActivationBalloonPart,
     HostBufferPart,
     KVCore,
+    LayerStreamPart,
     PeerTier,
     SharedPoolLender,
     WeightLender,
@@ -104,7 +105,7 @@ def test_absent_components_add_no_steps_and_no_sources():
 
 def test_components_come_from_the_parts_the_kv_space_was_built_with():
     host = object()
-    kv = SimpleNamespace(lent=None, activation=None, host=host, layer_stream=None)
+    kv = SimpleNamespace(lent=None, activation=None, host=host)
     c = device.Coordinator(kv, device.components_of(kv))
     assert c.part(HostBufferPart).host is host and c.part(ActivationBalloonPart) is None
 
@@ -249,3 +250,14 @@ def test_sleep_runs_only_with_the_shared_pool(monkeypatch):
         step = next(s for _, s in c.iteration_order() if s.name == "sleep or wake")
         step.run(components.Iteration(None, None, kv, None, c))
     assert slept == [w]
+
+
+def test_the_peer_tier_gets_the_layer_stream_cache_when_the_pool_build_made_one(monkeypatch):
+    seen = []
+    monkeypatch.setattr(components.peer_server, "tick", lambda scheduler, kv, stream: seen.append((kv, stream)))
+    kv, stream = SimpleNamespace(), object()
+    for parts in ((PeerTier(kv),), (LayerStreamPart(stream), PeerTier(kv))):
+        c = device.Coordinator(kv, parts)
+        step = next(s for _, s in c.iteration_order() if s.name == "peer tier step")
+        step.run(components.Iteration(None, None, kv, None, c))
+    assert seen == [(kv, None), (kv, stream)]

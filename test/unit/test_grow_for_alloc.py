@@ -18,7 +18,7 @@ class FakeKV:
     def __init__(self, free: int, local: int, lent: bool):
         self.free, self.local, self.borrowed = free, local, 0
         self.lent = object() if lent else None
-        self.activation = self.host = self.layer_stream = None
+        self.activation = self.host = None
         self.grows: list[int] = []
 
     def grow(self, allocator, pages: int) -> int:

@@ -221,10 +221,14 @@ class PeerTier:
     name: str = "peer donor / borrower"
 
     def steps(self) -> tuple[Step, ...]:
-        return (step("peer tier step", lambda it: peer_server.tick(it.scheduler, self.kv), in_tick=False),)
+        return (step("peer tier step", self._tick, in_tick=False),)
 
     def sources(self) -> tuple[Source, ...]:
         return ()
 
     def status(self) -> dict[str, Any] | None:
         return None  # the tier reports under ``peer_kv`` (``status.scheduler_status``)
+
+    def _tick(self, it: Iteration) -> None:
+        streamed = it.coordinator.part(LayerStreamPart)  # the tier serves the layer stream cache too
+        peer_server.tick(it.scheduler, self.kv, None if streamed is None else streamed.stream)

@@ -23,7 +23,6 @@ from sglang_memx.coordinator.components import (
     ActivationBalloonPart,
     HostBufferPart,
     KVCore,
-    LayerStreamPart,
     SharedPoolLender,
     WeightLender,
 )
@@ -141,18 +140,17 @@ class Coordinator:
 
 
 def components_of(kv) -> tuple[Component, ...]:
-    """The components of the parts a KV space was built with (the build sets them on it); the
-    weights come later, once the model is loaded (``WeightLender``, registered by the hooks)."""
+    """The components of the parts a KV space was built with (the build sets them on it). The
+    pool build adds the layer stream cache and the peer tier (``pool_build.finish``); the weights
+    come later, once the model is loaded (``WeightLender``, registered by the hooks)."""
     found: list[Component] = []
-    lent, balloon, host, stream = kv.lent, kv.activation, kv.host, kv.layer_stream
+    lent, balloon, host = kv.lent, kv.activation, kv.host
     if lent is not None:
         found.append(SharedPoolLender(kv, lent))
     if balloon is not None:
         found.append(ActivationBalloonPart(kv, balloon))
     if host is not None:
         found.append(HostBufferPart(kv, host))
-    if stream is not None:
-        found.append(LayerStreamPart(stream))
     return tuple(found)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from sglang_memx.config import MemxConfig, MemxConfigError
 from sglang_memx.coordinator import device
-from sglang_memx.coordinator.components import PeerTier
+from sglang_memx.coordinator.components import LayerStreamPart, PeerTier
 from sglang_memx.elastic.build import activation_profile, build_elastic_kv
 from sglang_memx.elastic.host_buffer import build_host_buffer
 from sglang_memx.elastic.slab import cell_format
@@ -102,7 +102,6 @@ def make_elastic(pool) -> bool:
         k_stage = kv.buffers.view(index_of(layers - 1), g["store_dtype"], (g["kv_heads"], g["head_dim"]))
         v_stage = kv.buffers.view(index_of(2 * layers - 1), g["store_dtype"], (g["kv_heads"], g["v_head_dim"]))
         layer_stream.attach(stream, layers, k_stage, v_stage)
-        kv.layer_stream = stream
     # the group is this slab (same LCM rule); with the layer stream cache it holds the local layers only
     kv.cell, kv.slab = cell_format({**g, "layers": own}, kv.buffers.pool.chunk_bytes)
     build.kv = kv
@@ -134,5 +133,9 @@ def finish(build: Build, result) -> None:
     )
     if build.config.host_buffer_gb is not None:
         kv.host = build_host_buffer(build.config, kv.buffers.group_bytes)
-    peer = (PeerTier(kv),) if build.config.peer_kv != "off" else ()
-    device.attach(allocator, kv, peer)
+    extra: list = []
+    if build.layer_stream is not None:
+        extra.append(LayerStreamPart(build.layer_stream))
+    if build.config.peer_kv != "off":
+        extra.append(PeerTier(kv))
+    device.attach(allocator, kv, tuple(extra))

@@ -47,6 +47,6 @@ def per_iteration(scheduler) -> None:
     """Everything memx does before upstream picks the next batch."""
     coordinator = device.of(up_sched.allocator(scheduler))
     if coordinator is None:
-        peer_server.tick(scheduler, None)
+        peer_server.tick(scheduler, None, None)
     else:
         coordinator.tick(scheduler)

@@ -62,7 +62,7 @@ DEFAULT_DONATE_FRACTION = 0.5  # without --memx-peer-donate-max-gb: at most half
 
 
 class PeerKVServer:
-    def __init__(self, scheduler, config, kv):
+    def __init__(self, scheduler, config, kv, stream):
         tree = up_sched.tree_cache(scheduler)
         allocator = up_sched.allocator(scheduler)
         if not up_peer.is_unified(tree):
@@ -105,7 +105,7 @@ class PeerKVServer:
             self.controller.attach(self.donor)
             logger.info("memx peer KV: donor %s listening (at most %d chunks of %d B)", self.name, self.cap_chunks,
                         chunk)  # fmt: skip
-        self.layer_stream = kv.layer_stream  # --memx-peer-layer-stream: built with the pool (peer.layer_stream)
+        self.layer_stream = stream  # --memx-peer-layer-stream: built with the pool (peer.layer_stream), or None
         if self.layer_stream is not None:
             # streamed layers' buffers are one staging buffer: a spilled page would gather stale rows,
             # so the prefix tier is not built next to the cache (docs/peer-kv.md)
@@ -249,9 +249,10 @@ def server_of(scheduler):
 _without: set[int] = set()  # schedulers (by id) that run without the tier
 
 
-def tick(scheduler, kv) -> None:
+def tick(scheduler, kv, stream) -> None:
     """Once per scheduler iteration (the coordinator's peer step; ``kv``: its KV space, None without
-    elastic KV): build the tier on the first call."""
+    elastic KV; ``stream``: the layer stream cache built with the pool, or None): build the tier
+    on the first call."""
     server = server_of(scheduler)
     if server is None:
         if id(scheduler) in _without:
@@ -260,6 +261,6 @@ def tick(scheduler, kv) -> None:
         if config.disabled or config.peer_kv == "off":
             _without.add(id(scheduler))
             return
-        server = PeerKVServer(scheduler, config, kv)
+        server = PeerKVServer(scheduler, config, kv, stream)
         up_peer.attach_peer(up_sched.tree_cache(scheduler), server)
     server.tick(scheduler)
