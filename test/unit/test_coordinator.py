@@ -261,3 +261,34 @@ def test_the_peer_tier_gets_the_layer_stream_cache_when_the_pool_build_made_one(
         step = next(s for _, s in c.iteration_order() if s.name == "peer tier step")
         step.run(components.Iteration(None, None, kv, None, c))
     assert seen == [(kv, None), (kv, stream)]
+
+
+def test_status_of_a_real_server_shows_its_components_and_both_orders():
+    import torch
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    from memory_ext.policy.activation import ActivationProfile
+    from memory_ext.pool import ChunkPool, LayeredKVBuffers
+    from memory_ext.pool.activation_balloon import ActivationBalloon
+    from memory_ext.vmm import host_backend
+    from sglang_memx.elastic.kv import ElasticKV
+    from sglang_memx.status import elastic_status
+
+    pool = ChunkPool(host_backend(4096), 64)
+    kv = ElasticKV(LayeredKVBuffers(pool, [64] * 4, 257, 1), 1, 256)
+    kv.activation = ActivationBalloon(pool, ActivationProfile(per_token_bytes=4096))
+    alloc = TokenToKVPoolAllocator(256, torch.bfloat16, "cpu", SimpleNamespace(), need_sort=True)
+    assert elastic_status(alloc) is None  # stock KV: no coordinator
+    device.attach(alloc, kv)
+    kv.restrict_free_list(alloc)
+    doc = elastic_status(alloc)
+    assert doc["coordinator"]["components"] == ["kv space", "activation balloon"]
+    assert [s["step"] for s in doc["coordinator"]["iteration_order"]] == [
+        "cap request lengths", "end the activation's iteration", "work?", "deflate", "hold the head's activation",
+        "premap",
+    ]  # fmt: skip
+    assert [s["source"] for s in doc["coordinator"]["short_allocation_order"]] == [
+        "map from the local pool", "over the activation balloon"
+    ]  # fmt: skip
+    assert doc["activation"] is not None and doc["shared_pool"] is None and doc["host_buffer"] is None
+    assert doc["weights"] is None and doc["groups_mapped"] == 1
