@@ -163,7 +163,7 @@ def test_balance_borrows_what_kv_and_the_activation_need_together(monkeypatch):
         monkeypatch.setattr(demand, "queue_demand_tokens", lambda scheduler: 512)  # the head: all 8 groups
         monkeypatch.setattr(shared_pool, "report", lambda *a: None)
         scheduler = types.SimpleNamespace(waiting_queue=[object()])
-        shared_pool.balance(kv, alloc, None, scheduler, 3)
+        shared_pool.balance(kv, alloc, None, scheduler, 3, device.of(alloc).activation_side())
         # 8 groups (32 chunks) + 3 activation chunks against 29 FREE + 3 held: 3 borrowed
         assert lent.pool.available() == 29 + 3
 
@@ -184,11 +184,11 @@ def test_balance_keeps_cached_prefixes_with_what_the_arbiter_has_free(monkeypatc
             kv, alloc = _elastic(lent.pool, 512, lent)
             pages = alloc.alloc(63)  # the cache's pages, say: nothing mapped is free
             assert pages is not None and up_kv.free_page_count(alloc) == 0 and lent.pool.available() == 0
-            shared_pool.balance(kv, alloc, tree, scheduler, 0)
+            shared_pool.balance(kv, alloc, tree, scheduler, 0, device.of(alloc).activation_side())
             assert lent.pool.available() == kept
             asked = []
             monkeypatch.setattr(lent, "available_now", lambda asked=asked: asked.append(1) or 0)
-            shared_pool.balance(kv, alloc, tree, scheduler, 0)
+            shared_pool.balance(kv, alloc, tree, scheduler, 0, device.of(alloc).activation_side())
             assert lent.pool.available() == kept and lent.client.status()["pending"] == 0
             # covered now: nothing more asked; found nothing free: not asked again within the second
             assert asked == []
@@ -228,10 +228,11 @@ def test_a_chunked_prefill_keeps_its_next_chunks_activation_from_going_back(monk
     assert pool.usage()[Owner.FREE] == 5
     scheduler = types.SimpleNamespace(chunked_req=object(), running_batch=None, last_batch=None)
     monkeypatch.setattr(demand, "running_demand_tokens", lambda s: 0)
-    monkeypatch.setattr(demand, "decode_activation_chunks", lambda kv, s: 1)
+    monkeypatch.setattr(demand, "decode_activation_chunks", lambda balloon, s: 1)
     monkeypatch.setattr(demand, "head_prefill_tokens", lambda s, kv: _tokens_for(kv, 3))
-    assert demand.admitted_activation_chunks(kv, scheduler) == 3
-    assert shared_pool.spare_free_chunks(kv, alloc, scheduler) == 2
+    activation = device.of(alloc).activation_side()
+    assert demand.admitted_activation_chunks(kv.activation, scheduler, kv) == 3
+    assert shared_pool.spare_free_chunks(kv, alloc, scheduler, activation) == 2
     scheduler.chunked_req = None
-    assert demand.admitted_activation_chunks(kv, scheduler) == 1
-    assert shared_pool.spare_free_chunks(kv, alloc, scheduler) == 4
+    assert demand.admitted_activation_chunks(kv.activation, scheduler, kv) == 1
+    assert shared_pool.spare_free_chunks(kv, alloc, scheduler, activation) == 4

@@ -64,8 +64,7 @@ def quiet_kv_core(monkeypatch, alloc) -> list[str]:
     monkeypatch.setattr(it, "cap_request_lengths", lambda scheduler, kv, budget, kept: ran.append("cap"))
     monkeypatch.setattr(it, "has_work", lambda scheduler: ran.append("work?") is None)
     monkeypatch.setattr(it, "deflate", lambda kv, allocator, busy: ran.append("deflate"))
-    monkeypatch.setattr(components, "hold_head_activation", lambda kv, allocator, tree, s: ran.append("hold"))
-    monkeypatch.setattr(it, "premap", lambda kv, allocator, scheduler: ran.append("premap"))
+    monkeypatch.setattr(it, "premap", lambda kv, allocator, scheduler, keep: ran.append(("premap", keep)))
     monkeypatch.setattr(device.up_sched, "allocator", lambda scheduler: alloc)
     monkeypatch.setattr(device.up_sched, "tree_cache", lambda scheduler: None)
     return ran
@@ -96,9 +95,7 @@ def test_the_built_in_orders_are_the_old_tick_order_then_the_peer_step():
 def test_absent_components_add_no_steps_and_no_sources():
     c = device.Coordinator(SimpleNamespace())
     assert [type(x) for x in c.components] == [KVCore]
-    assert [s.name for _, s in c.iteration_order()] == [
-        "cap request lengths", "work?", "deflate", "hold the head's activation", "premap"
-    ]  # fmt: skip
+    assert [s.name for _, s in c.iteration_order()] == ["cap request lengths", "work?", "deflate", "premap"]
     assert [s.name for _, s in c.short_order()] == ["map from the local pool"]
     assert c.part(SharedPoolLender) is None and c.part(KVCore) is c.components[0]
 
@@ -183,7 +180,7 @@ def test_a_new_mechanism_is_one_component_registered(free_list, monkeypatch):
     assert names.index("count ticks") == names.index("deflate") + 1
     ran = quiet_kv_core(monkeypatch, alloc)
     c.tick(SimpleNamespace())
-    assert ran == ["cap", "work?", "deflate", "hold", "premap"]  # the core's steps, in order
+    assert ran == ["cap", "work?", "deflate", ("premap", 0)]  # the core's steps, in order; no activation to keep
     assert reserve.ticks == [("tick", True)] and kv.phase == "request" and kv.stats["ticks"] == 1
 
     # both orders and its status in the status document
@@ -242,7 +239,7 @@ def test_the_physical_budget_is_the_pools_less_what_the_present_parts_keep():
 
 def test_sleep_runs_only_with_the_shared_pool(monkeypatch):
     slept = []
-    monkeypatch.setattr(components.sleep, "step", lambda w, kv, allocator, tree, scheduler: slept.append(w))
+    monkeypatch.setattr(components.sleep, "step", lambda w, kv, allocator, tree, scheduler, act: slept.append(w))
     kv, w = SimpleNamespace(), SimpleNamespace()
     private = device.Coordinator(kv, (WeightLender(kv, w),))
     shared = device.Coordinator(kv, (SharedPoolLender(kv, object()), WeightLender(kv, w)))

@@ -81,7 +81,7 @@ def test_without_the_kept_activation_the_premap_and_the_decode_reserve_ping_pong
     group the next decode step's reserve unmaps again, on that step's path, step after step."""
     from sglang_memx.elastic import demand
 
-    monkeypatch.setattr(demand, "decode_activation_chunks", lambda kv, scheduler: 0)
+    monkeypatch.setattr(demand, "decode_activation_chunks", lambda balloon, scheduler: 0)
     kv, alloc, pool, scheduler = _server(free_chunks_beyond_groups=2)
     steps = _decode_until_full(kv, alloc, scheduler)
     st = device.of(alloc).status()

@@ -13,6 +13,7 @@ import pytest
 
 from memory_ext.policy.router_activity import ActivityError, parse_activity
 from sglang_memx import router_activity
+from sglang_memx.coordinator.components import NoActivation
 from sglang_memx.hooks import scheduler as sched_hooks
 from sglang_memx.metrics import render_prometheus
 from sglang_memx.upstream import scheduler as up_sched
@@ -90,10 +91,10 @@ def sleepy(monkeypatch, *, sleeping, idle_for, busy=False):
     monkeypatch.setattr(up_sched, "waiting", lambda s: ["r"] if busy else [])
     monkeypatch.setattr(up_sched, "admitted_reqs", lambda s: [])
     monkeypatch.setattr(sleep, "wake", lambda w, kv: calls.append("wake"))
-    monkeypatch.setattr(sleep, "fall_asleep", lambda w, kv, a, t, s: calls.append("sleep"))
+    monkeypatch.setattr(sleep, "fall_asleep", lambda w, kv, a, t, s, activation: calls.append("sleep"))
     w = SimpleNamespace(sleep_after_s=30.0, sleeping=sleeping, last_busy=time.monotonic() - idle_for)
     kv = SimpleNamespace(weights=w, lent=object())
-    sleep.step(w, kv, None, None, None)
+    sleep.step(w, kv, None, None, None, NoActivation())
     return calls, w
 
 

@@ -4,12 +4,14 @@ Each holds the typed object it stands for (never ``None``: a mechanism that is o
 component that is not registered) and names its steps and sources; their ranks place them
 in the two orders (``parts.ITERATION_RANKS``, ``parts.SOURCE_RANKS``).
 
-* ``KVCore``: the KV space itself (always present): request-length cap, deflation, the
-  head's activation, premap; source: map groups from the local pool.
+* ``KVCore``: the KV space itself (always present): request-length cap, deflation, premap;
+  source: map groups from the local pool.
 * ``SharedPoolLender``: a shared pool's arbiter link (``--memx-pool``): wake-ups, reclaims,
   give back / borrow, report; source: an urgent borrow of the shortfall.
-* ``ActivationBalloonPart``: activations sharing the pool (ballooning); source: map over live
-  activation chunks when they only count torch's allocations.
+* ``ActivationBalloonPart``: activations sharing the pool (ballooning): the iteration's end,
+  the head's prefill activation held; source: map over live activation chunks when they only
+  count torch's allocations. Where another mechanism asks an activation's numbers and there is
+  none, the coordinator passes ``NoActivation``.
 * ``HostBufferPart``: the host KV buffer (``--memx-host-buffer-gb``).
 * ``WeightLender``: decoder layers in the pool (``--memx-weights``): sleep / wake, Oneiros.
 * ``LayerStreamPart``: the layer stream cache's staging layers (``--memx-peer-layer-stream``).
@@ -41,10 +43,8 @@ class KVCore:
             step("cap request lengths", self._cap_request_lengths),
             step("work?", self._note_work),
             step("deflate", lambda it: iteration.deflate(it.kv, it.allocator, it.busy)),
-            step("hold the head's activation",
-                 lambda it: hold_head_activation(it.kv, it.allocator, it.tree, it.scheduler)),
             step("premap", self._premap),
-        )  # fmt: skip
+        )
 
     def sources(self) -> tuple[Source, ...]:
         return (source("map from the local pool", lambda allocator, pages: self.kv.grow(allocator, pages)),)
@@ -64,7 +64,8 @@ class KVCore:
     @staticmethod
     def _premap(it: Iteration) -> None:
         if it.busy:
-            iteration.premap(it.kv, it.allocator, it.scheduler)
+            keep = it.coordinator.activation_side().next_step_chunks(it.scheduler)
+            iteration.premap(it.kv, it.allocator, it.scheduler, keep)
 
 
 @dataclass(eq=False)
@@ -100,18 +101,21 @@ class SharedPoolLender:
     def _answer_reclaim(it: Iteration) -> None:
         weights = it.coordinator.part(WeightLender)
         release = None if weights is None else weights.release_for_reclaim
-        shared_pool.answer_reclaim(it.kv, it.allocator, it.tree, it.scheduler, release_layers=release)
+        shared_pool.answer_reclaim(it.kv, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side(),
+                                   release_layers=release)  # fmt: skip
 
     @staticmethod
     def _balance(it: Iteration) -> None:
+        activation = it.coordinator.activation_side()
         shared_pool.balance(it.kv, it.allocator, it.tree, it.scheduler,
-                            demand.head_activation_chunks(it.kv, it.scheduler))  # fmt: skip
+                            activation.head_prefill_chunks(it.scheduler), activation)  # fmt: skip
 
     @staticmethod
     def _report(it: Iteration) -> None:
         weights = it.coordinator.part(WeightLender)
         lendable = None if weights is None else weights.lendable_chunks
-        shared_pool.report(it.kv, it.allocator, it.tree, it.scheduler, lendable=lendable)
+        shared_pool.report(it.kv, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side(),
+                           lendable=lendable)  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -123,16 +127,57 @@ class ActivationBalloonPart:
     name: str = "activation balloon"
 
     def steps(self) -> tuple[Step, ...]:
-        return (step("end the activation's iteration", lambda it: self.balloon.end_iteration()),)
+        return (
+            step("end the activation's iteration", lambda it: self.balloon.end_iteration()),
+            step("hold the head's activation",
+                 lambda it: hold_head_activation(it.kv, self.balloon, it.allocator, it.tree, it.scheduler)),
+        )  # fmt: skip
 
     def sources(self) -> tuple[Source, ...]:
         return (source("over the activation balloon", self._over_live_chunks),)
 
+    def status(self) -> dict[str, Any] | None:
+        return {"activation": self.balloon.status()}
+
     def _over_live_chunks(self, allocator, pages: int) -> None:
         grow_over_activation(self.kv, self.balloon, allocator, pages)
 
-    def status(self) -> dict[str, Any] | None:
-        return {"activation": self.balloon.status()}
+    # the activation side the shared pool and sleep ask (``shared_pool.ActivationSide``)
+    def held_chunks(self) -> int:
+        return self.balloon.held
+
+    def idle_chunks(self) -> int:
+        return self.balloon.idle()
+
+    def next_step_chunks(self, scheduler) -> int:
+        return demand.admitted_activation_chunks(self.balloon, scheduler, self.kv)
+
+    def head_prefill_chunks(self, scheduler) -> int:
+        return demand.head_activation_chunks(self.balloon, scheduler, self.kv)
+
+    def release_idle(self, keep: int) -> None:
+        self.balloon.release_idle(keep=keep)
+
+
+class NoActivation:
+    """The activation side of a pool no activation shares: it holds, needs and releases nothing.
+    Not a component: what the coordinator passes where an activation's numbers are asked and
+    there is none (``Coordinator.activation_side``)."""
+
+    def held_chunks(self) -> int:
+        return 0
+
+    def idle_chunks(self) -> int:
+        return 0
+
+    def next_step_chunks(self, scheduler) -> int:
+        return 0
+
+    def head_prefill_chunks(self, scheduler) -> int:
+        return 0
+
+    def release_idle(self, keep: int) -> None:
+        return None
 
 
 @dataclass(eq=False)
@@ -192,7 +237,7 @@ class WeightLender:
 
     def _sleep_or_wake(self, it: Iteration) -> None:
         if it.coordinator.part(SharedPoolLender) is not None:  # sleep gives the memory to the pool's peers
-            sleep.step(self.weights, it.kv, it.allocator, it.tree, it.scheduler)
+            sleep.step(self.weights, it.kv, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side())
 
 
 @dataclass(eq=False)

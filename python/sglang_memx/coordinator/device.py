@@ -23,6 +23,7 @@ from sglang_memx.coordinator.components import (
     ActivationBalloonPart,
     HostBufferPart,
     KVCore,
+    NoActivation,
     SharedPoolLender,
     WeightLender,
 )
@@ -31,6 +32,7 @@ from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import scheduler as up_sched
 
 C = TypeVar("C")
+NO_ACTIVATION = NoActivation()
 
 
 class Coordinator:
@@ -81,6 +83,10 @@ class Coordinator:
                 {"source": s.name, "component": c.name, "rank": s.rank} for c, s in self._sources
             ],
         }
+
+    def activation_side(self) -> ActivationBalloonPart | NoActivation:
+        """The activation sharing the pool, or a side that holds nothing (``NoActivation``)."""
+        return self.part(ActivationBalloonPart) or NO_ACTIVATION
 
     def physical_budget(self) -> tuple[int, int]:
         """(chunks this server may ever use: its own pool or the shared pool's budget, chunks of

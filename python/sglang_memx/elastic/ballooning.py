@@ -45,15 +45,16 @@ def reserve_activation(kv, allocator, tree, tokens: int, seqs: int, *, urgent: b
     return balloon.reserve(tokens, seqs, kv_idle, deflate)
 
 
-def hold_head_activation(kv, allocator, tree, scheduler) -> None:
+def hold_head_activation(kv, balloon, allocator, tree, scheduler) -> None:
     """Before batch selection (no prefix match is pending yet, so evicting cached prefixes is
-    safe): hold the head request's prefill activation, so that a server whose memory is all
-    cached prefixes still admits it. The chunks stay idle until the batch reserves them."""
+    safe): hold the head request's prefill activation in ``balloon`` (``kv``'s activation), so
+    that a server whose memory is all cached prefixes still admits it. The chunks stay idle until
+    the batch reserves them."""
     tokens = demand.head_prefill_tokens(scheduler, kv)
-    if kv.activation is None or tokens <= 0:
+    if tokens <= 0:
         return
     reserve_activation(kv, allocator, tree, tokens, 1)
-    kv.activation.end_iteration()
+    balloon.end_iteration()
 
 
 def reserve_decode_step(kv, allocator, tree, requests: int) -> bool:

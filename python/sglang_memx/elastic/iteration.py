@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 
-from sglang_memx.elastic import demand
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 
@@ -60,10 +59,10 @@ def deflate(kv, allocator, busy: bool) -> None:
     kv.shrink(allocator, spare_groups=kv.spare_groups if busy else 0, lazy=True)
 
 
-def premap(kv, allocator, scheduler) -> None:
+def premap(kv, allocator, scheduler, keep_activation: int) -> None:
     """Map groups from FREE chunks (and idle activation when no prefill waits: it may back the
     premap only when no prefill waits to take it back) for the next decode step's pages, never
-    from the chunks that step's activation reserve needs (``demand.admitted_activation_chunks``)."""
+    from the chunks that step's activation reserve needs (``keep_activation``: the coordinator
+    passes ``demand.admitted_activation_chunks``, 0 without an activation)."""
     kv.refill(allocator, premap_pages(kv, scheduler) + kv.spare_groups * kv.group_pages,
-              free_only=bool(up_sched.waiting(scheduler)),
-              keep_activation=demand.admitted_activation_chunks(kv, scheduler))  # fmt: skip
+              free_only=bool(up_sched.waiting(scheduler)), keep_activation=keep_activation)  # fmt: skip

@@ -31,7 +31,7 @@ logger = logging.getLogger("sglang_memx")
 WAKE_BORROW_WAIT_S = 5.0  # longest a wake waits for the arbiter to gather the layers' memory
 
 
-def step(w, kv, allocator, tree, scheduler) -> None:
+def step(w, kv, allocator, tree, scheduler, activation: shared_pool.ActivationSide) -> None:
     """Once per iteration, before the remap controller: fall asleep or wake up (``w``: the weights
     in ``kv``'s pool; the coordinator runs this step on a shared pool only)."""
     if w.sleep_after_s is None:
@@ -42,18 +42,17 @@ def step(w, kv, allocator, tree, scheduler) -> None:
         wake(w, kv)
     elif (not w.sleeping and not busy and time.monotonic() - w.last_busy >= w.sleep_after_s
           and router_activity.may_sleep(w.sleep_after_s)):  # fmt: skip
-        fall_asleep(w, kv, allocator, tree, scheduler)
+        fall_asleep(w, kv, allocator, tree, scheduler, activation)
 
 
-def fall_asleep(w, kv, allocator, tree, scheduler) -> None:
+def fall_asleep(w, kv, allocator, tree, scheduler, activation: shared_pool.ActivationSide) -> None:
     if w.pipeline.pending() is not None:
         return  # a release or restore is still to apply: sleep on a later tick
     w.pipeline.request(list(w.layer_keys), 1)
     w.pipeline.apply_if_idle()
     free_groups(kv, allocator, tree, kv.num_groups)
-    if kv.activation is not None:
-        kv.activation.release_idle(keep=0)
-    given = kv.lent.give_back(shared_pool.spare_free_chunks(kv, allocator, scheduler))
+    activation.release_idle(keep=0)
+    given = kv.lent.give_back(shared_pool.spare_free_chunks(kv, allocator, scheduler, activation))
     w.sleeping, w.slept_at = True, time.monotonic()
     w.sleeps += 1
     logger.info("memx: asleep after %.0f s idle: %d of %d layers released, %d chunk(s) back to the pool",
