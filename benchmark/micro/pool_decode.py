@@ -47,8 +47,8 @@ def _allocator(num_tokens: int, elastic: bool, spare: int):
 
     from memory_ext.pool import ChunkPool, LayeredKVBuffers
     from memory_ext.vmm import host_backend
+    from sglang_memx.coordinator import device
     from sglang_memx.elastic.kv import ElasticKV
-    from sglang_memx.upstream import kv as up_kv
 
     cache = types.SimpleNamespace()
     alloc = TokenToKVPoolAllocator(num_tokens, torch.bfloat16, "cpu", cache, need_sort=True)
@@ -57,7 +57,7 @@ def _allocator(num_tokens: int, elastic: bool, spare: int):
     backend = host_backend(CHUNK)
     layered = LayeredKVBuffers(ChunkPool(backend, 1 << 16), [ROW] * BUFFERS, num_tokens + 1, 1)
     kv = ElasticKV(layered, 1, num_tokens, spare_groups=spare)
-    up_kv.attach_elastic(alloc, kv)
+    device.attach(alloc, kv)
     kv.restrict_free_list(alloc)
     return alloc, kv
 

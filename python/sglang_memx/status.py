@@ -13,6 +13,7 @@ from typing import Any
 
 from sglang_memx import __version__, router_activity
 from sglang_memx.config import MemxConfig
+from sglang_memx.coordinator import device
 from sglang_memx.elastic.slab import slab_status
 from sglang_memx.peer import server as peer_server
 from sglang_memx.upstream import kv as up_kv
@@ -33,7 +34,7 @@ def kv_pool_status(scheduler) -> dict[str, Any]:
     evictable = up_radix.evictable_tokens(up_sched.tree_cache(scheduler))
     used = capacity - available - evictable
     pool = up_kv.pool_description(allocator)
-    elastic = up_kv.elastic_of(allocator)
+    coordinator = device.of(allocator)
     return {
         "kind": pool["kind"],
         "capacity_tokens": capacity,
@@ -46,7 +47,7 @@ def kv_pool_status(scheduler) -> dict[str, Any]:
         "store_dtype": _dtype_name(pool["store_dtype"]),
         "device": pool["device"],
         "layers": pool["layers"],
-        "bytes": elastic.buffers.mapped_bytes if elastic is not None else pool["bytes"],
+        "bytes": coordinator.kv.buffers.mapped_bytes if coordinator is not None else pool["bytes"],
     }
 
 
@@ -55,18 +56,20 @@ def request_status(scheduler) -> dict[str, int]:
 
 
 def elastic_status(allocator) -> dict[str, Any] | None:
-    """Physical side of elastic KV: groups, bytes per owner, map/unmap counts, shared-pool traffic,
-    and the KV slab (its format for this model's KV cell and the FREE / PARTIAL / FULL counts)."""
-    kv = up_kv.elastic_of(allocator)
-    if kv is None:
+    """Physical side of elastic KV: groups, bytes per owner, map/unmap counts, each component's
+    section (shared-pool traffic, activation, host buffer, weights; None when off), the
+    coordinator's components and orders, and the KV slab (its format for this model's KV cell
+    and the FREE / PARTIAL / FULL counts)."""
+    coordinator = device.of(allocator)
+    if coordinator is None:
         return None
+    kv = coordinator.kv
     pool = kv.buffers.pool
     chunk = pool.chunk_bytes
-    doc = kv.status()
+    doc = coordinator.status()
     doc["owners_bytes"] = {str(o).lower(): n * chunk for o, n in pool.usage().items()}
     doc["pool_capacity_bytes"] = pool.capacity_chunks * chunk
     doc["backend"] = pool.backend.counters()
-    doc["shared_pool"] = None if kv.lent is None else dict(kv.lent.status(), chunk_bytes=chunk)
     doc["slab"] = slab_status(kv, allocator)
     return doc
 

@@ -17,6 +17,7 @@ from memory_ext.policy.activation import ActivationProfile
 from memory_ext.pool import ChunkPool, LayeredKVBuffers, Owner
 from memory_ext.pool.activation_balloon import ActivationBalloon
 from memory_ext.vmm import host_backend
+from sglang_memx.coordinator import device
 from sglang_memx.elastic.ballooning import reserve_activation
 from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
@@ -40,7 +41,7 @@ def _elastic(pool, num_tokens: int, lent=None):
     kv.activation = ActivationBalloon(pool, ActivationProfile(per_token_bytes=CHUNK))
     kv.lengths_capped = True
     alloc = TokenToKVPoolAllocator(num_tokens, torch.bfloat16, "cpu", types.SimpleNamespace(), need_sort=True)
-    up_kv.attach_elastic(alloc, kv)
+    device.attach(alloc, kv)
     kv.restrict_free_list(alloc)
     return kv, alloc
 
@@ -162,7 +163,7 @@ def test_balance_borrows_what_kv_and_the_activation_need_together(monkeypatch):
         monkeypatch.setattr(demand, "queue_demand_tokens", lambda scheduler: 512)  # the head: all 8 groups
         monkeypatch.setattr(shared_pool, "report", lambda *a: None)
         scheduler = types.SimpleNamespace(waiting_queue=[object()])
-        shared_pool.balance(kv, alloc, None, scheduler, 3)
+        shared_pool.balance(kv, alloc, None, scheduler, 3, device.of(alloc).activation_side())
         # 8 groups (32 chunks) + 3 activation chunks against 29 FREE + 3 held: 3 borrowed
         assert lent.pool.available() == 29 + 3
 
@@ -183,11 +184,11 @@ def test_balance_keeps_cached_prefixes_with_what_the_arbiter_has_free(monkeypatc
             kv, alloc = _elastic(lent.pool, 512, lent)
             pages = alloc.alloc(63)  # the cache's pages, say: nothing mapped is free
             assert pages is not None and up_kv.free_page_count(alloc) == 0 and lent.pool.available() == 0
-            shared_pool.balance(kv, alloc, tree, scheduler, 0)
+            shared_pool.balance(kv, alloc, tree, scheduler, 0, device.of(alloc).activation_side())
             assert lent.pool.available() == kept
             asked = []
             monkeypatch.setattr(lent, "available_now", lambda asked=asked: asked.append(1) or 0)
-            shared_pool.balance(kv, alloc, tree, scheduler, 0)
+            shared_pool.balance(kv, alloc, tree, scheduler, 0, device.of(alloc).activation_side())
             assert lent.pool.available() == kept and lent.client.status()["pending"] == 0
             # covered now: nothing more asked; found nothing free: not asked again within the second
             assert asked == []
@@ -198,14 +199,13 @@ def test_a_short_allocation_takes_the_live_activation_chunks_when_they_are_only_
     the chunk's activation had taken the FREE chunks its KV was admitted against. Without an
     arena the activation's chunks only count torch's allocations, so KV takes them (the forward
     over-commits, counted) rather than ending the scheduler."""
-    from sglang_memx.elastic.shared_pool import grow_for_alloc
 
     kv, alloc, pool = _server(128, 12)  # groups 0-2 (group 2: one page) need 12 chunks; the activation 3
     kv.grow(alloc, 63, "request")
     assert kv.buffers.num_mapped == 1
     assert kv.activation.reserve(_tokens_for(kv, 3), 1, lambda: 0, lambda n: 0) and kv.activation.live == 3
     assert pool.available() == 5  # one group's worth and one chunk
-    grow_for_alloc(kv, alloc, 63 + 64 + 1)  # all three groups: the third needs the activation's chunks
+    device.of(alloc).cover_allocation(alloc, 63 + 64 + 1)  # all three groups: the third needs the activation's chunks
     assert up_kv.free_page_count(alloc) == 128 and kv.buffers.num_mapped == 3
     assert kv.activation.stats["overcommitted_chunks"] > 0 and kv.activation.live <= kv.activation.held
 
@@ -213,7 +213,7 @@ def test_a_short_allocation_takes_the_live_activation_chunks_when_they_are_only_
     kv.grow(alloc, 63, "request")
     assert kv.activation.reserve(_tokens_for(kv, 3), 1, lambda: 0, lambda n: 0)
     kv.activation.arena = object()  # an arena: the chunks back the forward's tensors
-    grow_for_alloc(kv, alloc, 128)
+    device.of(alloc).cover_allocation(alloc, 128)
     assert kv.buffers.num_mapped == 2 and kv.activation.live == 3  # upstream then refuses, nothing lent
 
 
@@ -228,10 +228,11 @@ def test_a_chunked_prefill_keeps_its_next_chunks_activation_from_going_back(monk
     assert pool.usage()[Owner.FREE] == 5
     scheduler = types.SimpleNamespace(chunked_req=object(), running_batch=None, last_batch=None)
     monkeypatch.setattr(demand, "running_demand_tokens", lambda s: 0)
-    monkeypatch.setattr(demand, "decode_activation_chunks", lambda kv, s: 1)
+    monkeypatch.setattr(demand, "decode_activation_chunks", lambda balloon, s: 1)
     monkeypatch.setattr(demand, "head_prefill_tokens", lambda s, kv: _tokens_for(kv, 3))
-    assert demand.admitted_activation_chunks(kv, scheduler) == 3
-    assert shared_pool.spare_free_chunks(kv, alloc, scheduler) == 2
+    activation = device.of(alloc).activation_side()
+    assert demand.admitted_activation_chunks(kv.activation, scheduler, kv) == 3
+    assert shared_pool.spare_free_chunks(kv, alloc, scheduler, activation) == 2
     scheduler.chunked_req = None
-    assert demand.admitted_activation_chunks(kv, scheduler) == 1
-    assert shared_pool.spare_free_chunks(kv, alloc, scheduler) == 4
+    assert demand.admitted_activation_chunks(kv.activation, scheduler, kv) == 1
+    assert shared_pool.spare_free_chunks(kv, alloc, scheduler, activation) == 4

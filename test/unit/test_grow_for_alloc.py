@@ -1,5 +1,6 @@
-"""``shared_pool.grow_for_alloc``: an allocation upstream already decided on borrows what the
-local pool cannot map (upstream's short allocation is fatal), and only then."""
+"""The coordinator's short-allocation order (``Coordinator.cover_allocation``): an allocation
+upstream already decided on borrows what the local pool cannot map (upstream's short allocation
+is fatal), and only then."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_memx.coordinator import device
 from sglang_memx.elastic import shared_pool
 
 
@@ -16,7 +18,7 @@ class FakeKV:
     def __init__(self, free: int, local: int, lent: bool):
         self.free, self.local, self.borrowed = free, local, 0
         self.lent = object() if lent else None
-        self.activation = None
+        self.activation = self.host = None
         self.grows: list[int] = []
 
     def grow(self, allocator, pages: int) -> int:
@@ -44,17 +46,17 @@ def calls(monkeypatch):
 
 def test_no_borrow_when_the_local_pool_covers_it(calls):
     kv = FakeKV(free=10, local=50, lent=True)
-    shared_pool.grow_for_alloc(kv, SimpleNamespace(kv=kv), 47)
+    device.Coordinator(kv, device.components_of(kv)).cover_allocation(SimpleNamespace(kv=kv), 47)
     assert kv.free == 47 and calls == [] and kv.grows == [47]
 
 
 def test_a_shortfall_is_borrowed_urgently_and_mapped(calls):
     kv = FakeKV(free=10, local=29, lent=True)  # 39 free after the local grow, 47 wanted (the soak's crash)
-    shared_pool.grow_for_alloc(kv, SimpleNamespace(kv=kv), 47)
+    device.Coordinator(kv, device.components_of(kv)).cover_allocation(SimpleNamespace(kv=kv), 47)
     assert calls == [(8, True, True)] and kv.grows == [47, 47] and kv.free == 47
 
 
 def test_without_a_shared_pool_nothing_is_borrowed(calls):
     kv = FakeKV(free=10, local=29, lent=False)
-    shared_pool.grow_for_alloc(kv, SimpleNamespace(kv=kv), 47)
+    device.Coordinator(kv, device.components_of(kv)).cover_allocation(SimpleNamespace(kv=kv), 47)
     assert calls == [] and kv.free == 39  # upstream then refuses, as stock would

@@ -114,6 +114,7 @@ NO_TORCH = textwrap.dedent(
         raise SystemExit("the torch blocker did not block")
     import memory_ext.pool
     import memory_ext.pool.arbiter
+    import memory_ext.pool.kv_space  # noqa: F401  (the engine-free KV space)
     assert memory_ext.pool.Arbiter is memory_ext.pool.arbiter.Arbiter
     assert not [m for m in sys.modules if m == "torch" or m.startswith("torch.")]
     print("imported without torch")

@@ -4,10 +4,11 @@ back in the queue) is remembered by the abort hook and replayed once the request
 import types
 
 from sglang_memx.config import MemxConfig
+from sglang_memx.coordinator import device
+from sglang_memx.coordinator.components import HostBufferPart
 from sglang_memx.elastic import host_buffer
 from sglang_memx.elastic.host_buffer import build_host_buffer, park_offloaded_prefills
 from sglang_memx.hooks.scheduler import after_abort_request
-from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 from support.fakes import FakeReq, FakeScheduler
@@ -16,7 +17,8 @@ from support.fakes import FakeReq, FakeScheduler
 class _Scheduler(FakeScheduler):
     def __init__(self, host):
         allocator = types.SimpleNamespace()
-        up_kv.attach_elastic(allocator, types.SimpleNamespace(host=host))
+        kv = types.SimpleNamespace(host=host)
+        device.tie(allocator, device.Coordinator(kv, (HostBufferPart(kv, host),)))
         super().__init__(allocator=allocator)
         self.running_batch = self.last_batch = None
         self.aborts = []

@@ -18,6 +18,7 @@ from memory_ext.policy.activation import ActivationProfile
 from memory_ext.pool import ChunkPool, LayeredKVBuffers, Owner
 from memory_ext.pool.activation_balloon import ActivationBalloon
 from memory_ext.vmm import host_backend
+from sglang_memx.coordinator import device
 from sglang_memx.coordinator.tick import tick
 from sglang_memx.elastic.capacity import decode_step_fits
 from sglang_memx.elastic.kv import ElasticKV
@@ -41,7 +42,7 @@ def _server(free_chunks_beyond_groups: int, groups: int = 6, per_token_bytes: in
     kv.activation = ActivationBalloon(pool, ActivationProfile(per_token_bytes=per_token_bytes))
     kv.lengths_capped = True  # the length cap reads upstream's limits, which this fake has not
     alloc = TokenToKVPoolAllocator(num_tokens, torch.bfloat16, "cpu", types.SimpleNamespace(), need_sort=True)
-    up_kv.attach_elastic(alloc, kv)
+    device.attach(alloc, kv)
     kv.restrict_free_list(alloc)
     reqs = [types.SimpleNamespace(finished=lambda: False) for _ in range(REQUESTS)]
     scheduler = types.SimpleNamespace(
@@ -62,7 +63,9 @@ def _decode_until_full(kv, alloc, scheduler, max_steps: int = 1000) -> int:
     n = REQUESTS
     for step in range(max_steps):
         tick(scheduler)  # before upstream picks the batch: deflation, premap
-        fits = decode_step_fits(kv, alloc, lambda: up_kv.free_page_count(alloc) + kv.growable_pages() >= n, n, None, n)
+        fits = decode_step_fits(
+            kv, alloc, lambda: up_kv.free_page_count(alloc) + kv.growable_pages() >= n, n, None, n, shared=False
+        )
         if not fits:
             return step
         got = around_alloc(type(alloc).alloc, alloc, n)  # upstream's decode allocation, memx's hook
@@ -78,10 +81,10 @@ def test_without_the_kept_activation_the_premap_and_the_decode_reserve_ping_pong
     group the next decode step's reserve unmaps again, on that step's path, step after step."""
     from sglang_memx.elastic import demand
 
-    monkeypatch.setattr(demand, "decode_activation_chunks", lambda kv, scheduler: 0)
+    monkeypatch.setattr(demand, "decode_activation_chunks", lambda balloon, scheduler: 0)
     kv, alloc, pool, scheduler = _server(free_chunks_beyond_groups=2)
     steps = _decode_until_full(kv, alloc, scheduler)
-    st = kv.status()
+    st = device.of(alloc).status()
     assert steps >= (63 + 6 * 64) // REQUESTS - 1, steps
     assert st["decode_unmap_calls"] > 1 and st["decode_steps_with_unmap"] > 1, st
     assert st["map_calls"]["premap"] >= 6 + st["decode_unmap_calls"], st["map_calls"]  # each one mapped again
@@ -91,7 +94,7 @@ def test_without_the_kept_activation_the_premap_and_the_decode_reserve_ping_pong
 def test_premap_leaves_the_decode_steps_activation_and_the_decode_path_makes_no_driver_call():
     kv, alloc, pool, scheduler = _server(free_chunks_beyond_groups=2)
     steps = _decode_until_full(kv, alloc, scheduler)
-    st = kv.status()
+    st = device.of(alloc).status()
     # the KV the requests hold grew over every group the pool could back next to one step's activation
     assert steps >= (63 + 6 * 64) // REQUESTS - 1, steps
     assert st["decode_steps"] == steps
@@ -117,7 +120,7 @@ def test_decode_path_unmaps_are_counted_apart_from_the_ticks():
     assert pool.available() == 4  # the activation's share
     assert reserve_decode_step(kv, alloc, None, 8)  # 8 chunks: deflates one empty group
     kv.note_forward(decode=True)
-    st = kv.status()
+    st = device.of(alloc).status()
     assert st["unmap_calls"] == {"request": 1, "tick": 0} and st["decode_unmap_calls"] == 1
     assert st["decode_steps_with_unmap"] == 1
     kv.activation.end_iteration()
@@ -126,5 +129,5 @@ def test_decode_path_unmaps_are_counted_apart_from_the_ticks():
     scheduler.running_batch.reqs = []
     tick(scheduler)  # idle: the spare group goes, in the tick
     kv.note_forward(decode=True)
-    st = kv.status()
+    st = device.of(alloc).status()
     assert st["unmap_calls"]["tick"] >= 1 and st["decode_unmap_calls"] == 1, st["unmap_calls"]

@@ -13,6 +13,7 @@ import pytest
 
 from memory_ext.policy.router_activity import ActivityError, parse_activity
 from sglang_memx import router_activity
+from sglang_memx.coordinator.components import NoActivation
 from sglang_memx.hooks import scheduler as sched_hooks
 from sglang_memx.metrics import render_prometheus
 from sglang_memx.upstream import scheduler as up_sched
@@ -89,11 +90,11 @@ def sleepy(monkeypatch, *, sleeping, idle_for, busy=False):
     calls = []
     monkeypatch.setattr(up_sched, "waiting", lambda s: ["r"] if busy else [])
     monkeypatch.setattr(up_sched, "admitted_reqs", lambda s: [])
-    monkeypatch.setattr(sleep, "wake", lambda kv: calls.append("wake"))
-    monkeypatch.setattr(sleep, "fall_asleep", lambda kv, a, t, s: calls.append("sleep"))
+    monkeypatch.setattr(sleep, "wake", lambda w, kv: calls.append("wake"))
+    monkeypatch.setattr(sleep, "fall_asleep", lambda w, kv, a, t, s, activation: calls.append("sleep"))
     w = SimpleNamespace(sleep_after_s=30.0, sleeping=sleeping, last_busy=time.monotonic() - idle_for)
     kv = SimpleNamespace(weights=w, lent=object())
-    sleep.step(kv, None, None, None)
+    sleep.step(w, kv, None, None, None, NoActivation())
     return calls, w
 
 
@@ -124,16 +125,16 @@ def test_lendable_layers_shrink_with_the_routers_arrival_rate(monkeypatch):
     monkeypatch.setattr(lending.remap, "buffer_mode", lambda depth: None)
     w = SimpleNamespace(mode="remap", alpha=0, depth=None, idle_after_s=30.0, store=SimpleNamespace(slot_chunks=3))
     kv = SimpleNamespace(weights=w)
-    full = lending.lendable_chunks(kv)
+    full = lending.lendable_chunks(w, kv)
     assert full == (21 - 2) * 3
     post(arrival_rate=0.01)  # 0.3 expected arrivals within idle_after_s: 70 % of the layers
-    slow = lending.lendable_chunks(kv)
+    slow = lending.lendable_chunks(w, kv)
     post(arrival_rate=0.02)
-    fast = lending.lendable_chunks(kv)
+    fast = lending.lendable_chunks(w, kv)
     assert full > slow > fast > 0
     assert slow == (int(21 * 0.7) - 2) * 3
     post(queued=1)
-    assert lending.lendable_chunks(kv) == 0
+    assert lending.lendable_chunks(w, kv) == 0
 
 
 def test_status_and_metrics_show_the_last_activity():

@@ -24,9 +24,9 @@ from memory_ext.pool.arbiter import Arbiter
 from memory_ext.pool.arbiter_client import ArbiterClient
 from memory_ext.vmm import host_backend
 from sglang_memx.config import MemxConfig
+from sglang_memx.coordinator import device
 from sglang_memx.elastic import admission
 from sglang_memx.elastic.host_buffer import build_host_buffer
-from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import scheduler as up_sched
 from support.fakes import FakeBatch, FakeReq
 
@@ -47,8 +47,8 @@ def _server_decisions(available, running_reserve, running, queue, buffer_tokens)
     if buffer_tokens:
         host = build_host_buffer(MemxConfig(elastic_kv=True, host_buffer_gb=buffer_tokens * ROW_BYTES / (1 << 30)),
                                  ROW_BYTES)  # fmt: skip
-    kv = types.SimpleNamespace(activation=None, host=host)
-    up_kv.attach_elastic(allocator, kv)
+    kv = types.SimpleNamespace(activation=None, host=host, lent=None, weights=None)
+    device.attach(allocator, kv)
     budget = up_sched.new_physical_budget(allocator, tree, 0)
     budget.total_offset = running_reserve
     adder = types.SimpleNamespace(token_to_kv_pool_allocator=allocator, tree_cache=tree, memory_budget=budget,

@@ -1,11 +1,13 @@
-"""The coordinator: what composes memx's parts inside one SGLang server (the seed of a
-per-device coordinator).
+"""The coordinator: what composes memx's parts inside one SGLang server, one per device.
 
 ``elastic`` is the KV core (demand, eviction, shared pool, host buffer, pool paths);
 ``weights`` (lending, remap, sleep) and ``peer`` (the peer KV tier, the layer stream cache)
 are mechanisms built on it. Their composition sits here, above all three:
 
-* ``tick``: the per-scheduler-iteration order, as data (``tick.STEPS``), including answering
+* ``device``: the per-device ``Coordinator``: the KV space and its typed components
+  (``components``, declared by ``parts.Component``), the iteration order and the
+  short-allocation order derived from their ranks, both printed in ``/memx/status``;
+* ``tick``: runs the iteration order once per scheduler iteration, including answering
   the arbiter's reclaims with layers too;
 * ``pool_build``: the KV pool build with its optional parts (the layer stream cache).
 

@@ -5,8 +5,8 @@ optional part from the peer tier (the layer stream cache), composed here above b
 (a draft model's pool stays stock); inside it, the MHA pool's ``_create_buffers_normal``
 asks ``make_elastic``, which backs the K/V buffers with pooled groups instead of zeroed
 tensors. ``finish`` then checks what upstream built (a pool kind elastic KV cannot back
-is refused with an error naming the flag, never served half-elastic), ties the allocator
-to the ElasticKV, and builds the host buffer.
+is refused with an error naming the flag, never served half-elastic), builds the host buffer
+and ties the allocator to the device's coordinator (``coordinator.device``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import threading
 from dataclasses import dataclass
 
 from sglang_memx.config import MemxConfig, MemxConfigError
+from sglang_memx.coordinator import device
+from sglang_memx.coordinator.components import LayerStreamPart, PeerTier
 from sglang_memx.elastic.build import activation_profile, build_elastic_kv
 from sglang_memx.elastic.host_buffer import build_host_buffer
 from sglang_memx.elastic.slab import cell_format
@@ -100,7 +102,6 @@ def make_elastic(pool) -> bool:
         k_stage = kv.buffers.view(index_of(layers - 1), g["store_dtype"], (g["kv_heads"], g["head_dim"]))
         v_stage = kv.buffers.view(index_of(2 * layers - 1), g["store_dtype"], (g["kv_heads"], g["v_head_dim"]))
         layer_stream.attach(stream, layers, k_stage, v_stage)
-        kv.layer_stream = stream
     # the group is this slab (same LCM rule); with the layer stream cache it holds the local layers only
     kv.cell, kv.slab = cell_format({**g, "layers": own}, kv.buffers.pool.chunk_bytes)
     build.kv = kv
@@ -123,7 +124,6 @@ def finish(build: Build, result) -> None:
             f"supports the {' and '.join(SUPPORTED_ALLOCATORS)} only; this configuration uses "
             f"{type(allocator).__name__}",
         )
-    up_kv.attach_elastic(allocator, kv)
     kv.restrict_free_list(allocator)
     if build.layer_stream is not None:
         build.layer_stream.req_to_token = up_ls.req_to_token_table(result)
@@ -133,3 +133,9 @@ def finish(build: Build, result) -> None:
     )
     if build.config.host_buffer_gb is not None:
         kv.host = build_host_buffer(build.config, kv.buffers.group_bytes)
+    extra: list = []
+    if build.layer_stream is not None:
+        extra.append(LayerStreamPart(build.layer_stream))
+    if build.config.peer_kv != "off":
+        extra.append(PeerTier(kv))
+    device.attach(allocator, kv, tuple(extra))

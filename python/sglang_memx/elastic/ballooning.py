@@ -45,18 +45,35 @@ def reserve_activation(kv, allocator, tree, tokens: int, seqs: int, *, urgent: b
     return balloon.reserve(tokens, seqs, kv_idle, deflate)
 
 
-def hold_head_activation(kv, allocator, tree, scheduler) -> None:
+def hold_head_activation(kv, balloon, allocator, tree, scheduler) -> None:
     """Before batch selection (no prefix match is pending yet, so evicting cached prefixes is
-    safe): hold the head request's prefill activation, so that a server whose memory is all
-    cached prefixes still admits it. The chunks stay idle until the batch reserves them."""
+    safe): hold the head request's prefill activation in ``balloon`` (``kv``'s activation), so
+    that a server whose memory is all cached prefixes still admits it. The chunks stay idle until
+    the batch reserves them."""
     tokens = demand.head_prefill_tokens(scheduler, kv)
-    if kv.activation is None or tokens <= 0:
+    if tokens <= 0:
         return
     reserve_activation(kv, allocator, tree, tokens, 1)
-    kv.activation.end_iteration()
+    balloon.end_iteration()
 
 
 def reserve_decode_step(kv, allocator, tree, requests: int) -> bool:
     """A decode step of ``requests`` sequences reserves its activation before upstream checks
     KV capacity; False: it does not fit (upstream then retracts a request and asks again)."""
     return reserve_activation(kv, allocator, tree, requests, requests, urgent=True)
+
+
+def grow_over_activation(kv, balloon, allocator, pages: int) -> None:
+    """Last resort before upstream's fatal short allocation: map groups from the activation's
+    live chunks too, when they only count torch's own allocations (no arena: CPU, or
+    ``--memx-torch-activations``), so lending them moves no byte a forward uses. The forward
+    then over-commits the pool by what was lent (``overcommitted_chunks``). With an arena the
+    chunks back the forward's tensors and are never lent."""
+    if balloon.arena is not None or balloon.live <= 0:
+        return
+    live, balloon.live = balloon.live, 0
+    try:
+        kv.grow(allocator, pages)
+    finally:
+        balloon.live = min(live, balloon.held)
+        balloon.stats["overcommitted_chunks"] += live - balloon.live

@@ -15,11 +15,13 @@ from sglang_memx.elastic.shared_pool import borrow_tokens
 from sglang_memx.upstream import kv as up_kv
 
 
-def decode_step_fits(kv, allocator, check: Callable[[], bool], num_tokens: int, tree, requests: int | None) -> bool:
-    """``check()`` is upstream's own test (it evicts cache and compares with available)."""
+def decode_step_fits(kv, allocator, check: Callable[[], bool], num_tokens: int, tree, requests: int | None,
+                     *, shared: bool) -> bool:  # fmt: skip
+    """``check()`` is upstream's own test (it evicts cache and compares with available); ``shared``:
+    the KV space is on a shared pool (the coordinator has its lender)."""
     if requests is not None and not reserve_decode_step(kv, allocator, tree, requests):
         return False
-    if kv.lent is None:
+    if not shared:
         return check()
     borrow_tokens(kv, num_tokens - up_kv.available_tokens(allocator), may_wait=False)  # what is free at once
     if check():

@@ -81,24 +81,21 @@ def kv_row_bytes(allocator) -> int:
     return sum(b[0].numel() * b.element_size() for b in up_kv.kv_buffers(allocator))
 
 
-def decode_activation_chunks(kv, scheduler) -> int:
-    """Activation chunks one decode step of the admitted requests needs (0 without ballooning)."""
-    if kv.activation is None:
-        return 0
+def decode_activation_chunks(balloon, scheduler) -> int:
+    """Activation chunks one decode step of the admitted requests needs from ``balloon`` (the
+    activation sharing the pool)."""
     n = len(up_sched.admitted_reqs(scheduler))
-    return kv.activation.need_chunks(n, n)
+    return balloon.need_chunks(n, n)
 
 
-def admitted_activation_chunks(kv, scheduler) -> int:
+def admitted_activation_chunks(balloon, scheduler, kv) -> int:
     """Activation chunks the admitted requests' next step needs: a decode step of all of them,
     or the next chunk of a chunked prefill under way, whichever is more. What a server must not
     give away between two chunks: the chunk's activation would otherwise take FREE chunks its
     KV was admitted against, and a short KV allocation ends upstream's scheduler."""
-    if kv.activation is None:
-        return 0
-    need = decode_activation_chunks(kv, scheduler)
+    need = decode_activation_chunks(balloon, scheduler)
     if up_sched.chunked_req(scheduler) is not None:
-        need = max(need, kv.activation.need_chunks(head_prefill_tokens(scheduler, kv), 1))
+        need = max(need, balloon.need_chunks(head_prefill_tokens(scheduler, kv), 1))
     return need
 
 
@@ -107,9 +104,7 @@ def activation_tokens(kv, chunks: int) -> int:
     return -(-chunks // kv.buffers.chunks_per_group) * kv.buffers.group_rows
 
 
-def head_activation_chunks(kv, scheduler) -> int:
+def head_activation_chunks(balloon, scheduler, kv) -> int:
     """Chunks the head request's next prefill chunk needs for its activation, held or not."""
     tokens = head_prefill_tokens(scheduler, kv)
-    if kv.activation is None or tokens <= 0:
-        return 0
-    return kv.activation.need_chunks(tokens, 1)
+    return balloon.need_chunks(tokens, 1) if tokens > 0 else 0

@@ -8,29 +8,25 @@ from __future__ import annotations
 
 import logging
 
-from sglang_memx.elastic import demand
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 
 logger = logging.getLogger("sglang_memx")
 
 
-def physical_max_tokens(kv) -> int:
-    """The most tokens this server can ever back: its whole budget (own pool or shared pool)."""
-    budget = kv.lent.budget_chunks if kv.lent is not None else kv.buffers.pool.capacity_chunks
-    if kv.weights is not None:  # weights share the budget; remap may lend all but a minimum to KV
-        budget -= kv.weights.min_held_chunks()
-    if kv.activation is not None:  # the largest prefill batch's activation shares the budget
-        budget -= kv.activation.need_chunks(kv.activation.max_batch_tokens, 1)
-    groups = min(kv.num_groups, max(0, budget) // kv.buffers.chunks_per_group)
+def physical_max_tokens(kv, budget_chunks: int, kept_chunks: int) -> int:
+    """The most tokens this server can ever back: its whole budget (own pool or shared pool,
+    ``budget_chunks``) less what other mechanisms always keep of it (``kept_chunks``: the
+    coordinator sums them, ``Coordinator.physical_budget``)."""
+    groups = min(kv.num_groups, max(0, budget_chunks - kept_chunks) // kv.buffers.chunks_per_group)
     return groups * kv.buffers.group_rows - kv.page_size  # page 0 is never allocatable
 
 
-def cap_request_lengths(scheduler, kv) -> None:
+def cap_request_lengths(scheduler, kv, budget_chunks: int, kept_chunks: int) -> None:
     """Refuse (with upstream's own length error) requests that could never fit the physical budget."""
     if kv.lengths_capped:
         return
-    cap = physical_max_tokens(kv)
+    cap = physical_max_tokens(kv, budget_chunks, kept_chunks)
     if up_sched.cap_request_lengths(scheduler, cap):
         logger.info("memx: requests are limited to %d input tokens by the physical KV budget", cap - 6)
     kv.lengths_capped = True
@@ -63,10 +59,10 @@ def deflate(kv, allocator, busy: bool) -> None:
     kv.shrink(allocator, spare_groups=kv.spare_groups if busy else 0, lazy=True)
 
 
-def premap(kv, allocator, scheduler) -> None:
+def premap(kv, allocator, scheduler, keep_activation: int) -> None:
     """Map groups from FREE chunks (and idle activation when no prefill waits: it may back the
     premap only when no prefill waits to take it back) for the next decode step's pages, never
-    from the chunks that step's activation reserve needs (``demand.admitted_activation_chunks``)."""
+    from the chunks that step's activation reserve needs (``keep_activation``: the coordinator
+    passes ``demand.admitted_activation_chunks``, 0 without an activation)."""
     kv.refill(allocator, premap_pages(kv, scheduler) + kv.spare_groups * kv.group_pages,
-              free_only=bool(up_sched.waiting(scheduler)),
-              keep_activation=demand.admitted_activation_chunks(kv, scheduler))  # fmt: skip
+              free_only=bool(up_sched.waiting(scheduler)), keep_activation=keep_activation)  # fmt: skip

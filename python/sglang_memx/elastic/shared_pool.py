@@ -28,7 +28,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from memory_ext.pool import Owner
 from memory_ext.pool.arbiter_client import ArbiterError
@@ -184,8 +186,9 @@ def attend(kv, scheduler) -> None:
 # ------------------------------------------------------------------ borrowing and giving back
 def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = False) -> int:
     """Borrow enough whole groups for ``tokens`` more tokens of KV (never more groups than KV
-    could still map); return groups borrowed. Waiting, back-off: ``borrow_chunks``."""
-    if kv.lent is None or tokens <= 0:
+    could still map); return groups borrowed. Waiting, back-off: ``borrow_chunks``. Only on a
+    shared pool (the coordinator's lender, or a caller it gates)."""
+    if tokens <= 0:
         return 0
     unmapped = kv.num_groups - kv.buffers.num_mapped - kv.affordable_groups()
     groups = min(-(-tokens // kv.buffers.group_rows), max(0, unmapped))
@@ -206,7 +209,7 @@ def borrow_chunks(kv, units: int, unit_chunks: int = 1, *, may_wait: bool = True
     reclaiming from peers) is no refusal: nothing more is asked until it lands, without back-off.
     """
     lent = kv.lent
-    if lent is None or units <= 0:
+    if units <= 0:
         return 0
     now = time.monotonic()
     if not urgent and now < kv.borrow_backoff_until:
@@ -229,42 +232,21 @@ def borrow_chunks(kv, units: int, unit_chunks: int = 1, *, may_wait: bool = True
     return got
 
 
-def grow_for_alloc(kv, allocator, pages: int) -> None:
-    """Map groups until ``pages`` pages are free, before an allocation upstream has already
-    decided on (a prefill chunk, an extend, a decode step).
+class ActivationSide(Protocol):
+    """What the shared pool asks of the activation sharing the server's pool (the coordinator
+    passes its activation component, or a side that holds nothing when there is none)."""
 
-    With a shared pool, what the local pool cannot map is borrowed at once (urgent): memory that
-    looked growable when a chunked prefill was admitted may have gone back to the arbiter since
-    (a RECLAIM for another server, answered between two of its chunks), and upstream treats a
-    short allocation as fatal ("Out of memory" ends the scheduler; seen in the soak, two servers
-    busy). Invariant: an allocation falls short only when the device's whole pool cannot cover it.
-    """
-    kv.grow(allocator, pages)
-    short = pages - up_kv.free_page_count(allocator)
-    if short > 0 and kv.lent is not None and borrow_tokens(kv, short * up_kv.page_size(allocator), urgent=True):
-        kv.grow(allocator, pages)
-    if pages > up_kv.free_page_count(allocator):
-        grow_over_activation(kv, allocator, pages)
+    def held_chunks(self) -> int: ...
+
+    def idle_chunks(self) -> int: ...
+
+    def next_step_chunks(self, scheduler) -> int:
+        """Chunks the admitted requests' next step needs (``demand.admitted_activation_chunks``)."""
+
+    def release_idle(self, keep: int) -> None: ...
 
 
-def grow_over_activation(kv, allocator, pages: int) -> None:
-    """Last resort before upstream's fatal short allocation: map groups from the activation's
-    live chunks too, when they only count torch's own allocations (no arena: CPU, or
-    ``--memx-torch-activations``), so lending them moves no byte a forward uses. The forward
-    then over-commits the pool by what was lent (``overcommitted_chunks``). With an arena the
-    chunks back the forward's tensors and are never lent."""
-    balloon = kv.activation
-    if balloon is None or balloon.arena is not None or balloon.live <= 0:
-        return
-    live, balloon.live = balloon.live, 0
-    try:
-        kv.grow(allocator, pages)
-    finally:
-        balloon.live = min(live, balloon.held)
-        balloon.stats["overcommitted_chunks"] += live - balloon.live
-
-
-def spare_free_chunks(kv, allocator, scheduler) -> int:
+def spare_free_chunks(kv, allocator, scheduler, activation: ActivationSide) -> int:
     """FREE chunks not needed for the running requests' remaining decode, nor for the activation
     of their next step (a decode step, or a chunked prefill's next chunk): those may go back.
 
@@ -273,48 +255,47 @@ def spare_free_chunks(kv, allocator, scheduler) -> int:
     """
     need = demand.running_demand_tokens(scheduler) - up_kv.free_page_count(allocator) * kv.page_size
     keep = -(-max(0, need) // kv.buffers.group_rows) * kv.buffers.chunks_per_group
-    if kv.activation is not None:  # and their next step's activation
-        keep += max(0, demand.admitted_activation_chunks(kv, scheduler) - kv.activation.held)
+    keep += max(0, activation.next_step_chunks(scheduler) - activation.held_chunks())  # their next step's activation
     return max(0, kv.buffers.pool.usage()[Owner.FREE] - keep)
 
 
-def answer_reclaim(kv, allocator, tree, scheduler, release_layers=None) -> int:
+def answer_reclaim(kv, allocator, tree, scheduler, activation: ActivationSide,
+                   release_layers: Callable[[int], int] | None = None) -> int:  # fmt: skip
     """Free and return the chunks the arbiter asked for (idle activation, free groups, then
-    cached prefixes, then, with remappable weights, layers: ``release_layers(kv, chunks)``,
-    which the coordinator passes); return how many chunks went back."""
+    cached prefixes, then, with remappable weights, layers: ``release_layers(chunks)``, which
+    the coordinator passes when the weights are in the pool); return how many chunks went back."""
     pending = kv.lent.take_pending_reclaim()
     if pending <= 0:
         return 0
-    if kv.activation is not None:  # idle activation memory is the cheapest to give
-        kv.activation.release_idle(keep=demand.admitted_activation_chunks(kv, scheduler))
+    activation.release_idle(keep=activation.next_step_chunks(scheduler))  # idle activation is the cheapest
     free_groups(kv, allocator, tree, -(-pending // kv.buffers.chunks_per_group))
-    if kv.weights is not None and release_layers is not None:  # an inactive server's layers go next
-        release_layers(kv, pending - spare_free_chunks(kv, allocator, scheduler))  # (Oneiros: inactive first)
-    return kv.lent.give_back(min(pending, spare_free_chunks(kv, allocator, scheduler)))
+    if release_layers is not None:  # an inactive server's layers go next (Oneiros: inactive first)
+        release_layers(pending - spare_free_chunks(kv, allocator, scheduler, activation))
+    return kv.lent.give_back(min(pending, spare_free_chunks(kv, allocator, scheduler, activation)))
 
 
-def report(kv, allocator, tree, scheduler, lendable=None) -> None:
+def report(kv, allocator, tree, scheduler, activation: ActivationSide,
+           lendable: Callable[[], int] | None = None) -> None:  # fmt: skip
     """The arbiter policy's numbers for this server: chunks it could give back now (spare FREE,
     empty groups, evictable cache, idle activation beyond the decode steps' need, and what
-    ``lendable(kv)`` says releasing weights' layers would free: the coordinator passes it), how
+    ``lendable()`` says releasing weights' layers would free: the coordinator passes it), how
     many of those its waiting queue wants to keep, and whether it has work; requests the router
     holds for this model (``router_activity``) count as work and their demand as headroom.
     Computed only when a report could go out (``LentPool.report_due``)."""
     busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
     if not kv.lent.report_due(busy or router_activity.holds_requests()):
         return
-    idle = spare_free_chunks(kv, allocator, scheduler) + idle_kv_chunks(kv, allocator, tree)
+    idle = spare_free_chunks(kv, allocator, scheduler, activation) + idle_kv_chunks(kv, allocator, tree)
     if lendable is not None:
-        idle += lendable(kv)  # 0 unless remappable weights of an inactive model
-    if kv.activation is not None:
-        idle += max(0, kv.activation.idle() - demand.admitted_activation_chunks(kv, scheduler))
+        idle += lendable()  # 0 unless remappable weights of an inactive model
+    idle += max(0, activation.idle_chunks() - activation.next_step_chunks(scheduler))
     wanted = demand.queue_demand_tokens(scheduler) - demand.running_demand_tokens(scheduler)
     headroom = min(idle, -(-max(0, wanted) // kv.buffers.group_rows) * kv.buffers.chunks_per_group)
     headroom, busy = router_activity.report_numbers(kv, idle, headroom, busy)  # requests queued at the router
     kv.lent.report(idle, headroom, busy)
 
 
-def balance(kv, allocator, tree, scheduler, activation_chunks: int) -> None:
+def balance(kv, allocator, tree, scheduler, activation_chunks: int, activation: ActivationSide) -> None:
     """Give unused chunks back when nothing waits, borrow the queue's shortfall (the coordinator
     reports right after: ``report``).
 
@@ -333,15 +314,14 @@ def balance(kv, allocator, tree, scheduler, activation_chunks: int) -> None:
     the next such borrow waits ``CACHE_KEEP_RETRY_S`` (each costs the arbiter a STATUS).
     """
     if not up_sched.waiting(scheduler):  # nothing waits: unused chunks go back
-        if kv.activation is not None:  # keep what the running requests' decode steps need
-            kv.activation.release_idle(keep=demand.admitted_activation_chunks(kv, scheduler))
-        kv.lent.give_back(spare_free_chunks(kv, allocator, scheduler))
+        activation.release_idle(keep=activation.next_step_chunks(scheduler))  # keep their next step's
+        kv.lent.give_back(spare_free_chunks(kv, allocator, scheduler, activation))
     mapped_free = up_kv.free_page_count(allocator) * kv.page_size
     beyond_free = demand.queue_demand_tokens(scheduler) - mapped_free
     kv_short = beyond_free - up_radix.evictable_tokens(tree)
     unmapped = kv.num_groups - kv.buffers.num_mapped
     groups = min(-(-max(0, kv_short) // kv.buffers.group_rows), unmapped)
-    held = kv.activation.held if kv.activation is not None else 0
+    held = activation.held_chunks()
     short = groups * kv.buffers.chunks_per_group + activation_chunks - kv.buffers.pool.available() - held
     if short > 0:
         borrow_chunks(kv, short)

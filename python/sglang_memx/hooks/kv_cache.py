@@ -3,15 +3,16 @@
 * ``KVCacheConfigurator.configure`` (around): scopes the elastic build to this pool build
   (``coordinator.pool_build``), then checks that the pool and allocator it produced are kinds
   elastic KV supports (else a clear error naming the flag) and ties the allocator to the
-  ElasticKV.
+  device's coordinator.
 * ``MHATokenToKVPool._create_buffers_normal`` (around): for the plain MHA/GQA pool (NHD
   layout), the K/V buffers become views over pooled groups instead of zero-filled
   tensors; upstream then builds its descriptors and pointer tables from them as usual.
 * Token allocators: ``clear`` (after) keeps only mapped pages in the free list;
   ``available_size`` (after) adds the pages the pool could map now; ``alloc`` /
   ``alloc_extend`` / ``alloc_decode`` (around) map groups first when the free list is short
-  (borrowing from a shared pool what the local pool lacks)
-  (``elastic.kv``; the tick premaps, so a steady decode step maps nothing here).
+  in the coordinator's short-allocation order (``Coordinator.cover_allocation``: the local pool,
+  a shared pool's borrow, the activation balloon; the tick premaps, so a steady decode step
+  maps nothing here).
 * ``BaseTokenToKVPoolAllocator.check_decode_capacity`` (around): the step's activation and,
   with a shared pool, a borrow before upstream retracts (``elastic.capacity``).
 * ``BaseTokenToKVPoolAllocator.create_prefill_budget`` (around): the admission budget is
@@ -21,9 +22,9 @@
 
 from __future__ import annotations
 
-from sglang_memx.coordinator import pool_build
+from sglang_memx.coordinator import device, pool_build
+from sglang_memx.coordinator.components import SharedPoolLender
 from sglang_memx.elastic.capacity import decode_step_fits
-from sglang_memx.elastic.shared_pool import grow_for_alloc
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import scheduler as up_sched
 from sglang_memx.upstream.registry import HookSpec
@@ -43,54 +44,59 @@ def around_create_buffers_normal(original, pool):
 
 
 def after_clear(result, allocator):
-    kv = up_kv.elastic_of(allocator)
-    if kv is not None:
-        kv.restrict_free_list(allocator)
+    coordinator = device.of(allocator)
+    if coordinator is not None:
+        coordinator.kv.restrict_free_list(allocator)
 
 
 def after_available_size(result, allocator):
-    kv = up_kv.elastic_of(allocator)
-    return result if kv is None else result + kv.growable_pages() * up_kv.page_size(allocator)
+    coordinator = device.of(allocator)
+    if coordinator is None:
+        return result
+    return result + coordinator.kv.growable_pages() * up_kv.page_size(allocator)
 
 
 def around_alloc(original, allocator, need_size):
-    kv = up_kv.elastic_of(allocator)
-    if kv is not None:
-        grow_for_alloc(kv, allocator, -(-int(need_size) // up_kv.page_size(allocator)))
+    coordinator = device.of(allocator)
+    if coordinator is not None:
+        coordinator.cover_allocation(allocator, -(-int(need_size) // up_kv.page_size(allocator)))
     return original(allocator, need_size)
 
 
 def around_alloc_extend(original, allocator, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
                         extend_num_tokens, *args, **kwargs):  # fmt: skip
-    kv = up_kv.elastic_of(allocator)
-    if kv is not None:  # upstream's own bound on the pages one extend can take
-        grow_for_alloc(kv, allocator, int(extend_num_tokens) // up_kv.page_size(allocator) + len(prefix_lens) + 1)
+    coordinator = device.of(allocator)
+    if coordinator is not None:  # upstream's own bound on the pages one extend can take
+        coordinator.cover_allocation(
+            allocator, int(extend_num_tokens) // up_kv.page_size(allocator) + len(prefix_lens) + 1
+        )
     return original(allocator, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
                     *args, **kwargs)  # fmt: skip
 
 
 def around_alloc_decode(original, allocator, seq_lens, seq_lens_cpu, last_loc):
-    kv = up_kv.elastic_of(allocator)
-    if kv is not None:
-        grow_for_alloc(kv, allocator, len(seq_lens))
+    coordinator = device.of(allocator)
+    if coordinator is not None:
+        coordinator.cover_allocation(allocator, len(seq_lens))
     return original(allocator, seq_lens, seq_lens_cpu, last_loc)
 
 
 def around_check_decode_capacity(original, allocator, *, num_tokens, tree_cache, requests=None, spec_algorithm=None):
-    kv = up_kv.elastic_of(allocator)
+    coordinator = device.of(allocator)
 
     def check() -> bool:
         return original(allocator, num_tokens=num_tokens, tree_cache=tree_cache, requests=requests,
                         spec_algorithm=spec_algorithm)  # fmt: skip
 
-    if kv is None:
+    if coordinator is None:
         return check()
-    return decode_step_fits(kv, allocator, check, int(num_tokens), tree_cache,
-                            None if requests is None else len(requests))  # fmt: skip
+    return decode_step_fits(coordinator.kv, allocator, check, int(num_tokens), tree_cache,
+                            None if requests is None else len(requests),
+                            shared=coordinator.part(SharedPoolLender) is not None)  # fmt: skip
 
 
 def around_create_prefill_budget(original, allocator, tree_cache, *, num_mixed_decode_tokens=0):
-    if up_kv.elastic_of(allocator) is None:
+    if device.of(allocator) is None:
         return original(allocator, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
     return up_sched.new_physical_budget(allocator, tree_cache, num_mixed_decode_tokens)
 

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from sglang_memx.coordinator import device
+from sglang_memx.coordinator.components import ActivationBalloonPart, WeightLender
 from sglang_memx.elastic.forward import run_forward
 from sglang_memx.upstream import model as up_model
 from sglang_memx.upstream.registry import HookSpec
@@ -21,24 +23,29 @@ from sglang_memx.weights.forward import run_with_weights
 
 
 def around_forward(original, runner, forward_batch, *args, **kwargs):
-    kv = up_model.runner_elastic(runner)
-    if kv is None:
+    coordinator = device.of(up_model.runner_allocator(runner))
+    if coordinator is None:
         return original(runner, forward_batch, *args, **kwargs)
     decode = up_model.forward_is_decode(forward_batch)
-    kv.note_forward(decode)
-    if kv.activation is None:
+    coordinator.kv.note_forward(decode)
+    activation = coordinator.part(ActivationBalloonPart)
+    if activation is None:
         forward = lambda: original(runner, forward_batch, *args, **kwargs)  # noqa: E731
     else:
-        forward = lambda: run_forward(kv.activation, up_model.runner_device(runner),  # noqa: E731
+        forward = lambda: run_forward(activation.balloon, up_model.runner_device(runner),  # noqa: E731
                                       up_model.forward_shape(forward_batch),
                                       lambda: original(runner, forward_batch, *args, **kwargs))  # fmt: skip
-    if kv.weights is None:
+    weights = coordinator.part(WeightLender)
+    if weights is None:
         return forward()
-    return run_with_weights(kv.weights, decode, up_model.forward_shape(forward_batch), forward)
+    return run_with_weights(weights.weights, decode, up_model.forward_shape(forward_batch), forward)
 
 
 def after_alloc_memory_pool(result, runner, *args, **kwargs):
-    attach(runner)
+    coordinator = device.of(up_model.runner_allocator(runner))
+    state = attach(runner, None if coordinator is None else coordinator.kv)
+    if state is not None:
+        coordinator.register(WeightLender(coordinator.kv, state))
 
 
 WEIGHT_UPDATE_REFUSED = (
@@ -50,8 +57,8 @@ WEIGHT_UPDATE_REFUSED = (
 
 def around_weight_update(original, updater, *args, **kwargs):
     """Upstream's (success, message) answer: refused while memx holds the decoder layers."""
-    kv = up_model.runner_elastic(up_model.updater_runner(updater))
-    if kv is not None and kv.weights is not None:
+    coordinator = device.of(up_model.runner_allocator(up_model.updater_runner(updater)))
+    if coordinator is not None and coordinator.part(WeightLender) is not None:
         return False, WEIGHT_UPDATE_REFUSED
     return original(updater, *args, **kwargs)
 

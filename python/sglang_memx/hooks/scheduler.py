@@ -7,7 +7,7 @@
   (``POST /memx/activity``) reaches the scheduler as ``memx_activity_*`` numbers of
   upstream's own request (``sglang_memx.router_activity``); other keys go to upstream.
 * ``Scheduler.get_next_batch_to_run`` (before): memx's steps of one loop iteration
-  (``coordinator.tick.per_iteration``: the elastic-KV tick, then the peer tier's); the
+  (``coordinator.tick.per_iteration``: the coordinator's iteration order); the
   first one checks that the hooks of every feature on are in force in this process.
 * ``PrefillAdder.add_one_req`` (around): memx's admission rule in front of upstream's
   (``elastic.admission``: eLLM Alg. 1 with ballooning and the CPU-buffer branch).
@@ -29,6 +29,8 @@ import dataclasses
 import logging
 
 from sglang_memx import router_activity
+from sglang_memx.coordinator import device
+from sglang_memx.coordinator.components import ActivationBalloonPart, HostBufferPart
 from sglang_memx.coordinator.tick import per_iteration
 from sglang_memx.elastic import admission, host_buffer
 from sglang_memx.hooks import hooks_status
@@ -82,44 +84,46 @@ def before_get_next_batch_to_run(scheduler, *args, **kwargs):
 
 
 def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_size):
-    kv = up_kv.elastic_of(up_sched.adder_allocator(adder))
-    if kv is None or (kv.activation is None and kv.host is None):
+    coordinator = device.of(up_sched.adder_allocator(adder))
+    if coordinator is None or (
+        coordinator.part(ActivationBalloonPart) is None and coordinator.part(HostBufferPart) is None
+    ):
         return original(adder, req, has_chunked_req, truncation_align_size)
-    return admission.add_one(original, adder, req, has_chunked_req, truncation_align_size, kv)
+    return admission.add_one(original, adder, req, has_chunked_req, truncation_align_size, coordinator.kv)
 
 
 def around_add_chunked_req(original, adder, req):
-    kv = up_kv.elastic_of(up_sched.adder_allocator(adder))
-    if kv is None:
+    coordinator = device.of(up_sched.adder_allocator(adder))
+    if coordinator is None:
         return original(adder, req)
-    return admission.add_chunk(original, adder, req, kv)
+    return admission.add_chunk(original, adder, req, coordinator.kv)
 
 
 def around_release_req(original, batch, idx, remaing_req_count, offload_kv=True):
-    kv = up_kv.elastic_of(up_sched.batch_allocator(batch))
-    if kv is not None and kv.host is not None and offload_kv:
+    coordinator = device.of(up_sched.batch_allocator(batch))
+    if coordinator is not None and coordinator.part(HostBufferPart) is not None and offload_kv:
         try:
-            host_buffer.park_kv(kv, up_sched.batch_reqs(batch)[idx], up_sched.batch_req_to_token_rows(batch),
-                                up_sched.batch_allocator(batch))  # fmt: skip
+            host_buffer.park_kv(coordinator.kv, up_sched.batch_reqs(batch)[idx],
+                                up_sched.batch_req_to_token_rows(batch), up_sched.batch_allocator(batch))  # fmt: skip
         except Exception:  # the request is then recomputed, as in stock SGLang
             logger.exception("memx: could not park a retracted request's KV")
     return original(batch, idx, remaing_req_count, offload_kv)
 
 
 def after_abort_request(result, scheduler, recv_req):
-    kv = up_kv.elastic_of(up_sched.allocator(scheduler))
-    if kv is not None and kv.host is not None:
-        host_buffer.remember_abort(kv, recv_req)
+    coordinator = device.of(up_sched.allocator(scheduler))
+    if coordinator is not None and coordinator.part(HostBufferPart) is not None:
+        host_buffer.remember_abort(coordinator.kv, recv_req)
     return result
 
 
 def after_get_token_info(result, observer):
     allocator = up_sched.observer_allocator(observer)
-    kv = up_kv.elastic_of(allocator)
-    if kv is None:
+    coordinator = device.of(allocator)
+    if coordinator is None:
         return result
     capacity, evictable = up_sched.pool_stats_capacity(result)
-    available = kv.logical_free_pages(allocator) * up_kv.page_size(allocator)
+    available = coordinator.kv.logical_free_pages(allocator) * up_kv.page_size(allocator)
     used = capacity - available - evictable
     return dataclasses.replace(result, **up_sched.pool_stats_fields(available, used, capacity))
 

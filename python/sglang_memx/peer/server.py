@@ -62,10 +62,9 @@ DEFAULT_DONATE_FRACTION = 0.5  # without --memx-peer-donate-max-gb: at most half
 
 
 class PeerKVServer:
-    def __init__(self, scheduler, config):
+    def __init__(self, scheduler, config, kv, stream):
         tree = up_sched.tree_cache(scheduler)
         allocator = up_sched.allocator(scheduler)
-        kv = up_kv.elastic_of(allocator)
         if not up_peer.is_unified(tree):
             raise RuntimeError(f"--memx-peer-kv: needs upstream's unified radix cache, this server has {type(tree)}")
         if kv is None or kv.lent is None:
@@ -106,7 +105,7 @@ class PeerKVServer:
             self.controller.attach(self.donor)
             logger.info("memx peer KV: donor %s listening (at most %d chunks of %d B)", self.name, self.cap_chunks,
                         chunk)  # fmt: skip
-        self.layer_stream = kv.layer_stream  # --memx-peer-layer-stream: built with the pool (peer.layer_stream)
+        self.layer_stream = stream  # --memx-peer-layer-stream: built with the pool (peer.layer_stream), or None
         if self.layer_stream is not None:
             # streamed layers' buffers are one staging buffer: a spilled page would gather stale rows,
             # so the prefix tier is not built next to the cache (docs/peer-kv.md)
@@ -250,8 +249,10 @@ def server_of(scheduler):
 _without: set[int] = set()  # schedulers (by id) that run without the tier
 
 
-def tick(scheduler) -> None:
-    """Once per scheduler iteration (from the scheduler hook): build the tier on the first call."""
+def tick(scheduler, kv, stream) -> None:
+    """Once per scheduler iteration (the coordinator's peer step; ``kv``: its KV space, None without
+    elastic KV; ``stream``: the layer stream cache built with the pool, or None): build the tier
+    on the first call."""
     server = server_of(scheduler)
     if server is None:
         if id(scheduler) in _without:
@@ -260,6 +261,6 @@ def tick(scheduler) -> None:
         if config.disabled or config.peer_kv == "off":
             _without.add(id(scheduler))
             return
-        server = PeerKVServer(scheduler, config)
+        server = PeerKVServer(scheduler, config, kv, stream)
         up_peer.attach_peer(up_sched.tree_cache(scheduler), server)
     server.tick(scheduler)

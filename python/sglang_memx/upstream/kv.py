@@ -1,7 +1,7 @@
 """The KV pool and its token allocators (``sglang.srt.mem_cache``), as memx reads and edits them.
 
 Upstream names only through here (see ``manifest``). memx state hangs on the allocator
-(``attach_elastic`` / ``elastic_of``): the one way every module finds a server's ElasticKV.
+(``attach_memx`` / ``memx_of``): the one way the coordinator (``coordinator.device.of``) is found.
 """
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ import torch
 
 from sglang_memx.upstream.manifest import resolve
 
-ELASTIC_ATTR = "_memx_elastic"
+MEMX_ATTR = "_memx_coordinator"
 
 
 # ------------------------------------------------------------------ memx state on the allocator
-def attach_elastic(allocator, kv) -> None:
-    setattr(allocator, ELASTIC_ATTR, kv)
+def attach_memx(allocator, coordinator) -> None:
+    setattr(allocator, MEMX_ATTR, coordinator)
 
 
-def elastic_of(allocator):
-    """The ElasticKV of this allocator, or None (stock KV). Our attribute, not upstream's."""
-    return vars(allocator).get(ELASTIC_ATTR) if allocator is not None else None
+def memx_of(allocator):
+    """The coordinator tied to this allocator, or None (stock KV). Our attribute, not upstream's."""
+    return vars(allocator).get(MEMX_ATTR) if allocator is not None else None
 
 
 # ------------------------------------------------------------------ the configurator's pool build

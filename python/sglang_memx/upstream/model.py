@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from sglang_memx.upstream.kv import elastic_of
-
 
 def text_config(model_config):
     """The Hugging Face config of the served text model (``ModelConfig.hf_text_config``)."""
@@ -37,9 +35,9 @@ def _hf_optional(hf_config, field: str):
     return getattr(hf_config, field, None)
 
 
-def runner_elastic(runner):
-    """The ElasticKV behind a ModelRunner's allocator, or None."""
-    return elastic_of(runner.token_to_kv_pool_allocator)
+def runner_allocator(runner):
+    """A ModelRunner's token allocator (the coordinator hangs on it)."""
+    return runner.token_to_kv_pool_allocator
 
 
 def updater_runner(updater):

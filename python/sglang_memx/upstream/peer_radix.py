@@ -16,7 +16,7 @@ STATE_ATTR = "_memx_peer_kv"
 
 
 def attach_peer(unified, state) -> None:
-    """Hang memx's peer-tier state on the cache (one namespace, like ``kv.attach_elastic``)."""
+    """Hang memx's peer-tier state on the cache (one namespace, like ``kv.attach_memx``)."""
     setattr(unified, STATE_ATTR, state)
 
 

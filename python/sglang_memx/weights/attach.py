@@ -55,11 +55,12 @@ def load_profile(path: str, n_layers: int):
     return profile
 
 
-def attach(runner) -> WeightsState | None:
+def attach(runner, kv) -> WeightsState | None:
+    """Move the runner's decoder layers into the pool of ``kv`` (the KV space the coordinator holds;
+    None: stock KV) and return their state, or None when ``--memx-weights`` is off."""
     config = up_args.config_of(up_model.runner_server_args(runner))
     if config.disabled or config.weights == "off":
         return None
-    kv = up_model.runner_elastic(runner)
     if kv is None:  # a draft model's pool stays stock, and so do its weights
         return None
     try:
@@ -113,7 +114,6 @@ def attach(runner) -> WeightsState | None:
         slots = min(config.prefetch_depth or 2, n)
         pipeline.request([keys[j] for j in uniform_interval_layers(len(keys), n)], slots)
         pipeline.apply_pending()
-    kv.weights = state
     logger.info(
         "memx: %d decoder layers (%.1f MiB) moved into the pool (%s); %d streamed through %d slot(s)",
         len(keys), nbytes / (1 << 20), config.weights, len(store.streamed()), store.num_slots,

@@ -26,11 +26,11 @@ def _slots_kept_by_first_release(w) -> int:
     return 0 if w.alpha else (w.depth or 2)
 
 
-def lendable_chunks(kv) -> int:
-    """Chunks releasing layers could free now: 0 for an active model (it remaps only under its
-    own KV pressure), else up to its Oneiros limit as an inactive model."""
-    w = kv.weights
-    if w is None or w.mode != "remap":
+def lendable_chunks(w, kv) -> int:
+    """Chunks releasing layers of ``w`` (the weights in ``kv``'s pool) could free now: 0 for an
+    active model (it remaps only under its own KV pressure), else up to its Oneiros limit as an
+    inactive model."""
+    if w.mode != "remap":
         return 0
     state = remap.model_state(w, kv, busy=False)
     if state.active or state.compute_s is None:
@@ -40,11 +40,10 @@ def lendable_chunks(kv) -> int:
     return max(0, (more - _slots_kept_by_first_release(w)) * w.store.slot_chunks)
 
 
-def release_for_reclaim(kv, chunks: int) -> int:
+def release_for_reclaim(w, kv, chunks: int) -> int:
     """Release enough layers to free ``chunks`` (within ``lendable_chunks``); returns the layers
     newly lent. The change applies at once when no forward runs."""
-    w = kv.weights
-    if chunks <= 0 or lendable_chunks(kv) <= 0:
+    if chunks <= 0 or lendable_chunks(w, kv) <= 0:
         return 0
     state = remap.model_state(w, kv, busy=False)
     limit, _ = model_limit(state, remap.buffer_mode(w.depth))

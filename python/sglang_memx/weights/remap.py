@@ -37,7 +37,7 @@ def admission_denied(scheduler) -> bool:
     return bool(up_sched.waiting(scheduler)) and up_sched.admission_closed_for_memory(scheduler)
 
 
-def free_kv_groups(kv, allocator, tree, scheduler) -> int:
+def free_kv_groups(w, kv, allocator, tree, scheduler) -> int:
     """KV groups left once the queue head and the running requests got what they need. With a
     shared pool, what the arbiter could lend at once counts too (the lent layers' memory may
     have gone to a peer, which gives it back to the arbiter when it no longer needs it)."""
@@ -46,9 +46,9 @@ def free_kv_groups(kv, allocator, tree, scheduler) -> int:
     if admission_denied(scheduler):
         return 0
     supply = up_kv.available_tokens(allocator) + (up_radix.evictable_tokens(tree) if tree is not None else 0)
-    if kv.lent is not None and kv.weights.alpha > 0 and not up_sched.waiting(scheduler):
+    if kv.lent is not None and w.alpha > 0 and not up_sched.waiting(scheduler):
         # only with nothing waiting: a restore never competes with admission for the arbiter's memory
-        supply += arbiter_free_chunks(kv) // kv.buffers.chunks_per_group * kv.buffers.group_rows
+        supply += arbiter_free_chunks(w, kv) // kv.buffers.chunks_per_group * kv.buffers.group_rows
     left = supply - demand.queue_demand_tokens(scheduler)
     return max(0, left) // kv.buffers.group_rows
 
@@ -57,8 +57,8 @@ RESTORE_BORROW_WAIT_S = 0.02  # longest an iteration waits for the arbiter to le
 ARBITER_POLL_S = 0.5  # a lender with lent layers asks the arbiter what is free at most this often
 
 
-def arbiter_free_chunks(kv) -> int:
-    w = kv.weights
+def arbiter_free_chunks(w, kv) -> int:
+    """What the arbiter could lend at once, asked at most every ``ARBITER_POLL_S``."""
     now = time.monotonic()
     if now - w.arbiter_polled_at >= ARBITER_POLL_S:
         w.arbiter_free, w.arbiter_polled_at = kv.lent.available_now(), now
@@ -164,9 +164,10 @@ def shared_pool_holds(kv, action: Action, active: bool) -> str:
     return ""
 
 
-def step(kv, allocator, scheduler) -> None:
-    w = kv.weights
-    if w is None or w.mode != "remap" or w.pipeline.pending() is not None:
+def step(w, kv, allocator, scheduler) -> None:
+    """One Oneiros step for the weights ``w`` in ``kv``'s pool: release a layer under KV
+    pressure, restore one when its lent memory is empty (applied at the next forward boundary)."""
+    if w.mode != "remap" or w.pipeline.pending() is not None:
         return
     if w.sleeping:  # a sleeping server's layers stay released until a request wakes it (weights/sleep.py)
         return
@@ -178,7 +179,7 @@ def step(kv, allocator, scheduler) -> None:
         w.controller = OneirosController(LOW_WATERMARK_GROUPS, LOW_WATERMARK_GROUPS, buffer_mode(w.depth))
     controller = w.controller
     state = model_state(w, kv, busy)
-    controller.observe(free_kv_groups(kv, allocator, tree, scheduler), [state])
+    controller.observe(free_kv_groups(w, kv, allocator, tree, scheduler), [state])
     decision = controller.decide()
     w.last_reason = decision.reason
     held_back = shared_pool_holds(kv, decision.action, state.active)

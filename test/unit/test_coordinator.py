@@ -1,0 +1,291 @@
+"""The per-device coordinator: components present by type, the two orders as data, and a new
+mechanism added by writing one component and registering it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_memx.coordinator import components, device
+from sglang_memx.coordinator.components import (
+    ActivationBalloonPart,
+    HostBufferPart,
+    KVCore,
+    LayerStreamPart,
+    PeerTier,
+    SharedPoolLender,
+    WeightLender,
+)
+from sglang_memx.coordinator.parts import ITERATION_RANKS, SOURCE_RANKS, Source, Step
+from sglang_memx.upstream import kv as up_kv
+
+# The iteration order as ``coordinator.tick`` listed it before it became the components' data.
+OLD_STEPS = (
+    "cap request lengths", "park offloaded prefills", "end the activation's iteration", "consume wake-ups",
+    "answer reclaims", "work?", "deflate", "host buffer size (Alg. 2)", "give back, borrow",
+    "report to the arbiter", "fetch parked KV", "reopen admission for offload", "sleep or wake", "Oneiros step",
+    "hold the head's activation", "premap",
+)  # fmt: skip
+
+
+class FakeKV:
+    """A KV space whose free list is a number: ``grow`` maps up to ``local`` pages."""
+
+    def __init__(self, free=0, local=0):
+        self.free, self.local = free, local
+        self.phase = "request"
+        self.lengths_capped = False
+        self.buffers = SimpleNamespace(pool=SimpleNamespace(capacity_chunks=0))
+        self.stats = {"ticks": 0, "tick_seconds": 0.0}
+        self.phases_seen: list[str] = []
+
+    def grow(self, allocator, pages: int) -> int:
+        add = min(max(0, pages - self.free), self.local)
+        self.free += add
+        self.local -= add
+        return add
+
+    def status(self) -> dict:
+        return {"free": self.free}
+
+
+@pytest.fixture
+def free_list(monkeypatch):
+    monkeypatch.setattr(up_kv, "free_page_count", lambda allocator: allocator.kv.free)
+
+
+def quiet_kv_core(monkeypatch, alloc) -> list[str]:
+    """The KV core's steps record their names instead of reading a scheduler."""
+    ran: list[str] = []
+    it = components.iteration
+    monkeypatch.setattr(it, "cap_request_lengths", lambda scheduler, kv, budget, kept: ran.append("cap"))
+    monkeypatch.setattr(it, "has_work", lambda scheduler: ran.append("work?") is None)
+    monkeypatch.setattr(it, "deflate", lambda kv, allocator, busy: ran.append("deflate"))
+    monkeypatch.setattr(it, "premap", lambda kv, allocator, scheduler, keep: ran.append(("premap", keep)))
+    monkeypatch.setattr(device.up_sched, "allocator", lambda scheduler: alloc)
+    monkeypatch.setattr(device.up_sched, "tree_cache", lambda scheduler: None)
+    return ran
+
+
+def every_component(kv) -> device.Coordinator:
+    stub = SimpleNamespace(status=lambda: {"on": True})
+    return device.Coordinator(
+        kv,
+        (
+            SharedPoolLender(kv, stub),
+            ActivationBalloonPart(kv, stub),
+            HostBufferPart(kv, stub),
+            WeightLender(kv, stub),
+            PeerTier(kv),
+        ),
+    )
+
+
+def test_the_built_in_orders_are_the_old_tick_order_then_the_peer_step():
+    kv = SimpleNamespace()
+    names = [s.name for _, s in every_component(kv).iteration_order()]
+    assert names == [*OLD_STEPS, "peer tier step"]
+    assert [s.name for _, s in every_component(kv).short_order()] == list(SOURCE_RANKS)
+    assert set(names) == set(ITERATION_RANKS)
+
+
+def test_absent_components_add_no_steps_and_no_sources():
+    c = device.Coordinator(SimpleNamespace())
+    assert [type(x) for x in c.components] == [KVCore]
+    assert [s.name for _, s in c.iteration_order()] == ["cap request lengths", "work?", "deflate", "premap"]
+    assert [s.name for _, s in c.short_order()] == ["map from the local pool"]
+    assert c.part(SharedPoolLender) is None and c.part(KVCore) is c.components[0]
+
+
+def test_components_come_from_the_parts_the_kv_space_was_built_with():
+    host = object()
+    kv = SimpleNamespace(lent=None, activation=None, host=host)
+    c = device.Coordinator(kv, device.components_of(kv))
+    assert c.part(HostBufferPart).host is host and c.part(ActivationBalloonPart) is None
+
+
+def test_a_component_type_registers_once_and_ranks_stay_unique():
+    kv = SimpleNamespace()
+    c = device.Coordinator(kv)
+    with pytest.raises(ValueError, match="registered already"):
+        c.register(KVCore(kv))
+    with pytest.raises(TypeError, match="lacks"):
+        c.register(object())
+
+    @dataclass(eq=False)
+    class Clash:
+        name: str = "clash"
+
+        def steps(self):
+            return (Step("mine", ITERATION_RANKS["deflate"], lambda it: None),)
+
+        def sources(self):
+            return ()
+
+        def status(self):
+            return None
+
+    with pytest.raises(ValueError, match="rank is taken"):
+        c.register(Clash())
+    assert len(c.components) == 1
+
+
+@dataclass(eq=False)
+class Reserve:
+    """A new mechanism, written as one component: a reserve of ``pages`` pages it hands out on a
+    short allocation after the shared pool, and a step after deflation that counts its ticks."""
+
+    kv: object
+    pages: int
+    name: str = "test reserve"
+    ticks: list = field(default_factory=list)
+
+    def steps(self):
+        return (Step("count ticks", ITERATION_RANKS["deflate"] + 1, self._count),)
+
+    def sources(self):
+        return (Source("take from the reserve", SOURCE_RANKS["borrow from the shared pool"] + 1, self._take),)
+
+    def status(self):
+        return {"test_reserve": {"pages": self.pages}}
+
+    def _count(self, it):
+        self.ticks.append((it.kv.phase, it.busy))
+
+    def _take(self, allocator, pages):
+        give = min(self.pages, pages - self.kv.free)
+        self.pages -= give
+        self.kv.free += give
+
+
+def test_a_new_mechanism_is_one_component_registered(free_list, monkeypatch):
+    kv = FakeKV(free=2, local=3)
+    c = device.Coordinator(kv)
+    c.register(Reserve(kv, pages=10))
+    reserve = c.part(Reserve)
+    alloc = SimpleNamespace(kv=kv)
+
+    # the short-allocation order: the local pool first, then the reserve, only while short
+    assert [s.name for _, s in c.short_order()] == ["map from the local pool", "take from the reserve"]
+    c.cover_allocation(alloc, 4)
+    assert kv.free == 4 and kv.local == 1 and reserve.pages == 10  # the local pool covered it
+    c.cover_allocation(alloc, 9)
+    assert kv.free == 9 and kv.local == 0 and reserve.pages == 6  # local 1, then 4 from the reserve
+
+    # the iteration order: its step right after deflation, inside the tick's phase
+    names = [s.name for _, s in c.iteration_order()]
+    assert names.index("count ticks") == names.index("deflate") + 1
+    ran = quiet_kv_core(monkeypatch, alloc)
+    c.tick(SimpleNamespace())
+    assert ran == ["cap", "work?", "deflate", ("premap", 0)]  # the core's steps, in order; no activation to keep
+    assert reserve.ticks == [("tick", True)] and kv.phase == "request" and kv.stats["ticks"] == 1
+
+    # both orders and its status in the status document
+    doc = c.status()
+    assert doc["test_reserve"] == {"pages": 6} and doc["free"] == 9 and doc["shared_pool"] is None
+    orders = doc["coordinator"]
+    assert orders["components"] == ["kv space", "test reserve"]
+    assert {"source": "take from the reserve", "component": "test reserve", "rank": 21} in orders[
+        "short_allocation_order"
+    ]
+    assert {"step": "count ticks", "component": "test reserve", "rank": 71, "in_tick": True} in orders[
+        "iteration_order"
+    ]
+
+
+def test_steps_after_the_tick_run_outside_its_phase(monkeypatch):
+    kv = FakeKV()
+    c = device.Coordinator(kv)
+    quiet_kv_core(monkeypatch, None)
+    seen = []
+    c.register(
+        SimpleNamespace(
+            name="late",
+            steps=lambda: (Step("late", 300, lambda it: seen.append(it.kv.phase), in_tick=False),),
+            sources=lambda: (),
+            status=lambda: None,
+        )
+    )
+    c.tick(SimpleNamespace())
+    assert seen == ["request"]
+
+
+def test_the_architecture_doc_shows_both_orders_as_the_data_has_them():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    tables = device.orders_markdown(every_component(SimpleNamespace()))
+    for table in tables.split("\n\n"):
+        assert table in doc
+
+
+def test_the_physical_budget_is_the_pools_less_what_the_present_parts_keep():
+    kv = SimpleNamespace(buffers=SimpleNamespace(pool=SimpleNamespace(capacity_chunks=100)))
+    assert device.Coordinator(kv).physical_budget() == (100, 0)  # own pool, nothing else in it
+    c = device.Coordinator(
+        kv,
+        (
+            SharedPoolLender(kv, SimpleNamespace(budget_chunks=80)),
+            ActivationBalloonPart(
+                kv, SimpleNamespace(max_batch_tokens=64, need_chunks=lambda tokens, seqs: tokens // 8)
+            ),
+        ),
+    )
+    assert c.physical_budget() == (80, 8)  # the shared pool's budget; the largest prefill's activation
+    c.register(WeightLender(kv, SimpleNamespace(min_held_chunks=lambda: 5)))
+    assert c.physical_budget() == (80, 13)  # and the weights' minimum
+
+
+def test_sleep_runs_only_with_the_shared_pool(monkeypatch):
+    slept = []
+    monkeypatch.setattr(components.sleep, "step", lambda w, kv, allocator, tree, scheduler, act: slept.append(w))
+    kv, w = SimpleNamespace(), SimpleNamespace()
+    private = device.Coordinator(kv, (WeightLender(kv, w),))
+    shared = device.Coordinator(kv, (SharedPoolLender(kv, object()), WeightLender(kv, w)))
+    for c in (private, shared):
+        step = next(s for _, s in c.iteration_order() if s.name == "sleep or wake")
+        step.run(components.Iteration(None, None, kv, None, c))
+    assert slept == [w]
+
+
+def test_the_peer_tier_gets_the_layer_stream_cache_when_the_pool_build_made_one(monkeypatch):
+    seen = []
+    monkeypatch.setattr(components.peer_server, "tick", lambda scheduler, kv, stream: seen.append((kv, stream)))
+    kv, stream = SimpleNamespace(), object()
+    for parts in ((PeerTier(kv),), (LayerStreamPart(stream), PeerTier(kv))):
+        c = device.Coordinator(kv, parts)
+        step = next(s for _, s in c.iteration_order() if s.name == "peer tier step")
+        step.run(components.Iteration(None, None, kv, None, c))
+    assert seen == [(kv, None), (kv, stream)]
+
+
+def test_status_of_a_real_server_shows_its_components_and_both_orders():
+    import torch
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    from memory_ext.policy.activation import ActivationProfile
+    from memory_ext.pool import ChunkPool, LayeredKVBuffers
+    from memory_ext.pool.activation_balloon import ActivationBalloon
+    from memory_ext.vmm import host_backend
+    from sglang_memx.elastic.kv import ElasticKV
+    from sglang_memx.status import elastic_status
+
+    pool = ChunkPool(host_backend(4096), 64)
+    kv = ElasticKV(LayeredKVBuffers(pool, [64] * 4, 257, 1), 1, 256)
+    kv.activation = ActivationBalloon(pool, ActivationProfile(per_token_bytes=4096))
+    alloc = TokenToKVPoolAllocator(256, torch.bfloat16, "cpu", SimpleNamespace(), need_sort=True)
+    assert elastic_status(alloc) is None  # stock KV: no coordinator
+    device.attach(alloc, kv)
+    kv.restrict_free_list(alloc)
+    doc = elastic_status(alloc)
+    assert doc["coordinator"]["components"] == ["kv space", "activation balloon"]
+    assert [s["step"] for s in doc["coordinator"]["iteration_order"]] == [
+        "cap request lengths", "end the activation's iteration", "work?", "deflate", "hold the head's activation",
+        "premap",
+    ]  # fmt: skip
+    assert [s["source"] for s in doc["coordinator"]["short_allocation_order"]] == [
+        "map from the local pool", "over the activation balloon"
+    ]  # fmt: skip
+    assert doc["activation"] is not None and doc["shared_pool"] is None and doc["host_buffer"] is None
+    assert doc["weights"] is None and doc["groups_mapped"] == 1
