@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ._checks import check_int as _check_int
+from .prefill_admission import DEFER, OFFLOAD, ON_GPU, PrefillAsk, PrefillVerdict, judge_prefill
 
 __all__ = [
     "PREFILL",
@@ -61,7 +62,8 @@ __all__ = [
     "OFFLOAD",
     "DEFER",
     "PrefillAsk",
-    "admit_prefill",
+    "PrefillVerdict",
+    "judge_prefill",
     "HostBufferRule",
     "BufferDecision",
     "LogicalBufferScaler",
@@ -167,50 +169,6 @@ class AdmissionDecision:
         return max(-self.inflation, 0)
 
 
-ON_GPU = "gpu"
-OFFLOAD = "offload"
-DEFER = "defer"
-
-
-@dataclass(frozen=True)
-class PrefillAsk:
-    """What admitting one more prefill would cost, in one unit (chunks, blocks or tokens).
-
-    ``budget``: Alg. 1's ``P_kv + P_act - θ`` (free + evictable KV plus idle activation,
-    minus the threshold). ``reserved``: what admitted work already holds against that budget,
-    now *and* for its future decode growth (the running requests' decode reservation and the
-    batch formed so far); ``reserved_now``: the part of ``reserved`` that occupies memory
-    during this iteration. ``kv``: the request's KV on the device if it stays (prompt + its
-    own decode reservation); ``kv_now``: device KV its prefill needs if its KV is offloaded
-    (0 when the offload is layer-wise, the paper's pipelining; the prompt's KV plus headroom
-    when it lands on the device before the copy); ``act``: the batch's activation with this
-    request in it; ``offload_kv``: what parking its KV costs the buffer; ``buffer_room``:
-    Alg. 1's ``P_B`` left."""
-
-    budget: int
-    reserved: int
-    reserved_now: int
-    kv: int
-    kv_now: int
-    act: int
-    offload_kv: int = 0
-    buffer_room: int = 0
-
-
-def admit_prefill(ask: PrefillAsk) -> str:
-    """Alg. 1 lines 5-11 for one request: ``ON_GPU`` if its KV and the batch's activation fit
-    beside what is reserved; else ``OFFLOAD`` if the prefill fits physically now and its KV fits
-    the CPU buffer; else ``DEFER`` (the caller stops the FCFS scan, R3).
-
-    The one admission rule: ``ElasticAdmissionPolicy`` (simulator) scans its queue with it and
-    the server's admission hook asks it once per request upstream's scheduler offers."""
-    if ask.reserved + ask.kv + ask.act <= ask.budget:
-        return ON_GPU
-    if ask.reserved_now + ask.kv_now + ask.act <= ask.budget and 0 < ask.offload_kv <= ask.buffer_room:
-        return OFFLOAD
-    return DEFER
-
-
 @dataclass(frozen=True)
 class ElasticAdmissionPolicy:
     """Alg. 1. ``act_chunks_for_tokens(n)``: activation chunks a batch of ``n``
@@ -275,7 +233,7 @@ class ElasticAdmissionPolicy:
             return decision
         return self._decode(decodes, *args)
 
-    # Alg. 1 lines 2-13, one ``admit_prefill`` per request
+    # Alg. 1 lines 2-13, one ``judge_prefill`` per request
     def _prefill(self, queue, p_kv, p_act, p_b, reserved=0, reserved_now=0) -> AdmissionDecision:
         budget = p_kv + p_act - self.threshold_chunks  # R1
         m_kv = m_now = tokens = offload = 0
@@ -283,7 +241,7 @@ class ElasticAdmissionPolicy:
         n = 0
         for r in queue:
             act = self._act(tokens + r.tokens)
-            verdict = admit_prefill(
+            action = judge_prefill(
                 PrefillAsk(
                     budget=budget,
                     reserved=reserved + m_kv,
@@ -294,11 +252,11 @@ class ElasticAdmissionPolicy:
                     offload_kv=r.parked_chunks,
                     buffer_room=p_b - offload,
                 )
-            )
-            if verdict == ON_GPU:
+            ).action
+            if action == ON_GPU:
                 m_kv += r.kv_chunks
                 m_now += r.kv_chunks - r.decode_chunks
-            elif verdict == OFFLOAD:  # its prompt's KV passes through the device (none if layer-wise)
+            elif action == OFFLOAD:  # its prompt's KV passes through the device (none if layer-wise)
                 m_kv += r.kv_now_chunks
                 m_now += r.kv_now_chunks
                 offload += r.parked_chunks

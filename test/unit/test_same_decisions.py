@@ -4,7 +4,9 @@ numbers, decide the same.
 * Admission (eLLM Alg. 1): the server's admission hook builds its question from upstream's
   prefill budget (``elastic.admission.server_ask``) and upstream commits an admitted request
   into that budget; the simulator's eLLM scheduler asks ``ElasticAdmissionPolicy.decide``. Same
-  queue, same memory, same reservations -> same requests on the device, offloaded, deferred.
+  queue, same memory, same reservations -> same requests on the device, offloaded, deferred;
+  both ask ``judge_prefill`` once per request scanned and get the same whole verdicts (what to
+  do if the device refuses, whether only the buffer's room was short).
 * Arbiter (X1): the live device arbiter plans a reclaim from its clients' reports; the
   simulator's ledger (``MemoryArbiter.request``) plans from its accounts. Same holdings, same
   idle / headroom / busy -> the same donors give the same amounts.
@@ -18,8 +20,9 @@ import types
 
 import pytest
 
+from memory_ext.policy import ellm
 from memory_ext.policy.arbiter import Kind, MemoryArbiter
-from memory_ext.policy.ellm import DEFER, OFFLOAD, ON_GPU, ElasticAdmissionPolicy, PrefillRequest, admit_prefill
+from memory_ext.policy.ellm import DEFER, OFFLOAD, ON_GPU, ElasticAdmissionPolicy, PrefillRequest, judge_prefill
 from memory_ext.pool.arbiter import Arbiter
 from memory_ext.pool.arbiter_client import ArbiterClient
 from memory_ext.vmm import host_backend
@@ -34,9 +37,10 @@ ROW_BYTES = 1024  # one token's KV over all layers (the fake pool's buffers belo
 
 
 # ------------------------------------------------------------------ admission
-def _server_decisions(available, running_reserve, running, queue, buffer_tokens):
+def _server_decisions(available, running_reserve, running, queue, buffer_tokens, verdicts=None):
     """The server path: upstream's real prefill budget (with memx's physical mode), memx's admission
-    question per request, upstream's own ``reserve`` as the commit of an admitted request."""
+    question per request, upstream's own ``reserve`` as the commit of an admitted request.
+    ``verdicts`` (if given) collects each request's whole verdict."""
     import torch
 
     pool = types.SimpleNamespace(k_buffer=[torch.zeros(4, ROW_BYTES // 2, dtype=torch.uint8)],
@@ -57,7 +61,10 @@ def _server_decisions(available, running_reserve, running, queue, buffer_tokens)
     out = {ON_GPU: [], OFFLOAD: [], DEFER: []}
     for req in queue:
         ask = admission.server_ask(kv, adder, req, len(req.origin_input_ids), has_chunked_req=False)
-        verdict = admit_prefill(ask)
+        verdict = judge_prefill(ask)
+        if verdicts is not None:
+            verdicts.append(verdict)
+        verdict = verdict.action
         out[verdict].append(req.rid)
         if verdict == DEFER:
             out[DEFER] += [r.rid for r in queue[queue.index(req) + 1 :]]
@@ -75,17 +82,32 @@ def _server_decisions(available, running_reserve, running, queue, buffer_tokens)
 
 def _sim_decisions(available, running_reserve, running, queue, buffer_tokens):
     """The simulator path: Alg. 1 over the same queue, in tokens (one chunk = one token)."""
+    return _sim_decisions_and_verdicts(available, running_reserve, running, queue, buffer_tokens)[0]
+
+
+def _sim_decisions_and_verdicts(available, running_reserve, running, queue, buffer_tokens, parkable=True):
+    """``_sim_decisions`` and the verdicts the simulator's policy got, in the order it asked.
+    ``parkable=False``: the requests' KV cannot be parked at all (a server without a host buffer
+    asks with ``offload_kv`` 0)."""
     prefills = []
     for r in queue:
         prompt, max_new = len(r.origin_input_ids), r.sampling_params.max_new_tokens
         prefills.append(PrefillRequest(r.rid, prompt, kv_chunks=prompt + 1 + max_new, decode_chunks=max_new,
-                                       kv_now_chunks=prompt + 1, offload_chunks=prompt))  # fmt: skip
-    d = ElasticAdmissionPolicy(lambda tokens: 0).decide(
-        free_kv_chunks=available, idle_act_chunks=0, prefills=prefills, cpu_buffer_free_chunks=buffer_tokens,
-        reserved_chunks=running_reserve, reserved_now_chunks=len(running),
-    )  # fmt: skip
+                                       kv_now_chunks=prompt + 1, offload_chunks=prompt if parkable else 0))  # fmt: skip
+    verdicts = []
+
+    def asked(ask):
+        verdicts.append(judge_prefill(ask))
+        return verdicts[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ellm, "judge_prefill", asked)  # the question the simulator's policy object asks
+        d = ElasticAdmissionPolicy(lambda tokens: 0).decide(
+            free_kv_chunks=available, idle_act_chunks=0, prefills=prefills, cpu_buffer_free_chunks=buffer_tokens,
+            reserved_chunks=running_reserve, reserved_now_chunks=len(running),
+        )  # fmt: skip
     on_gpu = [rid for rid in d.admitted if rid not in d.offloaded]
-    return {ON_GPU: on_gpu, OFFLOAD: list(d.offloaded), DEFER: list(d.deferred)}
+    return {ON_GPU: on_gpu, OFFLOAD: list(d.offloaded), DEFER: list(d.deferred)}, verdicts
 
 
 CASES = [
@@ -95,6 +117,7 @@ CASES = [
     (1000, 600, 4, [(100, 50), (200, 100), (150, 100), (400, 50)], 1000),  # third offloaded, fourth too big
     (500, 480, 8, [(100, 200), (100, 200), (100, 200), (100, 200), (100, 200)], 250),  # buffer fills up
     (300, 0, 2, [(250, 100), (10, 5)], 0),  # first refused on its reservation: FCFS stops the scan
+    (500, 0, 2, [(100, 50), (600, 10)], 2000),  # second fits neither the device nor, now, the physical room
 ]
 
 
@@ -108,6 +131,20 @@ def test_server_and_simulator_admit_the_same(available, reserve, n_running, reqs
     assert sum(len(v) for v in server.values()) == len(queue)
 
 
+@pytest.mark.parametrize("available,reserve,n_running,reqs,buffer_tokens", CASES)
+def test_server_and_simulator_get_the_same_whole_verdicts(available, reserve, n_running, reqs, buffer_tokens):
+    """Both paths ask the one question once per request they scan (up to the first deferred) and
+    get equal verdicts, fallback and buffer-full reason included (which the actions alone do not show)."""
+    running = [FakeReq(prompt=10, outputs=1) for _ in range(n_running)]
+    queue = [FakeReq(prompt=p, max_new=m, rid=f"q{i}") for i, (p, m) in enumerate(reqs)]
+    server: list = []
+    _server_decisions(available, reserve, running, queue, buffer_tokens, verdicts=server)
+    _, sim = _sim_decisions_and_verdicts(available, reserve, running, queue, buffer_tokens, bool(buffer_tokens))
+    assert server == sim
+    scanned = next((i + 1 for i, v in enumerate(sim) if v.action == DEFER), len(queue))
+    assert len(sim) == scanned
+
+
 def test_the_cases_exercise_every_verdict():
     seen = set()
     for available, reserve, n_running, reqs, buffer_tokens in CASES:
@@ -115,6 +152,19 @@ def test_the_cases_exercise_every_verdict():
         queue = [FakeReq(prompt=p, max_new=m) for p, m in reqs]
         seen |= {v for v, rids in _sim_decisions(available, reserve, running, queue, buffer_tokens).items() if rids}
     assert seen == {ON_GPU, OFFLOAD, DEFER}
+
+
+def test_the_cases_exercise_every_part_of_the_verdict():
+    """The whole-verdict comparison above sees an ON_GPU request the buffer could take if refused,
+    one it could not, and a request deferred only for the buffer's room."""
+    verdicts = []
+    for available, reserve, n_running, reqs, buffer_tokens in CASES:
+        running = [FakeReq(prompt=10, outputs=1) for _ in range(n_running)]
+        queue = [FakeReq(prompt=p, max_new=m) for p, m in reqs]
+        verdicts += _sim_decisions_and_verdicts(available, reserve, running, queue, buffer_tokens)[1]
+    on_gpu = [v for v in verdicts if v.action == ON_GPU]
+    assert {v.if_refused for v in on_gpu} == {OFFLOAD, DEFER}
+    assert any(v.buffer_full for v in verdicts) and any(v.action == DEFER and not v.buffer_full for v in verdicts)
 
 
 # ------------------------------------------------------------------ arbiter

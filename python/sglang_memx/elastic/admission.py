@@ -1,9 +1,9 @@
 """Admission of one waiting request into the batch being formed (eLLM Alg. 1 in the server).
 
 Upstream's ``PrefillAdder.add_one_req`` offers the waiting requests one by one. For each,
-memx asks the one admission rule, ``memory_ext.policy.ellm.admit_prefill`` (the rule the
-simulator's eLLM scheduler scans its queue with), with the server's numbers in KV tokens
-(``server_ask``):
+memx asks the one admission rule once, ``memory_ext.policy.prefill_admission.judge_prefill``
+(the rule the simulator's eLLM scheduler scans its queue with), with the server's numbers in
+KV tokens (``server_ask``):
 
 * budget: free + evictable KV (upstream's ``available + evictable``, which with elastic KV
   counts FREE and idle activation chunks as growable, in whole groups);
@@ -14,27 +14,26 @@ simulator's eLLM scheduler scans its queue with), with the server's numbers in K
   the batch's activation with it, as what making it live takes from that budget
   (``ElasticKV.activation_cost_pages``: FREE and idle chunks first, whole groups only when
   KV must shrink, the last group at its usable size); and, with a host buffer, what parking
-  its KV would cost.
+  its KV would cost;
+* whether a parked request is ahead of it in this pass (then it may only go to the buffer).
 
-``ON_GPU``: the batch's activation chunks are reserved (``ballooning``) and upstream's own
-admission runs (it may still refuse, e.g. on its request or token caps; then the offload
-branch is tried). ``OFFLOAD``: upstream's admission runs against the physical room only
-(``physical_check``) and the request's KV is parked after its prefill (``host_buffer``).
-``DEFER``: the request waits; a request whose KV waits on the host lets later requests
-prefill into the buffer, but none is admitted normally ahead of it (first come, first served).
+Then it acts on the verdict. ``ON_GPU``: the batch's activation chunks are reserved
+(``ballooning``) and upstream's own admission runs (it may still refuse, e.g. on its request or
+token caps; then the verdict's ``if_refused`` says whether the offload branch is tried).
+``OFFLOAD``: upstream's admission runs against the physical room only (``physical_check``) and
+the request's KV is parked after its prefill (``host_buffer``). ``DEFER``: the request waits
+(counted in ``offload_no_room`` when only the buffer's room was short); a request whose KV waits
+on the host lets later requests prefill into the buffer, but none is admitted normally ahead of
+it (first come, first served).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from memory_ext.policy.ellm import DEFER, OFFLOAD, ON_GPU, PrefillAsk, admit_prefill
+from memory_ext.policy.prefill_admission import DEFER, OFFLOAD, ON_GPU, PrefillAsk, judge_prefill
 from sglang_memx.elastic import demand, host_buffer
 from sglang_memx.elastic.ballooning import reserve_activation
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
-
-NEVER_FITS = 1 << 62
 
 
 def _decode_headroom(adder, steps: int = 1) -> int:
@@ -83,29 +82,28 @@ def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool) -> PrefillAsk:
         act=act,
         offload_kv=offload_kv,
         buffer_room=room,
+        # first come, first served: a request the buffer could not take may not pass a parked one
+        parked_ahead=bool(state.behind_parked and up_req.is_plain_text_request(req)),
     )
 
 
 def add_one(original, adder, req, has_chunked_req, truncation_align_size, kv):
-    """``PrefillAdder.add_one_req`` with memx's admission rule in front (module docstring)."""
+    """``PrefillAdder.add_one_req`` with memx's admission rule in front (module docstring):
+    one question, then the verdict's branches."""
     state = up_sched.adder_state(adder)
     chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
-    ask = server_ask(kv, adder, req, chunk, has_chunked_req)
-    verdict = admit_prefill(ask)
-    if verdict == ON_GPU and state.behind_parked and up_req.is_plain_text_request(req):
-        verdict = admit_prefill(replace(ask, kv=NEVER_FITS))  # a parked request is ahead: buffer only
-    if verdict == DEFER:
-        return _defer(kv, adder, req, ask)
+    verdict = judge_prefill(server_ask(kv, adder, req, chunk, has_chunked_req))
+    if verdict.action == DEFER:
+        return _defer(kv, adder, req, verdict.buffer_full)
     live_before = kv.activation.live if kv.activation is not None else None
     allocator = up_sched.adder_allocator(adder)
     if not reserve_activation(kv, allocator, None, state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1):
         kv.activation.stats["deferred_requests"] += 1
         return up_sched.add_result("NO_TOKEN")
-    if verdict == ON_GPU:
+    if verdict.action == ON_GPU:
         result = original(adder, req, has_chunked_req, truncation_align_size)
-        if not up_sched.adder_admitted(adder, req) and kv.host is not None:
-            if admit_prefill(replace(ask, kv=NEVER_FITS)) == OFFLOAD:  # upstream refused it: the buffer may not
-                result = _offload(original, adder, req, has_chunked_req, truncation_align_size, kv)
+        if not up_sched.adder_admitted(adder, req) and verdict.if_refused == OFFLOAD:  # the buffer may take it
+            result = _offload(original, adder, req, has_chunked_req, truncation_align_size, kv)
     else:
         result = _offload(original, adder, req, has_chunked_req, truncation_align_size, kv)
     if not up_sched.adder_admitted(adder, req):
@@ -118,15 +116,12 @@ def add_one(original, adder, req, has_chunked_req, truncation_align_size, kv):
     return result
 
 
-def _defer(kv, adder, req, ask: PrefillAsk):
+def _defer(kv, adder, req, buffer_full: bool):
     host = kv.host
     if host is not None and up_req.rid(req) in host.buffer:  # prefilled already, waiting for room to decode
         up_sched.adder_state(adder).behind_parked = True
         return up_sched.add_result("CONTINUE")  # requests behind it may still prefill into the buffer
-    if (
-        ask.offload_kv > ask.buffer_room
-        and admit_prefill(replace(ask, kv=NEVER_FITS, buffer_room=NEVER_FITS)) == OFFLOAD
-    ):
+    if buffer_full:
         host.offload["offload_no_room"] += 1  # it would have prefilled, but the buffer is full
     return up_sched.add_result("NO_TOKEN")
 

@@ -10,7 +10,8 @@
   (``coordinator.tick.per_iteration``: the coordinator's iteration order); the
   first one checks that the hooks of every feature on are in force in this process.
 * ``PrefillAdder.add_one_req`` (around): memx's admission rule in front of upstream's
-  (``elastic.admission``: eLLM Alg. 1 with ballooning and the CPU-buffer branch).
+  (``elastic.admission``: one eLLM Alg. 1 question per request, ``judge_prefill``, whose
+  verdict it acts on: on the device with ballooning, offloaded to the CPU buffer, or deferred).
 * ``PrefillAdder.add_chunked_req`` (around): a chunked prefill's next chunk holds its
   activation; an offloaded prefill's chunks are sized by the physical room.
 * ``ScheduleBatch.release_req`` (around): with ``--memx-host-buffer-gb``, a request being
