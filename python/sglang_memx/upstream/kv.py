@@ -37,9 +37,14 @@ def configured_pool_and_allocator(config_result):
 # ------------------------------------------------------------------ the MHA pool
 def plain_mha_refusal(pool) -> str | None:
     """Why elastic KV cannot back ``pool``'s buffers (None: it can): only the plain
-    MHA/GQA pool with the NHD layout (``_create_buffers_normal``'s token-row branch)."""
+    MHA/GQA pool with the NHD layout (``_create_buffers_normal``'s token-row branch), whose
+    buffers upstream would not place in a custom memory pool (the pool chosen in
+    ``KVCache.__init__``, today Mooncake's for NVLink transfers: views over pooled groups
+    would silently take the buffers out of it)."""
     if type(pool) is not resolve("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"):
         return f"{type(pool).__name__} (a variant of the MHA pool)"
+    if pool.enable_custom_mem_pool:
+        return "a custom memory pool for the KV buffers (upstream's Mooncake NVLink pool)"
     if pool.is_quantized_kv_cache:
         return "a quantized KV cache"
     if pool.post_capture_active:

@@ -143,7 +143,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
         "dtype": None, "store_dtype": None, "size": None, "page_size": None, "head_num": None, "head_dim": None,
         "v_head_dim": None, "layer_num": None, "device": None, "is_quantized_kv_cache": None,
         "post_capture_active": None, "kv_cache_layout": None, "k_buffer": None, "v_buffer": None,
-        "get_kv_size_bytes": None,
+        "get_kv_size_bytes": None, "enable_custom_mem_pool": None,
     },
     "BaseTokenToKVPoolAllocator": {
         "page_size": None, "free_pages": None, "release_pages": None, "merge_and_sort_free": None,
