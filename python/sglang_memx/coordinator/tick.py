@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sglang_memx import compute_share
 from sglang_memx.elastic import demand, host_buffer, iteration, shared_pool, slo
 from sglang_memx.elastic.ballooning import hold_head_activation
 from sglang_memx.peer import server as peer_server
@@ -133,7 +134,9 @@ def tick(scheduler) -> None:
 
 
 def per_iteration(scheduler) -> None:
-    """Everything memx does before upstream picks the next batch: the elastic-KV tick, then the
-    peer tier's step (it builds the tier on its first call)."""
+    """Everything memx does before upstream picks the next batch: the elastic-KV tick, the peer
+    tier's step (it builds the tier on its first call), then the cores this engine computes on
+    (``compute_share``: idle siblings' cores lent while it has work)."""
     tick(scheduler)
     peer_server.tick(scheduler)
+    compute_share.tick(iteration.has_work(scheduler))

@@ -57,6 +57,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memory_ext.pool.compute_board import ComputeBoard
+
+from .. import compute_share
+from ..compute_share import ComputeShares
 from ..config import POOL_OWNER_ENV
 from .config import ServeConfig
 from .placement import GIB, Placement, instance_name
@@ -215,6 +219,11 @@ def _split_cores(cores: list[int], n: int) -> list[list[int]]:
     return [[cores[k % len(cores)]] for k in range(n)]
 
 
+def compute_board_path(pool: str, pool_dir: str) -> str:
+    """The compute board of a CPU device's engines (``sglang_memx.compute_share``), beside its pool."""
+    return str(Path(pool_dir) / f"{pool}.compute")
+
+
 def engine_specs(
     config: ServeConfig,
     placement: Placement,
@@ -268,6 +277,11 @@ def engine_specs(
             mine = shares[inst]
             env["SGLANG_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
             env["OMP_NUM_THREADS"] = str(len(mine))
+            residents = plan.models
+            if dev.lend_idle_cores and len(residents) > 1:  # a busy engine computes on idle siblings' cores
+                env[compute_share.BOARD_ENV] = compute_board_path(pool, pool_dir)
+                env[compute_share.SLOT_ENV] = str(residents.index(inst))
+                env[compute_share.SHARES_ENV] = ComputeShares(tuple(tuple(shares[r]) for r in residents)).render()
         else:
             env["CUDA_VISIBLE_DEVICES"] = str(cuda_index[dev.name])
         if not _has(m.server_args, "--sleep-on-idle"):  # co-located engines share the host's cores:
@@ -538,6 +552,8 @@ class Launcher:
     def __init__(self, specs: list[EngineSpec], log=None):
         self.engines = {s.key: Engine(s) for s in specs}  # by instance name (replica 0: the model's name)
         self._pools = sorted({(s.pool, s.pool_dir) for s in specs})
+        self._boards = {s.env[compute_share.BOARD_ENV]: len(ComputeShares.parse(
+            s.env[compute_share.SHARES_ENV]).shares) for s in specs if compute_share.BOARD_ENV in s.env}  # fmt: skip
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._health: HealthProbe | None = None  # set by ``supervise``: no probing before
         self._sentinel: Sentinel | None = None
@@ -548,6 +564,9 @@ class Launcher:
             self._sentinel = Sentinel.spawn(first / f".sglang-memx-serve-{os.getpid()}.groups")
             for e in self.engines.values():
                 e.on_started = self._sentinel.track
+        for path, slots in self._boards.items():  # before any engine reads it
+            Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            ComputeBoard.create(path, slots).close()
         for e in self.engines.values():
             e.start()
             self._log(f"sglang-memx serve: starting {e.spec.key} on {e.spec.device} (pid {e.pid}, port {e.port}, "
@@ -745,6 +764,8 @@ class Launcher:
             e.stop()
         for pool, directory in self._pools:
             stop_pool(pool, directory)
+        for path in self._boards:
+            Path(path).unlink(missing_ok=True)
         if self._sentinel is not None:  # nothing left for it to stop
             self._sentinel.stop()
             self._sentinel = None
