@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from sglang_memx import __version__, router_activity
+from sglang_memx import __version__, compute_share, router_activity
 from sglang_memx.config import MemxConfig
 from sglang_memx.coordinator import device
 from sglang_memx.elastic.slab import slab_status
@@ -91,6 +91,7 @@ def scheduler_status(scheduler, config: MemxConfig, hooks: list[dict[str, Any]])
     if config.pool:
         doc["pool_name"] = config.pool
     doc["router_activity"] = router_activity.status()  # None: no router ever posted /memx/activity
+    doc["compute_share"] = compute_share.status()  # None: no co-located engines' board
     peer = peer_server.server_of(scheduler) if config.features["peer_kv"] else None
     if peer is not None:
         doc["peer_kv"] = peer.status()

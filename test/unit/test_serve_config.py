@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_memx.serve.config import ServeConfigError, load_config, parse_config
+from sglang_memx.serve.config import UNCAPPED, ServeConfigError, load_config, parse_config
 from support.fake_checkpoint import fake_model
 
 
@@ -30,7 +30,10 @@ def test_valid_config_is_frozen_and_defaults_apply(tmp_path):
     a, b = cfg.models
     assert a.name == "a" and a.ttft_slo_ms == 500 and a.priority == 1
     assert b.path == str((tmp_path / "b").resolve())  # relative to the config file's folder
-    assert cfg.router.host == "127.0.0.1" and cfg.inflight_cap(b) == cfg.router.max_inflight_per_engine
+    assert cfg.router.host == "127.0.0.1" and cfg.inflight_cap(b) == UNCAPPED == cfg.queue_cap(b)
+    # defaults refuse nothing stock would serve: no caps, no shedding (issue 26 item 4)
+    assert cfg.router.max_inflight_per_engine is None and cfg.router.max_queued is None
+    assert cfg.router.hopeless_after_slo_x is None and cfg.total_queue_cap() == UNCAPPED
     assert cfg.devices[0].memory_gb == 1.0
     with pytest.raises(AttributeError):
         a.name = "x"  # frozen
@@ -117,6 +120,12 @@ def test_devices_and_router_checks(tmp_path):
     assert err(tmp_path, doc(tmp_path, models=None)).field == "models"
     e = err(tmp_path, {"devices": [{"name": "c", "memory_gb": 1}]})
     assert e.field == "models" and "required" in str(e)
+    lend = {"name": "c", "memory_gb": 1, "lend_idle_cores": "yes"}
+    assert err(tmp_path, doc(tmp_path, devices=[lend])).field == "devices[0].lend_idle_cores"
+    gpu = {"name": "g", "kind": "cuda", "memory_gb": 1, "lend_idle_cores": True}
+    assert err(tmp_path, doc(tmp_path, devices=[gpu])).field == "devices[0].lend_idle_cores"
+    for field, bad in (("max_queued", -1), ("hopeless_after_slo_x", 0), ("max_inflight_per_engine", 0)):
+        assert err(tmp_path, doc(tmp_path, router={field: bad})).field == f"router.{field}"
 
 
 def test_precision_is_an_alias_of_dtype(tmp_path):

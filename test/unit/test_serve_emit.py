@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -179,13 +180,23 @@ def _config(tmp_path, cuda_models=1):
         "models": models,
         "devices": [{"name": "cpu0", "kind": "cpu", "memory_gb": 0.5, "cores": [0, 1, 2]},
                     {"name": "gpu0", "kind": "cuda", "memory_gb": 2}],
-        "router": {"port": 30100, "max_queued": 16},
+        "router": {"port": 30100, "max_queued": 16, "max_inflight_per_engine": 8},
     }, base_dir=tmp_path)  # fmt: skip
     return cfg, plan_placement(cfg)
 
 
 def _flag(argv, flag):
     return argv[argv.index(flag) + 1]
+
+
+def test_gateway_without_caps_leaves_its_limits_to_the_gateway(tmp_path):
+    cfg, _ = _config(tmp_path)
+    uncapped = replace(cfg, router=replace(cfg.router, max_queued=None, max_inflight_per_engine=None))
+    argv = emit.gateway_command(uncapped)  # org/B.v2's cap of 2 cannot bound a global limit: a and c have none
+    assert "--queue-size" not in argv and "--max-concurrent-requests" not in argv
+    models = tuple(replace(m, max_inflight=3) for m in uncapped.models)
+    argv = emit.gateway_command(replace(uncapped, models=models))
+    assert "--queue-size" not in argv and _flag(argv, "--max-concurrent-requests") == "9"
 
 
 def _docs(cfg, placement, opts=None):

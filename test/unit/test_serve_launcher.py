@@ -42,6 +42,21 @@ def test_models_on_one_device_share_its_pool_and_split_its_cores(tmp_path):
     assert "--attention-backend" not in a.argv and _flag(b.argv, "--attention-backend") == "torch_native"
     assert (a.env["SGLANG_CPU_OMP_THREADS_BIND"], b.env["SGLANG_CPU_OMP_THREADS_BIND"]) == ("2,3", "4")
     assert a.env["OMP_NUM_THREADS"] == "2"
+    # the device's compute board: a busy engine computes on its idle sibling's cores too
+    board = str(tmp_path / "pools" / "serve-cpu0-7.compute")
+    assert (a.env["MEMX_COMPUTE_BOARD"], b.env["MEMX_COMPUTE_BOARD"]) == (board, board)
+    assert (a.env["MEMX_COMPUTE_SLOT"], b.env["MEMX_COMPUTE_SLOT"]) == ("0", "1")
+    assert a.env["MEMX_COMPUTE_SHARES"] == b.env["MEMX_COMPUTE_SHARES"] == "2,3;4"
+    static = parse_config({
+        "models": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}],
+        "devices": [{"name": "cpu0", "memory_gb": 0.5, "cores": [2, 3, 4], "lend_idle_cores": False}],
+    }, base_dir=tmp_path)  # fmt: skip
+    for s in engine_specs(static, plan_placement(static), run_id="8", python="py", log_dir=str(tmp_path)):
+        assert "MEMX_COMPUTE_BOARD" not in s.env and s.env["OMP_NUM_THREADS"] in ("2", "1")
+    alone = parse_config({"models": [{"name": "a", "path": "a"}], "devices": [{"name": "cpu0", "memory_gb": 0.5}]},
+                         base_dir=tmp_path)  # fmt: skip
+    (spec,) = engine_specs(alone, plan_placement(alone), run_id="9", python="py", log_dir=str(tmp_path))
+    assert "MEMX_COMPUTE_BOARD" not in spec.env  # one engine on the device: nothing to lend
 
 
 def test_split_cores():

@@ -31,7 +31,9 @@ elastic KV on a shared pool).
 
 from __future__ import annotations
 
+from sglang_memx import compute_share
 from sglang_memx.coordinator import device
+from sglang_memx.elastic import iteration
 from sglang_memx.peer import server as peer_server
 from sglang_memx.upstream import scheduler as up_sched
 
@@ -44,9 +46,11 @@ def tick(scheduler) -> None:
 
 
 def per_iteration(scheduler) -> None:
-    """Everything memx does before upstream picks the next batch."""
+    """Everything memx does before upstream picks the next batch; last, the cores this engine
+    computes on (``compute_share``: its idle co-located siblings' cores while it has work)."""
     coordinator = device.of(up_sched.allocator(scheduler))
     if coordinator is None:
         peer_server.tick(scheduler, None, None)
     else:
         coordinator.tick(scheduler)
+    compute_share.tick(iteration.has_work(scheduler))

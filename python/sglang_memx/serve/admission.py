@@ -51,7 +51,7 @@ def policy_from_config(config: ServeConfig, device_of: dict[str, str]) -> EdfAdm
     }
     # devices[].max_inflight: one cap over the device's models, whose slots then go by deadline too
     group_inflight = {d.name: d.max_inflight for d in config.devices if d.max_inflight is not None}
-    return EdfAdmission(limits, max_queued_total=config.router.max_queued,
+    return EdfAdmission(limits, max_queued_total=config.total_queue_cap(),
                         hopeless_after_slo_x=config.router.hopeless_after_slo_x,
                         group_inflight=group_inflight)  # fmt: skip
 

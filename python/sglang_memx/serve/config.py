@@ -41,6 +41,7 @@ KV_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
 DEVICE_KINDS = ("cpu", "cuda")
 MAX_REPLICAS = 32  # per model: a sanity bound (each replica is a whole engine process)
 MAX_TOKENS = 1 << 40  # a token count past this is a typo (and its bytes would overflow a float)
+UNCAPPED = 1 << 30  # a queue or in-flight cap nobody set: larger than any real load
 # What the supervisor's periodic probe GETs (docs/router.md, "Hung engines"): memx's status
 # round-trips through the scheduler loop without a request; upstream's /health (= /health_generate
 # in 0.5.23) runs a one-token generation on an idle engine, which would wake a sleeping one.
@@ -104,7 +105,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     """One placement candidate. ``cores``: CPU cores its servers share (cpu only; None = all);
-    ``index``: the CUDA ordinal (cuda only; None = the device's position among cuda devices)."""
+    ``index``: the CUDA ordinal (cuda only; None = the device's position among cuda devices);
+    ``lend_idle_cores`` (cpu only): an engine with work computes on its idle siblings' cores
+    too (``sglang_memx.compute_share``); False keeps each engine on its own share."""
 
     name: str
     kind: str = "cpu"
@@ -112,23 +115,27 @@ class DeviceConfig:
     cores: tuple[int, ...] | None = None
     index: int | None = None
     max_inflight: int | None = None  # requests of all its models handed to engines at once; None: no shared cap
+    lend_idle_cores: bool = True
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     """The OpenAI-compatible front: where it listens and how it admits.
 
-    ``hopeless_after_slo_x``: a queued request is shed once it has waited this many times
-    its model's TTFT SLO past its deadline (it could only ever miss). ``api_key``: every
+    Defaults refuse nothing stock SGLang would serve: no queue cap (``max_queued`` None), no
+    in-flight cap (``max_inflight_per_engine`` None: every request goes to its engine at once,
+    whose own scheduler batches it, as stock's does) and no shedding. ``hopeless_after_slo_x``:
+    when set, a queued request is shed once it has waited this many times its model's TTFT SLO
+    past its deadline (it could only ever miss). ``api_key``: every
     route but /health needs ``Authorization: Bearer <key>``; the engines get it as
     ``--api-key`` (None: no key).
     """
 
     host: str = "127.0.0.1"
     port: int = 30000
-    max_queued: int = 64
-    max_inflight_per_engine: int = 8
-    hopeless_after_slo_x: float = 4.0
+    max_queued: int | None = None
+    max_inflight_per_engine: int | None = None
+    hopeless_after_slo_x: float | None = None
     request_timeout_s: float = 600.0
     api_key: str | None = None
 
@@ -181,10 +188,17 @@ class ServeConfig:
         raise KeyError(name)
 
     def inflight_cap(self, model: ModelConfig) -> int:
-        return model.max_inflight if model.max_inflight is not None else self.router.max_inflight_per_engine
+        """Requests of ``model`` handed to one engine at once (``UNCAPPED``: no cap was set)."""
+        cap = model.max_inflight if model.max_inflight is not None else self.router.max_inflight_per_engine
+        return UNCAPPED if cap is None else cap
 
     def queue_cap(self, model: ModelConfig) -> int:
-        return model.max_queued if model.max_queued is not None else self.router.max_queued
+        """Requests of ``model`` the router queues (``UNCAPPED``: no cap was set)."""
+        cap = model.max_queued if model.max_queued is not None else self.router.max_queued
+        return UNCAPPED if cap is None else cap
+
+    def total_queue_cap(self) -> int:
+        return UNCAPPED if self.router.max_queued is None else self.router.max_queued
 
 
 # ------------------------------------------------------------------ value checks
@@ -217,6 +231,12 @@ def _pos(path, v, maximum=1e15):
     if v > maximum:
         raise ServeConfigError(path, f"must be <= {maximum:g}, got {v!r}")
     return float(v)
+
+
+def _bool(path, v):
+    if not isinstance(v, bool):
+        raise ServeConfigError(path, f"must be true or false, got {v!r}")
+    return v
 
 
 def _opt(check):
@@ -288,14 +308,15 @@ _DEVICE_SPEC = {
     "cores": (_opt(_cores), False),
     "index": (_opt(lambda p, v: _int(p, v, 0)), False),
     "max_inflight": (_opt(lambda p, v: _int(p, v, 1)), False),
+    "lend_idle_cores": (_bool, False),
 }
 
 _ROUTER_SPEC = {
     "host": (_str, False),
     "port": (lambda p, v: _int(p, v, 0, 65535), False),
-    "max_queued": (lambda p, v: _int(p, v, 0), False),
-    "max_inflight_per_engine": (lambda p, v: _int(p, v, 1), False),
-    "hopeless_after_slo_x": (_pos, False),
+    "max_queued": (_opt(lambda p, v: _int(p, v, 0)), False),
+    "max_inflight_per_engine": (_opt(lambda p, v: _int(p, v, 1)), False),
+    "hopeless_after_slo_x": (_opt(_pos), False),
     "request_timeout_s": (_pos, False),
     "api_key": (_opt(_str), False),
 }
@@ -384,6 +405,8 @@ def parse_config(doc, base_dir: str | os.PathLike = ".", source: str | None = No
         dev = DeviceConfig(**_fields(f"devices[{i}]", d, _DEVICE_SPEC))
         if dev.kind == "cuda" and dev.cores is not None:
             raise ServeConfigError(f"devices[{i}].cores", "only a cpu device has cores")
+        if dev.kind == "cuda" and "lend_idle_cores" in d:
+            raise ServeConfigError(f"devices[{i}].lend_idle_cores", "only a cpu device has cores")
         if dev.kind == "cpu" and dev.index is not None:
             raise ServeConfigError(f"devices[{i}].index", "only a cuda device has an index")
         if any(o.name == dev.name for o in devices):

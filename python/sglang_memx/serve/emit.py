@@ -33,7 +33,8 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ServeConfig, ServeConfigError
+from ..compute_share import BOARD_ENV, SHARES_ENV, SLOT_ENV
+from .config import UNCAPPED, ServeConfig, ServeConfigError
 from .engine_specs import _split_cores, engine_specs
 from .placement import GIB, Placement
 
@@ -51,6 +52,8 @@ __all__ = [
     "REGISTER_WORKERS_PY",
 ]
 
+# one host's device assignment, core binding and compute board: a container gets its own
+_HOST_LOCAL_ENV = ("CUDA_VISIBLE_DEVICES", "SGLANG_CPU_OMP_THREADS_BIND", BOARD_ENV, SLOT_ENV, SHARES_ENV)
 API_KEY_ENV = "MEMX_API_KEY"  # router.api_key: read from the environment, never written into an artefact
 API_KEY_REF = f"$({API_KEY_ENV})"  # Kubernetes expands $(VAR) in command / args from the container's env
 POOL_MOUNT = "/run/memx-pool"  # the volume every container of a device's Pod shares
@@ -163,7 +166,7 @@ def model_units(config: ServeConfig, placement: Placement, opts: EmitOptions) ->
         argv = list(spec.argv)
         _set(argv, "--host", "0.0.0.0")
         _set(argv, "--memx-pool-dir", POOL_DIR)
-        env = {k: v for k, v in spec.env.items() if k not in ("CUDA_VISIBLE_DEVICES", "SGLANG_CPU_OMP_THREADS_BIND")}
+        env = {k: v for k, v in spec.env.items() if k not in _HOST_LOCAL_ENV}
         overhead = int(opts.overhead_gb * GIB)
         if plan.kind == "cpu":
             env["OMP_NUM_THREADS"] = str(cpus[m.name])
@@ -190,16 +193,19 @@ def gateway_command(config: ServeConfig, host: str | None = None, opts: EmitOpti
     """``python3 -m sglang_router.launch_router`` in multi-model (IGW) mode with the router's limits.
 
     ``--max-concurrent-requests``: the sum of every model's in-flight cap (the gateway's
-    limit is global); ``--queue-size``: ``router.max_queued`` (a FIFO, not EDF); with
+    limit is global; left to the gateway when a model has none); ``--queue-size``:
+    ``router.max_queued`` (a FIFO, not EDF; left out when unset); with
     ``router.api_key``: ``--api-key`` + ``key_ref`` (a reference to the key, not the key).
     """
     opts = opts or EmitOptions()
-    inflight = sum(config.inflight_cap(m) for m in config.models)
+    caps = [config.inflight_cap(m) for m in config.models]
+    limits = [] if UNCAPPED in caps else ["--max-concurrent-requests", str(sum(caps))]  # else the gateway's own
+    if config.router.max_queued is not None:
+        limits += ["--queue-size", str(config.router.max_queued)]
     return ["python3", "-m", "sglang_router.launch_router", "--enable-igw",
             "--host", host or config.router.host, "--port", str(config.router.port),
             "--policy", opts.gateway_policy,
-            "--request-timeout-secs", str(math.ceil(config.router.request_timeout_s)),
-            "--max-concurrent-requests", str(inflight), "--queue-size", str(config.router.max_queued)] + (
+            "--request-timeout-secs", str(math.ceil(config.router.request_timeout_s))] + limits + (
         ["--api-key", key_ref] if config.router.api_key else [])  # fmt: skip
 
 

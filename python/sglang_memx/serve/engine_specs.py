@@ -9,7 +9,10 @@ Invariants:
   server to start creates the device's arbiter and the others join it.
 * CPU devices: their cores are split among the device's servers (each server's OpenMP
   threads on its own cores; two unpinned CPU servers on shared cores run many times
-  slower); CUDA devices: ``CUDA_VISIBLE_DEVICES`` is the device's ordinal.
+  slower); with ``devices[].lend_idle_cores`` (default) and several engines on the device,
+  each also gets the device's compute board (``MEMX_COMPUTE_*``): an engine with work
+  computes on its idle siblings' cores too, and gives them back when they have work
+  (``sglang_memx.compute_share``). CUDA devices: ``CUDA_VISIBLE_DEVICES`` is the device's ordinal.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import compute_share
+from ..compute_share import ComputeShares
 from ..config import POOL_OWNER_ENV
 from .config import ServeConfig
 from .placement import GIB, Placement, instance_name
@@ -84,6 +89,11 @@ def _split_cores(cores: list[int], n: int) -> list[list[int]]:
     return [[cores[k % len(cores)]] for k in range(n)]
 
 
+def compute_board_path(pool: str, pool_dir: str) -> str:
+    """The compute board of a CPU device's engines (``sglang_memx.compute_share``), beside its pool."""
+    return str(Path(pool_dir) / f"{pool}.compute")
+
+
 def engine_specs(
     config: ServeConfig,
     placement: Placement,
@@ -137,6 +147,11 @@ def engine_specs(
             mine = shares[inst]
             env["SGLANG_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
             env["OMP_NUM_THREADS"] = str(len(mine))
+            residents = plan.models
+            if dev.lend_idle_cores and len(residents) > 1:  # a busy engine computes on idle siblings' cores
+                env[compute_share.BOARD_ENV] = compute_board_path(pool, pool_dir)
+                env[compute_share.SLOT_ENV] = str(residents.index(inst))
+                env[compute_share.SHARES_ENV] = ComputeShares(tuple(tuple(shares[r]) for r in residents)).render()
         else:
             env["CUDA_VISIBLE_DEVICES"] = str(cuda_index[dev.name])
         if not _has(m.server_args, "--sleep-on-idle"):  # co-located engines share the host's cores:

@@ -42,6 +42,11 @@ import threading
 import time
 from pathlib import Path
 
+from memory_ext.pool.compute_board import ComputeBoard
+
+from .. import compute_share
+from ..compute_share import ComputeShares
+
 # Re-exported: ``sglang_memx.serve.launcher`` stays the one import for the whole launch side.
 from .engine import (
     AWAKE,
@@ -81,6 +86,8 @@ class Launcher:
     def __init__(self, specs: list[EngineSpec], log=None):
         self.engines = {s.key: Engine(s) for s in specs}  # by instance name (replica 0: the model's name)
         self._pools = sorted({(s.pool, s.pool_dir) for s in specs})
+        self._boards = {s.env[compute_share.BOARD_ENV]: len(ComputeShares.parse(s.env[compute_share.SHARES_ENV]).shares)
+                        for s in specs if compute_share.BOARD_ENV in s.env}  # fmt: skip
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._health: HealthProbe | None = None  # set by ``supervise``: no probing before
         self._sentinel: Sentinel | None = None
@@ -91,6 +98,9 @@ class Launcher:
             self._sentinel = Sentinel.spawn(first / f".sglang-memx-serve-{os.getpid()}.groups")
             for e in self.engines.values():
                 e.on_started = self._sentinel.track
+        for path, slots in self._boards.items():  # before any engine reads it
+            Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            ComputeBoard.create(path, slots).close()
         for e in self.engines.values():
             e.start()
             self._log(f"sglang-memx serve: starting {e.spec.key} on {e.spec.device} (pid {e.pid}, port {e.port}, "
@@ -288,6 +298,8 @@ class Launcher:
             e.stop()
         for pool, directory in self._pools:
             stop_pool(pool, directory)
+        for path in self._boards:
+            Path(path).unlink(missing_ok=True)
         if self._sentinel is not None:  # nothing left for it to stop
             self._sentinel.stop()
             self._sentinel = None

@@ -1,0 +1,81 @@
+"""Which CPU cores each co-located engine of a device computes on, from who has work.
+
+A CPU device's cores are split among its engines (each engine's own share, so two busy
+engines never run their OpenMP threads on the same cores: oversubscribed OpenMP runs many
+times slower). A static split leaves an engine on its share while its siblings sit idle —
+on a GPU one busy model would use all SMs. The rule here lends idle engines' cores to the
+busy ones and gives them back the moment their owner has work again.
+
+Numbers in, decisions out (no I/O, no clock). Invariants:
+
+* an idle engine keeps exactly its own share (it computes nothing; it needs its cores
+  the moment it has work, without asking);
+* a busy engine always has its own share, plus a near-equal part of the idle engines'
+  cores (dealt round-robin in slot order, so every busy engine computes the same answer
+  for every other);
+* the busy engines' cores never overlap, and with every engine busy each has its share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["ComputeShares", "ComputeShareError", "cores_for"]
+
+
+class ComputeShareError(ValueError):
+    """A bad share table; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ComputeShares:
+    """Each engine slot's own cores on one device (slot = engine's place in the launcher's order).
+    Shares overlap only when the device has fewer cores than engines."""
+
+    shares: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not self.shares:
+            raise ComputeShareError("shares: at least one engine slot is needed")
+        for slot, cores in enumerate(self.shares):
+            if not cores:
+                raise ComputeShareError(f"shares[{slot}]: an engine needs at least one core")
+            for c in cores:
+                if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+                    raise ComputeShareError(f"shares[{slot}]: core {c!r} is not a core number")
+
+    @classmethod
+    def parse(cls, text: str) -> ComputeShares:
+        """``"0,1;2,3"``: slot 0 computes on cores 0 and 1, slot 1 on 2 and 3."""
+        try:
+            return cls(tuple(tuple(int(c) for c in part.split(",")) for part in text.split(";")))
+        except ValueError as e:
+            if isinstance(e, ComputeShareError):
+                raise
+            raise ComputeShareError(f"shares: {text!r} is not 'cores;cores;...' (e.g. '0,1;2,3')") from None
+
+    def render(self) -> str:
+        return ";".join(",".join(map(str, cores)) for cores in self.shares)
+
+    @property
+    def slots(self) -> int:
+        return len(self.shares)
+
+
+def cores_for(slot: int, table: ComputeShares, busy: Sequence[bool]) -> tuple[int, ...]:
+    """The cores engine ``slot`` computes on when ``busy[i]`` says which engines have work."""
+    if not 0 <= slot < table.slots:
+        raise ComputeShareError(f"slot: {slot} is not one of {table.slots} engine slots")
+    if len(busy) != table.slots:
+        raise ComputeShareError(f"busy: {len(busy)} flags for {table.slots} engine slots")
+    own = table.shares[slot]
+    if not busy[slot]:
+        return own
+    busy_slots = [i for i in range(table.slots) if busy[i]]
+    spare = sorted({c for i in range(table.slots) if not busy[i] for c in table.shares[i]} - set(own))
+    # every busy engine's own cores stay its own, even where shares overlap (fewer cores than engines)
+    taken = {c for i in busy_slots for c in table.shares[i]}
+    spare = [c for c in spare if c not in taken]
+    mine = spare[busy_slots.index(slot) :: len(busy_slots)]
+    return tuple(sorted(set(own) | set(mine)))

@@ -1,0 +1,117 @@
+"""A device's compute board: which of its co-located engines has work, in one shared file.
+
+Each engine of a CPU device owns one slot (its place in the launcher's order; the launcher
+creates the board before any engine starts) and writes its pid and a busy flag there once
+per scheduler iteration; every engine reads all slots to decide which cores it computes on
+(``memory_ext.policy.compute_share``). A file mapped shared, not a socket: a write or read
+is a few bytes of memory, no process waits on another and nothing needs a server that
+could die.
+
+Layout: an 8-byte magic, a little-endian u32 slot count, 4 bytes of padding, then one
+16-byte record per slot: i32 pid (0: never written), u8 busy, 3 bytes padding, f64 the
+writer's ``time.monotonic()`` (one clock for all processes of a host, shown in status only).
+
+Invariants: a slot is written only by its own engine; a slot whose pid is not a live
+process reads as idle (an engine that died, was SIGKILLed or restarted never holds cores it
+cannot use); a file of another layout is refused naming the path.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ComputeBoard", "ComputeBoardError", "SlotState"]
+
+_MAGIC = b"MXCB0001"
+_HEADER = struct.Struct("<8sI4x")
+_SLOT = struct.Struct("<iB3xd")
+
+
+class ComputeBoardError(ValueError):
+    """A board file that cannot be used; the message names the path."""
+
+
+@dataclass(frozen=True)
+class SlotState:
+    pid: int
+    busy: bool
+    stamp: float
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+class ComputeBoard:
+    """One mapped board file of ``slots`` records (``create`` writes it, ``open`` maps and checks it)."""
+
+    def __init__(self, path: Path, slots: int, view: mmap.mmap):
+        self.path, self.slots, self._view = path, slots, view
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, slots: int) -> ComputeBoard:
+        """Write a board of ``slots`` empty records at ``path`` (atomically: a reader sees the whole
+        file or none) and map it."""
+        if not 1 <= slots <= 4096:
+            raise ComputeBoardError(f"{path}: slots must be 1..4096, got {slots}")
+        p = Path(path)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(_HEADER.pack(_MAGIC, slots) + bytes(slots * _SLOT.size))
+        os.replace(tmp, p)
+        return cls.open(p)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> ComputeBoard:
+        """Map the board at ``path`` (written by ``create``)."""
+        p = Path(path)
+        try:
+            fd = os.open(p, os.O_RDWR)
+        except OSError as e:
+            raise ComputeBoardError(f"{p}: cannot open the compute board: {e.strerror or e}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < _HEADER.size:
+                raise ComputeBoardError(f"{p}: {size} bytes is not a compute board")
+            view = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        magic, slots = _HEADER.unpack_from(view, 0)
+        if magic != _MAGIC or size != _HEADER.size + slots * _SLOT.size:
+            view.close()
+            raise ComputeBoardError(f"{p}: not a compute board (magic {magic!r}, {slots} slots, {size} bytes)")
+        return cls(p, slots, view)
+
+    def _offset(self, slot: int) -> int:
+        if not 0 <= slot < self.slots:
+            raise ComputeBoardError(f"{self.path}: slot {slot} is not one of {self.slots}")
+        return _HEADER.size + slot * _SLOT.size
+
+    def publish(self, slot: int, pid: int, busy: bool, now: float) -> None:
+        _SLOT.pack_into(self._view, self._offset(slot), pid, 1 if busy else 0, now)
+
+    def read(self, slot: int) -> SlotState:
+        pid, busy, stamp = _SLOT.unpack_from(self._view, self._offset(slot))
+        return SlotState(pid, bool(busy), stamp)
+
+    def busy_flags(self) -> list[bool]:
+        """Each slot's busy flag; a slot without a live writer is idle."""
+        out = []
+        for slot in range(self.slots):
+            s = self.read(slot)
+            out.append(s.busy and _alive(s.pid))
+        return out
+
+    def close(self) -> None:
+        self._view.close()

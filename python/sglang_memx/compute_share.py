@@ -1,0 +1,129 @@
+"""An engine's side of its device's compute board: compute on the cores idle siblings leave.
+
+``sglang-memx serve`` gives each engine of a CPU device its own share of the device's cores
+(``serve/launcher.py``) and, when the device has several engines, a compute board
+(``memory_ext.pool.compute_board``) and three variables:
+
+* ``MEMX_COMPUTE_BOARD``: the board file; ``MEMX_COMPUTE_SLOT``: this engine's slot;
+* ``MEMX_COMPUTE_SHARES``: every slot's own cores, ``"0;1"`` (``ComputeShares.parse``).
+
+Once per scheduler iteration ``tick`` publishes whether this engine has work (requests
+waiting or running; the coordinator's tick asks) and asks ``memory_ext.policy.compute_share.cores_for`` which cores it
+computes on; when the answer changes, the scheduler process's threads are moved to those
+cores and torch's intra-op thread count follows (one OpenMP thread per core). Without the
+variables (one server alone, stock's command line) nothing here runs.
+
+Invariants: the decision is the policy's; an engine with no work returns to its own share
+at its next iteration; a board that cannot be used is logged once and the engine keeps its
+own share (it serves as with a static split, never worse).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from memory_ext.policy.compute_share import ComputeShares, cores_for
+from memory_ext.pool.compute_board import ComputeBoard
+
+__all__ = ["BOARD_ENV", "SLOT_ENV", "SHARES_ENV", "ComputeLender", "ComputeShares", "tick", "status"]
+
+logger = logging.getLogger("sglang_memx")
+
+BOARD_ENV, SLOT_ENV, SHARES_ENV = "MEMX_COMPUTE_BOARD", "MEMX_COMPUTE_SLOT", "MEMX_COMPUTE_SHARES"
+
+
+def _apply_cores(cores: tuple[int, ...]) -> None:
+    """Every thread of this process onto ``cores``; torch computes with one thread per core."""
+    import torch
+
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    torch.set_num_threads(len(cores))
+
+
+@dataclass
+class ComputeLender:
+    """This engine's slot on its device's board, and the cores it computes on now."""
+
+    board: ComputeBoard
+    slot: int
+    table: ComputeShares
+    apply: Any = _apply_cores  # (cores) -> None; tests pass a recorder
+    cores: tuple[int, ...] = ()
+    changes: int = 0
+    history: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)  # the last changes
+
+    def step(self, busy: bool, now: float) -> tuple[int, ...]:
+        """Publish ``busy``, then move to the policy's cores if they changed; returns them."""
+        self.board.publish(self.slot, os.getpid(), busy, now)
+        flags = self.board.busy_flags()
+        flags[self.slot] = busy  # our own word, even if the pid check raced
+        want = cores_for(self.slot, self.table, flags)
+        if want != self.cores:
+            self.apply(want)
+            self.cores = want
+            self.changes += 1
+            self.history = (self.history + [(now, want)])[-8:]
+        return want
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "slot": self.slot,
+            "own_cores": list(self.table.shares[self.slot]),
+            "cores": list(self.cores),
+            "shares": self.table.render(),
+            "busy_slots": [i for i, b in enumerate(self.board.busy_flags()) if b],
+            "changes": self.changes,
+        }
+
+
+_lender: ComputeLender | None = None
+_failed = False
+
+
+def from_environment(environ=os.environ) -> ComputeLender | None:
+    """The lender the launcher's variables describe; None without them. Raises ValueError naming
+    the variable when they are malformed."""
+    path = environ.get(BOARD_ENV)
+    if not path:
+        return None
+    try:
+        slot = int(environ.get(SLOT_ENV, ""))
+    except ValueError:
+        raise ValueError(f"{SLOT_ENV}: {environ.get(SLOT_ENV)!r} is not a slot number") from None
+    table = ComputeShares.parse(environ.get(SHARES_ENV, ""))
+    board = ComputeBoard.open(path)
+    if board.slots != table.slots or not 0 <= slot < table.slots:
+        raise ValueError(f"{SLOT_ENV}: slot {slot} of {table.slots} shares on a board of {board.slots} slots")
+    return ComputeLender(board, slot, table)
+
+
+def tick(busy: bool) -> None:
+    """One iteration's publish-and-decide, ``busy``: requests wait or run in this engine (nothing
+    without the launcher's variables)."""
+    global _lender, _failed
+    if _failed:
+        return
+    if _lender is None:
+        try:
+            _lender = from_environment()
+        except (OSError, ValueError) as e:
+            logger.error("memx: compute board not used, the engine keeps its own cores: %s", e)
+            _failed = True
+            return
+        if _lender is None:
+            _failed = True  # not under a launcher with a board: never look again
+            return
+    _lender.step(busy, time.monotonic())
+
+
+def status() -> dict[str, Any] | None:
+    """The lender's section of /memx/status (None: no board)."""
+    return None if _lender is None else _lender.status()

@@ -1,0 +1,135 @@
+"""The compute board (issue 26 item 4): a busy engine computes on its idle siblings' cores and
+gives them back the moment a sibling has work; the policy's table, the shared file across
+processes, the engine-side lender and the launcher's variables."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from memory_ext.policy.compute_share import ComputeShareError, ComputeShares, cores_for
+from memory_ext.pool.compute_board import ComputeBoard, ComputeBoardError
+from sglang_memx import compute_share
+from sglang_memx.compute_share import ComputeLender, from_environment
+
+TWO = ComputeShares(((0,), (1,)))
+THREE_ON_SIX = ComputeShares(((0, 1), (2, 3), (4, 5)))
+
+
+@pytest.mark.parametrize(
+    "table, busy, want",
+    [
+        # nobody busy: everyone on its own share
+        (TWO, [False, False], [(0,), (1,)]),
+        # one busy of two: it computes on both cores; the idle one keeps its own (it has nothing to run)
+        (TWO, [True, False], [(0, 1), (1,)]),
+        (TWO, [False, True], [(0,), (0, 1)]),
+        # both busy: the static split exactly
+        (TWO, [True, True], [(0,), (1,)]),
+        # three engines: two busy share the idle one's cores, dealt in slot order
+        (THREE_ON_SIX, [True, True, False], [(0, 1, 4), (2, 3, 5), (4, 5)]),
+        (THREE_ON_SIX, [False, True, False], [(0, 1), (0, 1, 2, 3, 4, 5), (4, 5)]),
+        (THREE_ON_SIX, [True, True, True], [(0, 1), (2, 3), (4, 5)]),
+        # fewer cores than engines (shares overlap): a busy engine never takes a busy one's core
+        (ComputeShares(((0,), (1,), (0,))), [True, False, True], [(0, 1), (1,), (0,)]),
+        (ComputeShares(((0,), (1,), (0,))), [False, True, False], [(0,), (0, 1), (0,)]),
+    ],
+)
+def test_cores_follow_who_has_work(table, busy, want):
+    got = [cores_for(slot, table, busy) for slot in range(table.slots)]
+    assert got == want
+    busy_cores = [c for slot, cores in enumerate(got) if busy[slot] for c in cores]
+    if sum(map(len, table.shares)) == len({c for s in table.shares for c in s}):  # disjoint shares
+        assert len(busy_cores) == len(set(busy_cores))  # busy engines never share a core
+    for slot in range(table.slots):
+        assert set(table.shares[slot]) <= set(got[slot])  # an engine always keeps its own share
+
+
+def test_bad_tables_and_questions_name_the_field():
+    with pytest.raises(ComputeShareError, match="shares: at least one"):
+        ComputeShares(())
+    with pytest.raises(ComputeShareError, match=r"shares\[1\]: an engine needs at least one core"):
+        ComputeShares(((0,), ()))
+    with pytest.raises(ComputeShareError, match=r"shares\[0\]: core -1"):
+        ComputeShares(((-1,),))
+    with pytest.raises(ComputeShareError, match="shares: '0;x'"):
+        ComputeShares.parse("0;x")
+    with pytest.raises(ComputeShareError, match="slot: 2"):
+        cores_for(2, TWO, [True, True])
+    with pytest.raises(ComputeShareError, match="busy: 3 flags"):
+        cores_for(0, TWO, [True, True, False])
+    assert ComputeShares.parse(THREE_ON_SIX.render()) == THREE_ON_SIX
+
+
+_WRITER = """
+import os, sys, time
+from memory_ext.pool.compute_board import ComputeBoard
+ComputeBoard.open(sys.argv[1]).publish(1, os.getpid(), True, 5.0)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_board_is_shared_across_processes_and_a_dead_writer_reads_idle(tmp_path):
+    path = tmp_path / "pool.compute"
+    board = ComputeBoard.create(path, 2)
+    assert board.busy_flags() == [False, False]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert board.busy_flags() == [False, True]
+        assert board.read(1).pid == child.pid and board.read(1).stamp == 5.0
+        child.kill()  # dies busy: its cores must not stay lent
+        child.wait(30)
+        assert board.busy_flags() == [False, False]
+    finally:
+        child.kill()
+        child.wait(30)
+    board.publish(0, os.getpid(), True, 6.0)
+    assert board.busy_flags() == [True, False]
+
+
+def test_a_file_that_is_not_a_board_is_refused_naming_it(tmp_path):
+    bad = tmp_path / "x.compute"
+    bad.write_bytes(b"not a board at all, really")
+    with pytest.raises(ComputeBoardError, match="x.compute: not a compute board"):
+        ComputeBoard.open(bad)
+    with pytest.raises(ComputeBoardError, match="missing.compute: cannot open"):
+        ComputeBoard.open(tmp_path / "missing.compute")
+    board = ComputeBoard.create(tmp_path / "ok.compute", 2)
+    with pytest.raises(ComputeBoardError, match="slot 2 is not one of 2"):
+        board.publish(2, 1, True, 0.0)
+
+
+def test_two_lenders_lend_and_take_back_cores(tmp_path):
+    path = tmp_path / "pool.compute"
+    ComputeBoard.create(path, 2).close()
+    applied = {0: [], 1: []}
+    a = ComputeLender(ComputeBoard.open(path), 0, TWO, apply=applied[0].append)
+    b = ComputeLender(ComputeBoard.open(path), 1, TWO, apply=applied[1].append)
+    assert a.step(False, 1.0) == (0,) and b.step(False, 1.0) == (1,)  # first step: own share set
+    assert a.step(True, 2.0) == (0, 1)  # b is idle: a computes on both cores
+    assert b.step(True, 3.0) == (1,)  # b has work: it starts on its own share at once ...
+    assert a.step(True, 3.1) == (0,)  # ... and a gives core 1 back at its next iteration
+    assert b.step(False, 4.0) == (1,) and a.step(True, 4.1) == (0, 1)
+    assert applied[0] == [(0,), (0, 1), (0,), (0, 1)] and applied[1] == [(1,)]
+    assert a.changes == 4 and a.status()["busy_slots"] == [0] and a.status()["own_cores"] == [0]
+
+
+def test_environment_makes_the_lender_and_bad_variables_name_themselves(tmp_path):
+    path = tmp_path / "pool.compute"
+    ComputeBoard.create(path, 2).close()
+    env = {compute_share.BOARD_ENV: str(path), compute_share.SLOT_ENV: "1", compute_share.SHARES_ENV: "0;1"}
+    lender = from_environment(env)
+    assert lender.slot == 1 and lender.table == TWO
+    assert from_environment({}) is None  # alone (no launcher board): nothing to do
+    with pytest.raises(ValueError, match="MEMX_COMPUTE_SLOT: 'x'"):
+        from_environment({**env, compute_share.SLOT_ENV: "x"})
+    with pytest.raises(ValueError, match="MEMX_COMPUTE_SLOT: slot 2 of 2"):
+        from_environment({**env, compute_share.SLOT_ENV: "2"})
+    with pytest.raises(ValueError, match="MEMX_COMPUTE_SLOT: slot 0 of 3 shares on a board of 2"):
+        from_environment({**env, compute_share.SLOT_ENV: "0", compute_share.SHARES_ENV: "0;1;1"})
