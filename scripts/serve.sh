@@ -3,7 +3,8 @@
 # memx's memory features on: `sglang-memx serve` (docs/router.md) with
 #   SmolLM2-135M-Instruct       the embedded model, bfloat16 (KV: 23,040 B per token)
 #   SmolLM2-135M-Instruct-fp32  its float32 copy, widened offline (KV: 46,080 B per token)
-# on one CPU device (a core each) sharing one memx pool: elastic KV (KV and activations
+# on one CPU device sharing one memx pool and its cores (each engine starts on a core of its own
+# and computes on both while the other has no work: docs/router.md, "Idle cores"): elastic KV (KV and activations
 # mapped as pages are used, from one budget for both models) and the CPU elastic buffer
 # (KV of waiting requests parked on the host). Prints working examples for both models once
 # the router and both engines answer.

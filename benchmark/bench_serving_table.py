@@ -1,0 +1,88 @@
+"""Render the "bench_serving against scripts/serve.sh" block of ``docs/router.md`` from
+``benchmark/results/e2e/bench_serving.json`` (written by ``benchmark/e2e/bench_serving.py``):
+the figures in the docs are the JSON's, never typed.
+
+    python -m benchmark.bench_serving_table           # rewrite the block
+    python -m benchmark.bench_serving_table --check   # exit 1 when the docs differ from the JSON
+
+``test/unit/test_bench_serving_table.py`` runs the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "router.md"
+RESULT = REPO / "benchmark" / "results" / "e2e" / "bench_serving.json"
+BEGIN = "<!-- generated: python -m benchmark.bench_serving_table -->"
+END = "<!-- end generated: bench_serving -->"
+
+_LABELS = {
+    "request_throughput": "request throughput (req/s)",
+    "output_throughput": "output throughput (tok/s)",
+    "median_ttft_ms": "TTFT p50 (ms)",
+    "tail_ttft_ms": "TTFT {tail} (ms)",
+    "median_tpot_ms": "TPOT p50 (ms)",
+}
+
+
+def _range(values: list[float]) -> str:
+    return f"{sorted(values)[len(values) // 2]:.4g} [{min(values):.4g}, {max(values):.4g}]"
+
+
+def render(doc: dict) -> str:
+    rounds = doc["rounds"]
+    n = len(rounds)
+    lines = [
+        BEGIN,
+        f"`{doc['command']}`, {n} interleaved pairs ({doc['time']}, {doc['machine']['cpus']} CPUs); each run on a "
+        "freshly started `scripts/serve.sh` (memx: router + two engines, only the bf16 model loaded) or "
+        "`scripts/serve.sh --memx-disable` (stock). Per setup: median [min, max] over the runs; ratio memx / stock: "
+        "median [min, max] over the pairs.",
+        "",
+        "| metric | stock | memx | memx / stock |",
+        "|---|---|---|---|",
+    ]
+    served = {s: [r[s]["completed"] for r in rounds] for s in ("stock", "memx")}
+    lines.append(f"| requests answered per run | {', '.join(map(str, served['stock']))} | "
+                 f"{', '.join(map(str, served['memx']))} | |")  # fmt: skip
+    for key, label in _LABELS.items():
+        st = doc["ratios"][key]
+        row = [label.format(tail=doc["tail"])]
+        row += [_range([r[s][key] for r in rounds]) for s in ("stock", "memx")]
+        row.append(f"{st['median']:.3g} [{st['min']:.3g}, {st['max']:.3g}]")
+        lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "Claims: " + "; ".join(f"{k} **{'yes' if v else 'no'}**" for k, v in doc["claims"].items()) + ".",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args(argv)
+    text = DOC.read_text()
+    if BEGIN not in text or END not in text:
+        print(f"{DOC}: no generated block ({BEGIN} ... {END})", file=sys.stderr)
+        return 1
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    new = head + render(json.loads(RESULT.read_text())) + tail
+    if args.check:
+        if new != text:
+            print(f"{DOC} differs from {RESULT}: run python -m benchmark.bench_serving_table", file=sys.stderr)
+            return 1
+        return 0
+    DOC.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
