@@ -229,10 +229,10 @@ def test_a_chunked_prefill_keeps_its_next_chunks_activation_from_going_back(monk
     scheduler = types.SimpleNamespace(chunked_req=object(), running_batch=None, last_batch=None)
     monkeypatch.setattr(demand, "running_demand_tokens", lambda s: 0)
     monkeypatch.setattr(demand, "decode_activation_chunks", lambda balloon, s: 1)
-    monkeypatch.setattr(demand, "head_prefill_tokens", lambda s, kv: _tokens_for(kv, 3))
+    monkeypatch.setattr(demand, "head_prefill_tokens", lambda s, host: _tokens_for(kv, 3))
     activation = device.of(alloc).activation_side()
-    assert demand.admitted_activation_chunks(kv.activation, scheduler, kv) == 3
+    assert demand.admitted_activation_chunks(kv.activation, scheduler, None) == 3
     assert shared_pool.spare_free_chunks(kv, alloc, scheduler, activation) == 2
     scheduler.chunked_req = None
-    assert demand.admitted_activation_chunks(kv.activation, scheduler, kv) == 1
+    assert demand.admitted_activation_chunks(kv.activation, scheduler, None) == 1
     assert shared_pool.spare_free_chunks(kv, alloc, scheduler, activation) == 4

@@ -102,8 +102,8 @@ def test_absent_components_add_no_steps_and_no_sources():
 
 def test_components_come_from_the_parts_the_kv_space_was_built_with():
     host = object()
-    kv = SimpleNamespace(lent=None, activation=None, host=host)
-    c = device.Coordinator(kv, device.components_of(kv))
+    kv = SimpleNamespace(lent=None, activation=None)
+    c = device.Coordinator(kv, device.components_of(kv, host=host))
     assert c.part(HostBufferPart).host is host and c.part(ActivationBalloonPart) is None
 
 

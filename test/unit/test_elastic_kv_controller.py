@@ -240,9 +240,7 @@ def test_demand_counts_the_rest_of_a_chunked_prompt():
         chunked_prefill_size=64,
     )
     assert running_demand_tokens(sched) == (64 - 10) + (180 - 128 + 64)
-    assert (
-        head_prefill_tokens(sched, types.SimpleNamespace(host=None)) == 52
-    )  # the chunked request's last chunk comes before any waiting one
+    assert head_prefill_tokens(sched, None) == 52  # the chunked request's last chunk comes before any waiting one
 
 
 # ------------------------------------------------ activation arena (the CUDA layout, on host chunks)

@@ -26,6 +26,7 @@ from typing import Any
 from sglang_memx.coordinator.parts import Iteration, Source, Step, source, step
 from sglang_memx.elastic import demand, host_buffer, iteration, shared_pool, slo
 from sglang_memx.elastic.ballooning import grow_over_activation, hold_head_activation
+from sglang_memx.elastic.host_state import HostBufferState
 from sglang_memx.peer import server as peer_server
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.weights import lending, remap, sleep
@@ -124,13 +125,15 @@ class ActivationBalloonPart:
 
     kv: Any
     balloon: Any
+    host: HostBufferState | None = None  # the host buffer's pinned prefixes count as cached (``demand``)
     name: str = "activation balloon"
 
     def steps(self) -> tuple[Step, ...]:
         return (
             step("end the activation's iteration", lambda it: self.balloon.end_iteration()),
             step("hold the head's activation",
-                 lambda it: hold_head_activation(it.kv, self.balloon, it.allocator, it.tree, it.scheduler)),
+                 lambda it: hold_head_activation(it.kv, self.balloon, it.allocator, it.tree, it.scheduler,
+                                             self.host)),
         )  # fmt: skip
 
     def sources(self) -> tuple[Source, ...]:
@@ -150,10 +153,10 @@ class ActivationBalloonPart:
         return self.balloon.idle()
 
     def next_step_chunks(self, scheduler) -> int:
-        return demand.admitted_activation_chunks(self.balloon, scheduler, self.kv)
+        return demand.admitted_activation_chunks(self.balloon, scheduler, self.host)
 
     def head_prefill_chunks(self, scheduler) -> int:
-        return demand.head_activation_chunks(self.balloon, scheduler, self.kv)
+        return demand.head_activation_chunks(self.balloon, scheduler, self.host)
 
     def release_idle(self, keep: int) -> None:
         self.balloon.release_idle(keep=keep)
@@ -185,16 +188,16 @@ class HostBufferPart:
     """The host KV buffer (``elastic.host_buffer.HostBufferState``)."""
 
     kv: Any
-    host: Any
+    host: HostBufferState
     name: str = "host buffer"
 
     def steps(self) -> tuple[Step, ...]:
         return (
-            step("park offloaded prefills", lambda it: host_buffer.park_offloaded_prefills(it.kv, it.scheduler)),
-            step("host buffer size (Alg. 2)", lambda it: slo.observe(it.kv, it.scheduler)),
+            step("park offloaded prefills", lambda it: host_buffer.park_offloaded_prefills(self.host, it.scheduler)),
+            step("host buffer size (Alg. 2)", lambda it: slo.observe(self.host, it.scheduler)),
             step("fetch parked KV", self._fetch_parked),
             step("reopen admission for offload",
-                 lambda it: iteration.reopen_admission_for_offload(it.kv, it.scheduler)),
+                 lambda it: iteration.reopen_admission_for_offload(self.host, it.scheduler)),
         )  # fmt: skip
 
     def sources(self) -> tuple[Source, ...]:
@@ -203,9 +206,8 @@ class HostBufferPart:
     def status(self) -> dict[str, Any] | None:
         return {"host_buffer": self.host.status()}
 
-    @staticmethod
-    def _fetch_parked(it: Iteration) -> None:  # first: the head's prefill size depends on its parked KV being back
-        host_buffer.fetch_parked(it.kv, it.scheduler, int(demand.decode_reserve_tokens(it.scheduler)))
+    def _fetch_parked(self, it: Iteration) -> None:  # first: the head's prefill size needs its parked KV back
+        host_buffer.fetch_parked(it.kv, self.host, it.scheduler, int(demand.decode_reserve_tokens(it.scheduler)))
 
 
 @dataclass(eq=False)

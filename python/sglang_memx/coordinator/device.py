@@ -28,6 +28,7 @@ from sglang_memx.coordinator.components import (
     WeightLender,
 )
 from sglang_memx.coordinator.parts import Component, Iteration, Source, Step
+from sglang_memx.elastic.host_state import HostBufferState
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import scheduler as up_sched
 
@@ -88,6 +89,11 @@ class Coordinator:
         """The activation sharing the pool, or a side that holds nothing (``NoActivation``)."""
         return self.part(ActivationBalloonPart) or NO_ACTIVATION
 
+    def host_buffer(self) -> HostBufferState | None:
+        """The host KV buffer (``--memx-host-buffer-gb``), or None."""
+        part = self.part(HostBufferPart)
+        return None if part is None else part.host
+
     def physical_budget(self) -> tuple[int, int]:
         """(chunks this server may ever use: its own pool or the shared pool's budget, chunks of
         them other mechanisms always keep: the weights' minimum, the largest prefill batch's
@@ -145,25 +151,26 @@ class Coordinator:
         return doc
 
 
-def components_of(kv) -> tuple[Component, ...]:
-    """The components of the parts a KV space was built with (the build sets them on it). The
-    pool build adds the layer stream cache and the peer tier (``pool_build.finish``); the weights
-    come later, once the model is loaded (``WeightLender``, registered by the hooks)."""
+def components_of(kv, *, host: HostBufferState | None = None) -> tuple[Component, ...]:
+    """The components of the parts a KV space was built with: the build sets them on it or passes
+    them (``host``). The pool build adds the layer stream cache and the peer tier
+    (``pool_build.finish``); the weights come later, once the model is loaded (``WeightLender``,
+    registered by the hooks)."""
     found: list[Component] = []
-    lent, balloon, host = kv.lent, kv.activation, kv.host
+    lent, balloon = kv.lent, kv.activation
     if lent is not None:
         found.append(SharedPoolLender(kv, lent))
     if balloon is not None:
-        found.append(ActivationBalloonPart(kv, balloon))
+        found.append(ActivationBalloonPart(kv, balloon, host))
     if host is not None:
         found.append(HostBufferPart(kv, host))
     return tuple(found)
 
 
-def attach(allocator, kv, extra: tuple[Component, ...] = ()) -> Coordinator:
-    """Make the coordinator of ``kv`` (its components from its parts, then ``extra``) and tie it
-    to upstream's allocator, where ``of`` finds it."""
-    return tie(allocator, Coordinator(kv, components_of(kv) + tuple(extra)))
+def attach(allocator, kv, extra: tuple[Component, ...] = (), *, host: HostBufferState | None = None) -> Coordinator:
+    """Make the coordinator of ``kv`` (its components from its parts and ``host``, then ``extra``)
+    and tie it to upstream's allocator, where ``of`` finds it."""
+    return tie(allocator, Coordinator(kv, components_of(kv, host=host) + tuple(extra)))
 
 
 def tie(allocator, coordinator: Coordinator) -> Coordinator:

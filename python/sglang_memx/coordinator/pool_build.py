@@ -131,11 +131,12 @@ def finish(build: Build, result) -> None:
     build.config.check_server_args(
         up_args.radix_cache_disabled(build.server_args), up_args.cuda_graphs_possible(build.server_args)
     )
+    host = None
     if build.config.host_buffer_gb is not None:
-        kv.host = build_host_buffer(build.config, kv.buffers.group_bytes)
+        host = build_host_buffer(build.config, kv.buffers.group_bytes)
     extra: list = []
     if build.layer_stream is not None:
         extra.append(LayerStreamPart(build.layer_stream))
     if build.config.peer_kv != "off":
         extra.append(PeerTier(kv))
-    device.attach(allocator, kv, tuple(extra))
+    device.attach(allocator, kv, tuple(extra), host=host)

@@ -32,6 +32,7 @@ from __future__ import annotations
 from memory_ext.policy.prefill_admission import DEFER, OFFLOAD, ON_GPU, PrefillAsk, judge_prefill
 from sglang_memx.elastic import demand, host_buffer
 from sglang_memx.elastic.ballooning import reserve_activation
+from sglang_memx.elastic.host_state import HostBufferState
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 
@@ -51,8 +52,8 @@ def _paged(tokens: int, page: int) -> int:
     return -(-tokens // page) * page
 
 
-def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool) -> PrefillAsk:
-    """The admission rule's inputs for ``req`` in this pass, in KV tokens."""
+def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool, host: HostBufferState | None) -> PrefillAsk:
+    """The admission rule's inputs for ``req`` in this pass, in KV tokens (``host``: the host buffer, if any)."""
     budget = up_sched.adder_budget(adder)
     total, current = up_sched.budget_offsets(budget)
     page = up_sched.adder_page_size(adder)
@@ -63,7 +64,6 @@ def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool) -> PrefillAsk:
         need = balloon.need_chunks(state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1)
         act = kv.activation_cost_pages(need - balloon.live) * page
     offload_kv = room = 0
-    host = kv.host
     if (host is not None and not has_chunked_req and not up_sched.adder_has_chunked(adder)
             and up_req.is_plain_text_request(req) and up_sched.is_physical_budget(budget)):  # fmt: skip
         row = demand.kv_row_bytes(up_sched.adder_allocator(adder))
@@ -87,14 +87,14 @@ def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool) -> PrefillAsk:
     )
 
 
-def add_one(original, adder, req, has_chunked_req, truncation_align_size, kv):
+def add_one(original, adder, req, has_chunked_req, truncation_align_size, kv, host: HostBufferState | None):
     """``PrefillAdder.add_one_req`` with memx's admission rule in front (module docstring):
     one question, then the verdict's branches."""
     state = up_sched.adder_state(adder)
     chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
-    verdict = judge_prefill(server_ask(kv, adder, req, chunk, has_chunked_req))
+    verdict = judge_prefill(server_ask(kv, adder, req, chunk, has_chunked_req, host))
     if verdict.action == DEFER:
-        return _defer(kv, adder, req, verdict.buffer_full)
+        return _defer(host, adder, req, verdict.buffer_full)
     live_before = kv.activation.live if kv.activation is not None else None
     allocator = up_sched.adder_allocator(adder)
     if not reserve_activation(kv, allocator, None, state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1):
@@ -103,21 +103,20 @@ def add_one(original, adder, req, has_chunked_req, truncation_align_size, kv):
     if verdict.action == ON_GPU:
         result = original(adder, req, has_chunked_req, truncation_align_size)
         if not up_sched.adder_admitted(adder, req) and verdict.if_refused == OFFLOAD:  # the buffer may take it
-            result = _offload(original, adder, req, has_chunked_req, truncation_align_size, kv)
+            result = _offload(original, adder, req, has_chunked_req, truncation_align_size, host)
     else:
-        result = _offload(original, adder, req, has_chunked_req, truncation_align_size, kv)
+        result = _offload(original, adder, req, has_chunked_req, truncation_align_size, host)
     if not up_sched.adder_admitted(adder, req):
         if live_before is not None:
             kv.activation.live = live_before  # not admitted: its share goes back to idle (KV may take it)
         return result
     state.batch_tokens += chunk
-    if kv.host is not None:
-        host_buffer.note_admitted(kv, req, up_sched.adder_tree_cache(adder))
+    if host is not None:
+        host_buffer.note_admitted(host, req, up_sched.adder_tree_cache(adder))
     return result
 
 
-def _defer(kv, adder, req, buffer_full: bool):
-    host = kv.host
+def _defer(host: HostBufferState | None, adder, req, buffer_full: bool):
     if host is not None and up_req.rid(req) in host.buffer:  # prefilled already, waiting for room to decode
         up_sched.adder_state(adder).behind_parked = True
         return up_sched.add_result("CONTINUE")  # requests behind it may still prefill into the buffer
@@ -126,7 +125,7 @@ def _defer(kv, adder, req, buffer_full: bool):
     return up_sched.add_result("NO_TOKEN")
 
 
-def _offload(original, adder, req, has_chunked_req, truncation_align_size, kv):
+def _offload(original, adder, req, has_chunked_req, truncation_align_size, host: HostBufferState):
     """Upstream's admission against the device's physical room; the KV is parked after the prefill."""
     budget = up_sched.adder_budget(adder)
     steps = _chunks(
@@ -136,7 +135,7 @@ def _offload(original, adder, req, has_chunked_req, truncation_align_size, kv):
         original(adder, req, has_chunked_req, truncation_align_size)
     if not up_sched.adder_admitted(adder, req):
         return up_sched.add_result("NO_TOKEN")
-    host_buffer.mark_offloaded(kv, req, host_buffer.offload_bytes(req, up_sched.adder_allocator(adder)))
+    host_buffer.mark_offloaded(host, req, host_buffer.offload_bytes(req, up_sched.adder_allocator(adder)))
     chunk_room = up_sched.adder_chunk_room(adder)
     if up_sched.adder_input_room(adder) <= 0 or (chunk_room is not None and chunk_room <= 0):
         return up_sched.add_result("OTHER")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
+from sglang_memx.elastic.host_state import HostBufferState
 from sglang_memx.elastic.shared_pool import borrow_chunks
 
 
@@ -45,12 +46,12 @@ def reserve_activation(kv, allocator, tree, tokens: int, seqs: int, *, urgent: b
     return balloon.reserve(tokens, seqs, kv_idle, deflate)
 
 
-def hold_head_activation(kv, balloon, allocator, tree, scheduler) -> None:
+def hold_head_activation(kv, balloon, allocator, tree, scheduler, host: HostBufferState | None) -> None:
     """Before batch selection (no prefix match is pending yet, so evicting cached prefixes is
     safe): hold the head request's prefill activation in ``balloon`` (``kv``'s activation), so
     that a server whose memory is all cached prefixes still admits it. The chunks stay idle until
-    the batch reserves them."""
-    tokens = demand.head_prefill_tokens(scheduler, kv)
+    the batch reserves them. ``host``: the host buffer, if any (its pinned prefixes count as cached)."""
+    tokens = demand.head_prefill_tokens(scheduler, host)
     if tokens <= 0:
         return
     reserve_activation(kv, allocator, tree, tokens, 1)

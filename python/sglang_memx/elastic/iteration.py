@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from sglang_memx.elastic.host_state import HostBufferState
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 
@@ -32,12 +33,12 @@ def cap_request_lengths(scheduler, kv, budget_chunks: int, kept_chunks: int) -> 
     kv.lengths_capped = True
 
 
-def reopen_admission_for_offload(kv, scheduler) -> None:
+def reopen_admission_for_offload(host: HostBufferState, scheduler) -> None:
     """Upstream stops trying to admit after a refusal until a running request leaves; with room
     in the host buffer a new request may still prefill there."""
     if (
         up_sched.admission_closed_for_memory(scheduler)
-        and kv.host.offload_room() > 0
+        and host.offload_room() > 0
         and any(up_req.is_plain_text_request(r) for r in up_sched.waiting(scheduler))
     ):
         up_sched.reopen_admission(up_sched.running_batch(scheduler))

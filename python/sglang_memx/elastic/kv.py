@@ -8,8 +8,8 @@ by ``free``). ``UpstreamFreeList`` gives the space the few operations it needs o
 ``upstream.kv``; the space's methods take the allocator as the free list's handle. The invariant
 and the grow / shrink / premap rules are the space's (``kv_space``'s docstring).
 
-The collaborators attached here (``lent``, ``host``) are the
-device's mechanisms; the coordinator holds them as typed components (``coordinator.device``).
+The device's mechanisms (shared-pool link, host buffer, ...) are not attached here: the
+coordinator holds them as typed components (``coordinator.device``).
 Not thread-safe: called from the scheduler thread only.
 """
 
@@ -70,7 +70,6 @@ class ElasticKV(KVSpace):
         super().__init__(buffers, page_size, num_pages, UpstreamFreeList(device), spare_groups=spare_groups)
         self.device = device
         self.lent = lent  # LentPool when the pool is shared, else None
-        self.host = None  # HostBufferState (--memx-host-buffer-gb), or None
         self.slab = None  # SlabFormat of this server's groups (elastic.slab), set by the build
         self.cell: dict = {}  # its KV cell (dtype, layers, KV heads, head dims, F2 token size)
         # scheduler-side state: borrow back-off (shared pool), one-time length cap
