@@ -82,7 +82,7 @@ def test_add_one_acts_on_the_verdict(name, available, buffer_tokens, parked, ref
     adder, kv = _admission_pass(available, buffer_tokens, parked)
     upstream = Upstream(refuse)
     req = FakeReq(prompt=100, max_new=50, **fields)  # device KV 151 tokens, 101 while offloaded, parks 100
-    got = admission.add_one(upstream, adder, req, False, 0, kv, kv.host)
+    got = admission.add_one(upstream, adder, req, False, 0, kv, kv.host, None)
     assert upstream.modes == modes
     assert up_sched.adder_admitted(adder, req) is admitted
     assert is_offloaded(req) is offloaded

@@ -51,7 +51,7 @@ def _server_decisions(available, running_reserve, running, queue, buffer_tokens,
     if buffer_tokens:
         host = build_host_buffer(MemxConfig(elastic_kv=True, host_buffer_gb=buffer_tokens * ROW_BYTES / (1 << 30)),
                                  ROW_BYTES)  # fmt: skip
-    kv = types.SimpleNamespace(activation=None, host=host, lent=None, weights=None)
+    kv = types.SimpleNamespace(activation=None, weights=None)
     device.attach(allocator, kv, host=host)
     budget = up_sched.new_physical_budget(allocator, tree, 0)
     budget.total_offset = running_reserve

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.coordinator.parts import Iteration, Source, Step, source, step
 from sglang_memx.elastic import demand, host_buffer, iteration, shared_pool, slo
 from sglang_memx.elastic.ballooning import grow_over_activation, hold_head_activation
@@ -74,12 +75,12 @@ class SharedPoolLender:
     """This server's side of the device's shared pool (``memory_ext.pool.lent_pool.LentPool``)."""
 
     kv: Any
-    lent: Any
+    lent: LentPool
     name: str = "shared-pool lender"
 
     def steps(self) -> tuple[Step, ...]:
         return (
-            step("consume wake-ups", lambda it: shared_pool.attend(it.kv, it.scheduler)),
+            step("consume wake-ups", lambda it: shared_pool.attend(it.kv, self.lent, it.scheduler)),
             step("answer reclaims", self._answer_reclaim),
             step("give back, borrow", self._balance),
             step("report to the arbiter", self._report),
@@ -95,27 +96,24 @@ class SharedPoolLender:
         """Memory that looked growable when a chunked prefill was admitted may have gone back to the
         arbiter since (a RECLAIM answered between two of its chunks): borrow it at once (urgent)."""
         short = pages - up_kv.free_page_count(allocator)
-        if short > 0 and shared_pool.borrow_tokens(self.kv, short * up_kv.page_size(allocator), urgent=True):
+        if short > 0 and shared_pool.borrow_tokens(self.kv, self.lent, short * up_kv.page_size(allocator), urgent=True):
             self.kv.grow(allocator, pages)
 
-    @staticmethod
-    def _answer_reclaim(it: Iteration) -> None:
+    def _answer_reclaim(self, it: Iteration) -> None:
         weights = it.coordinator.part(WeightLender)
-        release = None if weights is None else weights.release_for_reclaim
-        shared_pool.answer_reclaim(it.kv, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side(),
-                                   release_layers=release)  # fmt: skip
+        release = None if weights is None else (lambda chunks: weights.release_for_reclaim(self.lent, chunks))
+        shared_pool.answer_reclaim(it.kv, self.lent, it.allocator, it.tree, it.scheduler,
+                                   it.coordinator.activation_side(), release_layers=release)  # fmt: skip
 
-    @staticmethod
-    def _balance(it: Iteration) -> None:
+    def _balance(self, it: Iteration) -> None:
         activation = it.coordinator.activation_side()
-        shared_pool.balance(it.kv, it.allocator, it.tree, it.scheduler,
+        shared_pool.balance(it.kv, self.lent, it.allocator, it.tree, it.scheduler,
                             activation.head_prefill_chunks(it.scheduler), activation)  # fmt: skip
 
-    @staticmethod
-    def _report(it: Iteration) -> None:
+    def _report(self, it: Iteration) -> None:
         weights = it.coordinator.part(WeightLender)
-        lendable = None if weights is None else weights.lendable_chunks
-        shared_pool.report(it.kv, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side(),
+        lendable = None if weights is None else (lambda: weights.lendable_chunks(self.lent))
+        shared_pool.report(it.kv, self.lent, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side(),
                            lendable=lendable)  # fmt: skip
 
 
@@ -133,7 +131,7 @@ class ActivationBalloonPart:
             step("end the activation's iteration", lambda it: self.balloon.end_iteration()),
             step("hold the head's activation",
                  lambda it: hold_head_activation(it.kv, self.balloon, it.allocator, it.tree, it.scheduler,
-                                             self.host)),
+                                             self.host, it.coordinator.shared_pool())),
         )  # fmt: skip
 
     def sources(self) -> tuple[Source, ...]:
@@ -221,7 +219,17 @@ class WeightLender:
     def steps(self) -> tuple[Step, ...]:
         return (
             step("sleep or wake", self._sleep_or_wake),
-            step("Oneiros step", lambda it: remap.step(self.weights, it.kv, it.allocator, it.scheduler)),
+            step(
+                "Oneiros step",
+                lambda it: remap.step(
+                    self.weights,
+                    it.kv,
+                    it.allocator,
+                    it.scheduler,
+                    it.coordinator.shared_pool(),
+                    it.coordinator.host_buffer(),
+                ),
+            ),
         )
 
     def sources(self) -> tuple[Source, ...]:
@@ -230,16 +238,17 @@ class WeightLender:
     def status(self) -> dict[str, Any] | None:
         return {"weights": self.weights.status()}
 
-    def lendable_chunks(self) -> int:
-        """Chunks releasing layers could free for the arbiter now (``weights.lending``)."""
-        return lending.lendable_chunks(self.weights, self.kv)
+    def lendable_chunks(self, lent: LentPool) -> int:
+        """Chunks releasing layers could free for the arbiter of ``lent`` now (``weights.lending``)."""
+        return lending.lendable_chunks(self.weights, self.kv, lent)
 
-    def release_for_reclaim(self, chunks: int) -> int:
-        return lending.release_for_reclaim(self.weights, self.kv, chunks)
+    def release_for_reclaim(self, lent: LentPool, chunks: int) -> int:
+        return lending.release_for_reclaim(self.weights, self.kv, lent, chunks)
 
     def _sleep_or_wake(self, it: Iteration) -> None:
-        if it.coordinator.part(SharedPoolLender) is not None:  # sleep gives the memory to the pool's peers
-            sleep.step(self.weights, it.kv, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side())
+        lent = it.coordinator.shared_pool()
+        if lent is not None:  # sleep gives the memory to the pool's peers
+            sleep.step(self.weights, it.kv, lent, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side())
 
 
 @dataclass(eq=False)
@@ -278,4 +287,5 @@ class PeerTier:
 
     def _tick(self, it: Iteration) -> None:
         streamed = it.coordinator.part(LayerStreamPart)  # the tier serves the layer stream cache too
-        peer_server.tick(it.scheduler, self.kv, None if streamed is None else streamed.stream)
+        stream = None if streamed is None else streamed.stream
+        peer_server.tick(it.scheduler, self.kv, it.coordinator.shared_pool(), stream)

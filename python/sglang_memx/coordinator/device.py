@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any, TypeVar
 
+from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.coordinator.components import (
     ActivationBalloonPart,
     HostBufferPart,
@@ -89,6 +90,11 @@ class Coordinator:
         """The activation sharing the pool, or a side that holds nothing (``NoActivation``)."""
         return self.part(ActivationBalloonPart) or NO_ACTIVATION
 
+    def shared_pool(self) -> LentPool | None:
+        """This server's link to the device's shared pool (``--memx-pool``), or None (its own pool)."""
+        part = self.part(SharedPoolLender)
+        return None if part is None else part.lent
+
     def host_buffer(self) -> HostBufferState | None:
         """The host KV buffer (``--memx-host-buffer-gb``), or None."""
         part = self.part(HostBufferPart)
@@ -151,13 +157,13 @@ class Coordinator:
         return doc
 
 
-def components_of(kv, *, host: HostBufferState | None = None) -> tuple[Component, ...]:
-    """The components of the parts a KV space was built with: the build sets them on it or passes
-    them (``host``). The pool build adds the layer stream cache and the peer tier
-    (``pool_build.finish``); the weights come later, once the model is loaded (``WeightLender``,
-    registered by the hooks)."""
+def components_of(kv, *, lent: LentPool | None = None, host: HostBufferState | None = None) -> tuple[Component, ...]:
+    """The components of the parts a KV space was built with: its activation balloon (the build
+    sets it on the space), the shared pool's link and the host buffer. The pool build adds the
+    layer stream cache and the peer tier (``pool_build.finish``); the weights come later, once the
+    model is loaded (``WeightLender``, registered by the hooks)."""
     found: list[Component] = []
-    lent, balloon = kv.lent, kv.activation
+    balloon = kv.activation
     if lent is not None:
         found.append(SharedPoolLender(kv, lent))
     if balloon is not None:
@@ -167,10 +173,11 @@ def components_of(kv, *, host: HostBufferState | None = None) -> tuple[Component
     return tuple(found)
 
 
-def attach(allocator, kv, extra: tuple[Component, ...] = (), *, host: HostBufferState | None = None) -> Coordinator:
-    """Make the coordinator of ``kv`` (its components from its parts and ``host``, then ``extra``)
+def attach(allocator, kv, extra: tuple[Component, ...] = (), *, lent: LentPool | None = None,
+           host: HostBufferState | None = None) -> Coordinator:  # fmt: skip
+    """Make the coordinator of ``kv`` (its components from its parts, ``lent`` and ``host``, then ``extra``)
     and tie it to upstream's allocator, where ``of`` finds it."""
-    return tie(allocator, Coordinator(kv, components_of(kv, host=host) + tuple(extra)))
+    return tie(allocator, Coordinator(kv, components_of(kv, lent=lent, host=host) + tuple(extra)))
 
 
 def tie(allocator, coordinator: Coordinator) -> Coordinator:

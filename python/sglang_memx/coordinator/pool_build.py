@@ -15,6 +15,7 @@ import contextlib
 import threading
 from dataclasses import dataclass
 
+from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.config import MemxConfig, MemxConfigError
 from sglang_memx.coordinator import device
 from sglang_memx.coordinator.components import LayerStreamPart, PeerTier
@@ -39,6 +40,7 @@ class Build:
     profile: object
     batch_tokens: int
     kv: object = None
+    lent: LentPool | None = None  # the shared pool's link (--memx-pool), with the KV space
     layer_stream: object = None  # peer.layer_stream.LayerStreamSetup (--memx-peer-layer-stream), once planned
 
 
@@ -93,7 +95,7 @@ def make_elastic(pool) -> bool:
     g = up_kv.pool_geometry(pool)
     layers, stream = g["layers"], build.layer_stream
     own, index_of = (layers, lambda i: i) if stream is None else layer_stream.buffer_index(stream, layers)
-    kv = build_elastic_kv(build.config, [g["k_row_bytes"]] * own + [g["v_row_bytes"]] * own,
+    kv, build.lent = build_elastic_kv(build.config, [g["k_row_bytes"]] * own + [g["v_row_bytes"]] * own,
                           g["rows"], g["page_size"], g["pages"], g["device"],
                           server_url=up_args.server_url(build.server_args), profile=build.profile,
                           batch_tokens=build.batch_tokens)  # fmt: skip
@@ -139,4 +141,4 @@ def finish(build: Build, result) -> None:
         extra.append(LayerStreamPart(build.layer_stream))
     if build.config.peer_kv != "off":
         extra.append(PeerTier(kv))
-    device.attach(allocator, kv, tuple(extra), host=host)
+    device.attach(allocator, kv, tuple(extra), lent=build.lent, host=host)

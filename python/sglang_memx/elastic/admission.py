@@ -30,6 +30,7 @@ it (first come, first served).
 from __future__ import annotations
 
 from memory_ext.policy.prefill_admission import DEFER, OFFLOAD, ON_GPU, PrefillAsk, judge_prefill
+from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.elastic import demand, host_buffer
 from sglang_memx.elastic.ballooning import reserve_activation
 from sglang_memx.elastic.host_state import HostBufferState
@@ -87,7 +88,8 @@ def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool, host: HostBuff
     )
 
 
-def add_one(original, adder, req, has_chunked_req, truncation_align_size, kv, host: HostBufferState | None):
+def add_one(original, adder, req, has_chunked_req, truncation_align_size, kv, host: HostBufferState | None,
+            lent: LentPool | None):  # fmt: skip
     """``PrefillAdder.add_one_req`` with memx's admission rule in front (module docstring):
     one question, then the verdict's branches."""
     state = up_sched.adder_state(adder)
@@ -97,7 +99,8 @@ def add_one(original, adder, req, has_chunked_req, truncation_align_size, kv, ho
         return _defer(host, adder, req, verdict.buffer_full)
     live_before = kv.activation.live if kv.activation is not None else None
     allocator = up_sched.adder_allocator(adder)
-    if not reserve_activation(kv, allocator, None, state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1):
+    if not reserve_activation(kv, allocator, None, state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1,
+                              lent=lent):  # fmt: skip
         kv.activation.stats["deferred_requests"] += 1
         return up_sched.add_result("NO_TOKEN")
     if verdict.action == ON_GPU:
@@ -144,14 +147,14 @@ def _offload(original, adder, req, has_chunked_req, truncation_align_size, host:
     return up_sched.add_result("NO_TOKEN")
 
 
-def add_chunk(original, adder, req, kv):
+def add_chunk(original, adder, req, kv, lent: LentPool | None):
     """``PrefillAdder.add_chunked_req``: the next chunk of a chunked prefill makes its activation
     live (held since the tick), so KV cannot take it; it cannot wait (it holds KV), so a
     shortfall is only counted. An offloaded prefill's chunks are sized by the physical room."""
     allocator = up_sched.adder_allocator(adder)
     if kv.activation is not None:
         chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
-        if not reserve_activation(kv, allocator, None, chunk, 1):
+        if not reserve_activation(kv, allocator, None, chunk, 1, lent=lent):
             kv.activation.stats["overcommitted_chunks"] += 1
     if host_buffer.is_offloaded(req):
         rest = demand.next_chunk_tokens(req, None)

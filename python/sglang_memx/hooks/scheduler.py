@@ -91,14 +91,14 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     ):
         return original(adder, req, has_chunked_req, truncation_align_size)
     return admission.add_one(original, adder, req, has_chunked_req, truncation_align_size, coordinator.kv,
-                             coordinator.host_buffer())  # fmt: skip
+                             coordinator.host_buffer(), coordinator.shared_pool())  # fmt: skip
 
 
 def around_add_chunked_req(original, adder, req):
     coordinator = device.of(up_sched.adder_allocator(adder))
     if coordinator is None:
         return original(adder, req)
-    return admission.add_chunk(original, adder, req, coordinator.kv)
+    return admission.add_chunk(original, adder, req, coordinator.kv, coordinator.shared_pool())
 
 
 def around_release_req(original, batch, idx, remaing_req_count, offload_kv=True):
