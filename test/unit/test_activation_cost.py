@@ -90,7 +90,7 @@ def test_one_group_server_pays_nothing_when_free_and_idle_chunks_cover_the_activ
     assert kv.activation_cost_pages(3) == 0  # the old rule charged a whole group: 64 of 64
     assert kv.activation_cost_pages(4) == 1  # one chunk short: group 1 goes, with its single page
     before = _available(kv, alloc)
-    assert reserve_activation(kv, alloc, None, _tokens_for(kv, 4), 1, lent=None)
+    assert reserve_activation(kv, kv.activation, alloc, None, _tokens_for(kv, 4), 1, lent=None)
     assert before - _available(kv, alloc) == 1
 
 
@@ -110,7 +110,7 @@ def test_cost_equals_what_reserving_takes_from_the_scheduler_count():
             predicted = kv.activation_cost_pages(extra)
             before = _available(kv, alloc)
             need = kv.activation.live + extra
-            if not reserve_activation(kv, alloc, None, _tokens_for(kv, need), 1, lent=None):
+            if not reserve_activation(kv, kv.activation, alloc, None, _tokens_for(kv, need), 1, lent=None):
                 continue  # it does not fit at all (group 0 is never unmapped)
             assert kv.activation.live == need
             assert before - _available(kv, alloc) == predicted, (num_tokens, pool_chunks, extra)
@@ -145,7 +145,7 @@ def test_activation_borrows_its_chunks_from_the_arbiter_when_kv_holds_every_grou
         kv.grow(alloc, 64, "request")
         assert alloc.alloc(64) is not None  # every page held (running requests, say)
         assert kv.buffers.num_mapped == 2 and lent.pool.available() == 0
-        assert reserve_activation(kv, alloc, None, _tokens_for(kv, 3), 1, lent=lent)
+        assert reserve_activation(kv, kv.activation, alloc, None, _tokens_for(kv, 3), 1, lent=lent)
         assert kv.activation.live == 3 and kv.buffers.num_mapped == 2  # borrowed, KV untouched
 
 

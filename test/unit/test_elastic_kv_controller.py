@@ -132,7 +132,7 @@ def test_activation_takes_free_chunks_and_kv_inflates_into_idle_ones():
     from sglang_memx.elastic.ballooning import reserve_activation
 
     kv, alloc, pool = _with_balloon(CHUNK, capacity_chunks=4 * 4)  # group 0 + 12 free chunks
-    assert reserve_activation(kv, alloc, None, tokens=8, seqs=1, lent=None)  # 8 chunks
+    assert reserve_activation(kv, kv.activation, alloc, None, tokens=8, seqs=1, lent=None)  # 8 chunks
     assert pool.usage()[Owner.ACTIVATION] == 8 and kv.activation.live == 8
     assert kv.growable_pages() == 64  # 4 FREE chunks = one group; the live 8 are not KV's
     kv.activation.end_iteration()  # the forward is over: the 8 chunks are idle
@@ -150,15 +150,17 @@ def test_activation_deflates_free_kv_lazily_and_refuses_what_cannot_fit():
     kv.grow(alloc, 63 + 3 * 64)  # KV maps everything
     held = alloc.alloc(63 + 64)  # groups 0 and 1 in use, 2 and 3 free
     assert pool.available() == 0
-    assert reserve_activation(kv, alloc, None, tokens=5, seqs=1, lent=None)  # deflates 2 groups (only 5 needed)
+    assert reserve_activation(
+        kv, kv.activation, alloc, None, tokens=5, seqs=1, lent=None
+    )  # deflates 2 groups (only 5 needed)
     assert kv.buffers.num_mapped == 2 and pool.usage()[Owner.ACTIVATION] == 5
     assert kv.activation.stats["chunks_from_kv"] == 5
     kv.check(alloc)
     kv.activation.end_iteration()
-    assert not reserve_activation(kv, alloc, None, tokens=9, seqs=1, lent=None)  # 9 > 5 held + 3 free
+    assert not reserve_activation(kv, kv.activation, alloc, None, tokens=9, seqs=1, lent=None)  # 9 > 5 held + 3 free
     assert pool.usage()[Owner.ACTIVATION] == 5 and kv.activation.stats["refused"] == 1  # nothing taken
     alloc.free(held)
-    assert reserve_activation(kv, alloc, None, tokens=9, seqs=1, lent=None)  # group 1 is free now
+    assert reserve_activation(kv, kv.activation, alloc, None, tokens=9, seqs=1, lent=None)  # group 1 is free now
     kv.check(alloc)
 
 
@@ -271,7 +273,7 @@ def test_balloon_with_arena_maps_what_it_holds_and_lends_only_unpinned_chunks():
         pool, ActivationProfile(per_token_bytes=CHUNK), arena=arena, mempool=_FakeMemPool(lib, cached)
     )
     try:
-        assert reserve_activation(kv, alloc, None, tokens=8, seqs=1, lent=None)
+        assert reserve_activation(kv, kv.activation, alloc, None, tokens=8, seqs=1, lent=None)
         assert arena.mapped_chunks == kv.activation.held == 8 == pool.usage()[Owner.ACTIVATION]
         # the forward: torch's caching allocator takes two segments from the arena
         keep = lib.memx_arena_alloc(2 * CHUNK, 0, None)  # outlives the forward (chunks 0-1)

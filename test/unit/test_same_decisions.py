@@ -60,7 +60,14 @@ def _server_decisions(available, running_reserve, running, queue, buffer_tokens,
                                   rem_chunk_tokens=None, rem_input_tokens=1 << 20, new_chunked_req=None)  # fmt: skip
     out = {ON_GPU: [], OFFLOAD: [], DEFER: []}
     for req in queue:
-        ask = admission.server_ask(kv, adder, req, len(req.origin_input_ids), has_chunked_req=False, host=host)
+        ask = admission.server_ask(
+            adder,
+            req,
+            len(req.origin_input_ids),
+            has_chunked_req=False,
+            activation=device.of(allocator).activation_side(),
+            host=host,
+        )
         verdict = judge_prefill(ask)
         if verdicts is not None:
             verdicts.append(verdict)

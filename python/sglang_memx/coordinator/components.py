@@ -23,10 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from memory_ext.pool.activation_balloon import ActivationBalloon
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.coordinator.parts import Iteration, Source, Step, source, step
 from sglang_memx.elastic import demand, host_buffer, iteration, shared_pool, slo
-from sglang_memx.elastic.ballooning import grow_over_activation, hold_head_activation
+from sglang_memx.elastic.ballooning import grow_over_activation, hold_head_activation, reserve_activation
 from sglang_memx.elastic.host_state import HostBufferState
 from sglang_memx.peer import server as peer_server
 from sglang_memx.upstream import kv as up_kv
@@ -122,7 +123,7 @@ class ActivationBalloonPart:
     """Activations sharing the pool (``memory_ext.pool.activation_balloon.ActivationBalloon``)."""
 
     kv: Any
-    balloon: Any
+    balloon: ActivationBalloon
     host: HostBufferState | None = None  # the host buffer's pinned prefixes count as cached (``demand``)
     name: str = "activation balloon"
 
@@ -143,7 +144,7 @@ class ActivationBalloonPart:
     def _over_live_chunks(self, allocator, pages: int) -> None:
         grow_over_activation(self.kv, self.balloon, allocator, pages)
 
-    # the activation side the shared pool and sleep ask (``shared_pool.ActivationSide``)
+    # the activation side the other mechanisms ask (``elastic.activation_side.ActivationSide``)
     def held_chunks(self) -> int:
         return self.balloon.held
 
@@ -158,6 +159,22 @@ class ActivationBalloonPart:
 
     def release_idle(self, keep: int) -> None:
         self.balloon.release_idle(keep=keep)
+
+    def admission_cost_pages(self, tokens: int, seqs: int) -> int:
+        need = self.balloon.need_chunks(tokens, seqs)
+        return self.kv.activation_cost_pages(need - self.balloon.live)
+
+    def reserve(self, allocator, tree, tokens: int, seqs: int, *, lent: LentPool | None, urgent: bool = False) -> bool:
+        return reserve_activation(self.kv, self.balloon, allocator, tree, tokens, seqs, lent=lent, urgent=urgent)
+
+    def live_chunks(self) -> int:
+        return self.balloon.live
+
+    def set_live_chunks(self, chunks: int) -> None:
+        self.balloon.live = chunks
+
+    def count(self, event: str) -> None:
+        self.balloon.stats[event] += 1
 
 
 class NoActivation:
@@ -178,6 +195,21 @@ class NoActivation:
         return 0
 
     def release_idle(self, keep: int) -> None:
+        return None
+
+    def admission_cost_pages(self, tokens: int, seqs: int) -> int:
+        return 0
+
+    def reserve(self, allocator, tree, tokens: int, seqs: int, *, lent: LentPool | None, urgent: bool = False) -> bool:
+        return True  # nothing to hold: every batch fits as far as activations go
+
+    def live_chunks(self) -> int:
+        return 0
+
+    def set_live_chunks(self, chunks: int) -> None:
+        return None
+
+    def count(self, event: str) -> None:
         return None
 
 
@@ -205,7 +237,8 @@ class HostBufferPart:
         return {"host_buffer": self.host.status()}
 
     def _fetch_parked(self, it: Iteration) -> None:  # first: the head's prefill size needs its parked KV back
-        host_buffer.fetch_parked(it.kv, self.host, it.scheduler, int(demand.decode_reserve_tokens(it.scheduler)))
+        reserve = int(demand.decode_reserve_tokens(it.scheduler))
+        host_buffer.fetch_parked(it.kv, self.host, it.coordinator.activation_side(), it.scheduler, reserve)
 
 
 @dataclass(eq=False)

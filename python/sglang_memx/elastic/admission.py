@@ -32,7 +32,7 @@ from __future__ import annotations
 from memory_ext.policy.prefill_admission import DEFER, OFFLOAD, ON_GPU, PrefillAsk, judge_prefill
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.elastic import demand, host_buffer
-from sglang_memx.elastic.ballooning import reserve_activation
+from sglang_memx.elastic.activation_side import ActivationSide
 from sglang_memx.elastic.host_state import HostBufferState
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
@@ -53,17 +53,16 @@ def _paged(tokens: int, page: int) -> int:
     return -(-tokens // page) * page
 
 
-def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool, host: HostBufferState | None) -> PrefillAsk:
-    """The admission rule's inputs for ``req`` in this pass, in KV tokens (``host``: the host buffer, if any)."""
+def server_ask(adder, req, chunk: int, has_chunked_req: bool, activation: ActivationSide,
+               host: HostBufferState | None) -> PrefillAsk:  # fmt: skip
+    """The admission rule's inputs for ``req`` in this pass, in KV tokens (``activation``: the
+    coordinator's activation side; ``host``: the host buffer, if any)."""
     budget = up_sched.adder_budget(adder)
     total, current = up_sched.budget_offsets(budget)
     page = up_sched.adder_page_size(adder)
     state = up_sched.adder_state(adder)
-    balloon = kv.activation
-    act = 0
-    if balloon is not None:  # what making the batch's activation live takes from the budget (in KV tokens)
-        need = balloon.need_chunks(state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1)
-        act = kv.activation_cost_pages(need - balloon.live) * page
+    # what making the batch's activation live takes from the budget (in KV tokens)
+    act = activation.admission_cost_pages(state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1) * page
     offload_kv = room = 0
     if (host is not None and not has_chunked_req and not up_sched.adder_has_chunked(adder)
             and up_req.is_plain_text_request(req) and up_sched.is_physical_budget(budget)):  # fmt: skip
@@ -88,20 +87,20 @@ def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool, host: HostBuff
     )
 
 
-def add_one(original, adder, req, has_chunked_req, truncation_align_size, kv, host: HostBufferState | None,
-            lent: LentPool | None):  # fmt: skip
+def add_one(original, adder, req, has_chunked_req, truncation_align_size, activation: ActivationSide,
+            host: HostBufferState | None, lent: LentPool | None):  # fmt: skip
     """``PrefillAdder.add_one_req`` with memx's admission rule in front (module docstring):
     one question, then the verdict's branches."""
     state = up_sched.adder_state(adder)
     chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
-    verdict = judge_prefill(server_ask(kv, adder, req, chunk, has_chunked_req, host))
+    verdict = judge_prefill(server_ask(adder, req, chunk, has_chunked_req, activation, host))
     if verdict.action == DEFER:
         return _defer(host, adder, req, verdict.buffer_full)
-    live_before = kv.activation.live if kv.activation is not None else None
+    live_before = activation.live_chunks()
     allocator = up_sched.adder_allocator(adder)
-    if not reserve_activation(kv, allocator, None, state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1,
+    if not activation.reserve(allocator, None, state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1,
                               lent=lent):  # fmt: skip
-        kv.activation.stats["deferred_requests"] += 1
+        activation.count("deferred_requests")
         return up_sched.add_result("NO_TOKEN")
     if verdict.action == ON_GPU:
         result = original(adder, req, has_chunked_req, truncation_align_size)
@@ -110,8 +109,7 @@ def add_one(original, adder, req, has_chunked_req, truncation_align_size, kv, ho
     else:
         result = _offload(original, adder, req, has_chunked_req, truncation_align_size, host)
     if not up_sched.adder_admitted(adder, req):
-        if live_before is not None:
-            kv.activation.live = live_before  # not admitted: its share goes back to idle (KV may take it)
+        activation.set_live_chunks(live_before)  # not admitted: its share goes back to idle (KV may take it)
         return result
     state.batch_tokens += chunk
     if host is not None:
@@ -147,15 +145,14 @@ def _offload(original, adder, req, has_chunked_req, truncation_align_size, host:
     return up_sched.add_result("NO_TOKEN")
 
 
-def add_chunk(original, adder, req, kv, lent: LentPool | None):
+def add_chunk(original, adder, req, activation: ActivationSide, lent: LentPool | None):
     """``PrefillAdder.add_chunked_req``: the next chunk of a chunked prefill makes its activation
     live (held since the tick), so KV cannot take it; it cannot wait (it holds KV), so a
     shortfall is only counted. An offloaded prefill's chunks are sized by the physical room."""
     allocator = up_sched.adder_allocator(adder)
-    if kv.activation is not None:
-        chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
-        if not reserve_activation(kv, allocator, None, chunk, 1, lent=lent):
-            kv.activation.stats["overcommitted_chunks"] += 1
+    chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
+    if not activation.reserve(allocator, None, chunk, 1, lent=lent):
+        activation.count("overcommitted_chunks")
     if host_buffer.is_offloaded(req):
         rest = demand.next_chunk_tokens(req, None)
         chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))

@@ -11,16 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from memory_ext.pool.lent_pool import LentPool
-from sglang_memx.elastic.ballooning import reserve_decode_step
+from sglang_memx.elastic.activation_side import ActivationSide
 from sglang_memx.elastic.shared_pool import borrow_tokens
 from sglang_memx.upstream import kv as up_kv
 
 
 def decode_step_fits(kv, allocator, check: Callable[[], bool], num_tokens: int, tree, requests: int | None,
-                     *, lent: LentPool | None) -> bool:  # fmt: skip
+                     *, activation: ActivationSide, lent: LentPool | None) -> bool:  # fmt: skip
     """``check()`` is upstream's own test (it evicts cache and compares with available); ``lent``:
-    the shared pool's link when the KV space is on one (the coordinator's lender), else None."""
-    if requests is not None and not reserve_decode_step(kv, allocator, tree, requests, lent):
+    the shared pool's link when the KV space is on one (the coordinator's lender), else None;
+    ``activation``: the activation sharing the pool (the coordinator's side)."""
+    if requests is not None and not activation.reserve(allocator, tree, requests, requests, lent=lent, urgent=True):
         return False
     if lent is None:
         return check()

@@ -35,6 +35,7 @@ import logging
 import torch
 
 from sglang_memx.elastic import demand
+from sglang_memx.elastic.activation_side import ActivationSide
 from sglang_memx.elastic.host_state import HostBufferState, build_host_buffer  # noqa: F401  (re-exported)
 from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
@@ -164,7 +165,8 @@ def note_admitted(host: HostBufferState, req, tree) -> None:
         host.buffer.drop(rid)
 
 
-def fetch_parked(kv: ElasticKV, host: HostBufferState, scheduler, decode_reserve_tokens: int = 0) -> bool:
+def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSide, scheduler,
+                 decode_reserve_tokens: int = 0) -> bool:  # fmt: skip
     """Make sure the first waiting request with parked KV finds it on the device when it can be
     admitted: copy it back (evicting other cached prefixes if needed) unless the cache still holds
     it, and pin it in the radix cache until the request is admitted, so decode allocations cannot
@@ -200,7 +202,7 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, scheduler, decode_reserve
         return True
     _unpin(host, tree, rid)
     # the held activation chunks (idle now) are not room for KV
-    act = demand.activation_tokens(kv, kv.activation.held) if kv.activation else 0
+    act = demand.activation_tokens(kv, activation.held_chunks())
     short = n + page + act - up_kv.available_tokens(allocator)
     if short > 0:
         up_radix.evict(tree, short)

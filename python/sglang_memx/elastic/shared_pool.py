@@ -30,7 +30,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 from memory_ext.pool import Owner
 from memory_ext.pool.arbiter_client import ArbiterError
@@ -40,6 +39,7 @@ from memory_ext.vmm import private_dir
 from sglang_memx import router_activity
 from sglang_memx.config import MemxConfig, MemxConfigError, pool_owner_pid
 from sglang_memx.elastic import demand
+from sglang_memx.elastic.activation_side import ActivationSide
 from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
 from sglang_memx.elastic.paths import pool_dir, pool_socket
 from sglang_memx.upstream import kv as up_kv
@@ -231,20 +231,6 @@ def borrow_chunks(
         kv.borrow_backoff_until = now + delay
         kv.borrow_backoff_s = min(BORROW_BACKOFF_MAX_S, delay * 2)
     return got
-
-
-class ActivationSide(Protocol):
-    """What the shared pool asks of the activation sharing the server's pool (the coordinator
-    passes its activation component, or a side that holds nothing when there is none)."""
-
-    def held_chunks(self) -> int: ...
-
-    def idle_chunks(self) -> int: ...
-
-    def next_step_chunks(self, scheduler) -> int:
-        """Chunks the admitted requests' next step needs (``demand.admitted_activation_chunks``)."""
-
-    def release_idle(self, keep: int) -> None: ...
 
 
 def spare_free_chunks(kv, allocator, scheduler, activation: ActivationSide) -> int:
