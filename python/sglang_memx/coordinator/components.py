@@ -29,6 +29,7 @@ from sglang_memx.coordinator.parts import Iteration, Source, Step, source, step
 from sglang_memx.elastic import demand, host_buffer, iteration, shared_pool, slo
 from sglang_memx.elastic.ballooning import grow_over_activation, hold_head_activation, reserve_activation
 from sglang_memx.elastic.host_state import HostBufferState
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.peer import server as peer_server
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.weights import lending, remap, sleep
@@ -38,7 +39,7 @@ from sglang_memx.weights import lending, remap, sleep
 class KVCore:
     """The KV space: its free list inside mapped groups, grown and shrunk (``ElasticKV``)."""
 
-    kv: Any
+    kv: ElasticKV
     name: str = "kv space"
 
     def steps(self) -> tuple[Step, ...]:
@@ -75,7 +76,7 @@ class KVCore:
 class SharedPoolLender:
     """This server's side of the device's shared pool (``memory_ext.pool.lent_pool.LentPool``)."""
 
-    kv: Any
+    kv: ElasticKV
     lent: LentPool
     name: str = "shared-pool lender"
 
@@ -122,7 +123,7 @@ class SharedPoolLender:
 class ActivationBalloonPart:
     """Activations sharing the pool (``memory_ext.pool.activation_balloon.ActivationBalloon``)."""
 
-    kv: Any
+    kv: ElasticKV
     balloon: ActivationBalloon
     host: HostBufferState | None = None  # the host buffer's pinned prefixes count as cached (``demand``)
     name: str = "activation balloon"
@@ -217,7 +218,7 @@ class NoActivation:
 class HostBufferPart:
     """The host KV buffer (``elastic.host_buffer.HostBufferState``)."""
 
-    kv: Any
+    kv: ElasticKV
     host: HostBufferState
     name: str = "host buffer"
 
@@ -245,7 +246,7 @@ class HostBufferPart:
 class WeightLender:
     """Decoder layers in the pool, lent to KV and back (``weights.state.WeightsState``)."""
 
-    kv: Any
+    kv: ElasticKV
     weights: Any
     name: str = "weight lender"
 
@@ -306,7 +307,7 @@ class LayerStreamPart:
 class PeerTier:
     """The peer KV tier (donor / borrower, ``peer.server``), built on its first step."""
 
-    kv: Any
+    kv: ElasticKV
     name: str = "peer donor / borrower"
 
     def steps(self) -> tuple[Step, ...]:

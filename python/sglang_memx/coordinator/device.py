@@ -30,6 +30,7 @@ from sglang_memx.coordinator.components import (
 )
 from sglang_memx.coordinator.parts import Component, Iteration, Source, Step
 from sglang_memx.elastic.host_state import HostBufferState
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import scheduler as up_sched
 
@@ -38,7 +39,7 @@ NO_ACTIVATION = NoActivation()
 
 
 class Coordinator:
-    def __init__(self, kv, components: tuple[Component, ...] = ()):
+    def __init__(self, kv: ElasticKV, components: tuple[Component, ...] = ()):
         self.kv = kv
         self.components: tuple[Component, ...] = ()
         self._steps: tuple[tuple[Component, Step], ...] = ()
@@ -157,7 +158,9 @@ class Coordinator:
         return doc
 
 
-def components_of(kv, *, lent: LentPool | None = None, host: HostBufferState | None = None) -> tuple[Component, ...]:
+def components_of(
+    kv: ElasticKV, *, lent: LentPool | None = None, host: HostBufferState | None = None
+) -> tuple[Component, ...]:
     """The components of the parts a KV space was built with: its activation balloon (the build
     sets it on the space), the shared pool's link and the host buffer. The pool build adds the
     layer stream cache and the peer tier (``pool_build.finish``); the weights come later, once the
@@ -173,7 +176,7 @@ def components_of(kv, *, lent: LentPool | None = None, host: HostBufferState | N
     return tuple(found)
 
 
-def attach(allocator, kv, extra: tuple[Component, ...] = (), *, lent: LentPool | None = None,
+def attach(allocator, kv: ElasticKV, extra: tuple[Component, ...] = (), *, lent: LentPool | None = None,
            host: HostBufferState | None = None) -> Coordinator:  # fmt: skip
     """Make the coordinator of ``kv`` (its components from its parts, ``lent`` and ``host``, then ``extra``)
     and tie it to upstream's allocator, where ``of`` finds it."""

@@ -14,10 +14,11 @@ from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
 from sglang_memx.elastic.host_state import HostBufferState
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.elastic.shared_pool import borrow_chunks
 
 
-def reserve_activation(kv, balloon: ActivationBalloon, allocator, tree, tokens: int, seqs: int, *,
+def reserve_activation(kv: ElasticKV, balloon: ActivationBalloon, allocator, tree, tokens: int, seqs: int, *,
                        lent: LentPool | None, urgent: bool = False) -> bool:  # fmt: skip
     """eLLM Alg. 1's ballooning for one batch: its activation chunks in ``balloon`` (``kv``'s
     activation), from FREE, then idle KV.
@@ -49,8 +50,8 @@ def reserve_activation(kv, balloon: ActivationBalloon, allocator, tree, tokens: 
     return balloon.reserve(tokens, seqs, kv_idle, deflate)
 
 
-def hold_head_activation(kv, balloon: ActivationBalloon, allocator, tree, scheduler, host: HostBufferState | None,
-                         lent: LentPool | None) -> None:  # fmt: skip
+def hold_head_activation(kv: ElasticKV, balloon: ActivationBalloon, allocator, tree, scheduler,
+                         host: HostBufferState | None, lent: LentPool | None) -> None:  # fmt: skip
     """Before batch selection (no prefix match is pending yet, so evicting cached prefixes is
     safe): hold the head request's prefill activation in ``balloon`` (``kv``'s activation), so
     that a server whose memory is all cached prefixes still admits it. The chunks stay idle until
@@ -62,13 +63,15 @@ def hold_head_activation(kv, balloon: ActivationBalloon, allocator, tree, schedu
     balloon.end_iteration()
 
 
-def reserve_decode_step(kv, balloon: ActivationBalloon, allocator, tree, requests: int, lent: LentPool | None) -> bool:
+def reserve_decode_step(
+    kv: ElasticKV, balloon: ActivationBalloon, allocator, tree, requests: int, lent: LentPool | None
+) -> bool:
     """A decode step of ``requests`` sequences reserves its activation before upstream checks
     KV capacity; False: it does not fit (upstream then retracts a request and asks again)."""
     return reserve_activation(kv, balloon, allocator, tree, requests, requests, lent=lent, urgent=True)
 
 
-def grow_over_activation(kv, balloon: ActivationBalloon, allocator, pages: int) -> None:
+def grow_over_activation(kv: ElasticKV, balloon: ActivationBalloon, allocator, pages: int) -> None:
     """Last resort before upstream's fatal short allocation: map groups from the activation's
     live chunks too, when they only count torch's own allocations (no arena: CPU, or
     ``--memx-torch-activations``), so lending them moves no byte a forward uses. The forward

@@ -12,11 +12,12 @@ from collections.abc import Callable
 
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.elastic.activation_side import ActivationSide
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.elastic.shared_pool import borrow_tokens
 from sglang_memx.upstream import kv as up_kv
 
 
-def decode_step_fits(kv, allocator, check: Callable[[], bool], num_tokens: int, tree, requests: int | None,
+def decode_step_fits(kv: ElasticKV, allocator, check: Callable[[], bool], num_tokens: int, tree, requests: int | None,
                      *, activation: ActivationSide, lent: LentPool | None) -> bool:  # fmt: skip
     """``check()`` is upstream's own test (it evicts cache and compares with available); ``lent``:
     the shared pool's link when the KV space is on one (the coordinator's lender), else None;

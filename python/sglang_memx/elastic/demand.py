@@ -7,6 +7,7 @@ decision elsewhere (admission, borrowing, giving back, fetching parked KV).
 from __future__ import annotations
 
 from sglang_memx.elastic.host_state import HostBufferState
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
@@ -100,7 +101,7 @@ def admitted_activation_chunks(balloon, scheduler, host: HostBufferState | None)
     return need
 
 
-def activation_tokens(kv, chunks: int) -> int:
+def activation_tokens(kv: ElasticKV, chunks: int) -> int:
     """``chunks`` of pool memory in KV-token equivalents (whole groups)."""
     return -(-chunks // kv.buffers.chunks_per_group) * kv.buffers.group_rows
 

@@ -41,6 +41,7 @@ from sglang_memx.config import MemxConfig, MemxConfigError, pool_owner_pid
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.activation_side import ActivationSide
 from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.elastic.paths import pool_dir, pool_socket
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import radix as up_radix
@@ -170,7 +171,7 @@ def register_server(config: MemxConfig, url: str | None) -> Path | None:
 
 
 # ------------------------------------------------------------------ waking up for the arbiter
-def attend(kv, lent: LentPool, scheduler) -> None:
+def attend(kv: ElasticKV, lent: LentPool, scheduler) -> None:
     """Once per iteration: the first time, make an idle scheduler (``--sleep-on-idle``) wake up
     when the arbiter asks for memory, a late grant lands or the arbiter is lost (else a sleeping
     server would answer a reclaim only when its one-second sleep ends); then consume the
@@ -184,7 +185,7 @@ def attend(kv, lent: LentPool, scheduler) -> None:
 
 
 # ------------------------------------------------------------------ borrowing and giving back
-def borrow_tokens(kv, lent: LentPool, tokens: int, *, may_wait: bool = True, urgent: bool = False) -> int:
+def borrow_tokens(kv: ElasticKV, lent: LentPool, tokens: int, *, may_wait: bool = True, urgent: bool = False) -> int:
     """Borrow enough whole groups for ``tokens`` more tokens of KV (never more groups than KV
     could still map); return groups borrowed. Waiting, back-off: ``borrow_chunks``. Only on a
     shared pool (the coordinator's lender, or a caller it gates)."""
@@ -196,7 +197,7 @@ def borrow_tokens(kv, lent: LentPool, tokens: int, *, may_wait: bool = True, urg
 
 
 def borrow_chunks(
-    kv, lent: LentPool, units: int, unit_chunks: int = 1, *, may_wait: bool = True, urgent: bool = False
+    kv: ElasticKV, lent: LentPool, units: int, unit_chunks: int = 1, *, may_wait: bool = True, urgent: bool = False
 ) -> int:
     """Borrow ``units`` units of ``unit_chunks`` chunks (KV: whole groups; an activation: single
     chunks, which KV's capacity does not bound); return units borrowed.
@@ -233,7 +234,7 @@ def borrow_chunks(
     return got
 
 
-def spare_free_chunks(kv, allocator, scheduler, activation: ActivationSide) -> int:
+def spare_free_chunks(kv: ElasticKV, allocator, scheduler, activation: ActivationSide) -> int:
     """FREE chunks not needed for the running requests' remaining decode, nor for the activation
     of their next step (a decode step, or a chunked prefill's next chunk): those may go back.
 
@@ -246,7 +247,7 @@ def spare_free_chunks(kv, allocator, scheduler, activation: ActivationSide) -> i
     return max(0, kv.buffers.pool.usage()[Owner.FREE] - keep)
 
 
-def answer_reclaim(kv, lent: LentPool, allocator, tree, scheduler, activation: ActivationSide,
+def answer_reclaim(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation: ActivationSide,
                    release_layers: Callable[[int], int] | None = None) -> int:  # fmt: skip
     """Free and return the chunks the arbiter asked for (idle activation, free groups, then
     cached prefixes, then, with remappable weights, layers: ``release_layers(chunks)``, which
@@ -261,7 +262,7 @@ def answer_reclaim(kv, lent: LentPool, allocator, tree, scheduler, activation: A
     return lent.give_back(min(pending, spare_free_chunks(kv, allocator, scheduler, activation)))
 
 
-def report(kv, lent: LentPool, allocator, tree, scheduler, activation: ActivationSide,
+def report(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation: ActivationSide,
            lendable: Callable[[], int] | None = None) -> None:  # fmt: skip
     """The arbiter policy's numbers for this server: chunks it could give back now (spare FREE,
     empty groups, evictable cache, idle activation beyond the decode steps' need, and what
@@ -282,7 +283,9 @@ def report(kv, lent: LentPool, allocator, tree, scheduler, activation: Activatio
     lent.report(idle, headroom, busy)
 
 
-def balance(kv, lent: LentPool, allocator, tree, scheduler, activation_chunks: int, activation: ActivationSide) -> None:
+def balance(
+    kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation_chunks: int, activation: ActivationSide
+) -> None:
     """Give unused chunks back when nothing waits, borrow the queue's shortfall (the coordinator
     reports right after: ``report``).
 

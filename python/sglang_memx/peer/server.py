@@ -41,6 +41,7 @@ from memory_ext.peer.kvpack import layout_of_buffers
 from memory_ext.policy.swiftcache import DonationPolicy
 from memory_ext.pool.lent_pool import LentPool
 from memory_ext.vmm import host_backend
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.elastic.paths import pool_dir
 from sglang_memx.peer import layer_stream, peer_name
 from sglang_memx.peer.prefix import PeerPrefixCache
@@ -63,7 +64,7 @@ DEFAULT_DONATE_FRACTION = 0.5  # without --memx-peer-donate-max-gb: at most half
 
 
 class PeerKVServer:
-    def __init__(self, scheduler, config, kv, lent: LentPool | None, stream):
+    def __init__(self, scheduler, config, kv: ElasticKV | None, lent: LentPool | None, stream):
         tree = up_sched.tree_cache(scheduler)
         allocator = up_sched.allocator(scheduler)
         if not up_peer.is_unified(tree):
@@ -250,7 +251,7 @@ def server_of(scheduler):
 _without: set[int] = set()  # schedulers (by id) that run without the tier
 
 
-def tick(scheduler, kv, lent: LentPool | None, stream) -> None:
+def tick(scheduler, kv: ElasticKV | None, lent: LentPool | None, stream) -> None:
     """Once per scheduler iteration (the coordinator's peer step; ``kv``: its KV space, None without
     elastic KV; ``lent``: its shared pool's link, None without one; ``stream``: the layer stream
     cache built with the pool, or None): build the tier on the first call."""

@@ -16,6 +16,7 @@ from memory_ext.pool import PoolExhausted
 from memory_ext.pool.lent_pool import LentPool
 from memory_ext.weights import HostCopier, LayerPipeline, WeightStore
 from sglang_memx.config import MemxConfigError
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import model as up_model
 from sglang_memx.upstream import server_args as up_args
 from sglang_memx.weights.state import WeightsState
@@ -56,7 +57,7 @@ def load_profile(path: str, n_layers: int):
     return profile
 
 
-def attach(runner, kv, lent: LentPool | None) -> WeightsState | None:
+def attach(runner, kv: ElasticKV | None, lent: LentPool | None) -> WeightsState | None:
     """Move the runner's decoder layers into the pool of ``kv`` (the KV space the coordinator holds;
     None: stock KV; ``lent``: its shared pool's link, None for an own pool) and return their state,
     or None when ``--memx-weights`` is off."""

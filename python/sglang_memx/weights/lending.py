@@ -18,6 +18,7 @@ from __future__ import annotations
 from memory_ext.policy.oneiros import model_limit, plan_layers
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx import router_activity
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.weights import remap
 
 
@@ -27,7 +28,7 @@ def _slots_kept_by_first_release(w) -> int:
     return 0 if w.alpha else (w.depth or 2)
 
 
-def lendable_chunks(w, kv, lent: LentPool) -> int:
+def lendable_chunks(w, kv: ElasticKV, lent: LentPool) -> int:
     """Chunks releasing layers of ``w`` (the weights in ``kv``'s pool) could free now: 0 for an
     active model (it remaps only under its own KV pressure), else up to its Oneiros limit as an
     inactive model."""
@@ -41,7 +42,7 @@ def lendable_chunks(w, kv, lent: LentPool) -> int:
     return max(0, (more - _slots_kept_by_first_release(w)) * w.store.slot_chunks)
 
 
-def release_for_reclaim(w, kv, lent: LentPool, chunks: int) -> int:
+def release_for_reclaim(w, kv: ElasticKV, lent: LentPool, chunks: int) -> int:
     """Release enough layers to free ``chunks`` (within ``lendable_chunks``); returns the layers
     newly lent. The change applies at once when no forward runs."""
     if chunks <= 0 or lendable_chunks(w, kv, lent) <= 0:

@@ -21,6 +21,7 @@ from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.eviction import free_groups
 from sglang_memx.elastic.host_state import HostBufferState
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import radix as up_radix
 from sglang_memx.upstream import scheduler as up_sched
@@ -39,7 +40,9 @@ def admission_denied(scheduler) -> bool:
     return bool(up_sched.waiting(scheduler)) and up_sched.admission_closed_for_memory(scheduler)
 
 
-def free_kv_groups(w, kv, allocator, tree, scheduler, lent: LentPool | None, host: HostBufferState | None) -> int:
+def free_kv_groups(
+    w, kv: ElasticKV, allocator, tree, scheduler, lent: LentPool | None, host: HostBufferState | None
+) -> int:
     """KV groups left once the queue head and the running requests got what they need. With a
     shared pool, what the arbiter could lend at once counts too (the lent layers' memory may
     have gone to a peer, which gives it back to the arbiter when it no longer needs it). ``lent``: the
@@ -68,7 +71,7 @@ def arbiter_free_chunks(w, lent: LentPool) -> int:
     return w.arbiter_free
 
 
-def model_state(w, kv, lent: LentPool | None, busy: bool) -> ModelState:
+def model_state(w, kv: ElasticKV, lent: LentPool | None, busy: bool) -> ModelState:
     now = time.monotonic()
     if busy:
         w.last_busy = now
@@ -154,7 +157,7 @@ def link_cap(w, lent: LentPool | None, active: bool) -> int | None:
     return max(0, min(w.n_layers - 1, w.link_layers - (w.depth or 2)))
 
 
-def shared_pool_holds(kv, lent: LentPool | None, action: Action, active: bool) -> str:
+def shared_pool_holds(kv: ElasticKV, lent: LentPool | None, action: Action, active: bool) -> str:
     """Across processes Oneiros's model order is the arbiter's: an active server remaps its own
     layers only after the arbiter refused (inactive peers' layers and idle KV go first), and
     an inactive server's layers lent to peers come back when it has traffic again."""
@@ -167,7 +170,7 @@ def shared_pool_holds(kv, lent: LentPool | None, action: Action, active: bool) -
     return ""
 
 
-def step(w, kv, allocator, scheduler, lent: LentPool | None, host: HostBufferState | None) -> None:
+def step(w, kv: ElasticKV, allocator, scheduler, lent: LentPool | None, host: HostBufferState | None) -> None:
     """One Oneiros step for the weights ``w`` in ``kv``'s pool: release a layer under KV
     pressure, restore one when its lent memory is empty (applied at the next forward boundary)."""
     if w.mode != "remap" or w.pipeline.pending() is not None:

@@ -24,6 +24,7 @@ from memory_ext.pool.lent_pool import LentPool
 from sglang_memx import router_activity
 from sglang_memx.elastic import shared_pool
 from sglang_memx.elastic.eviction import free_groups
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import scheduler as up_sched
 from sglang_memx.weights import remap
 
@@ -32,7 +33,7 @@ logger = logging.getLogger("sglang_memx")
 WAKE_BORROW_WAIT_S = 5.0  # longest a wake waits for the arbiter to gather the layers' memory
 
 
-def step(w, kv, lent: LentPool, allocator, tree, scheduler, activation: shared_pool.ActivationSide) -> None:
+def step(w, kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation: shared_pool.ActivationSide) -> None:
     """Once per iteration, before the remap controller: fall asleep or wake up (``w``: the weights
     in ``kv``'s pool; the coordinator runs this step on a shared pool only)."""
     if w.sleep_after_s is None:
@@ -46,7 +47,9 @@ def step(w, kv, lent: LentPool, allocator, tree, scheduler, activation: shared_p
         fall_asleep(w, kv, lent, allocator, tree, scheduler, activation)
 
 
-def fall_asleep(w, kv, lent: LentPool, allocator, tree, scheduler, activation: shared_pool.ActivationSide) -> None:
+def fall_asleep(
+    w, kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation: shared_pool.ActivationSide
+) -> None:
     if w.pipeline.pending() is not None:
         return  # a release or restore is still to apply: sleep on a later tick
     w.pipeline.request(list(w.layer_keys), 1)
@@ -60,7 +63,7 @@ def fall_asleep(w, kv, lent: LentPool, allocator, tree, scheduler, activation: s
                 w.sleep_after_s, len(w.store.streamed()), w.n_layers, given)  # fmt: skip
 
 
-def wake(w, kv, lent: LentPool) -> None:
+def wake(w, kv: ElasticKV, lent: LentPool) -> None:
     t0 = time.perf_counter()
     pool = kv.buffers.pool
     need = remap.chunks_needed(w, [], 0)
