@@ -21,6 +21,7 @@ import math
 import time
 
 from memory_ext.policy import router_activity as policy
+from memory_ext.pool.kv_space import KVSpace
 
 PREFIX = "memx_activity_"
 _NONE = -1.0  # the wire's None (upstream's request carries numbers only)
@@ -78,7 +79,7 @@ def status(now: float | None = None) -> dict | None:
     return dict(_latest.as_dict(time.monotonic() if now is None else now), received_total=received_total)
 
 
-def report_numbers(kv, idle: int, headroom: int, busy: bool) -> tuple[int, bool]:
+def report_numbers(kv: KVSpace, idle: int, headroom: int, busy: bool) -> tuple[int, bool]:
     """The shared pool's report with the router's queued demand (tokens -> whole KV groups' chunks)."""
     now = time.monotonic()
     act = policy.live(_latest, now)

@@ -37,11 +37,11 @@ def _elastic(pool, num_tokens: int, lent=None):
     own allocator tied to it."""
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
-    kv = ElasticKV(LayeredKVBuffers(pool, [ROW] * 4, num_tokens + 1, 1), 1, num_tokens, lent=lent)
+    kv = ElasticKV(LayeredKVBuffers(pool, [ROW] * 4, num_tokens + 1, 1), 1, num_tokens)
     kv.activation = ActivationBalloon(pool, ActivationProfile(per_token_bytes=CHUNK))
     kv.lengths_capped = True
     alloc = TokenToKVPoolAllocator(num_tokens, torch.bfloat16, "cpu", types.SimpleNamespace(), need_sort=True)
-    device.attach(alloc, kv)
+    device.attach(alloc, kv, lent=lent)
     kv.restrict_free_list(alloc)
     return kv, alloc
 
@@ -90,7 +90,7 @@ def test_one_group_server_pays_nothing_when_free_and_idle_chunks_cover_the_activ
     assert kv.activation_cost_pages(3) == 0  # the old rule charged a whole group: 64 of 64
     assert kv.activation_cost_pages(4) == 1  # one chunk short: group 1 goes, with its single page
     before = _available(kv, alloc)
-    assert reserve_activation(kv, alloc, None, _tokens_for(kv, 4), 1)
+    assert reserve_activation(kv, kv.activation, alloc, None, _tokens_for(kv, 4), 1, lent=None)
     assert before - _available(kv, alloc) == 1
 
 
@@ -110,7 +110,7 @@ def test_cost_equals_what_reserving_takes_from_the_scheduler_count():
             predicted = kv.activation_cost_pages(extra)
             before = _available(kv, alloc)
             need = kv.activation.live + extra
-            if not reserve_activation(kv, alloc, None, _tokens_for(kv, need), 1):
+            if not reserve_activation(kv, kv.activation, alloc, None, _tokens_for(kv, need), 1, lent=None):
                 continue  # it does not fit at all (group 0 is never unmapped)
             assert kv.activation.live == need
             assert before - _available(kv, alloc) == predicted, (num_tokens, pool_chunks, extra)
@@ -145,7 +145,7 @@ def test_activation_borrows_its_chunks_from_the_arbiter_when_kv_holds_every_grou
         kv.grow(alloc, 64, "request")
         assert alloc.alloc(64) is not None  # every page held (running requests, say)
         assert kv.buffers.num_mapped == 2 and lent.pool.available() == 0
-        assert reserve_activation(kv, alloc, None, _tokens_for(kv, 3), 1)
+        assert reserve_activation(kv, kv.activation, alloc, None, _tokens_for(kv, 3), 1, lent=lent)
         assert kv.activation.live == 3 and kv.buffers.num_mapped == 2  # borrowed, KV untouched
 
 
@@ -163,7 +163,7 @@ def test_balance_borrows_what_kv_and_the_activation_need_together(monkeypatch):
         monkeypatch.setattr(demand, "queue_demand_tokens", lambda scheduler: 512)  # the head: all 8 groups
         monkeypatch.setattr(shared_pool, "report", lambda *a: None)
         scheduler = types.SimpleNamespace(waiting_queue=[object()])
-        shared_pool.balance(kv, alloc, None, scheduler, 3, device.of(alloc).activation_side())
+        shared_pool.balance(kv, lent, alloc, None, scheduler, 3, device.of(alloc).activation_side())
         # 8 groups (32 chunks) + 3 activation chunks against 29 FREE + 3 held: 3 borrowed
         assert lent.pool.available() == 29 + 3
 
@@ -184,11 +184,11 @@ def test_balance_keeps_cached_prefixes_with_what_the_arbiter_has_free(monkeypatc
             kv, alloc = _elastic(lent.pool, 512, lent)
             pages = alloc.alloc(63)  # the cache's pages, say: nothing mapped is free
             assert pages is not None and up_kv.free_page_count(alloc) == 0 and lent.pool.available() == 0
-            shared_pool.balance(kv, alloc, tree, scheduler, 0, device.of(alloc).activation_side())
+            shared_pool.balance(kv, lent, alloc, tree, scheduler, 0, device.of(alloc).activation_side())
             assert lent.pool.available() == kept
             asked = []
             monkeypatch.setattr(lent, "available_now", lambda asked=asked: asked.append(1) or 0)
-            shared_pool.balance(kv, alloc, tree, scheduler, 0, device.of(alloc).activation_side())
+            shared_pool.balance(kv, lent, alloc, tree, scheduler, 0, device.of(alloc).activation_side())
             assert lent.pool.available() == kept and lent.client.status()["pending"] == 0
             # covered now: nothing more asked; found nothing free: not asked again within the second
             assert asked == []
@@ -229,10 +229,10 @@ def test_a_chunked_prefill_keeps_its_next_chunks_activation_from_going_back(monk
     scheduler = types.SimpleNamespace(chunked_req=object(), running_batch=None, last_batch=None)
     monkeypatch.setattr(demand, "running_demand_tokens", lambda s: 0)
     monkeypatch.setattr(demand, "decode_activation_chunks", lambda balloon, s: 1)
-    monkeypatch.setattr(demand, "head_prefill_tokens", lambda s, kv: _tokens_for(kv, 3))
+    monkeypatch.setattr(demand, "head_prefill_tokens", lambda s, host: _tokens_for(kv, 3))
     activation = device.of(alloc).activation_side()
-    assert demand.admitted_activation_chunks(kv.activation, scheduler, kv) == 3
+    assert demand.admitted_activation_chunks(kv.activation, scheduler, None) == 3
     assert shared_pool.spare_free_chunks(kv, alloc, scheduler, activation) == 2
     scheduler.chunked_req = None
-    assert demand.admitted_activation_chunks(kv.activation, scheduler, kv) == 1
+    assert demand.admitted_activation_chunks(kv.activation, scheduler, None) == 1
     assert shared_pool.spare_free_chunks(kv, alloc, scheduler, activation) == 4

@@ -10,6 +10,7 @@ import types
 import pytest
 
 from sglang_memx.config import MemxConfig
+from sglang_memx.coordinator.components import NoActivation
 from sglang_memx.elastic import admission
 from sglang_memx.elastic.host_buffer import build_host_buffer, is_offloaded
 from sglang_memx.upstream import scheduler as up_sched
@@ -82,7 +83,7 @@ def test_add_one_acts_on_the_verdict(name, available, buffer_tokens, parked, ref
     adder, kv = _admission_pass(available, buffer_tokens, parked)
     upstream = Upstream(refuse)
     req = FakeReq(prompt=100, max_new=50, **fields)  # device KV 151 tokens, 101 while offloaded, parks 100
-    got = admission.add_one(upstream, adder, req, False, 0, kv)
+    got = admission.add_one(upstream, adder, req, False, 0, NoActivation(), kv.host, None)
     assert upstream.modes == modes
     assert up_sched.adder_admitted(adder, req) is admitted
     assert is_offloaded(req) is offloaded

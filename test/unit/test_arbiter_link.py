@@ -129,17 +129,16 @@ def test_the_servers_cap_follows_the_arbiters_share_and_an_idle_server_withdraws
         pool = LentPool(sock_path, "self", host_backend(G))
         try:
             remap, w = _weights_state()
-            kv = SimpleNamespace(lent=pool)
-            assert remap.link_cap(w, kv, active=True) == N - 2  # alone: all 8 may stream, 2 of them in the slots
+            assert remap.link_cap(w, pool, active=True) == N - 2  # alone: all 8 may stream, 2 of them in the slots
             _send(other, _demand("other", t_c=2e-3))
             w.link_asked_at = 0.0  # the poll interval passed
-            shared = remap.link_cap(w, kv, active=True)
+            shared = remap.link_cap(w, pool, active=True)
             joint = LinkCoordinator(BW).decide(w.link_demand, [_demand("other", t_c=2e-3)])
             assert shared == max(0, N // joint.intervals[w.link_demand.name] - 2) < N - 2
             assert w.link["sharing"] == 2
-            assert remap.link_cap(w, kv, active=False) is None  # idle: demand withdrawn
+            assert remap.link_cap(w, pool, active=False) is None  # idle: demand withdrawn
             assert [c["link_interval"] for c in arb.status()["clients"] if c["name"] == "self"] == [None]
-            assert remap.link_cap(w, SimpleNamespace(lent=None), active=True) is None  # private pool: no link
+            assert remap.link_cap(w, None, active=True) is None  # private pool: no link
         finally:
             other.close(force=True)
             pool.close()

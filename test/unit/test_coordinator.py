@@ -102,8 +102,8 @@ def test_absent_components_add_no_steps_and_no_sources():
 
 def test_components_come_from_the_parts_the_kv_space_was_built_with():
     host = object()
-    kv = SimpleNamespace(lent=None, activation=None, host=host)
-    c = device.Coordinator(kv, device.components_of(kv))
+    kv = SimpleNamespace(activation=None)
+    c = device.Coordinator(kv, device.components_of(kv, host=host))
     assert c.part(HostBufferPart).host is host and c.part(ActivationBalloonPart) is None
 
 
@@ -239,7 +239,7 @@ def test_the_physical_budget_is_the_pools_less_what_the_present_parts_keep():
 
 def test_sleep_runs_only_with_the_shared_pool(monkeypatch):
     slept = []
-    monkeypatch.setattr(components.sleep, "step", lambda w, kv, allocator, tree, scheduler, act: slept.append(w))
+    monkeypatch.setattr(components.sleep, "step", lambda w, kv, lent, allocator, tree, scheduler, act: slept.append(w))
     kv, w = SimpleNamespace(), SimpleNamespace()
     private = device.Coordinator(kv, (WeightLender(kv, w),))
     shared = device.Coordinator(kv, (SharedPoolLender(kv, object()), WeightLender(kv, w)))
@@ -251,7 +251,7 @@ def test_sleep_runs_only_with_the_shared_pool(monkeypatch):
 
 def test_the_peer_tier_gets_the_layer_stream_cache_when_the_pool_build_made_one(monkeypatch):
     seen = []
-    monkeypatch.setattr(components.peer_server, "tick", lambda scheduler, kv, stream: seen.append((kv, stream)))
+    monkeypatch.setattr(components.peer_server, "tick", lambda scheduler, kv, lent, stream: seen.append((kv, stream)))
     kv, stream = SimpleNamespace(), object()
     for parts in ((PeerTier(kv),), (LayerStreamPart(stream), PeerTier(kv))):
         c = device.Coordinator(kv, parts)

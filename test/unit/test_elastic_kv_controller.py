@@ -132,7 +132,7 @@ def test_activation_takes_free_chunks_and_kv_inflates_into_idle_ones():
     from sglang_memx.elastic.ballooning import reserve_activation
 
     kv, alloc, pool = _with_balloon(CHUNK, capacity_chunks=4 * 4)  # group 0 + 12 free chunks
-    assert reserve_activation(kv, alloc, None, tokens=8, seqs=1)  # 8 chunks
+    assert reserve_activation(kv, kv.activation, alloc, None, tokens=8, seqs=1, lent=None)  # 8 chunks
     assert pool.usage()[Owner.ACTIVATION] == 8 and kv.activation.live == 8
     assert kv.growable_pages() == 64  # 4 FREE chunks = one group; the live 8 are not KV's
     kv.activation.end_iteration()  # the forward is over: the 8 chunks are idle
@@ -150,15 +150,17 @@ def test_activation_deflates_free_kv_lazily_and_refuses_what_cannot_fit():
     kv.grow(alloc, 63 + 3 * 64)  # KV maps everything
     held = alloc.alloc(63 + 64)  # groups 0 and 1 in use, 2 and 3 free
     assert pool.available() == 0
-    assert reserve_activation(kv, alloc, None, tokens=5, seqs=1)  # deflates 2 groups (only 5 needed)
+    assert reserve_activation(
+        kv, kv.activation, alloc, None, tokens=5, seqs=1, lent=None
+    )  # deflates 2 groups (only 5 needed)
     assert kv.buffers.num_mapped == 2 and pool.usage()[Owner.ACTIVATION] == 5
     assert kv.activation.stats["chunks_from_kv"] == 5
     kv.check(alloc)
     kv.activation.end_iteration()
-    assert not reserve_activation(kv, alloc, None, tokens=9, seqs=1)  # 9 > 5 held + 3 free
+    assert not reserve_activation(kv, kv.activation, alloc, None, tokens=9, seqs=1, lent=None)  # 9 > 5 held + 3 free
     assert pool.usage()[Owner.ACTIVATION] == 5 and kv.activation.stats["refused"] == 1  # nothing taken
     alloc.free(held)
-    assert reserve_activation(kv, alloc, None, tokens=9, seqs=1)  # group 1 is free now
+    assert reserve_activation(kv, kv.activation, alloc, None, tokens=9, seqs=1, lent=None)  # group 1 is free now
     kv.check(alloc)
 
 
@@ -170,7 +172,7 @@ def test_a_budget_without_room_for_one_prefill_batch_is_refused_naming_the_flag(
     profile = ActivationProfile(per_token_bytes=CHUNK)  # one chunk per token
     config = MemxConfig(elastic_kv=True, chunk_kb=4, pool_budget_gb=12 * CHUNK / (1 << 30))  # 12 chunks
     args = ([ROW] * 4, 1025, 1, 1024, "cpu")
-    kv = build_elastic_kv(config, *args, profile=profile, batch_tokens=8)  # 4 (one group) + 8 fit
+    kv, _ = build_elastic_kv(config, *args, profile=profile, batch_tokens=8)  # 4 (one group) + 8 fit
     assert kv.activation is not None and kv.activation.max_batch_tokens == 8
     with pytest.raises(MemxConfigError, match="--memx-pool-budget-gb") as err:
         build_elastic_kv(config, *args, profile=profile, batch_tokens=9)
@@ -240,9 +242,7 @@ def test_demand_counts_the_rest_of_a_chunked_prompt():
         chunked_prefill_size=64,
     )
     assert running_demand_tokens(sched) == (64 - 10) + (180 - 128 + 64)
-    assert (
-        head_prefill_tokens(sched, types.SimpleNamespace(host=None)) == 52
-    )  # the chunked request's last chunk comes before any waiting one
+    assert head_prefill_tokens(sched, None) == 52  # the chunked request's last chunk comes before any waiting one
 
 
 # ------------------------------------------------ activation arena (the CUDA layout, on host chunks)
@@ -273,7 +273,7 @@ def test_balloon_with_arena_maps_what_it_holds_and_lends_only_unpinned_chunks():
         pool, ActivationProfile(per_token_bytes=CHUNK), arena=arena, mempool=_FakeMemPool(lib, cached)
     )
     try:
-        assert reserve_activation(kv, alloc, None, tokens=8, seqs=1)
+        assert reserve_activation(kv, kv.activation, alloc, None, tokens=8, seqs=1, lent=None)
         assert arena.mapped_chunks == kv.activation.held == 8 == pool.usage()[Owner.ACTIVATION]
         # the forward: torch's caching allocator takes two segments from the arena
         keep = lib.memx_arena_alloc(2 * CHUNK, 0, None)  # outlives the forward (chunks 0-1)
@@ -343,19 +343,20 @@ class _FakeLent:
 
 def _borrower(lent):
     kv, _, _, _ = _make(1, capacity_chunks=4)  # group 0 only: every further group must be borrowed
-    kv.lent = lent
-    return kv
+    return kv, lent
 
 
 def test_a_refused_borrow_backs_off_a_pending_one_does_not_and_a_grant_resets():
     from sglang_memx.elastic.shared_pool import BORROW_BACKOFF_S, borrow_tokens
 
-    kv = _borrower(_FakeLent([False, False]))  # refused outright (and the fewer-groups retry too)
-    assert borrow_tokens(kv, 100) == 0
+    kv, lent = _borrower(_FakeLent([False, False]))  # refused outright (and the fewer-groups retry too)
+    assert borrow_tokens(kv, lent, 100) == 0
     assert kv.borrow_backoff_until > 0 and kv.borrow_backoff_s == 2 * BORROW_BACKOFF_S
-    assert borrow_tokens(kv, 100) == 0 and len(kv.lent.asked) == 1  # backing off: nothing asked
-    pending = _borrower(_FakeLent([False], outstanding=True))  # the grant is on its way
-    assert borrow_tokens(pending, 100) == 0 and pending.borrow_backoff_until == 0.0
-    granted = _borrower(_FakeLent([True]))
+    assert borrow_tokens(kv, lent, 100) == 0 and len(lent.asked) == 1  # backing off: nothing asked
+    pending, pending_lent = _borrower(_FakeLent([False], outstanding=True))  # the grant is on its way
+    assert borrow_tokens(pending, pending_lent, 100) == 0 and pending.borrow_backoff_until == 0.0
+    granted, granted_lent = _borrower(_FakeLent([True]))
     granted.borrow_backoff_s = 1.0
-    assert borrow_tokens(granted, 100) == 2 and granted.borrow_backoff_s == BORROW_BACKOFF_S  # 2 groups of 64
+    assert (
+        borrow_tokens(granted, granted_lent, 100) == 2 and granted.borrow_backoff_s == BORROW_BACKOFF_S
+    )  # 2 groups of 64

@@ -18,7 +18,7 @@ class FakeKV:
     def __init__(self, free: int, local: int, lent: bool):
         self.free, self.local, self.borrowed = free, local, 0
         self.lent = object() if lent else None
-        self.activation = self.host = None
+        self.activation = None
         self.grows: list[int] = []
 
     def grow(self, allocator, pages: int) -> int:
@@ -33,7 +33,7 @@ class FakeKV:
 def calls(monkeypatch):
     seen = []
 
-    def borrow(kv, tokens, may_wait=True, urgent=False):
+    def borrow(kv, lent, tokens, may_wait=True, urgent=False):
         seen.append((tokens, may_wait, urgent))
         kv.local += tokens  # the arbiter granted it: the next grow can map it
         return 1
@@ -46,17 +46,17 @@ def calls(monkeypatch):
 
 def test_no_borrow_when_the_local_pool_covers_it(calls):
     kv = FakeKV(free=10, local=50, lent=True)
-    device.Coordinator(kv, device.components_of(kv)).cover_allocation(SimpleNamespace(kv=kv), 47)
+    device.Coordinator(kv, device.components_of(kv, lent=kv.lent)).cover_allocation(SimpleNamespace(kv=kv), 47)
     assert kv.free == 47 and calls == [] and kv.grows == [47]
 
 
 def test_a_shortfall_is_borrowed_urgently_and_mapped(calls):
     kv = FakeKV(free=10, local=29, lent=True)  # 39 free after the local grow, 47 wanted (the soak's crash)
-    device.Coordinator(kv, device.components_of(kv)).cover_allocation(SimpleNamespace(kv=kv), 47)
+    device.Coordinator(kv, device.components_of(kv, lent=kv.lent)).cover_allocation(SimpleNamespace(kv=kv), 47)
     assert calls == [(8, True, True)] and kv.grows == [47, 47] and kv.free == 47
 
 
 def test_without_a_shared_pool_nothing_is_borrowed(calls):
     kv = FakeKV(free=10, local=29, lent=False)
-    device.Coordinator(kv, device.components_of(kv)).cover_allocation(SimpleNamespace(kv=kv), 47)
+    device.Coordinator(kv, device.components_of(kv, lent=kv.lent)).cover_allocation(SimpleNamespace(kv=kv), 47)
     assert calls == [] and kv.free == 39  # upstream then refuses, as stock would

@@ -36,17 +36,17 @@ def test_ttft_misses_grow_and_tpot_misses_shrink_the_logical_buffer():
     t = 0.0
     for _ in range(3):  # three requests wait 0.5 s (> 100 ms) for their first token; decode steps are fast
         r = _req()
-        slo.observe(kv, _scheduler(waiting=[r]), now=t)
+        slo.observe(kv.host, _scheduler(waiting=[r]), now=t)
         r.output_ids.append(1)
         t += 0.5
-        slo.observe(kv, _scheduler(running=[r], decode=False), now=t)
+        slo.observe(kv.host, _scheduler(running=[r], decode=False), now=t)
     assert host.rule.events["ttft"] >= 1 and host.buffer.logical_bytes > UNIT
     grown = host.buffer.logical_bytes
     slow = _req(1)
     for _ in range(5):  # a running request gets one token per 50 ms (> 10 ms TPOT SLO)
         t += 0.05
         slow.output_ids.append(1)
-        slo.observe(kv, _scheduler(running=[slow]), now=t)
+        slo.observe(kv.host, _scheduler(running=[slow]), now=t)
     assert host.rule.events["tpot"] >= 1 and host.buffer.logical_bytes < grown
     st = host.status()["slo_scaling"]
     assert st["ttft_slo_s"] == 0.1 and st["tpot_slo_s"] == 0.01 and st["unit_bytes"] == UNIT
@@ -59,14 +59,14 @@ def test_sparse_first_tokens_still_count_as_a_violation():
     t, fast = 0.0, _req(1)
     for _i in range(3):
         r = _req()
-        slo.observe(kv, _scheduler(waiting=[r], running=[fast]), now=t)
+        slo.observe(kv.host, _scheduler(waiting=[r], running=[fast]), now=t)
         for _ in range(10):  # fast decode steps in between: 1 ms per token, no first token
             t += 0.001
             fast.output_ids.append(1)
-            slo.observe(kv, _scheduler(running=[fast]), now=t)
+            slo.observe(kv.host, _scheduler(running=[fast]), now=t)
         r.output_ids.append(1)
         t += 0.5
-        slo.observe(kv, _scheduler(running=[fast, r], decode=False), now=t)
+        slo.observe(kv.host, _scheduler(running=[fast, r], decode=False), now=t)
     assert kv.host.rule.events == {"ttft": 1, "tpot": 0}
     assert kv.host.buffer.logical_bytes == 2 * UNIT  # grown by alpha = 2
 
@@ -75,7 +75,7 @@ def test_an_offloaded_prefill_waiting_for_decode_counts_in_tpot():
     """The wait between a parked request's first and second token is a TPOT sample."""
     kv = _state()
     r = _req(1)
-    slo.observe(kv, _scheduler(running=[r]), now=0.0)
+    slo.observe(kv.host, _scheduler(running=[r]), now=0.0)
     r.output_ids.append(1)
-    slo.observe(kv, _scheduler(running=[r]), now=2.0)
+    slo.observe(kv.host, _scheduler(running=[r]), now=2.0)
     assert kv.host.rule.scaler.window_misses() == (0, 1)

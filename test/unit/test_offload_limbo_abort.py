@@ -49,9 +49,9 @@ def test_an_abort_during_limbo_is_replayed_after_the_request_is_requeued(monkeyp
     host.pending_bytes = 128
     abort = types.SimpleNamespace(rid="gone", abort_all=False)
     assert after_abort_request(None, sched, abort) is None
-    assert park_offloaded_prefills(kv, sched) == 1  # "keep" parked; "gone" still waits for its token
+    assert park_offloaded_prefills(kv.host, sched) == 1  # "keep" parked; "gone" still waits for its token
     assert sched.waiting_queue == [waiting] and sched.aborts == [] and host.limbo == [aborted]
     aborted.output_ids.append(7)
-    park_offloaded_prefills(kv, sched)
+    park_offloaded_prefills(kv.host, sched)
     assert sched.aborts == [abort]  # replayed: upstream removed it from the queue
     assert sched.waiting_queue == [waiting] and host.limbo == [] and host.pending_bytes == 0

@@ -64,7 +64,14 @@ def _decode_until_full(kv, alloc, scheduler, max_steps: int = 1000) -> int:
     for step in range(max_steps):
         tick(scheduler)  # before upstream picks the batch: deflation, premap
         fits = decode_step_fits(
-            kv, alloc, lambda: up_kv.free_page_count(alloc) + kv.growable_pages() >= n, n, None, n, shared=False
+            kv,
+            alloc,
+            lambda: up_kv.free_page_count(alloc) + kv.growable_pages() >= n,
+            n,
+            None,
+            n,
+            activation=device.of(alloc).activation_side(),
+            lent=None,
         )
         if not fits:
             return step
@@ -118,7 +125,7 @@ def test_decode_path_unmaps_are_counted_apart_from_the_ticks():
     kv, alloc, pool, scheduler = _server(free_chunks_beyond_groups=0, groups=2)
     kv.grow(alloc, 63 + 2 * 64)  # KV maps every group: FREE is empty
     assert pool.available() == 4  # the activation's share
-    assert reserve_decode_step(kv, alloc, None, 8)  # 8 chunks: deflates one empty group
+    assert reserve_decode_step(kv, kv.activation, alloc, None, 8, None)  # 8 chunks: deflates one empty group
     kv.note_forward(decode=True)
     st = device.of(alloc).status()
     assert st["unmap_calls"] == {"request": 1, "tick": 0} and st["decode_unmap_calls"] == 1

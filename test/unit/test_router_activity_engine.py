@@ -90,11 +90,11 @@ def sleepy(monkeypatch, *, sleeping, idle_for, busy=False):
     calls = []
     monkeypatch.setattr(up_sched, "waiting", lambda s: ["r"] if busy else [])
     monkeypatch.setattr(up_sched, "admitted_reqs", lambda s: [])
-    monkeypatch.setattr(sleep, "wake", lambda w, kv: calls.append("wake"))
-    monkeypatch.setattr(sleep, "fall_asleep", lambda w, kv, a, t, s, activation: calls.append("sleep"))
+    monkeypatch.setattr(sleep, "wake", lambda w, kv, lent: calls.append("wake"))
+    monkeypatch.setattr(sleep, "fall_asleep", lambda w, kv, lent, a, t, s, activation: calls.append("sleep"))
     w = SimpleNamespace(sleep_after_s=30.0, sleeping=sleeping, last_busy=time.monotonic() - idle_for)
     kv = SimpleNamespace(weights=w, lent=object())
-    sleep.step(w, kv, None, None, None, NoActivation())
+    sleep.step(w, kv, kv.lent, None, None, None, NoActivation())
     return calls, w
 
 
@@ -120,21 +120,22 @@ def test_a_sleeping_engine_wakes_ahead_of_the_routers_queued_requests(monkeypatc
 
 
 def test_lendable_layers_shrink_with_the_routers_arrival_rate(monkeypatch):
-    monkeypatch.setattr(lending.remap, "model_state", lambda w, kv, busy: SimpleNamespace(active=False, compute_s=1.0))
+    monkeypatch.setattr(lending.remap, "model_state",
+                        lambda w, kv, lent, busy: SimpleNamespace(active=False, compute_s=1.0))  # fmt: skip
     monkeypatch.setattr(lending, "model_limit", lambda state, mode: (21, "test"))
     monkeypatch.setattr(lending.remap, "buffer_mode", lambda depth: None)
     w = SimpleNamespace(mode="remap", alpha=0, depth=None, idle_after_s=30.0, store=SimpleNamespace(slot_chunks=3))
     kv = SimpleNamespace(weights=w)
-    full = lending.lendable_chunks(w, kv)
+    full = lending.lendable_chunks(w, kv, object())
     assert full == (21 - 2) * 3
     post(arrival_rate=0.01)  # 0.3 expected arrivals within idle_after_s: 70 % of the layers
-    slow = lending.lendable_chunks(w, kv)
+    slow = lending.lendable_chunks(w, kv, object())
     post(arrival_rate=0.02)
-    fast = lending.lendable_chunks(w, kv)
+    fast = lending.lendable_chunks(w, kv, object())
     assert full > slow > fast > 0
     assert slow == (int(21 * 0.7) - 2) * 3
     post(queued=1)
-    assert lending.lendable_chunks(w, kv) == 0
+    assert lending.lendable_chunks(w, kv, object()) == 0
 
 
 def test_status_and_metrics_show_the_last_activity():

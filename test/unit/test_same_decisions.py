@@ -51,8 +51,8 @@ def _server_decisions(available, running_reserve, running, queue, buffer_tokens,
     if buffer_tokens:
         host = build_host_buffer(MemxConfig(elastic_kv=True, host_buffer_gb=buffer_tokens * ROW_BYTES / (1 << 30)),
                                  ROW_BYTES)  # fmt: skip
-    kv = types.SimpleNamespace(activation=None, host=host, lent=None, weights=None)
-    device.attach(allocator, kv)
+    kv = types.SimpleNamespace(activation=None, weights=None)
+    device.attach(allocator, kv, host=host)
     budget = up_sched.new_physical_budget(allocator, tree, 0)
     budget.total_offset = running_reserve
     adder = types.SimpleNamespace(token_to_kv_pool_allocator=allocator, tree_cache=tree, memory_budget=budget,
@@ -60,7 +60,14 @@ def _server_decisions(available, running_reserve, running, queue, buffer_tokens,
                                   rem_chunk_tokens=None, rem_input_tokens=1 << 20, new_chunked_req=None)  # fmt: skip
     out = {ON_GPU: [], OFFLOAD: [], DEFER: []}
     for req in queue:
-        ask = admission.server_ask(kv, adder, req, len(req.origin_input_ids), has_chunked_req=False)
+        ask = admission.server_ask(
+            adder,
+            req,
+            len(req.origin_input_ids),
+            has_chunked_req=False,
+            activation=device.of(allocator).activation_side(),
+            host=host,
+        )
         verdict = judge_prefill(ask)
         if verdicts is not None:
             verdicts.append(verdict)

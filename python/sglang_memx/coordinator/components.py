@@ -23,9 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from memory_ext.pool.activation_balloon import ActivationBalloon
+from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.coordinator.parts import Iteration, Source, Step, source, step
 from sglang_memx.elastic import demand, host_buffer, iteration, shared_pool, slo
-from sglang_memx.elastic.ballooning import grow_over_activation, hold_head_activation
+from sglang_memx.elastic.ballooning import grow_over_activation, hold_head_activation, reserve_activation
+from sglang_memx.elastic.host_state import HostBufferState
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.peer import server as peer_server
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.weights import lending, remap, sleep
@@ -35,7 +39,7 @@ from sglang_memx.weights import lending, remap, sleep
 class KVCore:
     """The KV space: its free list inside mapped groups, grown and shrunk (``ElasticKV``)."""
 
-    kv: Any
+    kv: ElasticKV
     name: str = "kv space"
 
     def steps(self) -> tuple[Step, ...]:
@@ -72,13 +76,13 @@ class KVCore:
 class SharedPoolLender:
     """This server's side of the device's shared pool (``memory_ext.pool.lent_pool.LentPool``)."""
 
-    kv: Any
-    lent: Any
+    kv: ElasticKV
+    lent: LentPool
     name: str = "shared-pool lender"
 
     def steps(self) -> tuple[Step, ...]:
         return (
-            step("consume wake-ups", lambda it: shared_pool.attend(it.kv, it.scheduler)),
+            step("consume wake-ups", lambda it: shared_pool.attend(it.kv, self.lent, it.scheduler)),
             step("answer reclaims", self._answer_reclaim),
             step("give back, borrow", self._balance),
             step("report to the arbiter", self._report),
@@ -94,27 +98,24 @@ class SharedPoolLender:
         """Memory that looked growable when a chunked prefill was admitted may have gone back to the
         arbiter since (a RECLAIM answered between two of its chunks): borrow it at once (urgent)."""
         short = pages - up_kv.free_page_count(allocator)
-        if short > 0 and shared_pool.borrow_tokens(self.kv, short * up_kv.page_size(allocator), urgent=True):
+        if short > 0 and shared_pool.borrow_tokens(self.kv, self.lent, short * up_kv.page_size(allocator), urgent=True):
             self.kv.grow(allocator, pages)
 
-    @staticmethod
-    def _answer_reclaim(it: Iteration) -> None:
+    def _answer_reclaim(self, it: Iteration) -> None:
         weights = it.coordinator.part(WeightLender)
-        release = None if weights is None else weights.release_for_reclaim
-        shared_pool.answer_reclaim(it.kv, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side(),
-                                   release_layers=release)  # fmt: skip
+        release = None if weights is None else (lambda chunks: weights.release_for_reclaim(self.lent, chunks))
+        shared_pool.answer_reclaim(it.kv, self.lent, it.allocator, it.tree, it.scheduler,
+                                   it.coordinator.activation_side(), release_layers=release)  # fmt: skip
 
-    @staticmethod
-    def _balance(it: Iteration) -> None:
+    def _balance(self, it: Iteration) -> None:
         activation = it.coordinator.activation_side()
-        shared_pool.balance(it.kv, it.allocator, it.tree, it.scheduler,
+        shared_pool.balance(it.kv, self.lent, it.allocator, it.tree, it.scheduler,
                             activation.head_prefill_chunks(it.scheduler), activation)  # fmt: skip
 
-    @staticmethod
-    def _report(it: Iteration) -> None:
+    def _report(self, it: Iteration) -> None:
         weights = it.coordinator.part(WeightLender)
-        lendable = None if weights is None else weights.lendable_chunks
-        shared_pool.report(it.kv, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side(),
+        lendable = None if weights is None else (lambda: weights.lendable_chunks(self.lent))
+        shared_pool.report(it.kv, self.lent, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side(),
                            lendable=lendable)  # fmt: skip
 
 
@@ -122,15 +123,17 @@ class SharedPoolLender:
 class ActivationBalloonPart:
     """Activations sharing the pool (``memory_ext.pool.activation_balloon.ActivationBalloon``)."""
 
-    kv: Any
-    balloon: Any
+    kv: ElasticKV
+    balloon: ActivationBalloon
+    host: HostBufferState | None = None  # the host buffer's pinned prefixes count as cached (``demand``)
     name: str = "activation balloon"
 
     def steps(self) -> tuple[Step, ...]:
         return (
             step("end the activation's iteration", lambda it: self.balloon.end_iteration()),
             step("hold the head's activation",
-                 lambda it: hold_head_activation(it.kv, self.balloon, it.allocator, it.tree, it.scheduler)),
+                 lambda it: hold_head_activation(it.kv, self.balloon, it.allocator, it.tree, it.scheduler,
+                                             self.host, it.coordinator.shared_pool())),
         )  # fmt: skip
 
     def sources(self) -> tuple[Source, ...]:
@@ -142,7 +145,7 @@ class ActivationBalloonPart:
     def _over_live_chunks(self, allocator, pages: int) -> None:
         grow_over_activation(self.kv, self.balloon, allocator, pages)
 
-    # the activation side the shared pool and sleep ask (``shared_pool.ActivationSide``)
+    # the activation side the other mechanisms ask (``elastic.activation_side.ActivationSide``)
     def held_chunks(self) -> int:
         return self.balloon.held
 
@@ -150,13 +153,29 @@ class ActivationBalloonPart:
         return self.balloon.idle()
 
     def next_step_chunks(self, scheduler) -> int:
-        return demand.admitted_activation_chunks(self.balloon, scheduler, self.kv)
+        return demand.admitted_activation_chunks(self.balloon, scheduler, self.host)
 
     def head_prefill_chunks(self, scheduler) -> int:
-        return demand.head_activation_chunks(self.balloon, scheduler, self.kv)
+        return demand.head_activation_chunks(self.balloon, scheduler, self.host)
 
     def release_idle(self, keep: int) -> None:
         self.balloon.release_idle(keep=keep)
+
+    def admission_cost_pages(self, tokens: int, seqs: int) -> int:
+        need = self.balloon.need_chunks(tokens, seqs)
+        return self.kv.activation_cost_pages(need - self.balloon.live)
+
+    def reserve(self, allocator, tree, tokens: int, seqs: int, *, lent: LentPool | None, urgent: bool = False) -> bool:
+        return reserve_activation(self.kv, self.balloon, allocator, tree, tokens, seqs, lent=lent, urgent=urgent)
+
+    def live_chunks(self) -> int:
+        return self.balloon.live
+
+    def set_live_chunks(self, chunks: int) -> None:
+        self.balloon.live = chunks
+
+    def count(self, event: str) -> None:
+        self.balloon.stats[event] += 1
 
 
 class NoActivation:
@@ -179,22 +198,37 @@ class NoActivation:
     def release_idle(self, keep: int) -> None:
         return None
 
+    def admission_cost_pages(self, tokens: int, seqs: int) -> int:
+        return 0
+
+    def reserve(self, allocator, tree, tokens: int, seqs: int, *, lent: LentPool | None, urgent: bool = False) -> bool:
+        return True  # nothing to hold: every batch fits as far as activations go
+
+    def live_chunks(self) -> int:
+        return 0
+
+    def set_live_chunks(self, chunks: int) -> None:
+        return None
+
+    def count(self, event: str) -> None:
+        return None
+
 
 @dataclass(eq=False)
 class HostBufferPart:
     """The host KV buffer (``elastic.host_buffer.HostBufferState``)."""
 
-    kv: Any
-    host: Any
+    kv: ElasticKV
+    host: HostBufferState
     name: str = "host buffer"
 
     def steps(self) -> tuple[Step, ...]:
         return (
-            step("park offloaded prefills", lambda it: host_buffer.park_offloaded_prefills(it.kv, it.scheduler)),
-            step("host buffer size (Alg. 2)", lambda it: slo.observe(it.kv, it.scheduler)),
+            step("park offloaded prefills", lambda it: host_buffer.park_offloaded_prefills(self.host, it.scheduler)),
+            step("host buffer size (Alg. 2)", lambda it: slo.observe(self.host, it.scheduler)),
             step("fetch parked KV", self._fetch_parked),
             step("reopen admission for offload",
-                 lambda it: iteration.reopen_admission_for_offload(it.kv, it.scheduler)),
+                 lambda it: iteration.reopen_admission_for_offload(self.host, it.scheduler)),
         )  # fmt: skip
 
     def sources(self) -> tuple[Source, ...]:
@@ -203,23 +237,33 @@ class HostBufferPart:
     def status(self) -> dict[str, Any] | None:
         return {"host_buffer": self.host.status()}
 
-    @staticmethod
-    def _fetch_parked(it: Iteration) -> None:  # first: the head's prefill size depends on its parked KV being back
-        host_buffer.fetch_parked(it.kv, it.scheduler, int(demand.decode_reserve_tokens(it.scheduler)))
+    def _fetch_parked(self, it: Iteration) -> None:  # first: the head's prefill size needs its parked KV back
+        reserve = int(demand.decode_reserve_tokens(it.scheduler))
+        host_buffer.fetch_parked(it.kv, self.host, it.coordinator.activation_side(), it.scheduler, reserve)
 
 
 @dataclass(eq=False)
 class WeightLender:
     """Decoder layers in the pool, lent to KV and back (``weights.state.WeightsState``)."""
 
-    kv: Any
+    kv: ElasticKV
     weights: Any
     name: str = "weight lender"
 
     def steps(self) -> tuple[Step, ...]:
         return (
             step("sleep or wake", self._sleep_or_wake),
-            step("Oneiros step", lambda it: remap.step(self.weights, it.kv, it.allocator, it.scheduler)),
+            step(
+                "Oneiros step",
+                lambda it: remap.step(
+                    self.weights,
+                    it.kv,
+                    it.allocator,
+                    it.scheduler,
+                    it.coordinator.shared_pool(),
+                    it.coordinator.host_buffer(),
+                ),
+            ),
         )
 
     def sources(self) -> tuple[Source, ...]:
@@ -228,16 +272,17 @@ class WeightLender:
     def status(self) -> dict[str, Any] | None:
         return {"weights": self.weights.status()}
 
-    def lendable_chunks(self) -> int:
-        """Chunks releasing layers could free for the arbiter now (``weights.lending``)."""
-        return lending.lendable_chunks(self.weights, self.kv)
+    def lendable_chunks(self, lent: LentPool) -> int:
+        """Chunks releasing layers could free for the arbiter of ``lent`` now (``weights.lending``)."""
+        return lending.lendable_chunks(self.weights, self.kv, lent)
 
-    def release_for_reclaim(self, chunks: int) -> int:
-        return lending.release_for_reclaim(self.weights, self.kv, chunks)
+    def release_for_reclaim(self, lent: LentPool, chunks: int) -> int:
+        return lending.release_for_reclaim(self.weights, self.kv, lent, chunks)
 
     def _sleep_or_wake(self, it: Iteration) -> None:
-        if it.coordinator.part(SharedPoolLender) is not None:  # sleep gives the memory to the pool's peers
-            sleep.step(self.weights, it.kv, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side())
+        lent = it.coordinator.shared_pool()
+        if lent is not None:  # sleep gives the memory to the pool's peers
+            sleep.step(self.weights, it.kv, lent, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side())
 
 
 @dataclass(eq=False)
@@ -262,7 +307,7 @@ class LayerStreamPart:
 class PeerTier:
     """The peer KV tier (donor / borrower, ``peer.server``), built on its first step."""
 
-    kv: Any
+    kv: ElasticKV
     name: str = "peer donor / borrower"
 
     def steps(self) -> tuple[Step, ...]:
@@ -276,4 +321,5 @@ class PeerTier:
 
     def _tick(self, it: Iteration) -> None:
         streamed = it.coordinator.part(LayerStreamPart)  # the tier serves the layer stream cache too
-        peer_server.tick(it.scheduler, self.kv, None if streamed is None else streamed.stream)
+        stream = None if streamed is None else streamed.stream
+        peer_server.tick(it.scheduler, self.kv, it.coordinator.shared_pool(), stream)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any, TypeVar
 
+from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.coordinator.components import (
     ActivationBalloonPart,
     HostBufferPart,
@@ -28,6 +29,8 @@ from sglang_memx.coordinator.components import (
     WeightLender,
 )
 from sglang_memx.coordinator.parts import Component, Iteration, Source, Step
+from sglang_memx.elastic.host_state import HostBufferState
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import scheduler as up_sched
 
@@ -36,7 +39,7 @@ NO_ACTIVATION = NoActivation()
 
 
 class Coordinator:
-    def __init__(self, kv, components: tuple[Component, ...] = ()):
+    def __init__(self, kv: ElasticKV, components: tuple[Component, ...] = ()):
         self.kv = kv
         self.components: tuple[Component, ...] = ()
         self._steps: tuple[tuple[Component, Step], ...] = ()
@@ -87,6 +90,16 @@ class Coordinator:
     def activation_side(self) -> ActivationBalloonPart | NoActivation:
         """The activation sharing the pool, or a side that holds nothing (``NoActivation``)."""
         return self.part(ActivationBalloonPart) or NO_ACTIVATION
+
+    def shared_pool(self) -> LentPool | None:
+        """This server's link to the device's shared pool (``--memx-pool``), or None (its own pool)."""
+        part = self.part(SharedPoolLender)
+        return None if part is None else part.lent
+
+    def host_buffer(self) -> HostBufferState | None:
+        """The host KV buffer (``--memx-host-buffer-gb``), or None."""
+        part = self.part(HostBufferPart)
+        return None if part is None else part.host
 
     def physical_budget(self) -> tuple[int, int]:
         """(chunks this server may ever use: its own pool or the shared pool's budget, chunks of
@@ -145,25 +158,29 @@ class Coordinator:
         return doc
 
 
-def components_of(kv) -> tuple[Component, ...]:
-    """The components of the parts a KV space was built with (the build sets them on it). The
-    pool build adds the layer stream cache and the peer tier (``pool_build.finish``); the weights
-    come later, once the model is loaded (``WeightLender``, registered by the hooks)."""
+def components_of(
+    kv: ElasticKV, *, lent: LentPool | None = None, host: HostBufferState | None = None
+) -> tuple[Component, ...]:
+    """The components of the parts a KV space was built with: its activation balloon (the build
+    sets it on the space), the shared pool's link and the host buffer. The pool build adds the
+    layer stream cache and the peer tier (``pool_build.finish``); the weights come later, once the
+    model is loaded (``WeightLender``, registered by the hooks)."""
     found: list[Component] = []
-    lent, balloon, host = kv.lent, kv.activation, kv.host
+    balloon = kv.activation
     if lent is not None:
         found.append(SharedPoolLender(kv, lent))
     if balloon is not None:
-        found.append(ActivationBalloonPart(kv, balloon))
+        found.append(ActivationBalloonPart(kv, balloon, host))
     if host is not None:
         found.append(HostBufferPart(kv, host))
     return tuple(found)
 
 
-def attach(allocator, kv, extra: tuple[Component, ...] = ()) -> Coordinator:
-    """Make the coordinator of ``kv`` (its components from its parts, then ``extra``) and tie it
-    to upstream's allocator, where ``of`` finds it."""
-    return tie(allocator, Coordinator(kv, components_of(kv) + tuple(extra)))
+def attach(allocator, kv: ElasticKV, extra: tuple[Component, ...] = (), *, lent: LentPool | None = None,
+           host: HostBufferState | None = None) -> Coordinator:  # fmt: skip
+    """Make the coordinator of ``kv`` (its components from its parts, ``lent`` and ``host``, then ``extra``)
+    and tie it to upstream's allocator, where ``of`` finds it."""
+    return tie(allocator, Coordinator(kv, components_of(kv, lent=lent, host=host) + tuple(extra)))
 
 
 def tie(allocator, coordinator: Coordinator) -> Coordinator:

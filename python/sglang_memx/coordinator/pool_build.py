@@ -15,6 +15,7 @@ import contextlib
 import threading
 from dataclasses import dataclass
 
+from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.config import MemxConfig, MemxConfigError
 from sglang_memx.coordinator import device
 from sglang_memx.coordinator.components import LayerStreamPart, PeerTier
@@ -39,6 +40,7 @@ class Build:
     profile: object
     batch_tokens: int
     kv: object = None
+    lent: LentPool | None = None  # the shared pool's link (--memx-pool), with the KV space
     layer_stream: object = None  # peer.layer_stream.LayerStreamSetup (--memx-peer-layer-stream), once planned
 
 
@@ -93,7 +95,7 @@ def make_elastic(pool) -> bool:
     g = up_kv.pool_geometry(pool)
     layers, stream = g["layers"], build.layer_stream
     own, index_of = (layers, lambda i: i) if stream is None else layer_stream.buffer_index(stream, layers)
-    kv = build_elastic_kv(build.config, [g["k_row_bytes"]] * own + [g["v_row_bytes"]] * own,
+    kv, build.lent = build_elastic_kv(build.config, [g["k_row_bytes"]] * own + [g["v_row_bytes"]] * own,
                           g["rows"], g["page_size"], g["pages"], g["device"],
                           server_url=up_args.server_url(build.server_args), profile=build.profile,
                           batch_tokens=build.batch_tokens)  # fmt: skip
@@ -131,11 +133,12 @@ def finish(build: Build, result) -> None:
     build.config.check_server_args(
         up_args.radix_cache_disabled(build.server_args), up_args.cuda_graphs_possible(build.server_args)
     )
+    host = None
     if build.config.host_buffer_gb is not None:
-        kv.host = build_host_buffer(build.config, kv.buffers.group_bytes)
+        host = build_host_buffer(build.config, kv.buffers.group_bytes)
     extra: list = []
     if build.layer_stream is not None:
         extra.append(LayerStreamPart(build.layer_stream))
     if build.config.peer_kv != "off":
         extra.append(PeerTier(kv))
-    device.attach(allocator, kv, tuple(extra))
+    device.attach(allocator, kv, tuple(extra), lent=build.lent, host=host)

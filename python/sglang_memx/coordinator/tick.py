@@ -50,7 +50,7 @@ def per_iteration(scheduler) -> None:
     computes on (``compute_share``: its idle co-located siblings' cores while it has work)."""
     coordinator = device.of(up_sched.allocator(scheduler))
     if coordinator is None:
-        peer_server.tick(scheduler, None, None)
+        peer_server.tick(scheduler, None, None, None)
     else:
         coordinator.tick(scheduler)
     compute_share.tick(iteration.has_work(scheduler))

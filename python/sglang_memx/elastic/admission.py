@@ -30,8 +30,10 @@ it (first come, first served).
 from __future__ import annotations
 
 from memory_ext.policy.prefill_admission import DEFER, OFFLOAD, ON_GPU, PrefillAsk, judge_prefill
+from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.elastic import demand, host_buffer
-from sglang_memx.elastic.ballooning import reserve_activation
+from sglang_memx.elastic.activation_side import ActivationSide
+from sglang_memx.elastic.host_state import HostBufferState
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 
@@ -51,19 +53,17 @@ def _paged(tokens: int, page: int) -> int:
     return -(-tokens // page) * page
 
 
-def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool) -> PrefillAsk:
-    """The admission rule's inputs for ``req`` in this pass, in KV tokens."""
+def server_ask(adder, req, chunk: int, has_chunked_req: bool, activation: ActivationSide,
+               host: HostBufferState | None) -> PrefillAsk:  # fmt: skip
+    """The admission rule's inputs for ``req`` in this pass, in KV tokens (``activation``: the
+    coordinator's activation side; ``host``: the host buffer, if any)."""
     budget = up_sched.adder_budget(adder)
     total, current = up_sched.budget_offsets(budget)
     page = up_sched.adder_page_size(adder)
     state = up_sched.adder_state(adder)
-    balloon = kv.activation
-    act = 0
-    if balloon is not None:  # what making the batch's activation live takes from the budget (in KV tokens)
-        need = balloon.need_chunks(state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1)
-        act = kv.activation_cost_pages(need - balloon.live) * page
+    # what making the batch's activation live takes from the budget (in KV tokens)
+    act = activation.admission_cost_pages(state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1) * page
     offload_kv = room = 0
-    host = kv.host
     if (host is not None and not has_chunked_req and not up_sched.adder_has_chunked(adder)
             and up_req.is_plain_text_request(req) and up_sched.is_physical_budget(budget)):  # fmt: skip
         row = demand.kv_row_bytes(up_sched.adder_allocator(adder))
@@ -87,37 +87,37 @@ def server_ask(kv, adder, req, chunk: int, has_chunked_req: bool) -> PrefillAsk:
     )
 
 
-def add_one(original, adder, req, has_chunked_req, truncation_align_size, kv):
+def add_one(original, adder, req, has_chunked_req, truncation_align_size, activation: ActivationSide,
+            host: HostBufferState | None, lent: LentPool | None):  # fmt: skip
     """``PrefillAdder.add_one_req`` with memx's admission rule in front (module docstring):
     one question, then the verdict's branches."""
     state = up_sched.adder_state(adder)
     chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
-    verdict = judge_prefill(server_ask(kv, adder, req, chunk, has_chunked_req))
+    verdict = judge_prefill(server_ask(adder, req, chunk, has_chunked_req, activation, host))
     if verdict.action == DEFER:
-        return _defer(kv, adder, req, verdict.buffer_full)
-    live_before = kv.activation.live if kv.activation is not None else None
+        return _defer(host, adder, req, verdict.buffer_full)
+    live_before = activation.live_chunks()
     allocator = up_sched.adder_allocator(adder)
-    if not reserve_activation(kv, allocator, None, state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1):
-        kv.activation.stats["deferred_requests"] += 1
+    if not activation.reserve(allocator, None, state.batch_tokens + chunk, up_sched.adder_batch_size(adder) + 1,
+                              lent=lent):  # fmt: skip
+        activation.count("deferred_requests")
         return up_sched.add_result("NO_TOKEN")
     if verdict.action == ON_GPU:
         result = original(adder, req, has_chunked_req, truncation_align_size)
         if not up_sched.adder_admitted(adder, req) and verdict.if_refused == OFFLOAD:  # the buffer may take it
-            result = _offload(original, adder, req, has_chunked_req, truncation_align_size, kv)
+            result = _offload(original, adder, req, has_chunked_req, truncation_align_size, host)
     else:
-        result = _offload(original, adder, req, has_chunked_req, truncation_align_size, kv)
+        result = _offload(original, adder, req, has_chunked_req, truncation_align_size, host)
     if not up_sched.adder_admitted(adder, req):
-        if live_before is not None:
-            kv.activation.live = live_before  # not admitted: its share goes back to idle (KV may take it)
+        activation.set_live_chunks(live_before)  # not admitted: its share goes back to idle (KV may take it)
         return result
     state.batch_tokens += chunk
-    if kv.host is not None:
-        host_buffer.note_admitted(kv, req, up_sched.adder_tree_cache(adder))
+    if host is not None:
+        host_buffer.note_admitted(host, req, up_sched.adder_tree_cache(adder))
     return result
 
 
-def _defer(kv, adder, req, buffer_full: bool):
-    host = kv.host
+def _defer(host: HostBufferState | None, adder, req, buffer_full: bool):
     if host is not None and up_req.rid(req) in host.buffer:  # prefilled already, waiting for room to decode
         up_sched.adder_state(adder).behind_parked = True
         return up_sched.add_result("CONTINUE")  # requests behind it may still prefill into the buffer
@@ -126,7 +126,7 @@ def _defer(kv, adder, req, buffer_full: bool):
     return up_sched.add_result("NO_TOKEN")
 
 
-def _offload(original, adder, req, has_chunked_req, truncation_align_size, kv):
+def _offload(original, adder, req, has_chunked_req, truncation_align_size, host: HostBufferState):
     """Upstream's admission against the device's physical room; the KV is parked after the prefill."""
     budget = up_sched.adder_budget(adder)
     steps = _chunks(
@@ -136,7 +136,7 @@ def _offload(original, adder, req, has_chunked_req, truncation_align_size, kv):
         original(adder, req, has_chunked_req, truncation_align_size)
     if not up_sched.adder_admitted(adder, req):
         return up_sched.add_result("NO_TOKEN")
-    host_buffer.mark_offloaded(kv, req, host_buffer.offload_bytes(req, up_sched.adder_allocator(adder)))
+    host_buffer.mark_offloaded(host, req, host_buffer.offload_bytes(req, up_sched.adder_allocator(adder)))
     chunk_room = up_sched.adder_chunk_room(adder)
     if up_sched.adder_input_room(adder) <= 0 or (chunk_room is not None and chunk_room <= 0):
         return up_sched.add_result("OTHER")
@@ -145,15 +145,14 @@ def _offload(original, adder, req, has_chunked_req, truncation_align_size, kv):
     return up_sched.add_result("NO_TOKEN")
 
 
-def add_chunk(original, adder, req, kv):
+def add_chunk(original, adder, req, activation: ActivationSide, lent: LentPool | None):
     """``PrefillAdder.add_chunked_req``: the next chunk of a chunked prefill makes its activation
     live (held since the tick), so KV cannot take it; it cannot wait (it holds KV), so a
     shortfall is only counted. An offloaded prefill's chunks are sized by the physical room."""
     allocator = up_sched.adder_allocator(adder)
-    if kv.activation is not None:
-        chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
-        if not reserve_activation(kv, allocator, None, chunk, 1):
-            kv.activation.stats["overcommitted_chunks"] += 1
+    chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
+    if not activation.reserve(allocator, None, chunk, 1, lent=lent):
+        activation.count("overcommitted_chunks")
     if host_buffer.is_offloaded(req):
         rest = demand.next_chunk_tokens(req, None)
         chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))

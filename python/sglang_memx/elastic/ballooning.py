@@ -9,22 +9,27 @@ batch selection, when evicting cached prefixes is safe.
 
 from __future__ import annotations
 
+from memory_ext.pool.activation_balloon import ActivationBalloon
+from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
+from sglang_memx.elastic.host_state import HostBufferState
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.elastic.shared_pool import borrow_chunks
 
 
-def reserve_activation(kv, allocator, tree, tokens: int, seqs: int, *, urgent: bool = False) -> bool:
-    """eLLM Alg. 1's ballooning for one batch: its activation chunks, from FREE, then idle KV.
+def reserve_activation(kv: ElasticKV, balloon: ActivationBalloon, allocator, tree, tokens: int, seqs: int, *,
+                       lent: LentPool | None, urgent: bool = False) -> bool:  # fmt: skip
+    """eLLM Alg. 1's ballooning for one batch: its activation chunks in ``balloon`` (``kv``'s
+    activation), from FREE, then idle KV.
 
     ``tree`` None: only empty groups may be deflated, nothing evicted (queued requests hold
-    unlocked prefix matches during admission). With a shared pool a shortfall is then
-    borrowed: what the arbiter has free now, or, when ``urgent`` (a decode step that would
-    otherwise retract), letting it reclaim from peers. False: the batch does not fit with its
+    unlocked prefix matches during admission). With a shared pool (``lent``: its link, None for
+    an own pool) a shortfall is then borrowed: what the arbiter has free now, or, when ``urgent``
+    (a decode step that would otherwise retract), letting it reclaim from peers. False: the batch does not fit with its
     activation; nothing was taken.
     """
-    balloon = kv.activation
-    if balloon is None or tokens <= 0:
+    if tokens <= 0:
         return True
     cpg = kv.buffers.chunks_per_group
 
@@ -36,34 +41,37 @@ def reserve_activation(kv, allocator, tree, tokens: int, seqs: int, *, urgent: b
 
     if balloon.reserve(tokens, seqs, kv_idle, deflate):
         return True
-    if kv.lent is None:
+    if lent is None:
         return False
     short = balloon.need_chunks(tokens, seqs) - balloon.held - kv.buffers.pool.available()
     # the activation's own chunks: KV's capacity (all groups mapped, say) does not bound them
-    if not borrow_chunks(kv, max(short, 1), may_wait=urgent, urgent=urgent):
+    if not borrow_chunks(kv, lent, max(short, 1), may_wait=urgent, urgent=urgent):
         return False
     return balloon.reserve(tokens, seqs, kv_idle, deflate)
 
 
-def hold_head_activation(kv, balloon, allocator, tree, scheduler) -> None:
+def hold_head_activation(kv: ElasticKV, balloon: ActivationBalloon, allocator, tree, scheduler,
+                         host: HostBufferState | None, lent: LentPool | None) -> None:  # fmt: skip
     """Before batch selection (no prefix match is pending yet, so evicting cached prefixes is
     safe): hold the head request's prefill activation in ``balloon`` (``kv``'s activation), so
     that a server whose memory is all cached prefixes still admits it. The chunks stay idle until
-    the batch reserves them."""
-    tokens = demand.head_prefill_tokens(scheduler, kv)
+    the batch reserves them. ``host``: the host buffer, if any (its pinned prefixes count as cached)."""
+    tokens = demand.head_prefill_tokens(scheduler, host)
     if tokens <= 0:
         return
-    reserve_activation(kv, allocator, tree, tokens, 1)
+    reserve_activation(kv, balloon, allocator, tree, tokens, 1, lent=lent)
     balloon.end_iteration()
 
 
-def reserve_decode_step(kv, allocator, tree, requests: int) -> bool:
+def reserve_decode_step(
+    kv: ElasticKV, balloon: ActivationBalloon, allocator, tree, requests: int, lent: LentPool | None
+) -> bool:
     """A decode step of ``requests`` sequences reserves its activation before upstream checks
     KV capacity; False: it does not fit (upstream then retracts a request and asks again)."""
-    return reserve_activation(kv, allocator, tree, requests, requests, urgent=True)
+    return reserve_activation(kv, balloon, allocator, tree, requests, requests, lent=lent, urgent=True)
 
 
-def grow_over_activation(kv, balloon, allocator, pages: int) -> None:
+def grow_over_activation(kv: ElasticKV, balloon: ActivationBalloon, allocator, pages: int) -> None:
     """Last resort before upstream's fatal short allocation: map groups from the activation's
     live chunks too, when they only count torch's own allocations (no arena: CPU, or
     ``--memx-torch-activations``), so lending them moves no byte a forward uses. The forward

@@ -15,6 +15,7 @@ from memory_ext.policy.activation import ActivationProfile
 from memory_ext.pool import ChunkPool
 from memory_ext.pool.activation_balloon import ActivationBalloon
 from memory_ext.pool.layered_kv import LayeredKVBuffers, group_rows_for
+from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.config import MemxConfig, MemxConfigError
 from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.elastic.shared_pool import GB, join_pool, register_server
@@ -149,8 +150,8 @@ def build_elastic_kv(
     server_url: str | None = None,
     profile: ActivationProfile | None = None,
     batch_tokens: int = 0,
-) -> ElasticKV:
-    """Everything elastic KV needs.
+) -> tuple[ElasticKV, LentPool | None]:
+    """Everything elastic KV needs: the KV space and, on a shared pool (``--memx-pool``), its link to it.
 
     With a ``profile``, activations share the pool (``ActivationBalloon``): an own pool
     without a budget gets room for the largest prefill batch's activation on top of the
@@ -171,7 +172,7 @@ def build_elastic_kv(
         )
         pool = ChunkPool(backend, capacity)
     buffers = LayeredKVBuffers(pool, row_bytes, num_rows, page_size)
-    kv = ElasticKV(buffers, page_size, num_pages, spare_groups=SPARE_GROUPS, lent=lent, device=device)
+    kv = ElasticKV(buffers, page_size, num_pages, spare_groups=SPARE_GROUPS, device=device)
     if profile is not None:
         arena, mempool = activation_arena(config, backend, pool)
         kv.activation = ActivationBalloon(pool, profile, batch_tokens, arena=arena, mempool=mempool)
@@ -185,4 +186,4 @@ def build_elastic_kv(
         buffers.group_bytes / (1 << 20),
         f"{config.pool!r} (shared)" if lent else f"of {pool.capacity_chunks} chunks (own)",
     )
-    return kv
+    return kv, lent

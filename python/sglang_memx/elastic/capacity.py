@@ -10,23 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sglang_memx.elastic.ballooning import reserve_decode_step
+from memory_ext.pool.lent_pool import LentPool
+from sglang_memx.elastic.activation_side import ActivationSide
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.elastic.shared_pool import borrow_tokens
 from sglang_memx.upstream import kv as up_kv
 
 
-def decode_step_fits(kv, allocator, check: Callable[[], bool], num_tokens: int, tree, requests: int | None,
-                     *, shared: bool) -> bool:  # fmt: skip
-    """``check()`` is upstream's own test (it evicts cache and compares with available); ``shared``:
-    the KV space is on a shared pool (the coordinator has its lender)."""
-    if requests is not None and not reserve_decode_step(kv, allocator, tree, requests):
+def decode_step_fits(kv: ElasticKV, allocator, check: Callable[[], bool], num_tokens: int, tree, requests: int | None,
+                     *, activation: ActivationSide, lent: LentPool | None) -> bool:  # fmt: skip
+    """``check()`` is upstream's own test (it evicts cache and compares with available); ``lent``:
+    the shared pool's link when the KV space is on one (the coordinator's lender), else None;
+    ``activation``: the activation sharing the pool (the coordinator's side)."""
+    if requests is not None and not activation.reserve(allocator, tree, requests, requests, lent=lent, urgent=True):
         return False
-    if not shared:
+    if lent is None:
         return check()
-    borrow_tokens(kv, num_tokens - up_kv.available_tokens(allocator), may_wait=False)  # what is free at once
+    borrow_tokens(kv, lent, num_tokens - up_kv.available_tokens(allocator), may_wait=False)  # what is free at once
     if check():
         return True
     # still short after evicting our own cache: let the arbiter reclaim from idle peers
-    if borrow_tokens(kv, num_tokens - up_kv.available_tokens(allocator), may_wait=True, urgent=True):
+    if borrow_tokens(kv, lent, num_tokens - up_kv.available_tokens(allocator), may_wait=True, urgent=True):
         return check()
     return False

@@ -6,6 +6,8 @@ decision elsewhere (admission, borrowing, giving back, fetching parked KV).
 
 from __future__ import annotations
 
+from sglang_memx.elastic.host_state import HostBufferState
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
@@ -49,10 +51,10 @@ def queue_demand_tokens(scheduler) -> int:
     return demand + running_demand_tokens(scheduler)
 
 
-def head_prefill_tokens(scheduler, kv) -> int:
+def head_prefill_tokens(scheduler, host: HostBufferState | None) -> int:
     """Tokens of the next prefill chunk: of the request whose chunked prefill is under way, else
     of the waiting head request (0 if nothing waits); a parked prefix fetched back and pinned
-    counts as cached."""
+    counts as cached (``host``: the host buffer, if any)."""
     chunked = up_sched.chunked_req(scheduler)
     if chunked is not None:
         tokens = max(1, up_req.prompt_len(chunked) - up_req.kv_allocated_len(chunked))
@@ -62,8 +64,8 @@ def head_prefill_tokens(scheduler, kv) -> int:
             return 0
         req = head[0]
         tokens = up_req.prompt_len(req) + up_req.output_len(req)
-        if kv.host is not None:
-            tokens = max(1, tokens - kv.host.pinned_tokens(up_req.rid(req)))
+        if host is not None:
+            tokens = max(1, tokens - host.pinned_tokens(up_req.rid(req)))
     chunk = up_sched.chunked_prefill_size(scheduler)
     return min(tokens, chunk) if chunk else tokens
 
@@ -88,23 +90,23 @@ def decode_activation_chunks(balloon, scheduler) -> int:
     return balloon.need_chunks(n, n)
 
 
-def admitted_activation_chunks(balloon, scheduler, kv) -> int:
+def admitted_activation_chunks(balloon, scheduler, host: HostBufferState | None) -> int:
     """Activation chunks the admitted requests' next step needs: a decode step of all of them,
     or the next chunk of a chunked prefill under way, whichever is more. What a server must not
     give away between two chunks: the chunk's activation would otherwise take FREE chunks its
     KV was admitted against, and a short KV allocation ends upstream's scheduler."""
     need = decode_activation_chunks(balloon, scheduler)
     if up_sched.chunked_req(scheduler) is not None:
-        need = max(need, balloon.need_chunks(head_prefill_tokens(scheduler, kv), 1))
+        need = max(need, balloon.need_chunks(head_prefill_tokens(scheduler, host), 1))
     return need
 
 
-def activation_tokens(kv, chunks: int) -> int:
+def activation_tokens(kv: ElasticKV, chunks: int) -> int:
     """``chunks`` of pool memory in KV-token equivalents (whole groups)."""
     return -(-chunks // kv.buffers.chunks_per_group) * kv.buffers.group_rows
 
 
-def head_activation_chunks(balloon, scheduler, kv) -> int:
+def head_activation_chunks(balloon, scheduler, host: HostBufferState | None) -> int:
     """Chunks the head request's next prefill chunk needs for its activation, held or not."""
-    tokens = head_prefill_tokens(scheduler, kv)
+    tokens = head_prefill_tokens(scheduler, host)
     return balloon.need_chunks(tokens, 1) if tokens > 0 else 0

@@ -8,10 +8,11 @@ arbiter and the host buffer's fetch.
 
 from __future__ import annotations
 
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import radix as up_radix
 
 
-def free_groups(kv, allocator, tree, groups: int) -> int:
+def free_groups(kv: ElasticKV, allocator, tree, groups: int) -> int:
     """Unmap up to ``groups`` free KV groups into FREE, evicting cached prefixes as needed.
 
     Cached pages of one group may be spread over the LRU order, so eviction continues until
@@ -23,7 +24,7 @@ def free_groups(kv, allocator, tree, groups: int) -> int:
     return freed
 
 
-def idle_kv_chunks(kv, allocator, tree) -> int:
+def idle_kv_chunks(kv: ElasticKV, allocator, tree) -> int:
     """KV chunks that could become FREE now: empty groups, plus the groups evicting the cached
     pages could empty (``ElasticKV.emptiable_groups``; ``tree`` None: empty groups only)."""
     evictable_pages = up_radix.evictable_tokens(tree) // kv.page_size

@@ -34,9 +34,10 @@ import logging
 
 import torch
 
-from memory_ext.policy.ellm import HostBufferRule
-from memory_ext.pool.host_kv_buffer import HostKVBuffer
 from sglang_memx.elastic import demand
+from sglang_memx.elastic.activation_side import ActivationSide
+from sglang_memx.elastic.host_state import HostBufferState, build_host_buffer  # noqa: F401  (re-exported)
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import radix as up_radix
 from sglang_memx.upstream import request as up_req
@@ -45,83 +46,24 @@ from sglang_memx.upstream import scheduler as up_sched
 logger = logging.getLogger("sglang_memx")
 
 
-class HostBufferState:
-    """The host buffer of one scheduler plus the prefills offloaded into it.
-
-    ``pending_bytes``: host bytes promised to offloaded prefills not parked yet (admitted, or
-    in ``limbo``); offload admission keeps ``used + pending`` within the logical size.
-    ``unit_bytes``: one KV group, the unit of Alg. 2's logical size.
-    """
-
-    def __init__(self, buffer: HostKVBuffer, unit_bytes: int, rule: HostBufferRule | None = None):
-        self.buffer = buffer
-        self.unit_bytes = unit_bytes
-        self.rule = rule
-        self.limbo: list = []  # offloaded prefills out of every batch, their first token not processed yet
-        self.pins: dict = {}  # rid -> radix-cache lock on a fetched prefix, held until the request is admitted
-        self.pending_bytes = 0
-        self.offload = {"prefill_offloads": 0, "offload_parked": 0, "offload_no_room": 0}
-        if rule is not None:
-            buffer.set_logical_bytes(rule.logical_units * unit_bytes)
-
-    def offload_room(self) -> int:
-        return max(0, self.buffer.room() - self.pending_bytes)
-
-    def pinned_tokens(self, rid: str) -> int:
-        """Tokens of ``rid``'s parked KV that are back on the device and pinned (0 if none)."""
-        entry = self.buffer.peek(rid)
-        return len(entry) if entry is not None and rid in self.pins else 0
-
-    def set_logical_units(self, units: int) -> None:
-        self.buffer.set_logical_bytes(units * self.unit_bytes)
-
-    def status(self) -> dict:
-        out = self.buffer.status()
-        out.update(
-            self.offload,
-            offload_pending=len(self.limbo),
-            offload_pending_bytes=self.pending_bytes,
-            pinned=len(self.pins),
-        )
-        rule = self.rule
-        out["slo_scaling"] = None if rule is None else {
-            "logical_units": rule.logical_units,
-            "unit_bytes": self.unit_bytes,
-            "ttft_slo_s": rule.scaler.ttft_slo,
-            "tpot_slo_s": rule.scaler.tpot_slo,
-            "ttft_events": rule.events["ttft"],
-            "tpot_events": rule.events["tpot"],
-        }  # fmt: skip
-        return out
-
-
-def build_host_buffer(config, group_bytes: int) -> HostBufferState:
-    capacity = int(config.host_buffer_gb * (1 << 30))
-    rule = None
-    if config.ttft_slo_ms is not None:
-        rule = HostBufferRule(max(1, capacity // group_bytes), config.ttft_slo_ms / 1e3, config.tpot_slo_ms / 1e3)
-    return HostBufferState(HostKVBuffer(capacity), group_bytes, rule)
-
-
 def offload_bytes(req, allocator) -> int:
     return up_req.fill_len(req) * demand.kv_row_bytes(allocator)
 
 
-def mark_offloaded(kv, req, nbytes: int) -> None:
+def mark_offloaded(host: HostBufferState, req, nbytes: int) -> None:
     """``req`` was admitted as an offloaded prefill: its KV goes to the host after the prefill."""
     up_req.memx_state(req).offload_bytes = nbytes
-    kv.host.pending_bytes += nbytes
-    kv.host.offload["prefill_offloads"] += 1
+    host.pending_bytes += nbytes
+    host.offload["prefill_offloads"] += 1
 
 
 def is_offloaded(req) -> bool:
     return up_req.memx_state(req).offload_bytes > 0
 
 
-def park_kv(kv, req, req_to_token_rows, allocator) -> bool:
+def park_kv(host: HostBufferState, req, req_to_token_rows, allocator) -> bool:
     """Copy a request's committed KV to the host buffer (before it is freed); False: not kept."""
-    host = kv.host
-    if host is None or up_req.is_finished(req) or up_req.has_input_embeds(req):
+    if up_req.is_finished(req) or up_req.has_input_embeds(req):
         return False
     if not up_req.holds_kv(req) or up_req.req_pool_index(req) is None:
         return False
@@ -155,11 +97,10 @@ def _requeue_ahead(scheduler, req) -> None:
     queue.insert(at, req)
 
 
-def park_offloaded_prefills(kv, scheduler) -> int:
+def park_offloaded_prefills(host: HostBufferState, scheduler) -> int:
     """Take offloaded prefills out of the last prefill batch (so they are not merged into the
     running batch) and, once their first token is processed, park their KV and requeue them.
     Returns how many were parked this call."""
-    host = kv.host
     last = up_sched.unmerged_prefill_batch(scheduler)
     if last is not None:
         chunked = up_sched.chunked_req(scheduler)
@@ -181,7 +122,7 @@ def park_offloaded_prefills(kv, scheduler) -> int:
         if up_req.is_finished(req):
             continue  # finished on its first token; upstream released its KV
         try:
-            kept = park_kv(kv, req, up_sched.req_to_token_rows(scheduler), allocator)
+            kept = park_kv(host, req, up_sched.req_to_token_rows(scheduler), allocator)
         except Exception:  # it is recomputed when it resumes, as a retracted request would be
             logger.exception("memx: could not park the KV of offloaded prefill %s", up_req.rid(req))
             kept = False
@@ -196,10 +137,10 @@ def park_offloaded_prefills(kv, scheduler) -> int:
     return parked
 
 
-def remember_abort(kv, abort_req) -> None:
+def remember_abort(host: HostBufferState, abort_req) -> None:
     """An abort for an offloaded prefill in limbo (in no batch and not in the queue, for one
     tick) would be missed; remember it, to be replayed once the request is back in the queue."""
-    for req in kv.host.limbo:
+    for req in host.limbo:
         if up_req.abort_matches(abort_req, req):
             up_req.memx_state(req).pending_abort = abort_req
 
@@ -210,10 +151,9 @@ def _unpin(host, tree, rid) -> None:
         up_radix.unlock(tree, lock)
 
 
-def note_admitted(kv, req, tree) -> None:
+def note_admitted(host: HostBufferState, req, tree) -> None:
     """``req`` was just admitted (upstream locked its prefix): its entry is consumed (taken if its
     prefix came back from the device, dropped if part of it has to be recomputed) and our pin goes."""
-    host = kv.host
     rid = up_req.rid(req)
     entry = host.buffer.peek(rid)
     if entry is None:
@@ -225,14 +165,14 @@ def note_admitted(kv, req, tree) -> None:
         host.buffer.drop(rid)
 
 
-def fetch_parked(kv, scheduler, decode_reserve_tokens: int = 0) -> bool:
+def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSide, scheduler,
+                 decode_reserve_tokens: int = 0) -> bool:  # fmt: skip
     """Make sure the first waiting request with parked KV finds it on the device when it can be
     admitted: copy it back (evicting other cached prefixes if needed) unless the cache still holds
     it, and pin it in the radix cache until the request is admitted, so decode allocations cannot
     evict it meanwhile. ``decode_reserve_tokens``: what upstream's admission reserves for the
     running requests' remaining decode; while the request's own reservation does not fit, nothing
     is fetched and its pin is released. Returns whether its KV is on the device now."""
-    host = kv.host
     if not len(host.buffer):
         return False
     waiting = up_sched.waiting(scheduler)
@@ -262,7 +202,7 @@ def fetch_parked(kv, scheduler, decode_reserve_tokens: int = 0) -> bool:
         return True
     _unpin(host, tree, rid)
     # the held activation chunks (idle now) are not room for KV
-    act = demand.activation_tokens(kv, kv.activation.held) if kv.activation else 0
+    act = demand.activation_tokens(kv, activation.held_chunks())
     short = n + page + act - up_kv.available_tokens(allocator)
     if short > 0:
         up_radix.evict(tree, short)

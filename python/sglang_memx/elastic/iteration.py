@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import logging
 
+from sglang_memx.elastic.host_state import HostBufferState
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 
 logger = logging.getLogger("sglang_memx")
 
 
-def physical_max_tokens(kv, budget_chunks: int, kept_chunks: int) -> int:
+def physical_max_tokens(kv: ElasticKV, budget_chunks: int, kept_chunks: int) -> int:
     """The most tokens this server can ever back: its whole budget (own pool or shared pool,
     ``budget_chunks``) less what other mechanisms always keep of it (``kept_chunks``: the
     coordinator sums them, ``Coordinator.physical_budget``)."""
@@ -22,7 +24,7 @@ def physical_max_tokens(kv, budget_chunks: int, kept_chunks: int) -> int:
     return groups * kv.buffers.group_rows - kv.page_size  # page 0 is never allocatable
 
 
-def cap_request_lengths(scheduler, kv, budget_chunks: int, kept_chunks: int) -> None:
+def cap_request_lengths(scheduler, kv: ElasticKV, budget_chunks: int, kept_chunks: int) -> None:
     """Refuse (with upstream's own length error) requests that could never fit the physical budget."""
     if kv.lengths_capped:
         return
@@ -32,18 +34,18 @@ def cap_request_lengths(scheduler, kv, budget_chunks: int, kept_chunks: int) -> 
     kv.lengths_capped = True
 
 
-def reopen_admission_for_offload(kv, scheduler) -> None:
+def reopen_admission_for_offload(host: HostBufferState, scheduler) -> None:
     """Upstream stops trying to admit after a refusal until a running request leaves; with room
     in the host buffer a new request may still prefill there."""
     if (
         up_sched.admission_closed_for_memory(scheduler)
-        and kv.host.offload_room() > 0
+        and host.offload_room() > 0
         and any(up_req.is_plain_text_request(r) for r in up_sched.waiting(scheduler))
     ):
         up_sched.reopen_admission(up_sched.running_batch(scheduler))
 
 
-def premap_pages(kv, scheduler) -> int:
+def premap_pages(kv: ElasticKV, scheduler) -> int:
     """Free pages the next decode step may take: one page per admitted request (0 when idle)."""
     return len(up_sched.admitted_reqs(scheduler))
 
@@ -53,13 +55,13 @@ def has_work(scheduler) -> bool:
     return bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
 
 
-def deflate(kv, allocator, busy: bool) -> None:
+def deflate(kv: ElasticKV, allocator, busy: bool) -> None:
     """Unmap groups whose pages are all free, keeping ``spare_groups`` while the server has work
     (none when idle, so an idle server holds only its cached prefixes)."""
     kv.shrink(allocator, spare_groups=kv.spare_groups if busy else 0, lazy=True)
 
 
-def premap(kv, allocator, scheduler, keep_activation: int) -> None:
+def premap(kv: ElasticKV, allocator, scheduler, keep_activation: int) -> None:
     """Map groups from FREE chunks (and idle activation when no prefill waits: it may back the
     premap only when no prefill waits to take it back) for the next decode step's pages, never
     from the chunks that step's activation reserve needs (``keep_activation``: the coordinator

@@ -8,8 +8,8 @@ by ``free``). ``UpstreamFreeList`` gives the space the few operations it needs o
 ``upstream.kv``; the space's methods take the allocator as the free list's handle. The invariant
 and the grow / shrink / premap rules are the space's (``kv_space``'s docstring).
 
-The collaborators attached here (``lent``, ``host``) are the
-device's mechanisms; the coordinator holds them as typed components (``coordinator.device``).
+The device's mechanisms (shared-pool link, host buffer, ...) are not attached here: the
+coordinator holds them as typed components (``coordinator.device``).
 Not thread-safe: called from the scheduler thread only.
 """
 
@@ -64,16 +64,13 @@ class ElasticKV(KVSpace):
         num_pages: int,
         *,
         spare_groups: int = 0,
-        lent=None,
         device="cpu",
     ):
         super().__init__(buffers, page_size, num_pages, UpstreamFreeList(device), spare_groups=spare_groups)
         self.device = device
-        self.lent = lent  # LentPool when the pool is shared, else None
-        self.host = None  # HostBufferState (--memx-host-buffer-gb), or None
         self.slab = None  # SlabFormat of this server's groups (elastic.slab), set by the build
         self.cell: dict = {}  # its KV cell (dtype, layers, KV heads, head dims, F2 token size)
-        # scheduler-side state: borrow back-off (shared pool), one-time length cap
+        # scheduler-side state: borrow back-off and wake-up (shared pool, ``shared_pool``), one-time length cap
         self.borrow_backoff_until = 0.0
         self.borrow_backoff_s = 0.0
         self.cache_keep_until = 0.0  # shared pool: no borrow to keep cached prefixes before this time

@@ -30,7 +30,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 from memory_ext.pool import Owner
 from memory_ext.pool.arbiter_client import ArbiterError
@@ -40,7 +39,9 @@ from memory_ext.vmm import private_dir
 from sglang_memx import router_activity
 from sglang_memx.config import MemxConfig, MemxConfigError, pool_owner_pid
 from sglang_memx.elastic import demand
+from sglang_memx.elastic.activation_side import ActivationSide
 from sglang_memx.elastic.eviction import free_groups, idle_kv_chunks
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.elastic.paths import pool_dir, pool_socket
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import radix as up_radix
@@ -170,21 +171,21 @@ def register_server(config: MemxConfig, url: str | None) -> Path | None:
 
 
 # ------------------------------------------------------------------ waking up for the arbiter
-def attend(kv, scheduler) -> None:
+def attend(kv: ElasticKV, lent: LentPool, scheduler) -> None:
     """Once per iteration: the first time, make an idle scheduler (``--sleep-on-idle``) wake up
     when the arbiter asks for memory, a late grant lands or the arbiter is lost (else a sleeping
     server would answer a reclaim only when its one-second sleep ends); then consume the
     wake-ups. If the arbiter died, rejoin a new one once it answers (``LentPool.maybe_rejoin``:
     a no-op while connected; meanwhile the server runs on what it holds)."""
     if not kv.lent_wakeup_registered:
-        up_sched.add_idle_wakeup(scheduler, kv.lent.wake_fd)
+        up_sched.add_idle_wakeup(scheduler, lent.wake_fd)
         kv.lent_wakeup_registered = True
-    kv.lent.drain_wakeups()
-    kv.lent.maybe_rejoin()
+    lent.drain_wakeups()
+    lent.maybe_rejoin()
 
 
 # ------------------------------------------------------------------ borrowing and giving back
-def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = False) -> int:
+def borrow_tokens(kv: ElasticKV, lent: LentPool, tokens: int, *, may_wait: bool = True, urgent: bool = False) -> int:
     """Borrow enough whole groups for ``tokens`` more tokens of KV (never more groups than KV
     could still map); return groups borrowed. Waiting, back-off: ``borrow_chunks``. Only on a
     shared pool (the coordinator's lender, or a caller it gates)."""
@@ -192,10 +193,12 @@ def borrow_tokens(kv, tokens: int, *, may_wait: bool = True, urgent: bool = Fals
         return 0
     unmapped = kv.num_groups - kv.buffers.num_mapped - kv.affordable_groups()
     groups = min(-(-tokens // kv.buffers.group_rows), max(0, unmapped))
-    return borrow_chunks(kv, groups, kv.buffers.chunks_per_group, may_wait=may_wait, urgent=urgent)
+    return borrow_chunks(kv, lent, groups, kv.buffers.chunks_per_group, may_wait=may_wait, urgent=urgent)
 
 
-def borrow_chunks(kv, units: int, unit_chunks: int = 1, *, may_wait: bool = True, urgent: bool = False) -> int:
+def borrow_chunks(
+    kv: ElasticKV, lent: LentPool, units: int, unit_chunks: int = 1, *, may_wait: bool = True, urgent: bool = False
+) -> int:
     """Borrow ``units`` units of ``unit_chunks`` chunks (KV: whole groups; an activation: single
     chunks, which KV's capacity does not bound); return units borrowed.
 
@@ -208,7 +211,6 @@ def borrow_chunks(kv, units: int, unit_chunks: int = 1, *, may_wait: bool = True
     the back-off); a grant resets it. A borrow whose grant is still on its way (the arbiter is
     reclaiming from peers) is no refusal: nothing more is asked until it lands, without back-off.
     """
-    lent = kv.lent
     if units <= 0:
         return 0
     now = time.monotonic()
@@ -232,21 +234,7 @@ def borrow_chunks(kv, units: int, unit_chunks: int = 1, *, may_wait: bool = True
     return got
 
 
-class ActivationSide(Protocol):
-    """What the shared pool asks of the activation sharing the server's pool (the coordinator
-    passes its activation component, or a side that holds nothing when there is none)."""
-
-    def held_chunks(self) -> int: ...
-
-    def idle_chunks(self) -> int: ...
-
-    def next_step_chunks(self, scheduler) -> int:
-        """Chunks the admitted requests' next step needs (``demand.admitted_activation_chunks``)."""
-
-    def release_idle(self, keep: int) -> None: ...
-
-
-def spare_free_chunks(kv, allocator, scheduler, activation: ActivationSide) -> int:
+def spare_free_chunks(kv: ElasticKV, allocator, scheduler, activation: ActivationSide) -> int:
     """FREE chunks not needed for the running requests' remaining decode, nor for the activation
     of their next step (a decode step, or a chunked prefill's next chunk): those may go back.
 
@@ -259,22 +247,22 @@ def spare_free_chunks(kv, allocator, scheduler, activation: ActivationSide) -> i
     return max(0, kv.buffers.pool.usage()[Owner.FREE] - keep)
 
 
-def answer_reclaim(kv, allocator, tree, scheduler, activation: ActivationSide,
+def answer_reclaim(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation: ActivationSide,
                    release_layers: Callable[[int], int] | None = None) -> int:  # fmt: skip
     """Free and return the chunks the arbiter asked for (idle activation, free groups, then
     cached prefixes, then, with remappable weights, layers: ``release_layers(chunks)``, which
     the coordinator passes when the weights are in the pool); return how many chunks went back."""
-    pending = kv.lent.take_pending_reclaim()
+    pending = lent.take_pending_reclaim()
     if pending <= 0:
         return 0
     activation.release_idle(keep=activation.next_step_chunks(scheduler))  # idle activation is the cheapest
     free_groups(kv, allocator, tree, -(-pending // kv.buffers.chunks_per_group))
     if release_layers is not None:  # an inactive server's layers go next (Oneiros: inactive first)
         release_layers(pending - spare_free_chunks(kv, allocator, scheduler, activation))
-    return kv.lent.give_back(min(pending, spare_free_chunks(kv, allocator, scheduler, activation)))
+    return lent.give_back(min(pending, spare_free_chunks(kv, allocator, scheduler, activation)))
 
 
-def report(kv, allocator, tree, scheduler, activation: ActivationSide,
+def report(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation: ActivationSide,
            lendable: Callable[[], int] | None = None) -> None:  # fmt: skip
     """The arbiter policy's numbers for this server: chunks it could give back now (spare FREE,
     empty groups, evictable cache, idle activation beyond the decode steps' need, and what
@@ -283,7 +271,7 @@ def report(kv, allocator, tree, scheduler, activation: ActivationSide,
     holds for this model (``router_activity``) count as work and their demand as headroom.
     Computed only when a report could go out (``LentPool.report_due``)."""
     busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
-    if not kv.lent.report_due(busy or router_activity.holds_requests()):
+    if not lent.report_due(busy or router_activity.holds_requests()):
         return
     idle = spare_free_chunks(kv, allocator, scheduler, activation) + idle_kv_chunks(kv, allocator, tree)
     if lendable is not None:
@@ -292,10 +280,12 @@ def report(kv, allocator, tree, scheduler, activation: ActivationSide,
     wanted = demand.queue_demand_tokens(scheduler) - demand.running_demand_tokens(scheduler)
     headroom = min(idle, -(-max(0, wanted) // kv.buffers.group_rows) * kv.buffers.chunks_per_group)
     headroom, busy = router_activity.report_numbers(kv, idle, headroom, busy)  # requests queued at the router
-    kv.lent.report(idle, headroom, busy)
+    lent.report(idle, headroom, busy)
 
 
-def balance(kv, allocator, tree, scheduler, activation_chunks: int, activation: ActivationSide) -> None:
+def balance(
+    kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation_chunks: int, activation: ActivationSide
+) -> None:
     """Give unused chunks back when nothing waits, borrow the queue's shortfall (the coordinator
     reports right after: ``report``).
 
@@ -315,7 +305,7 @@ def balance(kv, allocator, tree, scheduler, activation_chunks: int, activation: 
     """
     if not up_sched.waiting(scheduler):  # nothing waits: unused chunks go back
         activation.release_idle(keep=activation.next_step_chunks(scheduler))  # keep their next step's
-        kv.lent.give_back(spare_free_chunks(kv, allocator, scheduler, activation))
+        lent.give_back(spare_free_chunks(kv, allocator, scheduler, activation))
     mapped_free = up_kv.free_page_count(allocator) * kv.page_size
     beyond_free = demand.queue_demand_tokens(scheduler) - mapped_free
     kv_short = beyond_free - up_radix.evictable_tokens(tree)
@@ -324,10 +314,10 @@ def balance(kv, allocator, tree, scheduler, activation_chunks: int, activation: 
     held = activation.held_chunks()
     short = groups * kv.buffers.chunks_per_group + activation_chunks - kv.buffers.pool.available() - held
     if short > 0:
-        borrow_chunks(kv, short)
+        borrow_chunks(kv, lent, short)
     elif beyond_free > 0 and groups < unmapped and time.monotonic() >= kv.cache_keep_until:
         # the rest would come from evicting cached prefixes
         cache_groups = min(-(-beyond_free // kv.buffers.group_rows), unmapped) - groups
         keep = cache_groups * kv.buffers.chunks_per_group + short  # short <= 0: what the pool has spare
-        if keep > 0 and not borrow_chunks(kv, keep, may_wait=False):  # one STATUS a second at most
+        if keep > 0 and not borrow_chunks(kv, lent, keep, may_wait=False):  # one STATUS a second at most
             kv.cache_keep_until = time.monotonic() + CACHE_KEEP_RETRY_S

@@ -24,6 +24,7 @@ import torch
 
 from memory_ext.policy.kv_format import KVLayout, KVPrecision, slab_format, token_kv_bytes
 from memory_ext.policy.slab_table import SlabTable
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
 
 
@@ -57,12 +58,12 @@ def cell_format(geometry: dict, unit_bytes: int):
     return cell, fmt
 
 
-def dead_pages(kv, group: int) -> int:
+def dead_pages(kv: ElasticKV, group: int) -> int:
     """Pages of ``group`` that upstream never allocates (page 0, pages past the capacity)."""
     return kv.group_pages - kv.usable_pages(group)
 
 
-def slab_table(kv, allocator) -> SlabTable:
+def slab_table(kv: ElasticKV, allocator) -> SlabTable:
     """A ``SlabTable`` over the server's groups, filled from upstream's free list."""
     fmt = kv.slab
     table = SlabTable(kv.num_groups, fmt.slab_bytes)
@@ -76,7 +77,7 @@ def slab_table(kv, allocator) -> SlabTable:
     return table
 
 
-def slab_status(kv, allocator) -> dict | None:
+def slab_status(kv: ElasticKV, allocator) -> dict | None:
     """The ``elastic_kv.slab`` section of /memx/status (None before the build set a format)."""
     fmt = kv.slab
     if fmt is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from sglang_memx.elastic.host_state import HostBufferState
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 
@@ -51,9 +52,8 @@ def ttft_samples(scheduler, limbo, now: float) -> list[float]:
     return samples
 
 
-def observe(kv, scheduler, now: float | None = None) -> None:
+def observe(host: HostBufferState, scheduler, now: float | None = None) -> None:
     """One Alg. 2 step from this iteration's samples; the buffer's logical size follows."""
-    host = kv.host
     if host.rule is None:
         return
     now = time.monotonic() if now is None else now

@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 from sglang_memx.coordinator import device, pool_build
-from sglang_memx.coordinator.components import SharedPoolLender
 from sglang_memx.elastic.capacity import decode_step_fits
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import scheduler as up_sched
@@ -92,7 +91,7 @@ def around_check_decode_capacity(original, allocator, *, num_tokens, tree_cache,
         return check()
     return decode_step_fits(coordinator.kv, allocator, check, int(num_tokens), tree_cache,
                             None if requests is None else len(requests),
-                            shared=coordinator.part(SharedPoolLender) is not None)  # fmt: skip
+                            activation=coordinator.activation_side(), lent=coordinator.shared_pool())  # fmt: skip
 
 
 def around_create_prefill_budget(original, allocator, tree_cache, *, num_mixed_decode_tokens=0):

@@ -43,7 +43,10 @@ def around_forward(original, runner, forward_batch, *args, **kwargs):
 
 def after_alloc_memory_pool(result, runner, *args, **kwargs):
     coordinator = device.of(up_model.runner_allocator(runner))
-    state = attach(runner, None if coordinator is None else coordinator.kv)
+    if coordinator is None:
+        state = attach(runner, None, None)
+    else:
+        state = attach(runner, coordinator.kv, coordinator.shared_pool())
     if state is not None:
         coordinator.register(WeightLender(coordinator.kv, state))
 

@@ -90,21 +90,23 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
         coordinator.part(ActivationBalloonPart) is None and coordinator.part(HostBufferPart) is None
     ):
         return original(adder, req, has_chunked_req, truncation_align_size)
-    return admission.add_one(original, adder, req, has_chunked_req, truncation_align_size, coordinator.kv)
+    activation, host, lent = coordinator.activation_side(), coordinator.host_buffer(), coordinator.shared_pool()
+    return admission.add_one(original, adder, req, has_chunked_req, truncation_align_size, activation, host, lent)
 
 
 def around_add_chunked_req(original, adder, req):
     coordinator = device.of(up_sched.adder_allocator(adder))
     if coordinator is None:
         return original(adder, req)
-    return admission.add_chunk(original, adder, req, coordinator.kv)
+    return admission.add_chunk(original, adder, req, coordinator.activation_side(), coordinator.shared_pool())
 
 
 def around_release_req(original, batch, idx, remaing_req_count, offload_kv=True):
     coordinator = device.of(up_sched.batch_allocator(batch))
-    if coordinator is not None and coordinator.part(HostBufferPart) is not None and offload_kv:
+    host = None if coordinator is None else coordinator.host_buffer()
+    if host is not None and offload_kv:
         try:
-            host_buffer.park_kv(coordinator.kv, up_sched.batch_reqs(batch)[idx],
+            host_buffer.park_kv(host, up_sched.batch_reqs(batch)[idx],
                                 up_sched.batch_req_to_token_rows(batch), up_sched.batch_allocator(batch))  # fmt: skip
         except Exception:  # the request is then recomputed, as in stock SGLang
             logger.exception("memx: could not park a retracted request's KV")
@@ -113,8 +115,9 @@ def around_release_req(original, batch, idx, remaing_req_count, offload_kv=True)
 
 def after_abort_request(result, scheduler, recv_req):
     coordinator = device.of(up_sched.allocator(scheduler))
-    if coordinator is not None and coordinator.part(HostBufferPart) is not None:
-        host_buffer.remember_abort(coordinator.kv, recv_req)
+    host = None if coordinator is None else coordinator.host_buffer()
+    if host is not None:
+        host_buffer.remember_abort(host, recv_req)
     return result
 
 

@@ -39,7 +39,9 @@ from memory_ext.peer import PeerDonor, PeerKVIO, PeerKVTier, donor_socket, donor
 from memory_ext.peer.controller import DonorController, geometry_of
 from memory_ext.peer.kvpack import layout_of_buffers
 from memory_ext.policy.swiftcache import DonationPolicy
+from memory_ext.pool.lent_pool import LentPool
 from memory_ext.vmm import host_backend
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.elastic.paths import pool_dir
 from sglang_memx.peer import layer_stream, peer_name
 from sglang_memx.peer.prefix import PeerPrefixCache
@@ -62,12 +64,12 @@ DEFAULT_DONATE_FRACTION = 0.5  # without --memx-peer-donate-max-gb: at most half
 
 
 class PeerKVServer:
-    def __init__(self, scheduler, config, kv, stream):
+    def __init__(self, scheduler, config, kv: ElasticKV | None, lent: LentPool | None, stream):
         tree = up_sched.tree_cache(scheduler)
         allocator = up_sched.allocator(scheduler)
         if not up_peer.is_unified(tree):
             raise RuntimeError(f"--memx-peer-kv: needs upstream's unified radix cache, this server has {type(tree)}")
-        if kv is None or kv.lent is None:
+        if kv is None or lent is None:
             raise RuntimeError("--memx-peer-kv: needs elastic KV on a shared pool (--memx-pool)")
         buffers = up_kv.kv_buffers(allocator)
         layers = len(buffers) // 2
@@ -78,7 +80,7 @@ class PeerKVServer:
             self.k_layers, self.v_layers, self.block_tokens, up_args.model_path(up_sched.server_args(scheduler))
         )
         self.mode = config.peer_kv
-        self.tree, self.allocator, self.kv = tree, allocator, kv
+        self.tree, self.allocator, self.kv, self.lent = tree, allocator, kv, lent
         self.pool_name, self.directory = config.pool, os.fspath(pool_dir(config))
         self.name = peer_name(up_sched.server_args(scheduler))
         self.stats: Counter[str] = Counter()
@@ -156,7 +158,7 @@ class PeerKVServer:
         pool = self.kv.buffers.pool
         short = room - pool.available()
         if room > 0 and short > 0:  # the donation's chunks come from the arbiter, like any KV chunk
-            self.kv.lent.borrow(short, wait=BORROW_WAIT_S)
+            self.lent.borrow(short, wait=BORROW_WAIT_S)
         placed = self.controller.on_tick(now)
         if placed:
             self.stats["donated_chunks"] += placed
@@ -249,10 +251,10 @@ def server_of(scheduler):
 _without: set[int] = set()  # schedulers (by id) that run without the tier
 
 
-def tick(scheduler, kv, stream) -> None:
+def tick(scheduler, kv: ElasticKV | None, lent: LentPool | None, stream) -> None:
     """Once per scheduler iteration (the coordinator's peer step; ``kv``: its KV space, None without
-    elastic KV; ``stream``: the layer stream cache built with the pool, or None): build the tier
-    on the first call."""
+    elastic KV; ``lent``: its shared pool's link, None without one; ``stream``: the layer stream
+    cache built with the pool, or None): build the tier on the first call."""
     server = server_of(scheduler)
     if server is None:
         if id(scheduler) in _without:
@@ -261,6 +263,6 @@ def tick(scheduler, kv, stream) -> None:
         if config.disabled or config.peer_kv == "off":
             _without.add(id(scheduler))
             return
-        server = PeerKVServer(scheduler, config, kv, stream)
+        server = PeerKVServer(scheduler, config, kv, lent, stream)
         up_peer.attach_peer(up_sched.tree_cache(scheduler), server)
     server.tick(scheduler)

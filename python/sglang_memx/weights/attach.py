@@ -13,8 +13,10 @@ import logging
 
 from memory_ext.policy.oneiros import uniform_interval_layers
 from memory_ext.pool import PoolExhausted
+from memory_ext.pool.lent_pool import LentPool
 from memory_ext.weights import HostCopier, LayerPipeline, WeightStore
 from sglang_memx.config import MemxConfigError
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import model as up_model
 from sglang_memx.upstream import server_args as up_args
 from sglang_memx.weights.state import WeightsState
@@ -55,9 +57,10 @@ def load_profile(path: str, n_layers: int):
     return profile
 
 
-def attach(runner, kv) -> WeightsState | None:
+def attach(runner, kv: ElasticKV | None, lent: LentPool | None) -> WeightsState | None:
     """Move the runner's decoder layers into the pool of ``kv`` (the KV space the coordinator holds;
-    None: stock KV) and return their state, or None when ``--memx-weights`` is off."""
+    None: stock KV; ``lent``: its shared pool's link, None for an own pool) and return their state,
+    or None when ``--memx-weights`` is off."""
     config = up_args.config_of(up_model.runner_server_args(runner))
     if config.disabled or config.weights == "off":
         return None
@@ -73,8 +76,8 @@ def attach(runner, kv) -> WeightsState | None:
     pool = kv.buffers.pool
     g = pool.chunk_bytes
     need = sum(-(-sum(p.numel() * p.element_size() + 256 for p in ps) // g) for ps in params.values())
-    if kv.lent is not None and pool.available() < need:
-        kv.lent.borrow(need - pool.available(), wait=30.0)
+    if lent is not None and pool.available() < need:
+        lent.borrow(need - pool.available(), wait=30.0)
     store = WeightStore(pool, _copier(up_model.runner_device(runner)))
     nbytes = 0
     try:
@@ -84,7 +87,7 @@ def attach(runner, kv) -> WeightsState | None:
             nbytes += sum(p.numel() * p.element_size() for p in ps)
     except PoolExhausted:
         store.close()
-        budget = "--memx-pool-budget-gb" if kv.lent is None else "--memx-pool"
+        budget = "--memx-pool-budget-gb" if lent is None else "--memx-pool"
         raise MemxConfigError(
             budget,
             f"the pool cannot hold the decoder layers ({need * g / GB:.3f} GB) beside the KV cache's first "

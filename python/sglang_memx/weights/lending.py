@@ -16,7 +16,9 @@ is active again and the arbiter can lend the memory.
 from __future__ import annotations
 
 from memory_ext.policy.oneiros import model_limit, plan_layers
+from memory_ext.pool.lent_pool import LentPool
 from sglang_memx import router_activity
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.weights import remap
 
 
@@ -26,13 +28,13 @@ def _slots_kept_by_first_release(w) -> int:
     return 0 if w.alpha else (w.depth or 2)
 
 
-def lendable_chunks(w, kv) -> int:
+def lendable_chunks(w, kv: ElasticKV, lent: LentPool) -> int:
     """Chunks releasing layers of ``w`` (the weights in ``kv``'s pool) could free now: 0 for an
     active model (it remaps only under its own KV pressure), else up to its Oneiros limit as an
     inactive model."""
     if w.mode != "remap":
         return 0
-    state = remap.model_state(w, kv, busy=False)
+    state = remap.model_state(w, kv, lent, busy=False)
     if state.active or state.compute_s is None:
         return 0
     limit, _ = model_limit(state, remap.buffer_mode(w.depth))
@@ -40,12 +42,12 @@ def lendable_chunks(w, kv) -> int:
     return max(0, (more - _slots_kept_by_first_release(w)) * w.store.slot_chunks)
 
 
-def release_for_reclaim(w, kv, chunks: int) -> int:
+def release_for_reclaim(w, kv: ElasticKV, lent: LentPool, chunks: int) -> int:
     """Release enough layers to free ``chunks`` (within ``lendable_chunks``); returns the layers
     newly lent. The change applies at once when no forward runs."""
-    if chunks <= 0 or lendable_chunks(w, kv) <= 0:
+    if chunks <= 0 or lendable_chunks(w, kv, lent) <= 0:
         return 0
-    state = remap.model_state(w, kv, busy=False)
+    state = remap.model_state(w, kv, lent, busy=False)
     limit, _ = model_limit(state, remap.buffer_mode(w.depth))
     target = min(limit, w.alpha + -(-chunks // w.store.slot_chunks) + _slots_kept_by_first_release(w))
     if target <= w.alpha:

@@ -17,8 +17,11 @@ from memory_ext.policy.interval_manager import IntervalManager, demand_from_prof
 from memory_ext.policy.oneiros import Action, BufferMode, ModelState, OneirosController, RemapDecision, plan_layers
 from memory_ext.policy.select_n import offloaded_layers
 from memory_ext.pool import PoolError
+from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.eviction import free_groups
+from sglang_memx.elastic.host_state import HostBufferState
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import radix as up_radix
 from sglang_memx.upstream import scheduler as up_sched
@@ -37,18 +40,21 @@ def admission_denied(scheduler) -> bool:
     return bool(up_sched.waiting(scheduler)) and up_sched.admission_closed_for_memory(scheduler)
 
 
-def free_kv_groups(w, kv, allocator, tree, scheduler) -> int:
+def free_kv_groups(
+    w, kv: ElasticKV, allocator, tree, scheduler, lent: LentPool | None, host: HostBufferState | None
+) -> int:
     """KV groups left once the queue head and the running requests got what they need. With a
     shared pool, what the arbiter could lend at once counts too (the lent layers' memory may
-    have gone to a peer, which gives it back to the arbiter when it no longer needs it)."""
-    if kv.host is not None and len(kv.host.buffer) > 0:
+    have gone to a peer, which gives it back to the arbiter when it no longer needs it). ``lent``: the
+    shared pool's link, ``host``: the host buffer (each None when off)."""
+    if host is not None and len(host.buffer) > 0:
         return 0
     if admission_denied(scheduler):
         return 0
     supply = up_kv.available_tokens(allocator) + (up_radix.evictable_tokens(tree) if tree is not None else 0)
-    if kv.lent is not None and w.alpha > 0 and not up_sched.waiting(scheduler):
+    if lent is not None and w.alpha > 0 and not up_sched.waiting(scheduler):
         # only with nothing waiting: a restore never competes with admission for the arbiter's memory
-        supply += arbiter_free_chunks(w, kv) // kv.buffers.chunks_per_group * kv.buffers.group_rows
+        supply += arbiter_free_chunks(w, lent) // kv.buffers.chunks_per_group * kv.buffers.group_rows
     left = supply - demand.queue_demand_tokens(scheduler)
     return max(0, left) // kv.buffers.group_rows
 
@@ -57,15 +63,15 @@ RESTORE_BORROW_WAIT_S = 0.02  # longest an iteration waits for the arbiter to le
 ARBITER_POLL_S = 0.5  # a lender with lent layers asks the arbiter what is free at most this often
 
 
-def arbiter_free_chunks(w, kv) -> int:
+def arbiter_free_chunks(w, lent: LentPool) -> int:
     """What the arbiter could lend at once, asked at most every ``ARBITER_POLL_S``."""
     now = time.monotonic()
     if now - w.arbiter_polled_at >= ARBITER_POLL_S:
-        w.arbiter_free, w.arbiter_polled_at = kv.lent.available_now(), now
+        w.arbiter_free, w.arbiter_polled_at = lent.available_now(), now
     return w.arbiter_free
 
 
-def model_state(w, kv, busy: bool) -> ModelState:
+def model_state(w, kv: ElasticKV, lent: LentPool | None, busy: bool) -> ModelState:
     now = time.monotonic()
     if busy:
         w.last_busy = now
@@ -73,7 +79,7 @@ def model_state(w, kv, busy: bool) -> ModelState:
     compute = w.decode_step_s if active else (w.prefill_step_s or w.decode_step_s)
     blocks = max(1, w.store.slot_chunks // kv.buffers.chunks_per_group)
     cap = tbt_cap(w) if active else w.n_layers - 1  # the TBT SLO binds decode steps, not an idle model
-    shared = link_cap(w, kv, active)
+    shared = link_cap(w, lent, active)
     if shared is not None:
         cap = min(cap, shared)
     return ModelState(MODEL, w.n_layers, max(w.layer_transfer_s, 1e-9), compute, active, cap,
@@ -125,16 +131,16 @@ def link_demand(w):
                                max(w.layer_transfer_s, 1e-9), w.tbt_slo_s, slots, _fixed_s(w))  # fmt: skip
 
 
-def link_cap(w, kv, active: bool) -> int | None:
+def link_cap(w, lent: LentPool | None, active: bool) -> int | None:
     """Most layers the host link the pool's servers share leaves this one (Select-N §4.5: the
     arbiter runs ``LinkCoordinator`` over every active server's demand). None: no shared
     link to ask (private pool, no TBT SLO, nothing measured, or the arbiter did not answer).
     An inactive server withdraws its demand once."""
-    if kv.lent is None:
+    if lent is None:
         return None
     if not active:
         if w.link_demand is not None:
-            kv.lent.link(w.link_demand, w.layer_bytes / w.layer_transfer_s, active=False)
+            lent.link(w.link_demand, w.layer_bytes / w.layer_transfer_s, active=False)
             w.link_demand, w.link, w.link_layers = None, None, None
         return None
     demand = link_demand(w)
@@ -143,7 +149,7 @@ def link_cap(w, kv, active: bool) -> int | None:
     now = time.monotonic()
     changed = w.link_demand is None or demand.min_interval != w.link_demand.min_interval
     if changed or now - w.link_asked_at >= LINK_POLL_S:
-        reply = kv.lent.link(demand, w.layer_bytes / w.layer_transfer_s)
+        reply = lent.link(demand, w.layer_bytes / w.layer_transfer_s)
         w.link_asked_at, w.link_demand, w.link = now, demand, reply
         w.link_layers = None if reply is None else offloaded_layers(w.n_layers, reply["interval"] or w.n_layers + 1)
     if w.link_layers is None:
@@ -151,11 +157,11 @@ def link_cap(w, kv, active: bool) -> int | None:
     return max(0, min(w.n_layers - 1, w.link_layers - (w.depth or 2)))
 
 
-def shared_pool_holds(kv, action: Action, active: bool) -> str:
+def shared_pool_holds(kv: ElasticKV, lent: LentPool | None, action: Action, active: bool) -> str:
     """Across processes Oneiros's model order is the arbiter's: an active server remaps its own
     layers only after the arbiter refused (inactive peers' layers and idle KV go first), and
     an inactive server's layers lent to peers come back when it has traffic again."""
-    if kv.lent is None:
+    if lent is None:
         return ""
     if action is Action.REMAP and time.monotonic() >= kv.borrow_backoff_until:
         return "the arbiter has not refused a borrow (peers' idle memory goes first)"
@@ -164,7 +170,7 @@ def shared_pool_holds(kv, action: Action, active: bool) -> str:
     return ""
 
 
-def step(w, kv, allocator, scheduler) -> None:
+def step(w, kv: ElasticKV, allocator, scheduler, lent: LentPool | None, host: HostBufferState | None) -> None:
     """One Oneiros step for the weights ``w`` in ``kv``'s pool: release a layer under KV
     pressure, restore one when its lent memory is empty (applied at the next forward boundary)."""
     if w.mode != "remap" or w.pipeline.pending() is not None:
@@ -178,11 +184,11 @@ def step(w, kv, allocator, scheduler) -> None:
     if w.controller is None:  # stateless between observations; one per server
         w.controller = OneirosController(LOW_WATERMARK_GROUPS, LOW_WATERMARK_GROUPS, buffer_mode(w.depth))
     controller = w.controller
-    state = model_state(w, kv, busy)
-    controller.observe(free_kv_groups(w, kv, allocator, tree, scheduler), [state])
+    state = model_state(w, kv, lent, busy)
+    controller.observe(free_kv_groups(w, kv, allocator, tree, scheduler, lent, host), [state])
     decision = controller.decide()
     w.last_reason = decision.reason
-    held_back = shared_pool_holds(kv, decision.action, state.active)
+    held_back = shared_pool_holds(kv, lent, decision.action, state.active)
     if held_back:
         decision = RemapDecision(Action.HOLD, None, 0, None, f"{decision.reason}; held: {held_back}")
         w.last_reason = decision.reason
@@ -198,8 +204,8 @@ def step(w, kv, allocator, scheduler) -> None:
     if decision.action is Action.RESTORE:
         need = chunks_needed(w, streamed, slots)
         short = need - kv.buffers.pool.available()
-        if short > 0 and kv.lent is not None:  # the lent memory may be the arbiter's again
-            kv.lent.borrow(short, wait=RESTORE_BORROW_WAIT_S)
+        if short > 0 and lent is not None:  # the lent memory may be the arbiter's again
+            lent.borrow(short, wait=RESTORE_BORROW_WAIT_S)
             short = need - kv.buffers.pool.available()
         if short > 0:
             groups = -(-short // kv.buffers.chunks_per_group)

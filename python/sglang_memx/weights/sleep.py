@@ -20,9 +20,11 @@ import logging
 import time
 
 from memory_ext.pool import PoolError
+from memory_ext.pool.lent_pool import LentPool
 from sglang_memx import router_activity
 from sglang_memx.elastic import shared_pool
 from sglang_memx.elastic.eviction import free_groups
+from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import scheduler as up_sched
 from sglang_memx.weights import remap
 
@@ -31,7 +33,7 @@ logger = logging.getLogger("sglang_memx")
 WAKE_BORROW_WAIT_S = 5.0  # longest a wake waits for the arbiter to gather the layers' memory
 
 
-def step(w, kv, allocator, tree, scheduler, activation: shared_pool.ActivationSide) -> None:
+def step(w, kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation: shared_pool.ActivationSide) -> None:
     """Once per iteration, before the remap controller: fall asleep or wake up (``w``: the weights
     in ``kv``'s pool; the coordinator runs this step on a shared pool only)."""
     if w.sleep_after_s is None:
@@ -39,33 +41,35 @@ def step(w, kv, allocator, tree, scheduler, activation: shared_pool.ActivationSi
     busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
     if w.sleeping and (busy or router_activity.wake_ahead()):  # the router holds requests: wake ahead of them
         w.last_busy = time.monotonic()
-        wake(w, kv)
+        wake(w, kv, lent)
     elif (not w.sleeping and not busy and time.monotonic() - w.last_busy >= w.sleep_after_s
           and router_activity.may_sleep(w.sleep_after_s)):  # fmt: skip
-        fall_asleep(w, kv, allocator, tree, scheduler, activation)
+        fall_asleep(w, kv, lent, allocator, tree, scheduler, activation)
 
 
-def fall_asleep(w, kv, allocator, tree, scheduler, activation: shared_pool.ActivationSide) -> None:
+def fall_asleep(
+    w, kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation: shared_pool.ActivationSide
+) -> None:
     if w.pipeline.pending() is not None:
         return  # a release or restore is still to apply: sleep on a later tick
     w.pipeline.request(list(w.layer_keys), 1)
     w.pipeline.apply_if_idle()
     free_groups(kv, allocator, tree, kv.num_groups)
     activation.release_idle(keep=0)
-    given = kv.lent.give_back(shared_pool.spare_free_chunks(kv, allocator, scheduler, activation))
+    given = lent.give_back(shared_pool.spare_free_chunks(kv, allocator, scheduler, activation))
     w.sleeping, w.slept_at = True, time.monotonic()
     w.sleeps += 1
     logger.info("memx: asleep after %.0f s idle: %d of %d layers released, %d chunk(s) back to the pool",
                 w.sleep_after_s, len(w.store.streamed()), w.n_layers, given)  # fmt: skip
 
 
-def wake(w, kv) -> None:
+def wake(w, kv: ElasticKV, lent: LentPool) -> None:
     t0 = time.perf_counter()
     pool = kv.buffers.pool
     need = remap.chunks_needed(w, [], 0)
     short = need - pool.available()
     if short > 0:
-        kv.lent.borrow(short, wait=WAKE_BORROW_WAIT_S)
+        lent.borrow(short, wait=WAKE_BORROW_WAIT_S)
     full = pool.available() >= need
     if full and need > 0:
         try:
