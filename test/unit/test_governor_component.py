@@ -45,6 +45,7 @@ def test_decode_steps_are_measured_tick_to_tick():
     sched = FakeScheduler(running=running)  # the last batch is the running (decode) batch
     _run_step(part, sched)  # the first tick only starts the clock
     assert part.governor.model.samples == 0 and (part.running, part.running_kv_tokens) == (2, 35)
+    assert part.max_running_seen == 2 and part.status()["governor"]["max_running_seen"] == 2
     clock.t += 0.030
     _run_step(part, sched)
     assert part.governor.model.samples == 1 and part.last_step_s == pytest.approx(0.030)

@@ -46,6 +46,7 @@ class GovernorPart:
     last_step_s: float | None = None
     running: int = 0  # the running batch at the last tick (status)
     running_kv_tokens: int = 0
+    max_running_seen: int = 0  # the largest running batch any tick saw (status)
     _last_tick: float | None = field(default=None, repr=False)
 
     def steps(self) -> tuple[Step, ...]:
@@ -57,6 +58,7 @@ class GovernorPart:
     def status(self) -> dict[str, Any] | None:
         doc = self.governor.status(self.running, self.running_kv_tokens, self.measured_s)
         doc["last_measured_tpot_ms"] = None if self.last_step_s is None else round(self.last_step_s * 1e3, 4)
+        doc["max_running_seen"] = self.max_running_seen
         return {"governor": doc}
 
     def observe(self, batch: int, kv: int, step_s: float) -> None:
@@ -80,3 +82,4 @@ class GovernorPart:
         self._last_tick = now
         running = up_sched.running_reqs(it.scheduler)
         self.running, self.running_kv_tokens = len(running), kv_tokens(running)
+        self.max_running_seen = max(self.max_running_seen, self.running)
