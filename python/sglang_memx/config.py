@@ -165,11 +165,17 @@ class MemxConfig:
                 raise MemxConfigError(option, f"must be a positive number, got {value!r}")
         if self.host_buffer_gb is not None and not self.elastic_kv:
             raise MemxConfigError("--memx-host-buffer-gb", "needs --memx-elastic-kv")
+        # the TTFT SLO only sizes the host buffer; the TPOT SLO also drives the governor's batch
+        # decision (``coordinator.governor``), which needs only elastic KV's coordinator
+        if self.ttft_slo_ms is not None and self.host_buffer_gb is None:
+            raise MemxConfigError("--memx-ttft-slo-ms", "needs --memx-host-buffer-gb (the SLOs size the host buffer)")
+        if self.tpot_slo_ms is not None and not self.elastic_kv:
+            raise MemxConfigError(
+                "--memx-tpot-slo-ms", "needs --memx-elastic-kv (the governor runs on its coordinator)"
+            )
         slos = (self.ttft_slo_ms, self.tpot_slo_ms)
-        if any(v is not None for v in slos):
+        if self.host_buffer_gb is not None and any(v is not None for v in slos):
             option = "--memx-ttft-slo-ms" if self.ttft_slo_ms is not None else "--memx-tpot-slo-ms"
-            if self.host_buffer_gb is None:
-                raise MemxConfigError(option, "needs --memx-host-buffer-gb (the SLOs size the host buffer)")
             if None in slos:
                 missing = "--memx-tpot-slo-ms" if self.tpot_slo_ms is None else "--memx-ttft-slo-ms"
                 raise MemxConfigError(missing, f"must be given together with {option} (eLLM Alg. 2 uses both)")

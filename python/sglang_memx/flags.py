@@ -133,8 +133,11 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         type=float,
         default=None,
         metavar="MS",
-        help="TPOT SLO driving the host buffer's logical size (eLLM Alg. 2: TPOT "
-        "violations shrink it, first). Needs --memx-host-buffer-gb and --memx-ttft-slo-ms.",
+        help="TPOT SLO per request. The governor lets a new request join the running batch only "
+        "while the predicted decode step (learned online) stays within it; a refused request waits, "
+        "never dropped (docs/governor.md). With --memx-host-buffer-gb it also drives the buffer's "
+        "logical size (eLLM Alg. 2: TPOT violations shrink it), together with --memx-ttft-slo-ms. "
+        "Needs --memx-elastic-kv.",
     ),
     MemxFlag(
         "--memx-weights",

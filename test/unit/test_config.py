@@ -157,6 +157,34 @@ def test_bad_elastic_flags_name_the_flag(argv, flag, fragment):
     assert fragment in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "argv,flag,fragment",
+    [
+        (["--memx-tpot-slo-ms", "50"], "--memx-tpot-slo-ms", "needs --memx-elastic-kv"),
+        (["--memx-elastic-kv", "--memx-tpot-slo-ms", "0"], "--memx-tpot-slo-ms", "positive"),
+        (["--memx-elastic-kv", "--memx-tpot-slo-ms", "-3"], "--memx-tpot-slo-ms", "positive"),
+        (["--memx-elastic-kv", "--memx-tpot-slo-ms", "inf"], "--memx-tpot-slo-ms", "positive"),
+        (["--memx-elastic-kv", "--memx-ttft-slo-ms", "500"], "--memx-ttft-slo-ms", "needs --memx-host-buffer-gb"),
+        (
+            ["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--memx-tpot-slo-ms", "50"],
+            "--memx-ttft-slo-ms",
+            "together with --memx-tpot-slo-ms",
+        ),
+    ],
+)
+def test_bad_governor_flags_name_the_flag(argv, flag, fragment):
+    with pytest.raises(MemxConfigError) as err:
+        _parse(argv)
+    assert err.value.flag == flag
+    assert fragment in str(err.value)
+
+
+def test_tpot_slo_alone_with_elastic_kv_is_the_governor():
+    cfg = _parse(["--memx-elastic-kv", "--memx-tpot-slo-ms", "80"])
+    assert (cfg.tpot_slo_ms, cfg.ttft_slo_ms, cfg.host_buffer_gb) == (80.0, None, None)
+    assert cfg.features["host_buffer"] is False and cfg.features["elastic_kv"] is True
+
+
 def test_host_buffer_flags_parse():
     cfg = _parse(
         ["--memx-elastic-kv", "--memx-host-buffer-gb", "0.5", "--memx-ttft-slo-ms", "800", "--memx-tpot-slo-ms", "60"]

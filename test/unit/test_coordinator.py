@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from memory_ext.policy.governor import BatchGovernor
 from sglang_memx.coordinator import components, device
 from sglang_memx.coordinator.components import (
     ActivationBalloonPart,
@@ -19,6 +20,7 @@ from sglang_memx.coordinator.components import (
     SharedPoolLender,
     WeightLender,
 )
+from sglang_memx.coordinator.governor import GovernorPart
 from sglang_memx.coordinator.parts import ITERATION_RANKS, SOURCE_RANKS, Source, Step
 from sglang_memx.upstream import kv as up_kv
 
@@ -80,14 +82,15 @@ def every_component(kv) -> device.Coordinator:
             HostBufferPart(kv, stub),
             WeightLender(kv, stub),
             PeerTier(kv),
+            GovernorPart(BatchGovernor(0.05)),
         ),
     )
 
 
-def test_the_built_in_orders_are_the_old_tick_order_then_the_peer_step():
+def test_the_built_in_orders_are_the_governors_measure_the_old_tick_order_then_the_peer_step():
     kv = SimpleNamespace()
     names = [s.name for _, s in every_component(kv).iteration_order()]
-    assert names == [*OLD_STEPS, "peer tier step"]
+    assert names == ["measure the decode step", *OLD_STEPS, "peer tier step"]  # the governor's first
     assert [s.name for _, s in every_component(kv).short_order()] == list(SOURCE_RANKS)
     assert set(names) == set(ITERATION_RANKS)
 

@@ -11,6 +11,10 @@ numbers, decide the same.
   simulator's ledger (``MemoryArbiter.request``) plans from its accounts. Same holdings, same
   idle / headroom / busy -> the same donors give the same amounts.
 * Host buffer (eLLM Alg. 2): see ``test_same_host_buffer_rule`` below.
+* Governor (the batch decision under the TPOT SLO): the server's governor component measures
+  decode steps tick to tick and is asked by the admission hook (``around_add_one_req``); the
+  simulator's ``governed`` scheduler learns from its decode iterations and asks before each
+  admission. Same steps, same running batch, same queue -> the same whole decisions, in order.
 """
 
 from __future__ import annotations
@@ -276,3 +280,115 @@ def test_same_host_buffer_rule():
         assert a == b
         sizes.append(a)
     assert len(set(sizes)) > 3 and sim.events == server.events and sim.events["ttft"] and sim.events["tpot"]
+
+
+# ------------------------------------------------------------------ governor (batch under the TPOT SLO)
+# decode steps: (running requests as (prompt, generated), step seconds); then admission rounds:
+# (running requests, waiting queue), both as (prompt, generated)
+GOVERNOR_STEPS = [
+    ([(100, 1)] * n + [(300, 5)] * (n % 3), 0.010 + 0.002 * n + 0.0004 * (n % 3)) for n in range(1, 9)
+] * 2
+GOVERNOR_ROUNDS = [
+    ([], [(100, 0), (100, 0)]),  # empty batch: one always joins
+    ([(100, 1)] * 3, [(100, 0), (100, 0), (2000, 0)]),
+    ([(100, 1)] * 5, [(100, 0), (100, 0)]),
+    ([(100, 1)] * 4 + [(300, 5)], [(50, 0), (4000, 0), (10, 0)]),
+]
+
+
+class _Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _server_governor_decisions(slo_s, steps, rounds):
+    """The server path: the governor component's step on a scheduler whose last batch decoded, timed by
+    its clock; then upstream's adder offering the queue through memx's admission hook."""
+    from memory_ext.policy.governor import BatchGovernor
+    from sglang_memx.coordinator.governor import GovernorPart
+    from sglang_memx.coordinator.parts import Iteration
+    from sglang_memx.hooks import scheduler as hooks
+    from support.fakes import FakeScheduler
+
+    clock = _Clock()
+    part = GovernorPart(BatchGovernor(slo_s), clock=clock)
+    (measure,) = part.steps()
+    measure.run(Iteration(FakeScheduler(decode=False), None, None, None, None))  # after a prefill: starts the clock
+    for running, step_s in steps:  # each tick sees the decode batch that ran since the previous tick
+        clock.t += step_s
+        measure.run(Iteration(FakeScheduler(running=[FakeReq(prompt=p, outputs=o) for p, o in running]),
+                              None, None, None, None))  # fmt: skip
+    alloc = types.SimpleNamespace()
+    device.tie(alloc, device.Coordinator(types.SimpleNamespace())).register(part)
+    out = []
+
+    def original(adder, req, has_chunked_req, truncation_align_size):
+        adder.can_run_list.append(req)
+        return up_sched.add_result("CONTINUE")
+
+    for running, queue in rounds:
+        batch = FakeBatch([FakeReq(prompt=p, outputs=o) for p, o in running])
+        adder = types.SimpleNamespace(token_to_kv_pool_allocator=alloc, can_run_list=[], running_batch=batch)
+        for p, o in queue:
+            result = hooks.around_add_one_req(original, adder, FakeReq(prompt=p, outputs=o), False, None)
+            out.append(part.governor.last)
+            if result != up_sched.add_result("CONTINUE"):
+                break
+    return out
+
+
+def _sim_governor_decisions(slo_s, steps, rounds):
+    """The simulator path: the ``governed`` scheduler noting each pure decode plan and observing it
+    once run; then its admission question over the same queue (FCFS: the first refusal ends the scan)."""
+    from benchmark.sim.core.plan import BatchPlan
+    from benchmark.sim.core.request import Request
+    from benchmark.sim.mechanisms.governor import GovernedScheduler
+
+    def reqs(pairs):
+        out = []
+        for i, (p, o) in enumerate(pairs):
+            r = Request(i, 0, 0.0, p, max(o, 1) + 1)
+            r.generated = o
+            out.append(r)
+        return out
+
+    sched = GovernedScheduler(types.SimpleNamespace(name="m", tpot_slo_s=slo_s))
+    inst = types.SimpleNamespace(running=[], iterations=0, last_duration=0.0)
+    for running, step_s in steps:
+        inst.running = reqs(running)
+        sched.note_plan(inst, BatchPlan(decodes=list(inst.running)))
+        inst.iterations += 1
+        inst.last_duration = step_s
+        sched.observe(inst)
+    out = []
+    for running, queue in rounds:
+        inst.running = reqs(running)
+        for r in reqs(queue):
+            admit = sched.may_admit(inst, r)
+            out.append(sched.governor.last)
+            if not admit:
+                break
+            inst.running.append(r)
+    return out
+
+
+@pytest.mark.parametrize("slo_s", [None, 0.018, 0.021, 0.030])
+def test_server_and_simulator_governors_decide_the_same(slo_s):
+    server = _server_governor_decisions(slo_s, GOVERNOR_STEPS, GOVERNOR_ROUNDS)
+    sim = _sim_governor_decisions(slo_s, GOVERNOR_STEPS, GOVERNOR_ROUNDS)
+    assert len(server) == len(sim) > 0
+    for a, b in zip(server, sim):
+        assert (a.admit, a.reason, a.running, a.slo_s) == (b.admit, b.reason, b.running, b.slo_s)
+        assert (a.predicted_s is None) == (b.predicted_s is None)
+        if a.predicted_s is not None:
+            assert a.predicted_s == pytest.approx(b.predicted_s, rel=1e-9)
+
+
+def test_the_governor_cases_exercise_every_reason():
+    seen = set()
+    for slo_s in (None, 0.018, 0.021, 0.030):
+        seen |= {d.reason for d in _sim_governor_decisions(slo_s, GOVERNOR_STEPS, GOVERNOR_ROUNDS)}
+        seen |= {d.reason for d in _sim_governor_decisions(slo_s, GOVERNOR_STEPS[:3], GOVERNOR_ROUNDS)}
+    assert seen == {"no_slo", "empty_batch", "learning", "within_slo", "over_slo"}

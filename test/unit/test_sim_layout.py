@@ -91,7 +91,7 @@ def test_registry_is_a_literal_table():
     assert not [p for p in src if "def register_" in p.read_text()]
     with pytest.raises(TypeError):
         registry.SCHEDULERS["x"] = None  # read-only
-    assert {"continuous", "vllm_v0", "ellm", "ellm_elastic", "fineserve"} == set(registry.SCHEDULERS)
+    assert {"continuous", "vllm_v0", "ellm", "ellm_elastic", "fineserve", "governed"} == set(registry.SCHEDULERS)
     assert {"layer_streaming", "oneiros", "select_n", "flexgen_static", "swiftcache"} == set(registry.HOOKS)
 
 
@@ -241,11 +241,23 @@ V0 = {
 }
 
 
+GOV = {
+    "name": "gov",
+    "duration_s": 4,
+    "drain_s": 60,
+    "node": {"gpu": "H100-SXM"},
+    "models": [
+        {"name": "g", "model": "Llama-3.1-8B", "slo": {"tpot_s": 0.02}, "scheduler": {"kind": "governed"}},
+    ],
+    "workloads": [{"model": "g", "arrival": {"kind": "poisson", "rate": 8}}],
+}
+
+
 @pytest.fixture(scope="module")
 def mechanism_runs():
     arb = copy.deepcopy(MECHS)
     arb["arbiter"] = {}
-    runs = (("mechs", MECHS), ("arbiter", arb), ("fine", FINE), ("v0", V0))
+    runs = (("mechs", MECHS), ("arbiter", arb), ("fine", FINE), ("v0", V0), ("gov", GOV))
     return [run_spec(parse_scenario(d, f"<{n}>")) for n, d in runs]
 
 

@@ -114,6 +114,8 @@ class ContinuousBatchingScheduler:
         waiting = inst.waiting
         while budget > 0 and waiting and len(inst.running) < cfg.max_running:
             r = waiting[0]
+            if not self.may_admit(inst, r):
+                break
             waiting.popleft()
             inst.admit(r, now)
             chunk = min(r.target - r.ctx, budget)
@@ -123,6 +125,11 @@ class ContinuousBatchingScheduler:
             plan.prefills.append((r, chunk))
             budget -= chunk
         return plan
+
+    def may_admit(self, inst: InstanceView, r: Request) -> bool:
+        """Whether ``r`` may join the running batch before its memory is checked (stock: always;
+        ``mechanisms.governor.GovernedScheduler``: the governor's batch decision)."""
+        return True
 
 
 class VllmV0Scheduler:

@@ -16,6 +16,8 @@ in the two orders (``parts.ITERATION_RANKS``, ``parts.SOURCE_RANKS``).
 * ``WeightLender``: decoder layers in the pool (``--memx-weights``): sleep / wake, Oneiros.
 * ``LayerStreamPart``: the layer stream cache's staging layers (``--memx-peer-layer-stream``).
 * ``PeerTier``: the peer KV tier's donor / borrower step (``--memx-peer-kv``), after the tick.
+
+The governor's component (``--memx-tpot-slo-ms``) is in ``coordinator.governor``.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class Coordinator:
         """The KV space's numbers, each component's section (None for a mechanism that is off),
         and the coordinator's orders."""
         doc = self.kv.status()
-        doc.update(activation=None, host_buffer=None, weights=None, shared_pool=None)
+        doc.update(activation=None, host_buffer=None, weights=None, shared_pool=None, governor=None)
         for c in self.components:
             doc.update(c.status() or {})
         doc["coordinator"] = self.orders()

@@ -2,6 +2,7 @@
 in its iteration order (``Coordinator.iteration_order``, built from each present component's
 steps and their ranks, ``parts.ITERATION_RANKS``):
 
+0. with a TPOT SLO, the governor times the previous decode step (``coordinator.governor``);
 1. cap request lengths to the physical budget (once);
 2. host buffer: offloaded prefills leave the last prefill batch and are parked once their
    first token is in (before anything reads that batch);

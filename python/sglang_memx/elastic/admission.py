@@ -117,6 +117,16 @@ def add_one(original, adder, req, has_chunked_req, truncation_align_size, activa
     return result
 
 
+def governor_refusal(governor, adder, req):
+    """Before ``req`` joins the running batch: the governor's batch decision (``coordinator.governor``:
+    the predicted TPOT of the running requests with it within the SLO). None: go on to admission;
+    else upstream's own "stop adding" result (``OTHER``: the pass ends, the request stays waiting
+    and is offered again next iteration, as when upstream refuses it; nothing is dropped)."""
+    if governor.may_grow(up_sched.adder_batch_reqs(adder), req).admit:
+        return None
+    return up_sched.add_result("OTHER")
+
+
 def _defer(host: HostBufferState | None, adder, req, buffer_full: bool):
     if host is not None and up_req.rid(req) in host.buffer:  # prefilled already, waiting for room to decode
         up_sched.adder_state(adder).behind_parked = True

@@ -11,7 +11,10 @@
   first one checks that the hooks of every feature on are in force in this process.
 * ``PrefillAdder.add_one_req`` (around): memx's admission rule in front of upstream's
   (``elastic.admission``: one eLLM Alg. 1 question per request, ``judge_prefill``, whose
-  verdict it acts on: on the device with ballooning, offloaded to the CPU buffer, or deferred).
+  verdict it acts on: on the device with ballooning, offloaded to the CPU buffer, or deferred);
+  with ``--memx-tpot-slo-ms``, the governor's batch decision before it
+  (``coordinator.governor``: a request that would push the running batch's predicted TPOT
+  past the SLO waits).
 * ``PrefillAdder.add_chunked_req`` (around): a chunked prefill's next chunk holds its
   activation; an offloaded prefill's chunks are sized by the physical room.
 * ``ScheduleBatch.release_req`` (around): with ``--memx-host-buffer-gb``, a request being
@@ -32,6 +35,7 @@ import logging
 from sglang_memx import router_activity
 from sglang_memx.coordinator import device
 from sglang_memx.coordinator.components import ActivationBalloonPart, HostBufferPart
+from sglang_memx.coordinator.governor import GovernorPart
 from sglang_memx.coordinator.tick import per_iteration
 from sglang_memx.elastic import admission, host_buffer
 from sglang_memx.hooks import hooks_status
@@ -86,6 +90,11 @@ def before_get_next_batch_to_run(scheduler, *args, **kwargs):
 
 def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_size):
     coordinator = device.of(up_sched.adder_allocator(adder))
+    governor = None if coordinator is None else coordinator.part(GovernorPart)
+    if governor is not None:  # the TPOT SLO's batch decision first: a refused request waits
+        refused = admission.governor_refusal(governor, adder, req)
+        if refused is not None:
+            return refused
     if coordinator is None or (
         coordinator.part(ActivationBalloonPart) is None and coordinator.part(HostBufferPart) is None
     ):

@@ -55,6 +55,15 @@ def unmerged_prefill_batch(scheduler):
     return last
 
 
+def last_decode_batch(scheduler):
+    """The batch the last iteration ran if it was a pure decode batch, else None (a prefill or
+    mixed batch, or no batch: an idle iteration)."""
+    last = scheduler.last_batch
+    if last is None or not last.forward_mode.is_decode():
+        return None
+    return last
+
+
 def admitted_reqs(scheduler) -> list:
     """Requests holding KV, unfinished, each once: the running batch, a prefill batch not
     merged into it yet, and a request whose chunked prefill is under way."""
@@ -247,6 +256,11 @@ def adder_admitted(adder, req) -> bool:
 
 def adder_batch_size(adder) -> int:
     return len(adder.can_run_list)
+
+
+def adder_batch_reqs(adder) -> list:
+    """The requests decoding after this pass: the running batch's and those this pass added so far."""
+    return [*batch_reqs(adder.running_batch), *adder.can_run_list]
 
 
 def adder_running_count(adder) -> int:

@@ -1,0 +1,82 @@
+"""The governor's batch decision in the simulator (kind ``governed``): the stock continuous
+batching scheduler (``core.batching.ContinuousBatchingScheduler``) with the same policy object
+the server's governor asks (``memory_ext.policy.governor.BatchGovernor``) in front of each
+admission: a waiting request joins the running batch only while the predicted decode step of
+the running requests with it stays within the model's TPOT SLO (``slo.tpot_s``; none: stock).
+A refused request stays at the head of the queue (FCFS: nothing overtakes it, nothing is dropped).
+
+The step-time model learns from the simulated iterations as the server's learns from its
+measured ones: each pure decode iteration is one sample (its batch size, the KV tokens its
+requests hold after the step, its duration). Options: ``watermark`` (as ``continuous``),
+``min_samples``, ``decay``, ``use_kv`` (the model's, ``StepTimeModel``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from memory_ext.policy.governor import BatchGovernor, StepTimeModel
+
+from ..core.batching import ContinuousBatchingScheduler, OptionError
+from ..core.plan import BatchPlan, InstanceView
+from ..core.request import Request
+from ..core.stats import mechanism_stats
+
+__all__ = ["GovernedScheduler", "kv_tokens"]
+
+
+def kv_tokens(reqs) -> int:
+    """KV tokens the requests hold at their next step (prompt + generated), as the server counts them."""
+    return sum(r.prompt_len + r.generated for r in reqs)
+
+
+class GovernedScheduler(ContinuousBatchingScheduler):
+    """``continuous`` with the governor's batch decision (module docstring)."""
+
+    def __init__(self, cfg: object = None, watermark: float = 0.01, min_samples: int = 8, decay: float = 0.98,
+                 use_kv: bool = True) -> None:  # fmt: skip
+        super().__init__(watermark)
+        if not isinstance(use_kv, bool):
+            raise OptionError("use_kv", "true or false", use_kv)
+        try:
+            model = StepTimeModel(decay=decay, min_samples=min_samples, use_kv=use_kv)
+        except ValueError as e:  # the policy's message starts with the field's name
+            field, _, expected = str(e).partition(" ")
+            raise OptionError(field, expected, {"decay": decay, "min_samples": min_samples}[field]) from None
+        slo = getattr(cfg, "tpot_slo_s", math.inf)
+        self.governor = BatchGovernor(None if slo is None or math.isinf(slo) else slo, model)
+        self.instance_name = str(getattr(cfg, "name", "") or "instance")
+        self._pending: tuple[int, list[Request]] | None = None  # (iteration count, decodes) of the last plan
+        self.max_running_seen = 0
+
+    def observe(self, inst: InstanceView) -> None:
+        """Feed the last iteration to the model if it was a pure decode iteration that ran."""
+        pending, self._pending = self._pending, None
+        if pending is not None and inst.iterations == pending[0] + 1 and pending[1]:
+            self.governor.observe(len(pending[1]), kv_tokens(pending[1]), inst.last_duration)
+
+    def note_plan(self, inst: InstanceView, plan: BatchPlan) -> None:
+        """Remember a pure decode plan: once it has run, ``observe`` takes its duration as a sample."""
+        if plan.decodes and not plan.prefills:
+            self._pending = (inst.iterations, list(plan.decodes))
+        self.max_running_seen = max(self.max_running_seen, len(inst.running))
+
+    def plan(self, inst: InstanceView, now: float) -> BatchPlan:
+        self.observe(inst)
+        plan = super().plan(inst, now)
+        self.note_plan(inst, plan)
+        return plan
+
+    def may_admit(self, inst: InstanceView, r: Request) -> bool:
+        return self.governor.may_grow(len(inst.running), kv_tokens(inst.running), kv_tokens((r,))).admit
+
+    def stats(self) -> dict:
+        g, m = self.governor, self.governor.model
+        return mechanism_stats(
+            "governor",
+            "governed",
+            self.instance_name,
+            {f"decisions_{k}": v for k, v in g.counts.items()} | {"step_samples": m.samples},
+            {"tpot_slo_s": -1.0 if g.tpot_slo_s is None else g.tpot_slo_s, "max_running": self.max_running_seen},
+            {"model": None if m.coef is None else dict(zip(("a_s", "b_s", "c_s"), m.coef))},
+        )

@@ -1,0 +1,85 @@
+"""The governor as a coordinator component: the batch decision under the TPOT SLO
+(``memory_ext.policy.governor.BatchGovernor``) on this server's own measurements.
+
+* its step (``"measure the decode step"``, first in the iteration order): the wall time from the
+  previous iteration's tick to this one is the step the previous batch took, which is the
+  interval between two tokens of its requests; when that batch was a pure decode batch it is one
+  sample of the step-time model (batch size, KV tokens in flight, seconds). Mixed or prefill
+  batches, and iterations with no batch (idle), are not samples;
+* admission asks it before a new request joins the running batch
+  (``elastic.admission.governor_refusal``, from ``hooks.scheduler.around_add_one_req``);
+* its status (``/memx/status`` → ``elastic_kv.governor``): the SLO in force, the batch cap and
+  why, predicted vs measured TPOT, decisions counted by reason.
+
+Registered only with ``--memx-tpot-slo-ms`` (``pool_build.finish``): without an SLO it is absent
+and nothing changes. Invariant: it never drops or aborts a request; a refusal leaves it waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from memory_ext.policy.governor import BatchGovernor
+from sglang_memx.coordinator.parts import Iteration, Source, Step, step
+from sglang_memx.upstream import request as up_req
+from sglang_memx.upstream import scheduler as up_sched
+
+MEASURED_WEIGHT = 0.2  # exponential mean of the measured decode steps (the status' measured TPOT)
+
+
+def kv_tokens(reqs) -> int:
+    """KV tokens the requests hold or will hold at their next step (prompt + generated so far)."""
+    return sum(up_req.prompt_len(r) + up_req.output_len(r) for r in reqs)
+
+
+@dataclass(eq=False)
+class GovernorPart:
+    """This model's batch governor, fed with the decode steps this server measures."""
+
+    governor: BatchGovernor
+    clock: Callable[[], float] = time.perf_counter
+    name: str = "governor"
+    measured_s: float | None = None  # exponential mean of the measured decode steps
+    last_step_s: float | None = None
+    running: int = 0  # the running batch at the last tick (status)
+    running_kv_tokens: int = 0
+    max_running_seen: int = 0  # the largest running batch any tick saw (status)
+    _last_tick: float | None = field(default=None, repr=False)
+
+    def steps(self) -> tuple[Step, ...]:
+        return (step("measure the decode step", self._measure),)
+
+    def sources(self) -> tuple[Source, ...]:
+        return ()
+
+    def status(self) -> dict[str, Any] | None:
+        doc = self.governor.status(self.running, self.running_kv_tokens, self.measured_s)
+        doc["last_measured_tpot_ms"] = None if self.last_step_s is None else round(self.last_step_s * 1e3, 4)
+        doc["max_running_seen"] = self.max_running_seen
+        return {"governor": doc}
+
+    def observe(self, batch: int, kv: int, step_s: float) -> None:
+        """One decode step of ``batch`` requests holding ``kv`` tokens took ``step_s`` seconds."""
+        self.governor.observe(batch, kv, step_s)
+        self.last_step_s = step_s
+        m = self.measured_s
+        self.measured_s = step_s if m is None else m + MEASURED_WEIGHT * (step_s - m)
+
+    def may_grow(self, running_reqs, req):
+        """The decision for ``req`` joining ``running_reqs`` (counted by reason)."""
+        return self.governor.may_grow(len(running_reqs), kv_tokens(running_reqs), kv_tokens((req,)))
+
+    def _measure(self, it: Iteration) -> None:
+        now = self.clock()
+        last = up_sched.last_decode_batch(it.scheduler)
+        if self._last_tick is not None and last is not None:
+            reqs = up_sched.batch_reqs(last)
+            if reqs:
+                self.observe(len(reqs), kv_tokens(reqs), now - self._last_tick)
+        self._last_tick = now
+        running = up_sched.running_reqs(it.scheduler)
+        self.running, self.running_kv_tokens = len(running), kv_tokens(running)
+        self.max_running_seen = max(self.max_running_seen, self.running)

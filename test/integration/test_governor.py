@@ -1,0 +1,77 @@
+"""The governor (``--memx-tpot-slo-ms`` with ``--memx-elastic-kv``) on a real CPU server, against
+stock SGLang on the same prompts, greedy.
+
+Three servers on one tiny Llama (float32, so a random tiny model's flat logits do not flip
+between batch shapes): stock; memx with a TPOT SLO no decode step can meet ("tight", 0.01 ms);
+memx with one every step meets ("loose", 100 s). Each memx server first decodes one request
+alone, so its step-time model has its samples (``StepTimeModel.min_samples``); then the same
+burst of prompts arrives at once (one ``/generate`` with a list of texts).
+
+* tight: the cap is 1 (< the burst) with reason ``predicted_tpot_within_slo``, decisions
+  ``over_slo`` counted, at most one request ever runs, every request is served; each output
+  equals stock's answer to the same prompt sent alone (the governor serialises the burst, so
+  stock alone is the equal batching);
+* loose: no ``over_slo`` decision, the burst runs as a batch (as stock's), its cap is >= the
+  burst; outputs equal stock's for the same burst (equal batching: both admit it at once).
+"""
+
+import pytest
+
+from sglang_memx.models.tiny import TinyModelSpec, tiny_model
+from support.server import SGLangServer, start_all, stop_all
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=5)
+COMMON = ["--dtype", "float32"]
+BURST = [f"Request number {i} asks about {w}" for i, w in enumerate(["Paris", "water", "pages", "chunks", "cores"])]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_root):
+    model = tiny_model(SPEC, tiny_model_root)
+    stock = SGLangServer(model, name="gov-stock", stock=True, max_total_tokens=4096, extra_args=COMMON)
+    tight = SGLangServer(model, name="gov-tight", max_total_tokens=4096,
+                         extra_args=COMMON + ["--memx-elastic-kv", "--memx-tpot-slo-ms", "0.01"])  # fmt: skip
+    loose = SGLangServer(model, name="gov-loose", max_total_tokens=4096,
+                         extra_args=COMMON + ["--memx-elastic-kv", "--memx-tpot-slo-ms", "100000"])  # fmt: skip
+    everyone = [stock, tight, loose]
+    start_all(everyone)
+    for server in (tight, loose):  # the step-time model's samples: one request decoding alone
+        _gen(server, "warm up the step time model", 24)
+    yield {"stock": stock, "tight": tight, "loose": loose}
+    stop_all(everyone)
+
+
+def _gen(server, text, n=NEW_TOKENS):
+    return server.request(
+        "/generate", {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    )
+
+
+def _governor(server):
+    return server.request("/memx/status")["schedulers"][0]["elastic_kv"]["governor"]
+
+
+def test_a_tight_tpot_slo_caps_the_batch_and_outputs_match_stock_alone(servers):
+    before = _governor(servers["tight"])
+    assert before["model"]["samples"] >= before["model"]["min_samples"]  # the warm-up taught the model
+    got = [r["output_ids"] for r in _gen(servers["tight"], BURST)]
+    want = [_gen(servers["stock"], text)["output_ids"] for text in BURST]
+    assert got == want and all(len(x) == NEW_TOKENS for x in got)  # every request served, none dropped
+    gov = _governor(servers["tight"])
+    assert gov["tpot_slo_ms"] == 0.01
+    assert gov["batch_cap"] == 1 < len(BURST) and gov["batch_cap_reason"] == "predicted_tpot_within_slo"
+    assert gov["decisions"]["over_slo"] > 0 and gov["max_running_seen"] == 1
+    assert gov["measured_tpot_ms"] > gov["tpot_slo_ms"] and gov["predicted_tpot_ms"] is not None
+
+
+def test_a_loose_tpot_slo_does_not_cap_and_outputs_match_stock(servers):
+    want = [r["output_ids"] for r in _gen(servers["stock"], BURST)]
+    got = [r["output_ids"] for r in _gen(servers["loose"], BURST)]
+    assert got == want
+    gov = _governor(servers["loose"])
+    assert gov["decisions"]["over_slo"] == 0 and gov["decisions"]["within_slo"] > 0
+    assert gov["batch_cap"] >= len(BURST) and gov["max_running_seen"] > 1
+    assert gov["measured_tpot_ms"] < gov["tpot_slo_ms"]

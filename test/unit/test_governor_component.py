@@ -1,0 +1,137 @@
+"""The governor in the engine (``coordinator.governor.GovernorPart``): its step measures decode
+steps tick to tick, admission asks it before a request joins the running batch (the hook on
+``PrefillAdder.add_one_req``), its status, and its registration only with a TPOT SLO."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from memory_ext.policy.governor import BatchGovernor, StepTimeModel
+from sglang_memx.config import MemxConfig
+from sglang_memx.coordinator import device, pool_build
+from sglang_memx.coordinator.governor import GovernorPart
+from sglang_memx.coordinator.parts import Iteration
+from sglang_memx.hooks import scheduler as hooks
+from sglang_memx.upstream import scheduler as up_sched
+from support.fakes import FakeBatch, FakeReq, FakeScheduler
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _trained(a=0.010, b=0.002, n=20):
+    m = StepTimeModel(min_samples=4, use_kv=False)
+    for i in range(n):
+        m.observe(1 + i % 6, 0, a + b * (1 + i % 6))
+    return m
+
+
+def _run_step(part, scheduler):
+    (s,) = part.steps()
+    s.run(Iteration(scheduler, None, None, None, None))
+
+
+def test_decode_steps_are_measured_tick_to_tick():
+    clock = Clock()
+    part = GovernorPart(BatchGovernor(0.05), clock=clock)
+    running = [FakeReq(prompt=10, outputs=2), FakeReq(prompt=20, outputs=3)]
+    sched = FakeScheduler(running=running)  # the last batch is the running (decode) batch
+    _run_step(part, sched)  # the first tick only starts the clock
+    assert part.governor.model.samples == 0 and (part.running, part.running_kv_tokens) == (2, 35)
+    assert part.max_running_seen == 2 and part.status()["governor"]["max_running_seen"] == 2
+    clock.t += 0.030
+    _run_step(part, sched)
+    assert part.governor.model.samples == 1 and part.last_step_s == pytest.approx(0.030)
+    assert part.measured_s == pytest.approx(0.030)
+    clock.t += 0.040
+    _run_step(part, sched)
+    assert part.measured_s == pytest.approx(0.030 + 0.2 * 0.010)
+
+
+@pytest.mark.parametrize("last", [None, FakeBatch([FakeReq()], decode=False), FakeBatch([], decode=True)])
+def test_prefill_mixed_or_idle_iterations_are_not_samples(last):
+    clock = Clock()
+    part = GovernorPart(BatchGovernor(0.05), clock=clock)
+    sched = FakeScheduler(running=[FakeReq()])
+    sched.last_batch = last
+    for _ in range(3):
+        _run_step(part, sched)
+        clock.t += 0.5
+    assert part.governor.model.samples == 0 and part.measured_s is None
+
+
+def _adder(running, admitted=()):
+    alloc = SimpleNamespace()
+    kv = SimpleNamespace(status=dict)
+    coordinator = device.tie(alloc, device.Coordinator(kv))
+    adder = SimpleNamespace(token_to_kv_pool_allocator=alloc, running_batch=FakeBatch(running),
+                            can_run_list=list(admitted))  # fmt: skip
+    return coordinator, adder
+
+
+def _original(calls):
+    def original(adder, req, has_chunked_req, truncation_align_size):
+        calls.append(req)
+        adder.can_run_list.append(req)
+        return up_sched.add_result("CONTINUE")
+
+    return original
+
+
+@pytest.mark.parametrize(
+    "n_running,n_admitted,joins",
+    [
+        (0, 0, True),  # an empty batch always takes one
+        (4, 0, True),  # predicted 10 + 2 * 5 = 20 ms: at the SLO
+        (3, 1, True),  # this pass's admissions count as running
+        (5, 0, False),  # 22 ms > 20 ms: the request waits
+        (3, 2, False),
+    ],
+)
+def test_admission_asks_the_governor_first(n_running, n_admitted, joins):
+    coordinator, adder = _adder([FakeReq() for _ in range(n_running)], [FakeReq() for _ in range(n_admitted)])
+    part = GovernorPart(BatchGovernor(0.020, _trained()))
+    coordinator.register(part)
+    calls: list = []
+    req = FakeReq()
+    result = hooks.around_add_one_req(_original(calls), adder, req, False, None)
+    if joins:
+        assert calls == [req] and result == up_sched.add_result("CONTINUE")
+    else:  # upstream's "stop adding": the request stays in the waiting queue, upstream never saw it
+        assert calls == [] and result == up_sched.add_result("OTHER") and req not in adder.can_run_list
+    reason = part.governor.last.reason
+    assert reason == ("empty_batch" if n_running + n_admitted == 0 else "within_slo" if joins else "over_slo")
+    doc = coordinator.status()["governor"]
+    assert doc["decisions"][reason] == 1 and doc["tpot_slo_ms"] == 20 and doc["batch_cap"] == 5
+
+
+def test_without_the_governor_admission_is_upstreams():
+    coordinator, adder = _adder([FakeReq() for _ in range(50)])
+    calls: list = []
+    hooks.around_add_one_req(_original(calls), adder, FakeReq(), False, None)
+    assert len(calls) == 1 and coordinator.part(GovernorPart) is None
+    assert coordinator.status()["governor"] is None
+    assert "measure the decode step" not in [s.name for _, s in coordinator.iteration_order()]
+
+
+def test_the_pool_build_registers_the_governor_only_with_a_tpot_slo(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(pool_build.device, "attach", lambda allocator, kv, extra: seen.setdefault("extra", extra))
+    monkeypatch.setattr(pool_build.up_kv, "configured_pool_and_allocator",
+                        lambda result: (None, type("TokenToKVPoolAllocator", (), {})()))  # fmt: skip
+    kv = SimpleNamespace(restrict_free_list=lambda allocator: None)
+    for slo, want in ((None, []), (80.0, [0.08])):
+        seen.clear()
+        config = MemxConfig(elastic_kv=True, tpot_slo_ms=slo)
+        build = pool_build.Build(config, SimpleNamespace(), None, 0, kv=kv)
+        monkeypatch.setattr(pool_build.up_args, "radix_cache_disabled", lambda args: False)
+        monkeypatch.setattr(pool_build.up_args, "cuda_graphs_possible", lambda args: False)
+        pool_build.finish(build, None)
+        assert [p.governor.tpot_slo_s for p in seen["extra"] if isinstance(p, GovernorPart)] == want

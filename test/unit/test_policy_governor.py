@@ -1,0 +1,155 @@
+"""The governor's batch decision (``memory_ext.policy.governor``): the step-time model and the
+"may the running batch grow by this request?" table, "do nothing" cases included."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from memory_ext.policy.governor import (
+    ADMIT_REASONS,
+    REASONS,
+    BatchGovernor,
+    StepTimeModel,
+    check_tpot_slo,
+)
+
+
+def _trained(a=0.010, b=0.002, c=0.0, n=40, use_kv=True, min_samples=8):
+    """A model fed ``n`` exact samples of t = a + b*batch + c*kv over varied batches."""
+    m = StepTimeModel(min_samples=min_samples, use_kv=use_kv)
+    for i in range(n):
+        batch = 1 + i % 7
+        kv = 100 * batch + 37 * (i % 5)
+        m.observe(batch, kv, a + b * batch + c * kv)
+    return m
+
+
+def test_model_learns_an_exact_linear_step_time():
+    m = _trained(a=0.010, b=0.002, c=1e-6)
+    assert m.predict(10, 2000) == pytest.approx(0.010 + 0.020 + 0.002, rel=1e-3)
+    a, b, c = m.coef
+    assert (a, b, c) == pytest.approx((0.010, 0.002, 1e-6), rel=1e-2, abs=1e-7)
+
+
+def test_model_predicts_nothing_before_enough_samples():
+    m = StepTimeModel(min_samples=5)
+    for i in range(4):
+        m.observe(1 + i, 100, 0.01)
+    assert m.predict(3, 300) is None and m.cap(0.05, 100) is None
+    m.observe(2, 100, 0.01)
+    assert m.predict(3, 300) is not None
+
+
+def test_one_batch_size_only_is_a_fixed_cost():
+    m = StepTimeModel(min_samples=3)
+    for _ in range(10):
+        m.observe(4, 400, 0.02)
+    assert m.predict(4, 400) == pytest.approx(0.02, rel=1e-3)
+    assert m.predict(8, 800) == pytest.approx(0.02, rel=0.05)  # slopes stay near 0 until the batch varies
+
+
+def test_negative_slope_is_dropped_growth_never_looks_free():
+    m = StepTimeModel(min_samples=3, use_kv=False)
+    for batch, t in ((1, 0.030), (2, 0.029), (3, 0.028), (4, 0.027)):
+        m.observe(batch, 0, t)
+    assert m.coef[1] == 0.0
+    assert m.predict(10, 0) >= m.predict(1, 0) - 1e-12
+
+
+def test_old_samples_fade():
+    m = StepTimeModel(min_samples=2, decay=0.5, use_kv=False)
+    for batch in (1, 2, 3) * 5:
+        m.observe(batch, 0, 0.1 * batch)  # slow phase
+    for batch in (1, 2, 3) * 10:
+        m.observe(batch, 0, 0.01 * batch)  # the machine got faster
+    assert m.predict(2, 0) == pytest.approx(0.02, rel=0.05)
+
+
+def test_cap_is_the_largest_batch_within_the_slo():
+    m = _trained(a=0.010, b=0.002, use_kv=False)
+    assert m.cap(0.020, 0) == 5  # 10 + 2*5 = 20 ms exactly: within
+    assert m.cap(0.011, 0) == 1  # even one request is over: the cap never goes below 1
+
+
+# (slo_s, running, kv_tokens, add_kv, trained?) -> (admit, reason)
+DECISIONS = [
+    (None, 50, 5000, 100, True, True, "no_slo"),  # no SLO: stock behaviour, never caps
+    (None, 0, 0, 100, False, True, "no_slo"),
+    (0.001, 0, 0, 100, True, True, "empty_batch"),  # nothing starves, even under an impossible SLO
+    (0.050, 0, 0, 100, False, True, "empty_batch"),
+    (0.050, 3, 300, 100, False, True, "learning"),  # not enough samples: admit as stock would
+    (0.020, 4, 400, 100, True, True, "within_slo"),  # predicted 10 + 2*5 = 20 ms: exactly at the SLO admits
+    (0.020, 5, 500, 100, True, False, "over_slo"),  # predicted 22 ms > 20 ms
+    (0.050, 10, 1000, 100, True, True, "within_slo"),
+]
+
+
+@pytest.mark.parametrize("slo,running,kv,add,trained,admit,reason", DECISIONS)
+def test_batch_decisions(slo, running, kv, add, trained, admit, reason):
+    gov = BatchGovernor(slo, _trained(a=0.010, b=0.002, use_kv=False) if trained else StepTimeModel())
+    d = gov.may_grow(running, kv, add)
+    assert (d.admit, d.reason) == (admit, reason)
+    assert d.slo_s == slo and d.running == running
+    if trained:
+        assert d.predicted_s == pytest.approx(0.010 + 0.002 * (running + 1), rel=1e-6)
+    else:
+        assert d.predicted_s is None
+    assert gov.counts[reason] == 1 and sum(gov.counts.values()) == 1
+    assert (reason in ADMIT_REASONS) == admit
+
+
+def test_every_reason_is_exercised_by_the_table():
+    assert {row[-1] for row in DECISIONS} == set(REASONS)
+
+
+def test_decide_does_not_count_may_grow_does():
+    gov = BatchGovernor(0.02, _trained(use_kv=False))
+    gov.decide(5, 0, 0)
+    assert sum(gov.counts.values()) == 0 and gov.last is None
+    gov.may_grow(5, 0, 0)
+    assert gov.counts["over_slo"] == 1 and gov.last.reason == "over_slo"
+
+
+def test_kv_tokens_of_the_request_count():
+    gov = BatchGovernor(0.020, _trained(a=0.010, b=0.001, c=2e-6))
+    assert gov.decide(4, 1000, 100).admit  # 10 + 5 + 2.2 = 17.2 ms
+    assert not gov.decide(4, 1000, 2000).admit  # 10 + 5 + 6 = 21 ms
+
+
+@pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, "50", True])
+def test_bad_slo_refused_naming_the_field(bad):
+    with pytest.raises(ValueError, match="^tpot_slo_s"):
+        BatchGovernor(bad)
+    with pytest.raises(ValueError, match="^my_field"):
+        check_tpot_slo("my_field", bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [({"decay": 0}, "decay"), ({"decay": 1.5}, "decay"), ({"min_samples": 0}, "min_samples")],
+)
+def test_bad_model_settings_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        StepTimeModel(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "args,field",
+    [((0, 10, 0.01), "batch"), ((1, -1, 0.01), "kv_tokens"), ((1, 0, -0.1), "step_s"), ((1, 0, math.nan), "step_s")],
+)
+def test_bad_samples_name_the_field(args, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        StepTimeModel().observe(*args)
+
+
+def test_status_shows_slo_cap_reason_and_counts():
+    gov = BatchGovernor(0.020, _trained(a=0.010, b=0.002, use_kv=False))
+    gov.may_grow(5, 0, 0)
+    doc = gov.status(running=3, kv_tokens=300, measured_s=0.0165)
+    assert doc["tpot_slo_ms"] == 20 and doc["batch_cap"] == 5 and doc["batch_cap_reason"] == "predicted_tpot_within_slo"
+    assert doc["predicted_tpot_ms"] == pytest.approx(16.0) and doc["measured_tpot_ms"] == 16.5
+    assert doc["decisions"]["over_slo"] == 1 and doc["last_decision"]["reason"] == "over_slo"
+    assert BatchGovernor(None).status(0, 0, None)["batch_cap_reason"] == "no_slo"
+    assert BatchGovernor(0.02).status(2, 0, None)["batch_cap_reason"] == "learning"
