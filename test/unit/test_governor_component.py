@@ -123,7 +123,7 @@ def test_without_the_governor_admission_is_upstreams():
 
 def test_the_pool_build_registers_the_governor_only_with_a_tpot_slo(monkeypatch):
     seen = {}
-    monkeypatch.setattr(pool_build.device, "attach", lambda allocator, kv, extra, **parts: seen.setdefault("extra", extra))
+    monkeypatch.setattr(pool_build.device, "attach", lambda allocator, kv, extra, **_: seen.setdefault("extra", extra))
     monkeypatch.setattr(pool_build.up_kv, "configured_pool_and_allocator",
                         lambda result: (None, type("TokenToKVPoolAllocator", (), {})()))  # fmt: skip
     kv = SimpleNamespace(restrict_free_list=lambda allocator: None)
