@@ -12,7 +12,7 @@ Layout: an 8-byte magic, a little-endian u32 slot count, 4 bytes of padding, the
 writer's ``time.monotonic()`` (one clock for all processes of a host, shown in status only).
 
 Invariants: a slot is written only by its own engine; a slot whose pid is not a live
-process reads as idle (an engine that died, was SIGKILLed or restarted never holds cores it
+process (gone or a zombie) reads as idle (an engine that died, was SIGKILLed or restarted never holds cores it
 cannot use); a file of another layout is refused naming the path.
 """
 
@@ -23,6 +23,8 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from memory_ext.proc import pid_alive
 
 __all__ = ["ComputeBoard", "ComputeBoardError", "SlotState"]
 
@@ -40,18 +42,6 @@ class SlotState:
     pid: int
     busy: bool
     stamp: float
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 class ComputeBoard:
@@ -110,7 +100,7 @@ class ComputeBoard:
         out = []
         for slot in range(self.slots):
             s = self.read(slot)
-            out.append(s.busy and _alive(s.pid))
+            out.append(s.busy and pid_alive(s.pid))
         return out
 
     def close(self) -> None:
