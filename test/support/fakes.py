@@ -94,3 +94,24 @@ class FakeScheduler:
 
     def get_num_allocatable_reqs(self, running_bs, *args, **kwargs):
         return self.max_running - running_bs
+
+
+def fake_admission_pool(available: int, buffer_tokens: int, row_bytes: int):
+    """What an admission pass reads besides upstream's budget: an allocator with ``available``
+    free tokens over a 4-row fake KV pool (``row_bytes`` per token), a radix tree with nothing
+    evictable, and a host buffer of ``buffer_tokens`` tokens (None when 0).
+    Returns ``(allocator, tree, host)``."""
+    import torch
+
+    from sglang_memx.config import MemxConfig
+    from sglang_memx.elastic.host_buffer import build_host_buffer
+
+    pool = types.SimpleNamespace(k_buffer=[torch.zeros(4, row_bytes // 2, dtype=torch.uint8)],
+                                 v_buffer=[torch.zeros(4, row_bytes // 2, dtype=torch.uint8)])  # fmt: skip
+    allocator = types.SimpleNamespace(page_size=1, available_size=lambda: available, get_kvcache=lambda: pool)
+    tree = types.SimpleNamespace(supports_mamba=lambda: False, evictable_size=lambda: 0)
+    host = None
+    if buffer_tokens:
+        config = MemxConfig(elastic_kv=True, host_buffer_gb=buffer_tokens * row_bytes / (1 << 30))
+        host = build_host_buffer(config, row_bytes)
+    return allocator, tree, host

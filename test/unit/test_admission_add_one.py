@@ -9,12 +9,11 @@ import types
 
 import pytest
 
-from sglang_memx.config import MemxConfig
 from sglang_memx.coordinator.components import NoActivation
 from sglang_memx.elastic import admission
-from sglang_memx.elastic.host_buffer import build_host_buffer, is_offloaded
+from sglang_memx.elastic.host_buffer import is_offloaded
 from sglang_memx.upstream import scheduler as up_sched
-from support.fakes import FakeBatch, FakeReq
+from support.fakes import FakeBatch, FakeReq, fake_admission_pool
 
 ROW_BYTES = 1024  # one token's KV over all layers (the fake pool's buffers below)
 
@@ -39,16 +38,7 @@ class Upstream:
 
 
 def _admission_pass(available: int, buffer_tokens: int, behind_parked: bool):
-    import torch
-
-    pool = types.SimpleNamespace(k_buffer=[torch.zeros(4, ROW_BYTES // 2, dtype=torch.uint8)],
-                                 v_buffer=[torch.zeros(4, ROW_BYTES // 2, dtype=torch.uint8)])  # fmt: skip
-    allocator = types.SimpleNamespace(page_size=1, available_size=lambda: available, get_kvcache=lambda: pool)
-    tree = types.SimpleNamespace(supports_mamba=lambda: False, evictable_size=lambda: 0)
-    host = None
-    if buffer_tokens:
-        host = build_host_buffer(MemxConfig(elastic_kv=True, host_buffer_gb=buffer_tokens * ROW_BYTES / (1 << 30)),
-                                 ROW_BYTES)  # fmt: skip
+    allocator, tree, host = fake_admission_pool(available, buffer_tokens, ROW_BYTES)
     kv = types.SimpleNamespace(activation=None, host=host)
     adder = types.SimpleNamespace(token_to_kv_pool_allocator=allocator, tree_cache=tree,
                                   memory_budget=up_sched.new_physical_budget(allocator, tree, 0),

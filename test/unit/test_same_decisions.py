@@ -35,7 +35,7 @@ from sglang_memx.coordinator import device
 from sglang_memx.elastic import admission
 from sglang_memx.elastic.host_buffer import build_host_buffer
 from sglang_memx.upstream import scheduler as up_sched
-from support.fakes import FakeBatch, FakeReq
+from support.fakes import FakeBatch, FakeReq, fake_admission_pool
 
 ROW_BYTES = 1024  # one token's KV over all layers (the fake pool's buffers below)
 
@@ -45,16 +45,7 @@ def _server_decisions(available, running_reserve, running, queue, buffer_tokens,
     """The server path: upstream's real prefill budget (with memx's physical mode), memx's admission
     question per request, upstream's own ``reserve`` as the commit of an admitted request.
     ``verdicts`` (if given) collects each request's whole verdict."""
-    import torch
-
-    pool = types.SimpleNamespace(k_buffer=[torch.zeros(4, ROW_BYTES // 2, dtype=torch.uint8)],
-                                 v_buffer=[torch.zeros(4, ROW_BYTES // 2, dtype=torch.uint8)])  # fmt: skip
-    allocator = types.SimpleNamespace(page_size=1, available_size=lambda: available, get_kvcache=lambda: pool)
-    tree = types.SimpleNamespace(supports_mamba=lambda: False, evictable_size=lambda: 0)
-    host = None
-    if buffer_tokens:
-        host = build_host_buffer(MemxConfig(elastic_kv=True, host_buffer_gb=buffer_tokens * ROW_BYTES / (1 << 30)),
-                                 ROW_BYTES)  # fmt: skip
+    allocator, tree, host = fake_admission_pool(available, buffer_tokens, ROW_BYTES)
     kv = types.SimpleNamespace(activation=None, weights=None)
     device.attach(allocator, kv, host=host)
     budget = up_sched.new_physical_budget(allocator, tree, 0)
