@@ -71,7 +71,10 @@ def lock_pin(name: str) -> str:
 def test_gpu_image_is_upstreams_image_of_the_pinned_release():
     instrs = instructions(DOCKER / "Dockerfile")
     froms = [rest for word, rest in instrs if word == "FROM"]
-    assert froms == ["${SGLANG_IMAGE}"], "one stage, on upstream's image"
+    # The image is the last stage, on upstream's image; the only other stage is the plugin
+    # check on a small base, which the image takes nothing from.
+    assert froms == ["${PLUGIN_CHECK_BASE} AS plugin-check", "${SGLANG_IMAGE} AS gpu"], froms
+    assert not [rest for word, rest in instrs if word == "COPY" and "--from" in rest]
     image = arg_default(instrs, "SGLANG_IMAGE")
     # Upstream tags each release lmsysorg/sglang:v<version>; the pinned one is the tested one.
     assert image == f"lmsysorg/sglang:v{version.TESTED_SGLANG}"
