@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from sglang_memx.upstream import version
+from support import dockerfile_lint
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
@@ -28,22 +29,9 @@ START_INSTRUCTIONS = {"ENTRYPOINT", "CMD", "WORKDIR", "USER", "SHELL"}
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of a Dockerfile: comments dropped, continuations joined."""
-    out: list[tuple[str, str]] = []
-    pending = ""
-    for raw in path.read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        line = pending + line
-        pending = ""
-        word, _, rest = line.partition(" ")
-        out.append((word.upper(), rest.strip()))
-    assert not pending, f"{path.name}: dangling line continuation"
-    return out
+    """(INSTRUCTION, arguments) of a Dockerfile: comments dropped, continuations joined
+    (``support.dockerfile_lint.parse``)."""
+    return [(ins.word, ins.rest) for ins in dockerfile_lint.parse(path.read_text())]
 
 
 def arg_default(instrs: list[tuple[str, str]], name: str) -> str:
