@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from memory_ext.policy.compute_share import ComputeShares, cores_for
@@ -55,10 +56,9 @@ class ComputeLender:
     board: ComputeBoard
     slot: int
     table: ComputeShares
-    apply: Any = _apply_cores  # (cores) -> None; tests pass a recorder
+    apply: Callable[[tuple[int, ...]], None] = _apply_cores  # tests pass a recorder
     cores: tuple[int, ...] = ()
     changes: int = 0
-    history: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)  # the last changes
 
     def step(self, busy: bool, now: float) -> tuple[int, ...]:
         """Publish ``busy``, then move to the policy's cores if they changed; returns them."""
@@ -70,7 +70,6 @@ class ComputeLender:
             self.apply(want)
             self.cores = want
             self.changes += 1
-            self.history = (self.history + [(now, want)])[-8:]
         return want
 
     def status(self) -> dict[str, Any]:
