@@ -42,7 +42,7 @@ def test_paper_8_layer_example_layers_1_and_5():
 def test_paper_8_layer_counterexample_1_and_8_has_smaller_gap():
     # Layers 1 and 8 leave a single layer of compute (the wrap-around gap) to
     # reload layer 1; uniform spacing leaves four.
-    from memory_ext.policy.oneiros import _min_gap
+    from memory_ext.policy.oneiros.layer_plan import _min_gap
 
     assert _min_gap(8, (0, 7)) == 1
     assert _min_gap(8, uniform_interval_layers(8, 2)) == 4
