@@ -1,57 +1,5 @@
-"""Node-wide memory arbiter (X1): the single owner of every GPU's memory
-budget, granting and reclaiming memory between the mechanisms of the five
-papers (Oneiros weight remapping, Select-N layer offload, eLLM activation
-ballooning, SwiftCache peer lending, and plain KV sharing between co-located
-models).
-
-Numbers in, decisions out: nothing here allocates, maps or moves memory. The
-engine reports how much of each account is idle and which models have work;
-the arbiter answers with a ``Grant`` saying how many bytes the requester
-gets and which accounts give them up; the engine applies it (shrinks the
-donors' pools, grows the requester's). The ledger is updated when the
-decision is returned, so the engine must apply every grant it receives.
-Standard library only.
-
-Accounts
---------
-Memory of GPU ``g`` is split into accounts ``AccountKey(g, owner, kind)``:
-
-* ``weights``    resident weights of a model. Left only by explicit
-  decisions of the weight policies (Oneiros REMAP, Select-N offload), never
-  taken by ``request``; at least ``floor`` bytes (one layer) always stay.
-* ``activation`` an instance's activation reserve. Only its own KV may
-  borrow it (eLLM inflation) and give it back (deflation), by ``move``.
-* ``kv``         an instance's KV pool. Its *idle* part (free + evictable
-  blocks, reported by the engine) is the only part anyone can take.
-* ``peer``       memory of ``g`` lent to a model on another GPU (SwiftCache
-  peer cache). Given back only by the lender's own SCALEUP (``move``); a
-  cache, so it is never "in use".
-* free           ``budget - sum(held)``: memory nobody holds.
-
-Every account has a ``unit`` (bytes: it receives, and ``request`` takes
-from it, only whole multiples), ``held``, ``idle`` (as last reported: bytes
-not in use, 0 <= idle <= held), ``headroom`` (as last reported: idle bytes a
-model with work wants to keep for itself) and ``nominal`` (held when opened:
-the static plan). An owner's *nominal* on ``g`` is the sum of its accounts'
-nominals there; its *excess* is ``held - nominal`` (> 0 when it holds memory
-of others, < 0 when it lent some).
-
-Priority rule
--------------
-``request(key, nbytes)`` (a KV shortage, or a weights restore) is served
-from memory that is already idle, cheapest first, never from memory in use:
-
-1. ``FREE``      unallocated budget of the GPU;
-2. ``RETURN``    idle KV of other owners holding more than their nominal --
-   borrowed memory that sits idle goes back first -- at most their excess.
-   The borrower keeps its headroom, unless the requester is *entitled*:
-   below its own nominal (it lent memory) -- then every idle borrowed byte
-   goes back as soon as it is idle;
-3. ``IDLE_PEER`` idle KV of other owners that have no work at all (idle
-   models), down to ``floor_fraction`` of each one's nominal KV, so that a
-   model waking up can start at once;
-4. ``SURPLUS``   idle KV beyond their headroom of other owners that do have
-   work, down to the same floor.
+"""``MemoryArbiter``: the node's ledger of accounts (X1), granting by the priority rule
+(``priority``) and checking the mechanisms' explicit moves against it.
 
 Only when the node's tiers leave a shortfall may weights of an idle model be
 remapped (``move(..., Tier.REMAP)``, the model and the layer count being
@@ -79,187 +27,19 @@ every account; the peak of ``sum(held)`` never exceeds the budget.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
-from ._checks import check_int as _int
+from .._checks import check_int as _int
+from .accounts import DEFAULT_TIERS, Account, AccountKey, Grant, Kind, PriorityViolation, Take, Tier
+from .priority import Donor, lendable_bytes, plan_takes
+from .priority import ceil_to as _ceil
+from .priority import floor_to as _floor
 
-__all__ = [
-    "Donor",
-    "lendable_bytes",
-    "plan_takes",
-    "Kind",
-    "Tier",
-    "AccountKey",
-    "Account",
-    "Take",
-    "Grant",
-    "MemoryArbiter",
-    "PriorityViolation",
-    "DEFAULT_TIERS",
-]
-
-
-class Kind(str, enum.Enum):
-    WEIGHTS = "weights"
-    ACTIVATION = "activation"
-    KV = "kv"
-    PEER = "peer"
-
-
-class Tier(str, enum.Enum):
-    """Where granted memory came from (``request`` tiers in priority order,
-    then the explicit moves)."""
-
-    FREE = "free"
-    RETURN = "return"
-    IDLE_PEER = "idle_peer"
-    SURPLUS = "surplus"
-    REMAP = "remap"
-    OWN = "own"
-    OFFLOAD = "offload"
-    LEND = "lend"
-    RECLAIM = "reclaim"
-
-
-DEFAULT_TIERS: tuple[Tier, ...] = (Tier.FREE, Tier.RETURN, Tier.IDLE_PEER, Tier.SURPLUS)
 _REQUEST_TIERS = frozenset(DEFAULT_TIERS)
 
 
-class PriorityViolation(ValueError):
-    """A move that the priority rule forbids (e.g. a remap while idle memory remains)."""
-
-
-class AccountKey(NamedTuple):
-    gpu: int
-    owner: str
-    kind: Kind
-
-
-@dataclass
-class Account:
-    key: AccountKey
-    held: int
-    unit: int
-    floor: int
-    nominal: int
-    idle: int = 0
-    headroom: int = 0
-
-
-@dataclass(frozen=True)
-class Take:
-    """``nbytes`` taken from ``source`` (None: the free budget) by ``tier``."""
-
-    source: AccountKey | None
-    nbytes: int
-    tier: Tier
-
-
-@dataclass(frozen=True)
-class Grant:
-    """Answer to a request or move. ``granted`` bytes were added to ``key``;
-    the engine must shrink every ``takes`` source that is an account by its
-    ``nbytes``. Bytes taken beyond ``granted`` (unit rounding) went to free."""
-
-    key: AccountKey
-    asked: int
-    granted: int
-    takes: tuple[Take, ...]
-    reason: str
-
-    @property
-    def shortfall(self) -> int:
-        return max(self.asked - self.granted, 0)
-
-    def taken_from(self, source: AccountKey) -> int:
-        return sum(t.nbytes for t in self.takes if t.source == source)
-
-
-def _floor(x: int, unit: int) -> int:
-    return x - x % unit
-
-
-def _ceil(x: int, unit: int) -> int:
-    return -(-x // unit) * unit
-
-
-@dataclass(frozen=True)
-class Donor:
-    """What the planner knows of one KV account: ``held``/``idle``/``headroom``/``unit`` as in
-    ``Account``; ``nominal`` its static plan; ``owner_excess`` what its owner holds beyond its
-    nominal on that GPU (all accounts); ``busy`` whether its owner has work."""
-
-    key: AccountKey
-    held: int
-    idle: int
-    headroom: int
-    unit: int
-    nominal: int
-    owner_excess: int
-    busy: bool
-
-
-def lendable_bytes(
-    d: Donor, tier: Tier, requester_owner: str | None, spent: int, entitled: bool, floor_fraction: float
-) -> int:
-    """Bytes a request by ``requester_owner`` may take from ``d`` by ``tier``, ``spent`` being
-    what was already planned from it (module docstring, priority rule)."""
-    if d.key.kind is not Kind.KV or d.key.owner == requester_owner:
-        return 0
-    idle, held = d.idle - spent, d.held - spent
-    if tier is Tier.RETURN:
-        keep = 0 if entitled else d.headroom
-        cap = min(idle - keep, d.owner_excess - spent)
-    elif tier in (Tier.IDLE_PEER, Tier.SURPLUS):
-        if d.busy != (tier is Tier.SURPLUS):
-            return 0
-        floor = _ceil(int(floor_fraction * d.nominal), d.unit)
-        cap = min(idle - (d.headroom if d.busy else 0), held - floor)
-    else:
-        return 0
-    return max(_floor(cap, d.unit), 0)
-
-
-def plan_takes(
-    requester_owner: str,
-    want: int,
-    free: int,
-    donors: Sequence[Donor],
-    tiers: Sequence[Tier],
-    entitled: bool,
-    floor_fraction: float,
-) -> tuple[int, list[tuple[Donor, int, Tier]]]:
-    """The one answer to "where does ``want`` come from": ``free`` first (if ``Tier.FREE`` is in
-    ``tiers``), then RETURN, IDLE_PEER, SURPLUS, each tier taking from the donors with the most
-    lendable first (owner names break ties). Returns ``(gathered, [(donor, nbytes, tier)])``;
-    ``gathered`` may fall short of ``want``. ``MemoryArbiter`` (simulator ledger) and the live
-    device arbiter (``memory_ext.pool.arbiter``) both plan with it."""
-    pool = free if Tier.FREE in tiers else 0
-    takes: list[tuple[Donor, int, Tier]] = []
-    spent: dict[AccountKey, int] = {}
-    for tier in (Tier.RETURN, Tier.IDLE_PEER, Tier.SURPLUS):
-        if tier not in tiers or pool >= want:
-            continue
-        scored = []
-        for d in donors:
-            cap = lendable_bytes(d, tier, requester_owner, spent.get(d.key, 0), entitled, floor_fraction)
-            if cap > 0:
-                scored.append((-cap, d.key.owner, d, cap))
-        for _, _, d, cap in sorted(scored, key=lambda x: (x[0], x[1])):
-            if pool >= want:
-                break
-            t = min(cap, _ceil(want - pool, d.unit))
-            takes.append((d, t, tier))
-            spent[d.key] = spent.get(d.key, 0) + t
-            pool += t
-    return pool, takes
-
-
 class MemoryArbiter:
-    """See the module docstring. ``budgets``: bytes per GPU index;
+    """See the docstrings of this module, ``accounts`` and ``priority``. ``budgets``: bytes per GPU index;
     ``floor_fraction``: share of its nominal KV a model keeps when others
     take its idle KV (``IDLE_PEER``, ``SURPLUS``); ``tiers``: the request
     tiers this node uses (default all four, in priority order; a remap is
