@@ -30,6 +30,7 @@ from memory_ext.policy._checks import check_int, check_num
 __all__ = [
     "ADMIT_REASONS",
     "BatchDecision",
+    "CAP_REASONS",
     "BatchGovernor",
     "REASONS",
     "StepTimeModel",
@@ -43,6 +44,10 @@ WITHIN_SLO = "within_slo"  # predicted step time with the request <= the SLO
 OVER_SLO = "over_slo"  # predicted step time with the request > the SLO: the request waits
 ADMIT_REASONS = (NO_SLO, EMPTY_BATCH, LEARNING, WITHIN_SLO)
 REASONS = (*ADMIT_REASONS, OVER_SLO)
+# why the status' batch cap is what it is: none without an SLO or while learning, else the
+# largest batch predicted within the SLO
+CAP_WITHIN_SLO = "predicted_tpot_within_slo"
+CAP_REASONS = (NO_SLO, LEARNING, CAP_WITHIN_SLO)
 
 KV_UNIT = 1000.0  # kv tokens per fit unit (keeps the normal equations well scaled)
 RIDGE = 1e-6  # per unit of total weight, on the slopes only
@@ -195,7 +200,7 @@ class BatchGovernor:
         elif model.coef is None:
             cap, why = None, LEARNING
         else:
-            cap, why = model.cap(slo, kv_per), "predicted_tpot_within_slo"
+            cap, why = model.cap(slo, kv_per), CAP_WITHIN_SLO
         a, b, c = model.coef if model.coef is not None else (None, None, None)
         return {
             "tpot_slo_ms": None if slo is None else slo * 1e3,

@@ -60,12 +60,32 @@ def pool_owner_pid(environ=os.environ) -> int | None:
     return int(raw)
 
 
+# Set by ``sglang-memx serve`` beside the ``--memx-tpot-slo-ms`` it passes from a model's
+# ``models.yaml`` entry: where the SLO came from (``models.yaml: models[0].tpot_slo_ms``), shown
+# in the governor's status. Unset: the flag was given directly.
+TPOT_SLO_SOURCE_ENV = "SGLANG_MEMX_TPOT_SLO_SOURCE"
+TPOT_SLO_FLAG = "--memx-tpot-slo-ms"
+_MAX_SOURCE_CHARS = 200
+
+
 class MemxConfigError(ValueError):
     """A memx flag has a bad or contradictory value. ``flag`` names it."""
 
     def __init__(self, flag: str, message: str):
         super().__init__(f"argument {flag}: {message}")
         self.flag = flag
+
+
+def tpot_slo_source(environ=os.environ) -> str:
+    """Where ``--memx-tpot-slo-ms`` came from: ``TPOT_SLO_SOURCE_ENV`` when set, else the flag;
+    a value that is not one printable line of at most 200 characters names the variable."""
+    raw = environ.get(TPOT_SLO_SOURCE_ENV)
+    if raw is None or raw == "":
+        return TPOT_SLO_FLAG
+    if len(raw) > _MAX_SOURCE_CHARS or not raw.isprintable():
+        raise MemxConfigError(TPOT_SLO_SOURCE_ENV, f"must be one printable line of at most {_MAX_SOURCE_CHARS} "
+                              f"characters, got {raw[:60]!r}")  # fmt: skip
+    return raw
 
 
 PEER_KV_MODES = ("off", "donate", "borrow", "both")

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from memory_ext.policy.governor import CAP_REASONS, NO_SLO
+
 from .prometheus import CONTENT_TYPE, Samples, number, render
 
 __all__ = ["CONTENT_TYPE", "METRICS_PATH", "render_prometheus"]
@@ -106,6 +108,23 @@ _HELP = {
         "counter",
         "Loads cut short by a page reclaimed or lost between match and read (the rest was recomputed).",
     ),
+    "memx_governor_tpot_slo_seconds": (
+        "gauge",
+        "TPOT SLO the governor keeps the running batch within; source: the flag or models.yaml field it came from.",
+    ),
+    "memx_governor_ttft_slo_seconds": ("gauge", "TTFT SLO this server holds (sizes the host buffer); source as above."),
+    "memx_governor_batch_cap": ("gauge", "Largest running batch predicted within the TPOT SLO (absent: no cap)."),
+    "memx_governor_batch_cap_reason": (
+        "gauge",
+        "1 for why the batch cap is what it is (no_slo, learning, predicted_tpot_within_slo), 0 for the others.",
+    ),
+    "memx_governor_predicted_tpot_seconds": ("gauge", "Predicted decode step (TPOT) of the running batch."),
+    "memx_governor_measured_tpot_seconds": ("gauge", "Measured decode step (TPOT), exponential mean of recent steps."),
+    "memx_governor_decisions_total": (
+        "counter",
+        "Batch-growth decisions by reason; reason=over_slo counts refusals to grow (a request kept waiting).",
+    ),
+    "memx_governor_step_samples_total": ("counter", "Decode steps the governor's step-time model learned from."),
     "memx_requests_running": ("gauge", "Requests decoding."),
     "memx_requests_waiting": ("gauge", "Requests waiting for admission."),
 }
@@ -154,6 +173,7 @@ def _samples(rank: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any], float]
     yield "memx_kv_unmap_seconds_total", base, el["unmap_seconds"]
     yield "memx_kv_map_seconds_max", base, el["max_map_seconds"]
     yield "memx_kv_unmap_seconds_max", base, el["max_unmap_seconds"]
+    yield from _governor_samples(base, el.get("governor"))
     slab = el.get("slab")
     if slab:
         fmt = dict(base, format=slab["format"])
@@ -219,6 +239,28 @@ def _samples(rank: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any], float]
         if arb:
             yield "memx_pool_arbiter_connected", base, int(arb["connected"])
             yield "memx_shared_pool_private_bytes", base, arb["private_budget_chunks"] * chunk
+
+
+def _governor_samples(base: dict[str, Any], gov: dict[str, Any] | None) -> Iterable[tuple[str, dict[str, Any], float]]:
+    """The governor's SLOs, batch cap and why, predicted vs measured TPOT, decisions; without a
+    governor (no TPOT SLO: the batch grows as stock's) only the cap's reason, ``no_slo``."""
+    why = NO_SLO if gov is None else gov["batch_cap_reason"]
+    for reason in CAP_REASONS:
+        yield "memx_governor_batch_cap_reason", dict(base, reason=reason), int(reason == why)
+    if gov is None:
+        return
+    for kind, slo in sorted((gov.get("slos") or {}).items()):
+        if slo is not None:
+            yield f"memx_governor_{kind}_slo_seconds", dict(base, source=slo["source"]), slo["ms"] / 1e3
+    if gov["batch_cap"] is not None:
+        yield "memx_governor_batch_cap", base, gov["batch_cap"]
+    for key, name in (("predicted_tpot_ms", "memx_governor_predicted_tpot_seconds"),
+                      ("measured_tpot_ms", "memx_governor_measured_tpot_seconds")):  # fmt: skip
+        if gov[key] is not None:
+            yield name, base, gov[key] / 1e3
+    for reason, n in sorted(gov["decisions"].items()):
+        yield "memx_governor_decisions_total", dict(base, reason=reason), n
+    yield "memx_governor_step_samples_total", base, gov["model"]["samples"]
 
 
 def _peer_samples(base: dict[str, Any], peer: dict[str, Any] | None) -> Iterable[tuple[str, dict[str, Any], float]]:

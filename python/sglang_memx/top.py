@@ -7,8 +7,11 @@ Each frame shows, per pool, the budget split between its clients, and per
 server its KV (mapped vs logical bytes, tokens used / capacity), requests,
 map / unmap counts and its KV slab (cell size, slab format, FREE / PARTIAL /
 FULL slabs); a pool whose servers have different slab formats also shows the
-one uniform slab FineServe would cut. ``--once`` prints one frame (for scripts
-and tests).
+one uniform slab FineServe would cut. A server with elastic KV also shows its
+governor: the SLOs in force and where each came from, the batch cap and why,
+predicted vs measured TPOT and the refusals to grow (or ``off`` without a TPOT
+SLO: the batch grows as stock's). ``--once`` prints one frame (for scripts and
+tests).
 
 ``--router URL`` (repeatable) adds an ``sglang-memx serve`` router: its
 ``/memx/serve`` gives the served models, their device, engine state (awake /
@@ -205,9 +208,28 @@ def render(snap: dict[str, Any]) -> str:
             lines.append(head + (f"  pool {rank['pool_name']}" if rank.get("pool_name") else ""))
             if el and el.get("slab"):
                 lines.append(_slab_line(el["slab"]))
+            if el:
+                lines.append(_governor_line(el.get("governor")))
             if rank.get("peer_kv"):
                 lines.append(_peer_line(rank["peer_kv"]))
     return "\n".join(lines)
+
+
+def _ms(v) -> str:
+    """Milliseconds: one decimal, or 3 significant digits below 1 ms (a 0.01 ms SLO stays readable)."""
+    return "-" if v is None else f"{v:.1f} ms" if v >= 1 else f"{v:.3g} ms"
+
+
+def _governor_line(g: dict[str, Any] | None) -> str:
+    """The governor: SLOs in force (source), batch cap and why, predicted vs measured TPOT, refusals."""
+    if g is None:
+        return "    governor off: no TPOT SLO (the batch grows as stock's)"
+    slos = g.get("slos") or {}
+    held = [f"{kind.upper()} {_ms(s['ms'])} ({s['source']})" for kind, s in sorted(slos.items()) if s]
+    cap = "-" if g["batch_cap"] is None else g["batch_cap"]
+    return (f"    governor SLO {', '.join(held) or '-'}  cap {cap} ({g['batch_cap_reason']}), run {g['running']}"
+            f"  TPOT predicted {_ms(g['predicted_tpot_ms'])} / measured {_ms(g['measured_tpot_ms'])}"
+            f"  refused {g['decisions'].get('over_slo', 0)}")  # fmt: skip
 
 
 def _peer_line(p: dict[str, Any]) -> str:

@@ -13,7 +13,12 @@ burst of prompts arrives at once (one ``/generate`` with a list of texts).
   stock alone is the equal batching);
 * loose: no ``over_slo`` decision, the burst runs as a batch (as stock's), its cap is >= the
   burst; outputs equal stock's for the same burst (equal batching: both admit it at once).
+
+Both: ``/memx/status`` names the SLO in force and its source (the flag), ``/memx/metrics`` shows
+the same SLO, the cap and its reason, and the refusals to grow (``reason="over_slo"``).
 """
+
+import re
 
 import pytest
 
@@ -54,6 +59,28 @@ def _governor(server):
     return server.request("/memx/status")["schedulers"][0]["elastic_kv"]["governor"]
 
 
+def _metric(text, name, **labels):
+    """The value of the one sample of ``name`` whose labels include ``labels`` (None: no such sample)."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    found = [float(m.group(2)) for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M)
+             if all(w in m.group(1).split(",") for w in want)]  # fmt: skip
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None
+
+
+def _visible(server, gov):
+    """The status' SLO and its source, and /memx/metrics agreeing with the status on SLO, cap and refusals."""
+    assert gov["slos"]["tpot"] == {"ms": gov["tpot_slo_ms"], "source": "--memx-tpot-slo-ms"}
+    text = server.request_text("/memx/metrics")
+    slo_s = _metric(text, "memx_governor_tpot_slo_seconds", source="--memx-tpot-slo-ms")
+    assert slo_s is not None and abs(slo_s - gov["tpot_slo_ms"] / 1e3) < 1e-12
+    assert _metric(text, "memx_governor_batch_cap_reason", reason="predicted_tpot_within_slo") == 1
+    assert _metric(text, "memx_governor_batch_cap_reason", reason="no_slo") == 0
+    assert _metric(text, "memx_governor_batch_cap") >= 1
+    assert _metric(text, "memx_governor_decisions_total", reason="over_slo") >= gov["decisions"]["over_slo"]
+    return text
+
+
 def test_a_tight_tpot_slo_caps_the_batch_and_outputs_match_stock_alone(servers):
     before = _governor(servers["tight"])
     assert before["model"]["samples"] >= before["model"]["min_samples"]  # the warm-up taught the model
@@ -65,6 +92,8 @@ def test_a_tight_tpot_slo_caps_the_batch_and_outputs_match_stock_alone(servers):
     assert gov["batch_cap"] == 1 < len(BURST) and gov["batch_cap_reason"] == "predicted_tpot_within_slo"
     assert gov["decisions"]["over_slo"] > 0 and gov["max_running_seen"] == 1
     assert gov["measured_tpot_ms"] > gov["tpot_slo_ms"] and gov["predicted_tpot_ms"] is not None
+    text = _visible(servers["tight"], gov)
+    assert _metric(text, "memx_governor_batch_cap") == 1 and _metric(text, "memx_governor_measured_tpot_seconds") > 0
 
 
 def test_a_loose_tpot_slo_does_not_cap_and_outputs_match_stock(servers):
@@ -75,3 +104,6 @@ def test_a_loose_tpot_slo_does_not_cap_and_outputs_match_stock(servers):
     assert gov["decisions"]["over_slo"] == 0 and gov["decisions"]["within_slo"] > 0
     assert gov["batch_cap"] >= len(BURST) and gov["max_running_seen"] > 1
     assert gov["measured_tpot_ms"] < gov["tpot_slo_ms"]
+    text = _visible(servers["loose"], gov)
+    assert _metric(text, "memx_governor_batch_cap") >= len(BURST)
+    assert _metric(text, "memx_governor_decisions_total", reason="over_slo") == 0

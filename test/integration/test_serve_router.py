@@ -137,6 +137,15 @@ def test_models_lists_both_and_they_share_one_pool(serve):
     assert serve["status"]["devices"]["cpu0"]["models"] == ["tiny-b", "tiny-a"]  # Alg. 1: larger footprint first
 
 
+def test_a_models_tpot_slo_reaches_its_engine_and_no_slo_runs_no_governor(serve):
+    """models.yaml's tpot_slo_ms (tiny-a: 1000 ms) is the engine's --memx-tpot-slo-ms, its status naming the
+    field; tiny-b sets none: its engine runs no governor (batches as stock's)."""
+    gov = {n: _http(_engine(serve, n) + "/memx/status")["schedulers"][0]["elastic_kv"]["governor"]
+           for n in ("tiny-a", "tiny-b")}  # fmt: skip
+    assert gov["tiny-a"]["slos"]["tpot"] == {"ms": 1000.0, "source": "models.yaml: models[0].tpot_slo_ms"}
+    assert gov["tiny-a"]["tpot_slo_ms"] == 1000.0 and gov["tiny-b"] is None
+
+
 @pytest.mark.parametrize("name", ["tiny-a", "tiny-b"])
 def test_routing_by_model_answers_as_stock_sglang(serve, name):
     router, engine = serve["url"], serve["stock"][name].url

@@ -258,3 +258,45 @@ def test_sleep_flag_refused_with_the_flag_named(argv, words):
 def test_sleep_flag_parses():
     cfg = _parse(["--memx-elastic-kv", "--memx-pool", "p", "--memx-weights", "remap", "--memx-sleep-after-s", "60"])
     assert cfg.sleep_after_s == 60.0
+
+
+# every way an SLO flag can be wrong, each naming the flag (the host buffer makes the TTFT one legal)
+SLO_FLAGS = {
+    "--memx-tpot-slo-ms": ["--memx-elastic-kv"],
+    "--memx-ttft-slo-ms": ["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--memx-tpot-slo-ms", "50"],
+}
+
+
+@pytest.mark.parametrize("flag", sorted(SLO_FLAGS))
+@pytest.mark.parametrize("bad", ["0", "-0", "-3", "nan", "inf", "-inf", "1e999"])
+def test_bad_slo_numbers_name_the_flag(flag, bad):
+    with pytest.raises(MemxConfigError) as err:
+        _parse(SLO_FLAGS[flag] + [f"{flag}={bad}"])  # "=": argparse takes a bare "-inf" for an option
+    assert err.value.flag == flag and "must be a positive number" in str(err.value)
+
+
+@pytest.mark.parametrize("flag", sorted(SLO_FLAGS))
+@pytest.mark.parametrize("bad", ["fast", "", "50ms", "1,5"])
+def test_slo_flags_that_are_not_numbers_name_the_flag(flag, bad, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _parse(SLO_FLAGS[flag] + [flag, bad])
+    assert exit_.value.code == 2 and f"argument {flag}: invalid float value" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["50", True, [50], 0, float("nan")])
+def test_slo_values_set_without_the_parser_name_the_flag(bad):
+    with pytest.raises(MemxConfigError) as err:
+        MemxConfig(elastic_kv=True, tpot_slo_ms=bad).validate()
+    assert err.value.flag == "--memx-tpot-slo-ms"
+
+
+def test_the_tpot_slo_source_is_the_flag_unless_serve_names_its_field():
+    from sglang_memx.config import TPOT_SLO_SOURCE_ENV, tpot_slo_source
+
+    assert tpot_slo_source({}) == tpot_slo_source({TPOT_SLO_SOURCE_ENV: ""}) == "--memx-tpot-slo-ms"
+    named = "models.yaml: models[2].tpot_slo_ms"
+    assert tpot_slo_source({TPOT_SLO_SOURCE_ENV: named}) == named
+    for bad in ("a\nb", "x" * 201, "tab\there"):
+        with pytest.raises(MemxConfigError) as err:
+            tpot_slo_source({TPOT_SLO_SOURCE_ENV: bad})
+        assert err.value.flag == TPOT_SLO_SOURCE_ENV

@@ -11,7 +11,7 @@ import pytest
 from memory_ext.policy.governor import BatchGovernor, StepTimeModel
 from sglang_memx.config import MemxConfig
 from sglang_memx.coordinator import device, pool_build
-from sglang_memx.coordinator.governor import GovernorPart
+from sglang_memx.coordinator.governor import GovernorPart, SloInForce
 from sglang_memx.coordinator.parts import Iteration
 from sglang_memx.hooks import scheduler as hooks
 from sglang_memx.upstream import scheduler as up_sched
@@ -135,3 +135,69 @@ def test_the_pool_build_registers_the_governor_only_with_a_tpot_slo(monkeypatch)
         monkeypatch.setattr(pool_build.up_args, "cuda_graphs_possible", lambda args: False)
         pool_build.finish(build, None)
         assert [p.governor.tpot_slo_s for p in seen["extra"] if isinstance(p, GovernorPart)] == want
+
+
+def test_status_names_the_slos_in_force_and_where_each_came_from():
+    part = GovernorPart(BatchGovernor(0.020, _trained()))
+    assert part.status()["governor"]["slos"] == {"tpot": {"ms": 20.0, "source": "--memx-tpot-slo-ms"}, "ttft": None}
+    served = GovernorPart(BatchGovernor(0.080), tpot_source="models.yaml: models[1].tpot_slo_ms",
+                          ttft=SloInForce(500.0, "--memx-ttft-slo-ms"))  # fmt: skip
+    doc = served.status()["governor"]
+    assert doc["slos"] == {"tpot": {"ms": 80.0, "source": "models.yaml: models[1].tpot_slo_ms"},
+                           "ttft": {"ms": 500.0, "source": "--memx-ttft-slo-ms"}}  # fmt: skip
+    assert (doc["batch_cap"], doc["batch_cap_reason"], doc["tpot_slo_ms"]) == (None, "learning", 80.0)
+
+
+@pytest.mark.parametrize(
+    "env,ttft,host_gb,source,want_ttft",
+    [
+        ({}, None, None, "--memx-tpot-slo-ms", None),  # the flag, given directly
+        ({"SGLANG_MEMX_TPOT_SLO_SOURCE": "m.yaml: models[0].tpot_slo_ms"}, None, None,
+         "m.yaml: models[0].tpot_slo_ms", None),  # passed by sglang-memx serve from models.yaml
+        ({}, 900.0, 1.0, "--memx-tpot-slo-ms", {"ms": 900.0, "source": "--memx-ttft-slo-ms"}),
+    ],
+)  # fmt: skip
+def test_the_pool_build_gives_the_governor_its_slo_sources(monkeypatch, env, ttft, host_gb, source, want_ttft):
+    seen = {}
+    monkeypatch.setattr(pool_build.device, "attach", lambda allocator, kv, extra, **_: seen.setdefault("extra", extra))
+    monkeypatch.setattr(pool_build.up_kv, "configured_pool_and_allocator",
+                        lambda result: (None, type("TokenToKVPoolAllocator", (), {})()))  # fmt: skip
+    monkeypatch.setattr(pool_build.up_args, "radix_cache_disabled", lambda args: False)
+    monkeypatch.setattr(pool_build.up_args, "cuda_graphs_possible", lambda args: False)
+    monkeypatch.setattr(pool_build, "build_host_buffer", lambda config, group_bytes: None)
+    monkeypatch.delenv("SGLANG_MEMX_TPOT_SLO_SOURCE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    kv = SimpleNamespace(restrict_free_list=lambda allocator: None, buffers=SimpleNamespace(group_bytes=4096))
+    config = MemxConfig(elastic_kv=True, tpot_slo_ms=80.0, ttft_slo_ms=ttft, host_buffer_gb=host_gb).validate()
+    pool_build.finish(pool_build.Build(config, SimpleNamespace(), None, 0, kv=kv), None)
+    (part,) = [p for p in seen["extra"] if isinstance(p, GovernorPart)]
+    assert part.status()["governor"]["slos"] == {"tpot": {"ms": 80.0, "source": source}, "ttft": want_ttft}
+
+
+def test_a_real_status_renders_in_metrics_and_top():
+    """The governor section the component writes is the one ``/memx/metrics`` and ``top`` read
+    (test_metrics_top.py tables their output on hand-written sections of the same shape)."""
+    from sglang_memx.metrics import render_prometheus
+    from sglang_memx.top import _governor_line
+
+    part = GovernorPart(BatchGovernor(0.020, _trained()), tpot_source="models.yaml: models[0].tpot_slo_ms")
+    part.governor.may_grow(5, 0, 0)
+    part.running, part.measured_s = 3, 0.0165  # as its step would leave them
+    gov = part.status()["governor"]
+    text = render_prometheus({"schedulers": [{"dp_rank": 0, "elastic_kv": dict(ELASTIC, governor=gov)}]})
+    assert 'memx_governor_batch_cap{dp_rank="0"} 5' in text
+    assert 'memx_governor_decisions_total{dp_rank="0",reason="over_slo"} 1' in text
+    assert 'memx_governor_tpot_slo_seconds{dp_rank="0",source="models.yaml: models[0].tpot_slo_ms"} 0.02' in text
+    assert 'memx_governor_measured_tpot_seconds{dp_rank="0"} 0.0165' in text
+    assert 'memx_governor_predicted_tpot_seconds{dp_rank="0"} 0.016' in text
+    line = _governor_line(gov)
+    assert "TPOT 20.0 ms (models.yaml: models[0].tpot_slo_ms)" in line and "cap 5 (predicted_tpot_within_slo)" in line
+    assert "TPOT predicted 16.0 ms / measured 16.5 ms" in line and "refused 1" in line
+
+
+ELASTIC = {
+    "mapped_bytes": 0, "logical_bytes": 0, "groups_mapped": 0, "pool_capacity_bytes": 0, "groups_mapped_total": 0,
+    "groups_unmapped_total": 0, "grow_refused": 0, "map_seconds": 0.0, "unmap_seconds": 0.0,
+    "max_map_seconds": 0.0, "max_unmap_seconds": 0.0, "chunk_bytes": 4096,
+}  # fmt: skip

@@ -3,6 +3,8 @@
 import re
 import time
 
+import pytest
+
 from sglang_memx.metrics import render_prometheus
 from sglang_memx.top import render
 
@@ -193,3 +195,100 @@ def test_peer_kv_metrics_and_top_line():
     )
     assert "peer KV both" in frame and "lends 192.00 KiB to 1" in frame and "reclaims 2" in frame
     assert "borrows 128.00 KiB from 1, spills 5, hits 3 (7 pages)" in frame
+
+
+def _governor(**over):
+    """A governor section as ``GovernorPart.status`` writes it (``/memx/status`` → elastic_kv.governor)."""
+    doc = {
+        "tpot_slo_ms": 80.0, "batch_cap": 5, "batch_cap_reason": "predicted_tpot_within_slo", "running": 3,
+        "predicted_tpot_ms": 16.0, "measured_tpot_ms": 16.5, "last_measured_tpot_ms": 17.0, "max_running_seen": 5,
+        "model": {"samples": 40, "min_samples": 8, "intercept_ms": 10.0, "per_request_ms": 2.0,
+                  "per_kv_token_ms": 0.0},
+        "decisions": {"no_slo": 0, "empty_batch": 2, "learning": 8, "within_slo": 30, "over_slo": 7},
+        "last_decision": None,
+        "slos": {"tpot": {"ms": 80.0, "source": "models.yaml: models[0].tpot_slo_ms"}, "ttft": None},
+    }  # fmt: skip
+    doc.update(over)
+    return doc
+
+
+def _with_governor(gov):
+    return {"schedulers": [dict(RANK, elastic_kv=dict(RANK["elastic_kv"], governor=gov))]}
+
+
+# governor section -> (lines that must be in /memx/metrics, metric names that must not, top's line fragments)
+GOVERNED = [
+    (  # no TPOT SLO: not registered, the batch grows as stock's; only the cap's reason says so
+        None,
+        ['memx_governor_batch_cap_reason{dp_rank="0",pool="gpu0",reason="no_slo"} 1',
+         'memx_governor_batch_cap_reason{dp_rank="0",pool="gpu0",reason="predicted_tpot_within_slo"} 0'],
+        ["memx_governor_batch_cap ", "memx_governor_tpot_slo_seconds", "memx_governor_decisions_total"],
+        ["governor off: no TPOT SLO"],
+    ),
+    (  # an SLO, too few samples: no cap yet
+        _governor(batch_cap=None, batch_cap_reason="learning", predicted_tpot_ms=None, measured_tpot_ms=2.5,
+                  slos={"tpot": {"ms": 80.0, "source": "--memx-tpot-slo-ms"}, "ttft": None},
+                  model={"samples": 3, "min_samples": 8}),
+        ['memx_governor_batch_cap_reason{dp_rank="0",pool="gpu0",reason="learning"} 1',
+         'memx_governor_batch_cap_reason{dp_rank="0",pool="gpu0",reason="no_slo"} 0',
+         'memx_governor_tpot_slo_seconds{dp_rank="0",pool="gpu0",source="--memx-tpot-slo-ms"} 0.080000000000000002',
+         'memx_governor_measured_tpot_seconds{dp_rank="0",pool="gpu0"} 0.0025000000000000001',
+         'memx_governor_step_samples_total{dp_rank="0",pool="gpu0"} 3'],
+        ["memx_governor_batch_cap ", "memx_governor_predicted_tpot_seconds", "memx_governor_ttft_slo_seconds"],
+        ["governor SLO TPOT 80.0 ms (--memx-tpot-slo-ms)", "cap - (learning), run 3",
+         "TPOT predicted - / measured 2.5 ms", "refused 7"],
+    ),
+    (  # capped: both SLOs, the cap and why, predicted vs measured, refusals to grow
+        _governor(slos={"tpot": {"ms": 80.0, "source": "models.yaml: models[0].tpot_slo_ms"},
+                        "ttft": {"ms": 500.0, "source": "--memx-ttft-slo-ms"}}),
+        ['memx_governor_batch_cap{dp_rank="0",pool="gpu0"} 5',
+         'memx_governor_batch_cap_reason{dp_rank="0",pool="gpu0",reason="predicted_tpot_within_slo"} 1',
+         'memx_governor_tpot_slo_seconds{dp_rank="0",pool="gpu0",source="models.yaml: models[0].tpot_slo_ms"} '
+         "0.080000000000000002",
+         'memx_governor_ttft_slo_seconds{dp_rank="0",pool="gpu0",source="--memx-ttft-slo-ms"} 0.5',
+         'memx_governor_predicted_tpot_seconds{dp_rank="0",pool="gpu0"} 0.016',
+         'memx_governor_measured_tpot_seconds{dp_rank="0",pool="gpu0"} 0.016500000000000001',
+         'memx_governor_decisions_total{dp_rank="0",pool="gpu0",reason="over_slo"} 7',
+         'memx_governor_decisions_total{dp_rank="0",pool="gpu0",reason="within_slo"} 30',
+         "# TYPE memx_governor_decisions_total counter", "# TYPE memx_governor_batch_cap gauge"],
+        [],
+        ["governor SLO TPOT 80.0 ms (models.yaml: models[0].tpot_slo_ms), TTFT 500.0 ms (--memx-ttft-slo-ms)",
+         "cap 5 (predicted_tpot_within_slo), run 3", "TPOT predicted 16.0 ms / measured 16.5 ms", "refused 7"],
+    ),
+    (  # a tiny SLO stays readable in top
+        _governor(tpot_slo_ms=0.01, batch_cap=1, slos={"tpot": {"ms": 0.01, "source": "--memx-tpot-slo-ms"},
+                                                      "ttft": None}),
+        ['memx_governor_tpot_slo_seconds{dp_rank="0",pool="gpu0",source="--memx-tpot-slo-ms"} 1.0000000000000001e-05',
+         'memx_governor_batch_cap{dp_rank="0",pool="gpu0"} 1'],
+        [],
+        ["TPOT 0.01 ms (--memx-tpot-slo-ms)", "cap 1 (predicted_tpot_within_slo)"],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("gov,present,absent,top_parts", GOVERNED)
+def test_governor_metrics_and_top_line(gov, present, absent, top_parts):
+    doc = _with_governor(gov)
+    text = render_prometheus(doc)
+    lines = text.splitlines()
+    for line in present:
+        assert line in lines, line
+    for name in absent:
+        assert name not in text, name
+    for line in lines:
+        if line.startswith("memx_governor_"):
+            name = line.split("{")[0]
+            assert f"# HELP {name} " in text and f"# TYPE {name} " in text
+    assert sum(line.startswith("memx_governor_batch_cap_reason{") for line in lines) == 3  # one per reason
+    frame = render({"time": time.time(), "pools": [], "servers": [{"url": "http://x", "status": doc}]})
+    (gov_line,) = [line for line in frame.splitlines() if line.strip().startswith("governor")]
+    for part in top_parts:
+        assert part in gov_line, (part, gov_line)
+
+
+def test_without_elastic_kv_there_is_no_governor_metric_or_line():
+    rank = {k: v for k, v in RANK.items() if k not in ("elastic_kv", "pool_name")}
+    assert "memx_governor" not in render_prometheus({"schedulers": [rank]})
+    server = {"url": "http://x", "status": {"schedulers": [rank]}}
+    frame = render({"time": time.time(), "pools": [], "servers": [server]})
+    assert "governor" not in frame

@@ -9,6 +9,7 @@ import pytest
 
 from memory_ext.policy.governor import (
     ADMIT_REASONS,
+    CAP_REASONS,
     REASONS,
     BatchGovernor,
     StepTimeModel,
@@ -153,3 +154,30 @@ def test_status_shows_slo_cap_reason_and_counts():
     assert doc["decisions"]["over_slo"] == 1 and doc["last_decision"]["reason"] == "over_slo"
     assert BatchGovernor(None).status(0, 0, None)["batch_cap_reason"] == "no_slo"
     assert BatchGovernor(0.02).status(2, 0, None)["batch_cap_reason"] == "learning"
+
+
+# the status' batch cap and why: (slo_s, trained?, running, kv_tokens) -> (cap, reason, predicted ms)
+# (model: 10 ms + 2 ms per request; kv not in the fit)
+CAPS = [
+    (None, True, 3, 300, None, "no_slo", 16.0),  # no SLO: no cap, whatever the model knows (do nothing)
+    (None, False, 0, 0, None, "no_slo", None),
+    (0.050, False, 3, 300, None, "learning", None),  # too few samples: no cap yet, admits as stock
+    (0.020, True, 3, 300, 5, "predicted_tpot_within_slo", 16.0),  # 10 + 2*5 = 20 ms: 5 fits exactly
+    (0.011, True, 1, 100, 1, "predicted_tpot_within_slo", 12.0),  # even one is over: the cap stays 1
+    (0.050, True, 0, 0, 20, "predicted_tpot_within_slo", 12.0),  # idle: the prediction is for one request
+]
+
+
+@pytest.mark.parametrize("slo,trained,running,kv,cap,why,predicted_ms", CAPS)
+def test_status_cap_and_why(slo, trained, running, kv, cap, why, predicted_ms):
+    gov = BatchGovernor(slo, _trained(a=0.010, b=0.002, use_kv=False) if trained else StepTimeModel())
+    doc = gov.status(running=running, kv_tokens=kv, measured_s=None)
+    assert (doc["batch_cap"], doc["batch_cap_reason"]) == (cap, why)
+    assert doc["tpot_slo_ms"] == (None if slo is None else pytest.approx(slo * 1e3))
+    assert doc["predicted_tpot_ms"] == (None if predicted_ms is None else pytest.approx(predicted_ms))
+    assert doc["measured_tpot_ms"] is None and doc["running"] == running
+    assert sum(doc["decisions"].values()) == 0 and doc["last_decision"] is None  # status decides nothing
+
+
+def test_every_cap_reason_is_exercised_by_the_table():
+    assert {row[5] for row in CAPS} == set(CAP_REASONS)

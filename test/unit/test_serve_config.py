@@ -191,3 +191,52 @@ def test_device_max_inflight_is_validated_and_caps_its_models_together_in_deadli
     # the same models on a device without a cap: each uses its own slots at once
     free = policy_from_config(cfg, {"a": "cpu1", "b": "cpu1"})
     assert free.offer("a1", "a", 0.0).verdict == "admit" and free.offer("b1", "b", 0.0).verdict == "admit"
+
+
+BAD_SLOS = [0, -1, -0.5, float("nan"), float("inf"), float("-inf"), 1e16, "fast", "50", True, [50]]
+
+
+@pytest.mark.parametrize("field", ["ttft_slo_ms", "tpot_slo_ms"])
+@pytest.mark.parametrize("bad", BAD_SLOS)
+def test_bad_slo_values_name_the_field(tmp_path, field, bad):
+    d = doc(tmp_path)
+    d["models"][1][field] = bad
+    e = err(tmp_path, d)
+    assert e.field == f"models[1].{field}" and str(e).startswith(f"models[1].{field}: must be")
+
+
+def test_slo_values_parse_and_tpot_is_optional(tmp_path):
+    d = doc(tmp_path)
+    d["models"][0]["tpot_slo_ms"] = 80
+    a, b = parse_config(d, base_dir=tmp_path).models
+    assert (a.ttft_slo_ms, a.tpot_slo_ms) == (500.0, 80.0) and (b.ttft_slo_ms, b.tpot_slo_ms) == (1000.0, None)
+    d["models"][0]["tpot_slo_ms"] = None  # explicitly none: no governor
+    assert parse_config(d, base_dir=tmp_path).models[0].tpot_slo_ms is None
+
+
+@pytest.mark.parametrize(
+    "server_args,memx_args,where,fragment",
+    [  # tpot_slo_ms reaches the engines as --memx-tpot-slo-ms: the flag may not come a second time
+        (["--memx-tpot-slo-ms", "50"], [], "models[0].server_args[0]", "contradicts models[0].tpot_slo_ms"),
+        (["--memx-tpot-slo-ms=50"], [], "models[0].server_args[0]", "contradicts models[0].tpot_slo_ms"),
+        ([], ["--memx-chunk-kb", "4", "--memx-tpot-slo-ms", "50"], "launch.memx_args[2]", "give one of the two"),
+        # a host buffer on the engine needs both SLOs: the TPOT one alone would be refused at start
+        (["--memx-host-buffer-gb", "1"], [], "models[0].tpot_slo_ms", "needs --memx-ttft-slo-ms too"),
+        ([], ["--memx-host-buffer-gb", "1"], "models[0].tpot_slo_ms", "needs --memx-ttft-slo-ms too"),
+    ],
+)
+def test_a_tpot_slo_given_twice_or_half_a_host_buffer_pair_names_the_field(
+    tmp_path, server_args, memx_args, where, fragment
+):
+    d = doc(tmp_path, launch={"memx_args": memx_args})
+    d["models"][0].update(tpot_slo_ms=80, server_args=server_args)
+    e = err(tmp_path, d)
+    assert e.field == where and fragment in str(e)
+
+
+def test_the_tpot_flag_without_a_models_yaml_slo_is_allowed(tmp_path):
+    d = doc(tmp_path)
+    d["models"][1]["server_args"] = ["--memx-tpot-slo-ms", "50"]  # model b sets no tpot_slo_ms: one source
+    d["models"][0].update(tpot_slo_ms=80, server_args=["--memx-host-buffer-gb", "1", "--memx-ttft-slo-ms", "900"])
+    a, b = parse_config(d, base_dir=tmp_path).models
+    assert a.tpot_slo_ms == 80.0 and b.tpot_slo_ms is None and b.server_args == ("--memx-tpot-slo-ms", "50")

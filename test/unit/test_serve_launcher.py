@@ -144,3 +144,35 @@ def test_dry_run_prints_one_line_per_replica_and_refuses_replicas_that_do_not_fi
     r = _serve("--config", str(cfg), cwd=tmp_path)
     assert r.returncode == 2 and "models[0].min_replicas: replica 2 of 2" in r.stderr, r.stderr
     assert not (tmp_path / "sglang-memx-serve-logs").exists()  # nothing started
+
+
+def test_a_models_tpot_slo_reaches_its_engines_and_no_slo_passes_nothing(tmp_path):
+    for n in "ab":
+        fake_model(tmp_path, n, weight_bytes=1 << 20)
+    cfg = parse_config({
+        "models": [{"name": "a", "path": "a"}, {"name": "b", "path": "b", "tpot_slo_ms": 80, "min_replicas": 2}],
+        "devices": [{"name": "cpu0", "memory_gb": 0.5, "cores": [0, 1, 2]}],
+    }, base_dir=tmp_path, source=str(tmp_path / "serve.yaml"))  # fmt: skip
+    a, b0, b1 = engine_specs(cfg, plan_placement(cfg), run_id="7", python="py", log_dir=str(tmp_path))
+    # no SLO: neither the flag nor its source; the engine's governor is not registered (stock batching)
+    assert "--memx-tpot-slo-ms" not in a.argv and "SGLANG_MEMX_TPOT_SLO_SOURCE" not in a.env
+    for b in (b0, b1):  # every replica's engine gets the model's SLO and where it came from
+        assert b.argv.count("--memx-tpot-slo-ms") == 1 and float(_flag(b.argv, "--memx-tpot-slo-ms")) == 80.0
+        assert b.env["SGLANG_MEMX_TPOT_SLO_SOURCE"] == "serve.yaml: models[1].tpot_slo_ms"
+        assert "--memx-elastic-kv" in b.argv  # the governor runs on elastic KV's coordinator
+    import argparse
+
+    from sglang_memx.config import MemxConfig, add_memx_arguments, tpot_slo_source
+
+    parser = argparse.ArgumentParser()
+    add_memx_arguments(parser)
+    for spec, want in ((a, None), (b0, 80.0)):  # what the engine's own flag parsing makes of its argv
+        assert MemxConfig.from_namespace(parser.parse_known_args(list(spec.argv[3:]))[0]).tpot_slo_ms == want
+    assert tpot_slo_source(b0.env) == "serve.yaml: models[1].tpot_slo_ms" and tpot_slo_source(a.env) == (
+        "--memx-tpot-slo-ms"
+    )
+    nameless = parse_config({"models": [{"name": "b", "path": "b", "tpot_slo_ms": 0.5}],
+                             "devices": [{"name": "cpu0", "memory_gb": 0.5}]}, base_dir=tmp_path)  # fmt: skip
+    (spec,) = engine_specs(nameless, plan_placement(nameless), run_id="9", python="py", log_dir=str(tmp_path))
+    assert spec.env["SGLANG_MEMX_TPOT_SLO_SOURCE"] == "models.yaml: models[0].tpot_slo_ms"
+    assert _flag(spec.argv, "--memx-tpot-slo-ms") == "0.5"

@@ -8,8 +8,10 @@
   batches, and iterations with no batch (idle), are not samples;
 * admission asks it before a new request joins the running batch
   (``elastic.admission.governor_refusal``, from ``hooks.scheduler.around_add_one_req``);
-* its status (``/memx/status`` → ``elastic_kv.governor``): the SLO in force, the batch cap and
-  why, predicted vs measured TPOT, decisions counted by reason.
+* its status (``/memx/status`` → ``elastic_kv.governor``): the SLOs in force and where each came
+  from (``slos``: the TPOT SLO's flag, or the ``models.yaml`` field ``sglang-memx serve`` passed it
+  from; the TTFT SLO when the host buffer has one), the batch cap and why, predicted vs measured
+  TPOT, decisions counted by reason (``over_slo``: refusals to grow).
 
 Registered only with ``--memx-tpot-slo-ms`` (``pool_build.finish``): without an SLO it is absent
 and nothing changes. Invariant: it never drops or aborts a request; a refusal leaves it waiting.
@@ -23,11 +25,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memory_ext.policy.governor import BatchGovernor
+from sglang_memx.config import TPOT_SLO_FLAG
 from sglang_memx.coordinator.parts import Iteration, Source, Step, step
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 
 MEASURED_WEIGHT = 0.2  # exponential mean of the measured decode steps (the status' measured TPOT)
+
+
+@dataclass(frozen=True)
+class SloInForce:
+    """One SLO this server holds (milliseconds) and where it came from (a flag or a config field)."""
+
+    ms: float
+    source: str
+
+    def status(self) -> dict[str, Any]:
+        return {"ms": self.ms, "source": self.source}
 
 
 def kv_tokens(reqs) -> int:
@@ -42,6 +56,8 @@ class GovernorPart:
     governor: BatchGovernor
     clock: Callable[[], float] = time.perf_counter
     name: str = "governor"
+    tpot_source: str = TPOT_SLO_FLAG  # where the governor's TPOT SLO came from (status)
+    ttft: SloInForce | None = None  # the server's TTFT SLO (the host buffer's; the governor does not use it)
     measured_s: float | None = None  # exponential mean of the measured decode steps
     last_step_s: float | None = None
     running: int = 0  # the running batch at the last tick (status)
@@ -59,6 +75,9 @@ class GovernorPart:
         doc = self.governor.status(self.running, self.running_kv_tokens, self.measured_s)
         doc["last_measured_tpot_ms"] = None if self.last_step_s is None else round(self.last_step_s * 1e3, 4)
         doc["max_running_seen"] = self.max_running_seen
+        tpot_ms = doc["tpot_slo_ms"]
+        doc["slos"] = {"tpot": None if tpot_ms is None else SloInForce(tpot_ms, self.tpot_source).status(),
+                       "ttft": None if self.ttft is None else self.ttft.status()}  # fmt: skip
         return {"governor": doc}
 
     def observe(self, batch: int, kv: int, step_s: float) -> None:

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 from memory_ext.policy.governor import BatchGovernor
 from memory_ext.pool.lent_pool import LentPool
-from sglang_memx.config import MemxConfig, MemxConfigError
+from sglang_memx.config import MemxConfig, MemxConfigError, tpot_slo_source
 from sglang_memx.coordinator import device
 from sglang_memx.coordinator.components import LayerStreamPart, PeerTier
-from sglang_memx.coordinator.governor import GovernorPart
+from sglang_memx.coordinator.governor import GovernorPart, SloInForce
 from sglang_memx.elastic.build import activation_profile, build_elastic_kv
 from sglang_memx.elastic.host_buffer import build_host_buffer
 from sglang_memx.elastic.slab import cell_format
@@ -144,5 +144,7 @@ def finish(build: Build, result) -> None:
     if build.config.peer_kv != "off":
         extra.append(PeerTier(kv))
     if build.config.tpot_slo_ms is not None:  # the governor's batch decision under the TPOT SLO
-        extra.append(GovernorPart(BatchGovernor(build.config.tpot_slo_ms / 1e3)))
+        ttft = build.config.ttft_slo_ms
+        extra.append(GovernorPart(BatchGovernor(build.config.tpot_slo_ms / 1e3), tpot_source=tpot_slo_source(),
+                                  ttft=None if ttft is None else SloInForce(ttft, "--memx-ttft-slo-ms")))  # fmt: skip
     device.attach(allocator, kv, tuple(extra), lent=build.lent, host=host)

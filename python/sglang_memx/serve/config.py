@@ -89,7 +89,7 @@ class ModelConfig:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     ttft_slo_ms: float = 1000.0
-    tpot_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None  # its engines' --memx-tpot-slo-ms (the governor); None: no governor
     priority: int = 0
     min_replicas: int = 1  # engines started for this model (each its own instance in placement)
     max_replicas: int = 1  # defaults to min_replicas; scaling above min is not implemented (must equal it)
@@ -355,6 +355,24 @@ def _check_server_args(path: str, args: tuple[str, ...]) -> None:
             raise ServeConfigError(f"{path}[{i}]", f"{flag} is set by the launcher from the config, not here")
 
 
+def _check_slo_flags(models: list[ModelConfig], launch: LaunchConfig) -> None:
+    """A model's ``tpot_slo_ms`` reaches its engines as ``--memx-tpot-slo-ms`` (``engine_specs``): the
+    flag may not come again from its ``server_args`` or ``launch.memx_args``, and a host buffer
+    given there then needs its TTFT SLO too (the engine refuses one SLO of the two)."""
+    for i, m in enumerate(models):
+        if m.tpot_slo_ms is None:
+            continue
+        for path, args in ((f"models[{i}].server_args", m.server_args), ("launch.memx_args", launch.memx_args)):
+            for j, a in enumerate(args):
+                if a.split("=", 1)[0] == "--memx-tpot-slo-ms":
+                    why = f"--memx-tpot-slo-ms contradicts models[{i}].tpot_slo_ms (the launcher passes that)"
+                    raise ServeConfigError(f"{path}[{j}]", why + "; give one of the two")
+        flags = {a.split("=", 1)[0] for a in m.server_args + launch.memx_args}
+        if "--memx-host-buffer-gb" in flags and "--memx-ttft-slo-ms" not in flags:
+            why = "reaches the engines as --memx-tpot-slo-ms, which with --memx-host-buffer-gb needs"
+            raise ServeConfigError(f"models[{i}].tpot_slo_ms", why + " --memx-ttft-slo-ms too (add it to server_args)")
+
+
 def _model(i: int, doc, base: Path) -> ModelConfig:
     path = f"models[{i}]"
     v = _fields(path, doc, _MODEL_SPEC)
@@ -423,6 +441,7 @@ def parse_config(doc, base_dir: str | os.PathLike = ".", source: str | None = No
     router = RouterConfig(**_fields("router", top.get("router") or {}, _ROUTER_SPEC))
     launch = LaunchConfig(**_fields("launch", top.get("launch") or {}, _LAUNCH_SPEC))
     health = HealthConfig(**_fields("health", top.get("health") or {}, _HEALTH_SPEC))
+    _check_slo_flags(models, launch)
     if health.interval_s is not None and health.path != "/memx/status":
         sleepy = [m.name for m in models if m.sleep_after_s is not None]
         if sleepy:  # upstream's /health generates a token: every probe would wake the engine

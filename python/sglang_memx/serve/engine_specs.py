@@ -13,6 +13,9 @@ Invariants:
   each also gets the device's compute board (``MEMX_COMPUTE_*``): an engine with work
   computes on its idle siblings' cores too, and gives them back when they have work
   (``sglang_memx.compute_share``). CUDA devices: ``CUDA_VISIBLE_DEVICES`` is the device's ordinal.
+* A model whose entry sets ``tpot_slo_ms``: its engines get ``--memx-tpot-slo-ms`` (the governor
+  caps their running batch, docs/governor.md) and ``TPOT_SLO_SOURCE_ENV`` naming the field; a
+  model without one gets neither (no governor: the batch grows as stock's).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from .. import compute_share
 from ..compute_share import ComputeShares
-from ..config import POOL_OWNER_ENV
+from ..config import POOL_OWNER_ENV, TPOT_SLO_FLAG, TPOT_SLO_SOURCE_ENV
 from .config import ServeConfig
 from .placement import GIB, Placement, instance_name
 
@@ -87,6 +90,12 @@ def _split_cores(cores: list[int], n: int) -> list[list[int]]:
             i += take
         return out
     return [[cores[k % len(cores)]] for k in range(n)]
+
+
+def _config_name(config: ServeConfig) -> str:
+    """The config file's name as the engines' status shows it (``models.yaml`` if it has no short, printable one)."""
+    name = Path(config.source).name if config.source else ""
+    return name if name and len(name) <= 100 and name.isprintable() else "models.yaml"
 
 
 def compute_board_path(pool: str, pool_dir: str) -> str:
@@ -162,6 +171,9 @@ def engine_specs(
             args += ["--api-key", api_key]
         if m.sleep_after_s is not None:  # remappable weights in the pool: what a sleeping engine releases
             args += ["--memx-weights", "remap", "--memx-sleep-after-s", repr(float(m.sleep_after_s))]
+        if m.tpot_slo_ms is not None:  # the engine's governor keeps its running batch within it
+            args += [TPOT_SLO_FLAG, repr(float(m.tpot_slo_ms))]
+            env[TPOT_SLO_SOURCE_ENV] = f"{_config_name(config)}: models[{config.models.index(m)}].tpot_slo_ms"
         args += list(config.launch.memx_args) + list(m.server_args)
         log = log_root / f"{inst.replace('/', '_').replace('#', '.replica')}.log"
         specs.append(EngineSpec(m.name, dev.name, pool, pool_dir, port, tuple(args), env, str(log), replica))
