@@ -24,10 +24,17 @@ pass: ``kind_checks`` fails the kind. Violations go to ``run.violations``.
   pool cannot lend a group): the new process's arbiter client is seen, then holds its first KV
   group within ``--join-bound-s``, then the engine answers its greedy probe on its own port.
 
-Not built: a peer donor killed while its borrower copies a block. The borrower counts a load
-only when it is done (``peer_kv.borrower.pages_hit`` / ``bytes_loaded``) and a load of the tiny
-models' blocks is a memcpy of microseconds, so no reading of ``/memx/status`` can catch one
-in progress.
+Not a kind here: a peer donor killed while its borrower copies one of its blocks (donor
+mid-read). A load of the tiny models' blocks is a memcpy of microseconds and the borrower counts
+it only once done (``peer_kv.borrower.pages_hit`` / ``bytes_loaded``), so no reading of
+``/memx/status`` can catch one in progress, and pausing a server's copy would need a switch in
+its hot path. It is tested in ``test/unit/test_peer_donor_mid_read.py`` instead, with real
+processes: the borrower's copy of one block is paused through ``PeerLink``'s ``copier``
+argument, the donor is SIGKILLed and reaped, the arbiter grants its chunks to a third client
+that overwrites them, then the copy finishes. The load keeps only the pages read before the
+kill (byte-equal), no foreign byte reaches the KV, ``donors_lost`` grows, nothing of the donor
+stays mapped or open, and the borrower carries on with a new donor (docs/reliability.md,
+"Faults").
 """
 
 from __future__ import annotations

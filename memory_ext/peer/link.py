@@ -2,7 +2,9 @@
 
 ``PeerLink(socket_path, name, layout, backend)`` connects (HELLO with the borrower's layout;
 a REFUSE raises ValueError naming the donor's field), maps the generation table read-only and
-reserves a range as large as the lease can grow. A thread receives the donor's messages:
+reserves a range as large as the lease can grow. ``copier`` (default: ``copier_for`` the
+backend's device) moves every byte of a read or write; tests pass their own to stop a copy at a
+chosen moment (``test_peer_donor_mid_read.py``). A thread receives the donor's messages:
 
 * GROW: import the chunks (``backend.import_chunk``), map them at the tail, ``on_grow(blocks)``;
 * REVOKE: blocks past the new size are refused to new operations at once, ``on_revoke(blocks)``,

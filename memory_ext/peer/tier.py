@@ -12,7 +12,10 @@ anywhere) into ``out`` and returns how many pages are valid. A page whose read f
 donor gone) is dropped from the index and ends the run: the caller recomputes from there.
 
 Tier bookkeeping is under one lock that is never held across a link's copy or round trip
-(links call back into the tier from their receiver threads).
+(links call back into the tier from their receiver threads). One link per donor socket is the
+tier's (``links()``): a link registers only while alive, and only the registered link's grow,
+revoke and death touch the tier, so a link that died before ``connect`` returned is never kept
+(a server would take its donor for linked and never link to it again).
 """
 
 from __future__ import annotations
@@ -56,21 +59,32 @@ class PeerKVTier:
             **kw,
         )
         with self._lock:
-            self._links.setdefault(link.peer, link)
+            self._register(link)
         return link
 
     def links(self) -> list[PeerLink]:
         with self._lock:
             return list(self._links.values())
 
+    def _register(self, link: PeerLink) -> bool:
+        """Whether ``link`` is the tier's link to its donor, making it so when there is none and it
+        is alive (lock held). A link marks itself dead before its ``on_dead`` takes this lock, so a
+        link registered here always gets its ``_on_dead``."""
+        if link.peer not in self._links and not link.dead:
+            self._links[link.peer] = link
+        return self._links.get(link.peer) is link
+
     def _on_grow(self, link: PeerLink, blocks: range) -> None:
         with self._lock:
-            self._links.setdefault(link.peer, link)
+            if not self._register(link):
+                return
             self._free.setdefault(link.peer, set()).update(blocks)
             self._lru.setdefault(link.peer, OrderedDict())
 
     def _on_revoke(self, link: PeerLink, blocks: range) -> None:
         with self._lock:
+            if self._links.get(link.peer) is not link:
+                return
             self._free.get(link.peer, set()).difference_update(blocks)
             lru = self._lru.get(link.peer, {})
             for b in blocks:
@@ -79,7 +93,9 @@ class PeerKVTier:
 
     def _on_dead(self, link: PeerLink) -> None:
         with self._lock:
-            self._links.pop(link.peer, None)
+            if self._links.get(link.peer) is not link:
+                return  # never the tier's (died before ``connect`` registered it): nothing of it here
+            del self._links[link.peer]
             self._free.pop(link.peer, None)
             self._lru.pop(link.peer, None)
             self.stats["entries_dropped_dead"] += self.index.drop_peer(link.peer)

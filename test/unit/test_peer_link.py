@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+import memory_ext.peer.tier as tier_module
 from memory_ext.peer import HostCopier, PeerDonor, PeerKVLayout, PeerKVTier, PeerLink
 from memory_ext.pool import ChunkPool, Owner
 from memory_ext.vmm import host_backend, private_dir
@@ -231,6 +232,40 @@ def test_donor_gone_drops_entries_and_unmaps_everything(env):
     out = [torch.empty(LAYOUT.block_shape, dtype=torch.float16) for _ in range(4)]
     assert tier.load(tokens, out) == 0  # a miss -> recompute, never an error
     assert pool.usage()[Owner.PEER_DONATION] == 0
+
+
+def test_a_donor_gone_before_connect_returns_leaves_no_dead_link(env, monkeypatch):
+    """The donor goes between the handshake and ``connect`` registering the link: the tier keeps no
+    dead link (a server takes a listed link's donor for linked and would never link to it again),
+    and a new donor on the same socket is linked and used."""
+    donor, pool, path, vmm = env
+    real_link = tier_module.PeerLink
+
+    def link_whose_donor_is_gone(*args, **kw):
+        link = real_link(*args, **kw)
+        donor.close()
+        wait_until(lambda: link.closed)  # its on_dead ran before connect registers it
+        return link
+
+    monkeypatch.setattr(tier_module, "PeerLink", link_whose_donor_is_gone)
+    tier = PeerKVTier(LAYOUT)
+    assert tier.connect(path, "b", vmm).dead
+    assert tier.links() == [] and tier.stats["donors_lost"] == 0
+    monkeypatch.undo()
+    again = PeerDonor(pool, path, max_bytes_per_lease=8 * G, name="d2")
+    try:
+        link = tier.connect(path, "b", vmm)
+        again.grow(again.wait_for_lease(), 1)
+        wait_until(lambda: link.num_blocks == 8)
+        assert tier.links() == [link]
+        tokens, data = list(range(16 * 4)), pages(4)
+        assert tier.store(tokens, data) == 4
+        out = [torch.empty_like(p) for p in data]
+        assert tier.load(tokens, out) == 4 and all(torch.equal(a, b) for a, b in zip(data, out))
+        no_fences(again)
+    finally:
+        tier.close()
+        again.close()
 
 
 def test_full_tier_overwrites_least_recently_used(env):
