@@ -5,6 +5,7 @@ sglang-memx models prepare [--force]     convert the embedded SmolLM2 once, prin
 sglang-memx models path [--fp32]         print where the embedded model (its float32 copy) lives
 sglang-memx models serve-config          prepare both, write the models.yaml scripts/serve.sh serves
 sglang-memx models tiny --out DIR ...    write a deterministic tiny random model
+sglang-memx models family --out DIR --family F   ... of another attention family (MLA, SWA, hybrid)
 sglang-memx status [--url URL]           print a running server's /memx/status
 sglang-memx top [--once] [--url URL ...] live view of every pool and server on this machine
                  [--router URL]          ... and the models of a `serve` router (placement, state)
@@ -111,6 +112,21 @@ def _cmd_models_tiny(args) -> int:
         print(f"sglang-memx models tiny: error: {exc}", file=sys.stderr)
         return 2
     print(generate_tiny_model(spec, args.out))
+    return 0
+
+
+def _cmd_models_family(args) -> int:
+    from sglang_memx.models.tiny_families import TinyFamilySpec, generate_family_model
+
+    spec = TinyFamilySpec(
+        family=args.family, num_layers=args.layers, hidden_size=args.hidden, vocab_size=args.vocab, seed=args.seed
+    )
+    try:
+        spec.validate()
+    except ValueError as exc:
+        print(f"sglang-memx models family: error: {exc}", file=sys.stderr)
+        return 2
+    print(generate_family_model(spec, args.out))
     return 0
 
 
@@ -267,6 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--vocab", type=int, default=512)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_models_tiny)
+    fam = msub.add_parser("family", help="write a deterministic tiny random model of an attention family")
+    fam.add_argument("--out", required=True)
+    fam.add_argument("--family", required=True, help="see sglang_memx.models.tiny_families.ARCHITECTURES")
+    fam.add_argument("--layers", type=int, default=2)
+    fam.add_argument("--hidden", type=int, default=64)
+    fam.add_argument("--vocab", type=int, default=512)
+    fam.add_argument("--seed", type=int, default=0)
+    fam.set_defaults(func=_cmd_models_family)
 
     status = sub.add_parser("status", help="print a running server's memx status")
     status.add_argument("--url", default="http://127.0.0.1:30000")

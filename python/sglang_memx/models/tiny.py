@@ -186,14 +186,13 @@ def _weights(spec: TinyModelSpec, vocab_size: int) -> dict:
     return w
 
 
-def generate_tiny_model(spec: TinyModelSpec, out_dir: str | os.PathLike) -> Path:
-    """Write the checkpoint for ``spec`` into ``out_dir`` (created; must not hold a model)."""
-    from safetensors.torch import save_file
+def train_tokenizer(vocab_size: int, seed: int):
+    """The byte-level BPE every tiny model uses (same ``vocab_size`` and ``seed``: same tokenizer)."""
+    return _train_tokenizer(TinyModelSpec(vocab_size=vocab_size, seed=seed))
 
-    spec.validate()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(spec)
+
+def write_tokenizer_files(out: Path, tok, model_max_length: int) -> tuple[int, int]:
+    """Write ``tok`` with its ChatML config into ``out``; return (vocab size, eos id)."""
     vocab_size = tok.get_vocab_size()
     eos_id = tok.token_to_id("<|im_end|>")
     tok.save(str(out / "tokenizer.json"))
@@ -201,7 +200,7 @@ def generate_tiny_model(spec: TinyModelSpec, out_dir: str | os.PathLike) -> Path
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "model_max_length": spec.max_position_embeddings,
+                "model_max_length": model_max_length,
                 "bos_token": None,
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
@@ -215,6 +214,29 @@ def generate_tiny_model(spec: TinyModelSpec, out_dir: str | os.PathLike) -> Path
     (out / "special_tokens_map.json").write_text(
         json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2)
     )
+    return vocab_size, eos_id
+
+
+def checkpoint_checksum(model_dir: str | os.PathLike) -> str:
+    """sha256 over every file of a checkpoint directory (names and bytes, sorted by name),
+    except the ``memx_*.json`` manifests that record it."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).iterdir()):
+        if path.is_file() and not (path.name.startswith("memx_") and path.suffix == ".json"):
+            digest.update(path.name.encode() + b"\0")
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def generate_tiny_model(spec: TinyModelSpec, out_dir: str | os.PathLike) -> Path:
+    """Write the checkpoint for ``spec`` into ``out_dir`` (created; must not hold a model)."""
+    from safetensors.torch import save_file
+
+    spec.validate()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _train_tokenizer(spec)
+    vocab_size, eos_id = write_tokenizer_files(out, tok, spec.max_position_embeddings)
     (out / "config.json").write_text(json.dumps(_hf_config(spec, vocab_size, eos_id), indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "bos_token_id": eos_id}, indent=2))
     # One metadata key only: safetensors writes a metadata map in hash order.
@@ -226,20 +248,25 @@ def generate_tiny_model(spec: TinyModelSpec, out_dir: str | os.PathLike) -> Path
 
 
 def tiny_model(spec: TinyModelSpec, cache_root: str | os.PathLike) -> Path:
-    """Return the directory of ``spec`` under ``cache_root``, generating it once.
+    """Return the directory of ``spec`` under ``cache_root``, generating it once."""
+    final = Path(cache_root) / f"{spec.name}-{spec.fingerprint()}"
+    return materialize(final, lambda out: generate_tiny_model(spec, out))
+
+
+def materialize(final: Path, generate) -> Path:
+    """Return ``final``, calling ``generate(directory)`` once if it holds no ``memx_tiny.json``.
 
     Generation goes to a temporary sibling and is renamed into place, so
     concurrent callers never see a half-written model.
     """
-    root = Path(cache_root)
-    final = root / f"{spec.name}-{spec.fingerprint()}"
     if (final / "memx_tiny.json").exists():
         return final
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is meant to be shared
-        generate_tiny_model(spec, tmp)
+        generate(tmp)
         try:
             os.rename(tmp, final)
         except OSError:

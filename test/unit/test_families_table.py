@@ -1,0 +1,85 @@
+"""docs/models.md's family table is what ``benchmark/families_table.py`` renders from
+``benchmark/results/families/probe.json``; the probe's log parsing finds upstream's refusal and pool."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmark import families_probe as fp  # noqa: E402
+from benchmark import families_table as ft  # noqa: E402
+
+
+def test_docs_block_matches_the_json():
+    assert ft.main(["--check"]) == 0, "run: python -m benchmark.families_table"
+
+
+def _row(key, answered, started=None, refusal=None, pool=None, extra=()):
+    model = {"architecture": "XForCausalLM", "layers": 2, "hidden_size": 64, "weights_bytes": 300_000}
+    return {"key": key, "family": key, "model": model, "extra_args": list(extra), "answered": answered,
+            "started": answered if started is None else started, "startup_s": 80.4 if answered else None,
+            "pool_class": pool, "upstream_refusal": refusal}  # fmt: skip
+
+
+def _doc(rows):
+    return {"command": "probe", "time": "t", "sglang": "0.5.23", "machine": {"cpus": 2}, "flags": ["--device", "cpu"],
+            "max_new_tokens": 8, "prompt": "p", "probes": rows}  # fmt: skip
+
+
+def test_each_row_says_what_the_probe_saw_and_nothing_about_memx():
+    text = ft.render(_doc([
+        _row("a", True, pool="MHATokenToKVPool", extra=("--tp", "2")),
+        _row("b", False, refusal="f.py:3 in g: assert x | y -> AssertionError"),
+        _row("c", False, started=True),
+    ]))  # fmt: skip
+    rows = [ln for ln in text.splitlines() if ln.startswith(("| a", "| b", "| c"))]
+    assert len(rows) == 3 and all(r.endswith("| not yet tested with memx |") for r in rows)
+    assert "**runs**" in rows[0] and "`MHATokenToKVPool`" in rows[0] and "`--tp 2`" in rows[0] and "| 80 |" in rows[0]
+    assert "**does not start**" in rows[1] and "`f.py:3 in g: assert x \\| y -> AssertionError`" in rows[1]
+    assert "**started, did not answer**" in rows[2] and "0.30 MB" in rows[2]
+
+
+TRACEBACK = """[t] Scheduler hit an exception: Traceback (most recent call last):
+  File "/env/site-packages/sglang/srt/models/x.py", line 10, in build
+    layer = make()
+            ^^^^^^
+  File "/env/site-packages/sglang/srt/layers/rope.py", line 478, in get_rope_cpu
+    assert rope_scaling is not None
+           ^^^^^^^^^^^^^^^^^^^^^^^^
+AssertionError
+[t] Received sigquit from a child process. It usually means the child failed.""".splitlines()
+
+
+def test_refusal_quotes_the_raising_statement_and_exception():
+    assert fp.refusal(TRACEBACK) == (
+        "sglang/srt/layers/rope.py:478 in get_rope_cpu: assert rope_scaling is not None -> AssertionError"
+    )
+    below = ["Traceback (most recent call last):",
+             '  File "/env/site-packages/sglang/srt/models/m.py", line 252, in __init__',
+             "    device=torch.get_device_module().current_device(),",
+             '  File "/env/site-packages/torch/cuda/__init__.py", line 591, in _lazy_init',
+             "    torch._C._cuda_init()",
+             "RuntimeError: Found no NVIDIA driver"]  # fmt: skip
+    assert fp.refusal(below) == (
+        "sglang/srt/models/m.py:252 in __init__: device=torch.get_device_module().current_device(), "
+        "-> torch/cuda/__init__.py:591 in _lazy_init -> RuntimeError: Found no NVIDIA driver"
+    )
+    assert fp.refusal(["ValueError: bad --tp"]) == "ValueError: bad --tp"
+    assert fp.refusal(["[t] all fine"]) is None
+
+
+def test_pool_class_from_upstreams_allocation_lines():
+    mha = ["[t] server_args={'swa_full_tokens_ratio': 0.8}", "[t] KV Cache is allocated. dtype: bf16, #tokens: 8, "
+           "K size: 0.00 GB, V size: 0.00 GB"]  # fmt: skip
+    assert fp.pool_evidence(mha) == ["KV Cache is allocated. dtype: bf16, #tokens: 8, K size: 0.00 GB, V size: 0.00 GB"]
+    assert fp.pool_class(fp.pool_evidence(mha)) == "MHATokenToKVPool"
+    assert fp.pool_class(["KV Cache is allocated. dtype: bf16, #tokens: 8, KV size: 0.00 GB"]) == "MLATokenToKVPool"
+    assert fp.pool_class(["Mamba Cache is allocated. max_mamba_cache_size: 4"]) == "HybridLinearKVPool + MambaPool"
+    swa = ["[t] Full KV Cache is allocated. dtype: bf16, #tokens: 8, K size: 0.00 GB, V size: 0.00 GB",
+           "[t] SWA KV Cache is allocated. dtype: bf16, #tokens: 6, K size: 0.00 GB, V size: 0.00 GB",
+           "[t] SWAKVPool mem usage: 0.00 GB, swa size: 6, full size: 8"]  # fmt: skip
+    assert len(fp.pool_evidence(swa)) == 3 and fp.pool_class(fp.pool_evidence(swa)) == "SWAKVPool"
+    assert fp.pool_class([]) is None
