@@ -13,7 +13,7 @@ and the KV memory must go back to the pool when the requests are gone.
 import pytest
 
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all, stop_all
+from support.server import SGLangServer, release_all, start_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -26,9 +26,12 @@ PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three fou
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_root):
+def servers(tiny_model_root, shared_servers):
     model = tiny_model(SPEC, tiny_model_root)
-    stock = SGLangServer(model, name="ekv-stock", stock=True, max_total_tokens=4096, extra_args=COMMON)
+    # the same stock server as test_governor.py's (same model and arguments): started once a session
+    stock = shared_servers.get(
+        SGLangServer(model, name="stock-llama-s5-f32", stock=True, max_total_tokens=4096, extra_args=COMMON)
+    )
     tight = SGLangServer(
         model,
         name="ekv-tight",
@@ -91,7 +94,7 @@ def servers(tiny_model_root):
     everyone = [stock, tight, paged, parked, slo]
     start_all(everyone)
     yield {"stock": stock, "tight": tight, "paged": paged, "parked": parked, "slo": slo}
-    stop_all(everyone)
+    release_all(everyone)
 
 
 def _gen(server, text, n=24, ignore_eos=True):

@@ -23,20 +23,24 @@ import re
 import pytest
 
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all, stop_all
+from support.server import SGLangServer, release_all, start_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=5)
-COMMON = ["--dtype", "float32"]
+# test_elastic_kv.py's arguments, so that both modules share one stock server (the prompts here
+# are shorter than the 16-token chunk: chunked prefill never splits them)
+COMMON = ["--chunked-prefill-size", "16", "--dtype", "float32"]
 BURST = [f"Request number {i} asks about {w}" for i, w in enumerate(["Paris", "water", "pages", "chunks", "cores"])]
 NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_root):
+def servers(tiny_model_root, shared_servers):
     model = tiny_model(SPEC, tiny_model_root)
-    stock = SGLangServer(model, name="gov-stock", stock=True, max_total_tokens=4096, extra_args=COMMON)
+    stock = shared_servers.get(
+        SGLangServer(model, name="stock-llama-s5-f32", stock=True, max_total_tokens=4096, extra_args=COMMON)
+    )
     tight = SGLangServer(model, name="gov-tight", max_total_tokens=4096,
                          extra_args=COMMON + ["--memx-elastic-kv", "--memx-tpot-slo-ms", "0.01"])  # fmt: skip
     loose = SGLangServer(model, name="gov-loose", max_total_tokens=4096,
@@ -46,7 +50,7 @@ def servers(tiny_model_root):
     for server in (tight, loose):  # the step-time model's samples: one request decoding alone
         _gen(server, "warm up the step time model", 24)
     yield {"stock": stock, "tight": tight, "loose": loose}
-    stop_all(everyone)
+    release_all(everyone)
 
 
 def _gen(server, text, n=NEW_TOKENS):

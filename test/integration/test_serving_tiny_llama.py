@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all, stop_all
+from support.server import SGLangServer, release_all, start_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -39,7 +39,7 @@ def servers(tiny_model_root):
     stock = SGLangServer(model, name="tiny-llama-stock", stock=True, max_total_tokens=MAX_TOTAL_TOKENS)
     start_all([memx, stock])
     yield memx, stock
-    stop_all((memx, stock))
+    release_all((memx, stock))
 
 
 def _greedy(server, text, n=16):

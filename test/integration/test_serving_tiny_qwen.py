@@ -4,7 +4,7 @@ with a custom status path."""
 import pytest
 
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all, stop_all
+from support.server import SGLangServer, release_all, start_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -24,7 +24,7 @@ def servers(request, tiny_model_root):
     stock = SGLangServer(model, name=f"{request.param}-stock", stock=True, max_total_tokens=2048)
     start_all([memx, stock])
     yield request.param, memx, stock
-    stop_all((memx, stock))
+    release_all((memx, stock))
 
 
 def test_greedy_matches_stock(servers):

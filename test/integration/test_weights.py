@@ -20,7 +20,7 @@ import urllib.error
 import pytest
 
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all, stop_all
+from support.server import SGLangServer, release_all, start_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -35,7 +35,7 @@ LONG = " ".join(["memory layer weight pool server request answer"] * 20)  # > 64
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_root):
+def servers(tiny_model_root, shared_servers):
     model = tiny_model(SPEC, tiny_model_root)
 
     def memx(name, *extra, budget="0.1"):
@@ -43,7 +43,10 @@ def servers(tiny_model_root):
                             extra_args=COMMON + MEMX + ["--memx-pool-budget-gb", budget, *extra])  # fmt: skip
 
     everyone = {
-        "stock": SGLangServer(model, name="w-stock", stock=True, max_total_tokens=4096, extra_args=COMMON),
+        # the same stock server as test_weights_colocated.py's: started once a session
+        "stock": shared_servers.get(
+            SGLangServer(model, name="stock-llama-l8-s7-f32", stock=True, max_total_tokens=4096, extra_args=COMMON)
+        ),
         "s50": memx("w-static50", "--memx-weights", "static", "--memx-weights-streamed", "0.5"),
         "s100": memx(
             "w-static100", "--memx-weights", "static", "--memx-weights-streamed", "1", "--memx-prefetch-depth", "1"
@@ -52,7 +55,7 @@ def servers(tiny_model_root):
     }
     start_all(list(everyone.values()))
     yield everyone
-    stop_all(everyone.values())
+    release_all(everyone.values())
 
 
 def _gen(server, text, n=16):

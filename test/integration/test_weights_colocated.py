@@ -36,7 +36,7 @@ PROMPT = " ".join(["one two three four five six seven eight"] * 60)  # ~480 toke
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, tiny_model_root):
+def pair(tmp_path_factory, tiny_model_root, shared_servers):
     model = tiny_model(SPEC, tiny_model_root)
     pool_dir = tmp_path_factory.mktemp("wpools")
     name = f"w{os.getpid()}"
@@ -45,7 +45,9 @@ def pair(tmp_path_factory, tiny_model_root):
                      "--memx-weights-idle-after-s", "3", "--memx-tbt-slo-ms", "5000"]  # fmt: skip
     a = SGLangServer(model, name="wcolo-a", max_total_tokens=4096, extra_args=args)
     b = SGLangServer(model, name="wcolo-b", max_total_tokens=4096, extra_args=args)
-    stock = SGLangServer(model, name="wcolo-stock", stock=True, max_total_tokens=4096, extra_args=COMMON)
+    stock = shared_servers.get(
+        SGLangServer(model, name="stock-llama-l8-s7-f32", stock=True, max_total_tokens=4096, extra_args=COMMON)
+    )
     start_all([a, b, stock])
     yield {"a": a, "b": b, "stock": stock, "sock": pool_dir / f"{name}.sock", "model": model, "args": args}
     stop_all((a, b, stock))

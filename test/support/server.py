@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -93,6 +94,21 @@ class SGLangServer:
         self.log_path = LOG_DIR / f"{name}.log"
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
+        # Set by ``SharedServers``: the session owns this server, so a module's ``stop_all`` /
+        # ``release_all`` leaves it running for the next module that asks for the same spec.
+        self.shared = False
+
+    def spec_key(self) -> tuple:
+        """Everything that shapes this server's answers: its argv without the port, stock or memx,
+        and the environment it adds (thread binding included)."""
+        i = self.args.index("--port")
+        argv = tuple(self.args[:i] + self.args[i + 2 :])
+        added = tuple(sorted((k, v) for k, v in self.env.items() if os.environ.get(k) != v))
+        return (argv, self.stock, added)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     # ----------------------------------------------------------------- process
     def start(self) -> SGLangServer:
@@ -190,32 +206,63 @@ class SGLangServer:
 
 def pin_to_cores(servers: list[SGLangServer]) -> None:
     """Give each server its own core(s) so their OpenMP threads never spin against
-    each other (two unpinned CPU servers on 2 cores run ~15x slower)."""
+    each other (two unpinned CPU servers on 2 cores run ~15x slower). A server already
+    running (a shared one) keeps its binding but counts when the cores are shared out."""
     cores = os.sched_getaffinity(0)
     ordered = sorted(cores)
     per = max(1, len(ordered) // len(servers))
     for i, server in enumerate(servers):
+        if server.running:
+            continue
         mine = ordered[(i * per) % len(ordered) :][:per] or ordered[:per]
         server.env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
         server.env.setdefault("OMP_NUM_THREADS", str(len(mine)))
 
 
+def _own(servers) -> list[SGLangServer]:
+    return [s for s in servers if not s.shared]
+
+
 def stop_all(servers) -> None:
     """Stop servers together: every group gets its SIGTERM first, then each is waited for (their
-    graceful shutdowns overlap instead of adding up), and ``stop`` (a subclass's too) finishes each."""
-    servers = list(servers)
+    graceful shutdowns overlap instead of adding up), and ``stop`` (a subclass's too) finishes each.
+    Shared servers (``SharedServers``) are left running: the session stops them."""
+    servers = _own(servers)
     for s in servers:
         s.terminate()
     for s in servers:
         s.stop()
 
 
+_RELEASED: list[threading.Thread] = []
+
+
+def release_all(servers) -> None:
+    """Stop servers without waiting for their graceful shutdowns: every group gets its SIGTERM now
+    and one background thread finishes each (``stop``: SIGKILL of what is left after ``reap``'s
+    timeout), so the next module starts while they exit. ``join_released`` (the session's end)
+    waits for every one. Use ``stop_all`` where the teardown needs them gone (a pool stop after)."""
+    servers = _own(servers)
+    for s in servers:
+        s.terminate()
+    for s in servers:
+        t = threading.Thread(target=s.stop, name=f"release-{s.name}", daemon=True)
+        t.start()
+        _RELEASED.append(t)
+
+
+def join_released() -> None:
+    while _RELEASED:
+        _RELEASED.pop().join()
+
+
 def start_all(servers: list[SGLangServer], timeout: float = 420.0) -> list[SGLangServer]:
-    """Start servers concurrently (each pinned to its own cores) and wait for all;
-    stop all if one fails."""
+    """Start servers concurrently (each pinned to its own cores) and wait for all; a shared server
+    that is already running is only waited for. Stop the module's own servers if one fails."""
+    new = [s for s in servers if not s.running]
     if len(servers) > 1:
         pin_to_cores(servers)
-    for s in servers:
+    for s in new:
         s.start()
     try:
         for s in servers:
