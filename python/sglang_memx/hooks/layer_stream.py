@@ -9,8 +9,13 @@
   layer are copied from the donor into the staging buffer; after it, the rows the forward wrote are
   copied back (``peer.layer_stream.before`` / ``after``). Other layers, and servers without the cache,
   pass straight through.
+* ``Scheduler.process_batch_result`` (around): once the cache is broken (its donor gone; a copy into
+  staging failed, so the forward that just ran may have read partial or foreign bytes), every
+  request of the step whose results are about to be processed is ended with the named error before
+  upstream emits anything of that step (``upstream.layer_stream.withhold_step``): no token computed
+  from lost KV reaches a client. The tick's abort (``PeerKVServer.tick``) then clears the queue.
 
-Both are registered with the ``peer_kv`` feature (they do nothing unless the cache is on).
+All three are registered with the ``peer_kv`` feature (they do nothing unless the cache is on).
 """
 
 from __future__ import annotations
@@ -42,6 +47,14 @@ def around_attention(original, attn_layer, q, k, v, forward_batch, *args, **kwar
     return out
 
 
+def around_process_batch_result(original, scheduler, batch, result, *args, **kwargs):
+    setup = layer_stream.active()
+    lost = layer_stream.broken(setup)
+    if lost is not None:
+        layer_stream.note_withheld(setup, up_ls.withhold_step(scheduler, batch, f"{layer_stream.LOST} ({lost})"))
+    return original(scheduler, batch, result, *args, **kwargs)
+
+
 HOOKS = (
     HookSpec("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget", "after",
              after_config_from_budget, "peer_kv",
@@ -49,4 +62,7 @@ HOOKS = (
     HookSpec("sglang.srt.layers.radix_attention.RadixAttention.forward", "around", around_attention, "peer_kv",
              "layer stream cache: copy a streamed layer's rows in from the donor before its attention, "
              "the new rows back after"),
+    HookSpec("sglang.srt.managers.scheduler.Scheduler.process_batch_result", "around", around_process_batch_result,
+             "peer_kv", "layer stream cache: once its donor is gone, end the step's requests with the named error "
+             "before any token of a forward that may have read lost KV is emitted"),
 )  # fmt: skip

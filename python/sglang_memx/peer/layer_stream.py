@@ -16,8 +16,11 @@ Three moments, each called from a hook:
    into staging; the rows the forward wrote are stored back.
 
 When the donor is gone the cache is ``broken``: the copies stop (``LayerStreamLost`` is caught, the
-forward runs on stale staging rows), and ``PeerKVServer.tick`` aborts every request with a named error
-before the next batch; the outputs of that last forward belong to aborted requests only.
+forward runs on whatever staging holds: partial, stale or foreign rows). Invariant: no output of a
+forward that ran while (or after) the cache broke reaches a client. Before upstream processes a step's
+results, every request of that step is ended with the named error and its output withheld
+(``hooks.layer_stream.around_process_batch_result``, ``note_withheld``); ``PeerKVServer.tick`` then
+aborts every other request before the next batch.
 
 One per scheduler process (tensor parallel size 1): ``active()``.
 """
@@ -62,7 +65,8 @@ class LayerStreamSetup:
     streamed: tuple[int, ...] = ()
     lsc: LayerStreamCache | None = None
     req_to_token: torch.Tensor | None = None
-    stats: dict = field(default_factory=lambda: {"forwards": 0, "bytes_last_forward": 0, "copies_skipped": 0})
+    stats: dict = field(default_factory=lambda: {"forwards": 0, "bytes_last_forward": 0, "copies_skipped": 0,
+                                                 "steps_withheld": 0, "requests_withheld": 0})  # fmt: skip
     _forward_bytes: int = 0
     _rows: torch.Tensor | None = None  # the current forward's read rows (see ``batch_rows``)
 
@@ -228,9 +232,15 @@ def _move(setup: LayerStreamSetup, fn, layer: int, rows: torch.Tensor) -> None:
         fn(layer, rows)
     except LayerStreamLost as exc:
         setup.stats["copies_skipped"] += 1
-        logger.error("memx layer stream cache: %s; every request will be aborted", exc)
+        logger.error("memx layer stream cache: %s; this step's outputs are withheld, every request aborted", exc)
         return
     setup._forward_bytes += int(rows.numel()) * (setup.lsc.k_row_bytes + setup.lsc.v_row_bytes)
+
+
+def note_withheld(setup: LayerStreamSetup, requests: int) -> None:
+    """A step's results were processed with the cache broken: its ``requests`` were ended unsent."""
+    setup.stats["steps_withheld"] += 1
+    setup.stats["requests_withheld"] += requests
 
 
 def broken(setup: LayerStreamSetup | None) -> str | None:

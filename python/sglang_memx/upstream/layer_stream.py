@@ -1,6 +1,7 @@
 """What the layer stream cache (``--memx-peer-layer-stream``) reads and does on upstream objects:
 the pool configurator's token count, the attention layer's id, the rows a forward batch reads and
-writes, and the abort of every request when the donor is gone (see ``manifest``)."""
+writes, the abort of every request when the donor is gone, and the withholding of a step whose
+streamed KV may be wrong (see ``manifest``)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,29 @@ def abort_everything(scheduler, message: str) -> None:
         abort_all=True, abort_message=message, finished_reason=reason.to_json()
     )
     scheduler.abort_request(abort)
+
+
+def withhold_step(scheduler, batch, message: str) -> int:
+    """End every request of ``batch`` still running with ``message`` (HTTP 503) before upstream
+    processes the step's results, so that no token of this step reaches a client. For each one:
+
+    * the client gets the abort now (``send_abort_output``; it carries no token of this step);
+    * ``to_finish``: upstream's result processing finishes it at this step and frees its KV, as for
+      any aborted running request;
+    * ``finished_output``: upstream's output stream skips a finished request whose final output is
+      out, so the token that processing appends is never sent.
+
+    Requests already finished (their outputs came from earlier, whole steps), retracted (back in the
+    queue, no token this step) or already withheld are left alone. Returns how many were ended."""
+    reason_type = resolve("sglang.srt.managers.schedule_batch.FINISH_ABORT")
+    abort_type = resolve("sglang.srt.managers.io_struct.AbortReq")
+    ended = 0
+    for req in batch.reqs:
+        if req.finished() or req.is_retracted or req.finished_output:
+            continue
+        reason = reason_type(message, HTTPStatus.SERVICE_UNAVAILABLE)
+        scheduler.send_abort_output(abort_type(rid=req.rid, finished_reason=reason.to_json()), req)
+        req.to_finish = reason
+        req.finished_output = True
+        ended += 1
+    return ended
