@@ -23,6 +23,7 @@ from .core.batching import ContinuousBatchingScheduler, VllmV0Scheduler
 from .core.engine import Instance, InstanceConfig
 from .mechanisms.ellm import EllmElasticScheduler, EllmScheduler
 from .mechanisms.fineserve import FineServeScheduler
+from .mechanisms.governed_ellm import GovernedEllmScheduler
 from .mechanisms.governor import GovernedScheduler
 from .mechanisms.layer_streaming import LayerStreamingHook
 from .mechanisms.oneiros import OneirosHook
@@ -39,6 +40,7 @@ SCHEDULERS: Mapping[str, Callable[..., Any]] = MappingProxyType(
         "ellm_elastic": EllmElasticScheduler,  # eLLM Alg. 1 + CPU buffer + Alg. 2
         "fineserve": FineServeScheduler,  # FineServe slab KV + EDF batching
         "governed": GovernedScheduler,  # stock continuous batching + the governor's TPOT batch decision
+        "governed_ellm": GovernedEllmScheduler,  # governed + eLLM's admission passed through the governor
     }
 )
 

@@ -383,3 +383,118 @@ def test_the_governor_cases_exercise_every_reason():
         seen |= {d.reason for d in _sim_governor_decisions(slo_s, GOVERNOR_STEPS, GOVERNOR_ROUNDS)}
         seen |= {d.reason for d in _sim_governor_decisions(slo_s, GOVERNOR_STEPS[:3], GOVERNOR_ROUNDS)}
     assert seen == {"no_slo", "empty_batch", "learning", "within_slo", "over_slo"}
+
+
+# ------------------------------------------------------------------ governed admission ("do no harm")
+# (free tokens, upstream's decode reservation, running as (prompt, generated, max_new), queue as (prompt, max_new))
+NO_HARM_CASES = [
+    (1000, 0, [(100, 10, 50)] * 3, [(100, 50), (200, 100), (300, 100)]),  # the mechanism admits, no harm
+    (1000, 900, [(100, 10, 50)] * 4, [(100, 50), (200, 100)]),  # it defers on its reservation: no gain, stock
+    (300, 0, [(10, 0, 200)] * 2, [(50, 100), (50, 200)]),  # the running requests' growth alone would not fit
+    (500, 0, [(10, 0, 100)] * 2, [(50, 100), (100, 150), (10, 5)]),  # the second would preempt one later
+]
+
+
+class _Verdicts:
+    """The governor's side of ``admission.add_one``: the verdicts it passed, in order."""
+
+    def __init__(self):
+        self.seen = []
+
+    def note_verdict(self, verdict):
+        self.seen.append(verdict)
+
+
+def _server_governed(available, reserve, running, queue):
+    """The server path: memx's admission hook with the governor, over upstream's real prefill budget;
+    returns, per request offered, (the harm's shortfall it predicted, the mechanism's verdict, the
+    governed verdict)."""
+    from memory_ext.policy import no_harm
+
+    allocator, tree, host = fake_admission_pool(available, 0, ROW_BYTES)
+    device.attach(allocator, types.SimpleNamespace(activation=None, weights=None))
+    budget = up_sched.new_physical_budget(allocator, tree, 0)
+    budget.total_offset = reserve
+    batch = FakeBatch([FakeReq(prompt=p, outputs=g, max_new=m) for p, g, m in running])
+    adder = types.SimpleNamespace(token_to_kv_pool_allocator=allocator, tree_cache=tree, memory_budget=budget,
+                                  can_run_list=[], running_batch=batch, page_size=1, rem_chunk_tokens=None,
+                                  rem_input_tokens=1 << 20, new_chunked_req=None)  # fmt: skip
+
+    def original(adder, req, has_chunked_req, truncation_align_size):
+        adder.can_run_list.append(req)
+        budget.reserve(len(req.origin_input_ids), req.sampling_params.max_new_tokens)
+        return up_sched.add_result("CONTINUE")
+
+    asked, governor = [], _Verdicts()
+
+    def govern(ask, running_reqs, page, now_pages, batch_admits=True):
+        out = no_harm.govern_prefill(ask, running_reqs, page, now_pages, batch_admits)
+        room = max(ask.budget - ask.act, 0)
+        asked.append((no_harm.peak_shortfall(room // page, running_reqs, page, now_pages), out[0]))
+        return out
+
+    activation = device.of(allocator).activation_side()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(admission, "govern_prefill", govern)
+        for p, m in queue:
+            result = admission.add_one(original, adder, FakeReq(prompt=p, max_new=m), False, None, activation, None,
+                                       None, governor=governor)  # fmt: skip
+            if result != up_sched.add_result("CONTINUE"):
+                break
+    return [(short, mech, gv) for (short, mech), gv in zip(asked, governor.seen)]
+
+
+def _sim_shortfalls(available, running, queue, verdicts):
+    """The simulator path (``governed_ellm``'s inputs on a real instance, one block per token): the
+    harm's shortfall for each request the server was asked about, admitting those it admitted."""
+    from benchmark.sim.core.engine import Instance, InstanceConfig
+    from benchmark.sim.core.hardware import gpu_spec
+    from benchmark.sim.core.models import model_spec
+    from benchmark.sim.core.request import RUNNING, WAITING, Request
+    from benchmark.sim.mechanisms.governed_ellm import candidate_growth, running_growth
+    from memory_ext.policy.no_harm import peak_shortfall
+
+    held = sum(p + g for p, g, _ in running)
+    cfg = InstanceConfig(name="m", model=model_spec("Llama-3.1-8B"), gpu=0, kv_blocks=available + held, block_size=1,
+                         prefix_caching=False)  # fmt: skip
+    inst = Instance(0, cfg, gpu_spec("H100-SXM"), scheduler=None)
+    for i, (p, g, m) in enumerate(running):
+        r = Request(i, 0, 0.0, p, m)
+        r.state, r.generated, r.ctx, r.decoding, r.private_blocks = RUNNING, g, p + g, True, p + g
+        assert inst.kv.allocate(p + g)
+        inst.running.append(r)
+    out = []
+    for j, ((p, m), (_, _, gv)) in enumerate(zip(queue, verdicts)):
+        r = Request(100 + j, 0, 0.0, p, m)
+        r.state = WAITING
+        inst.waiting.append(r)
+        reqs, pending = running_growth(inst)  # before it joins, as the scheduler takes them
+        inst.waiting.popleft()
+        inst.admit(r, 0.0)
+        cand, need = candidate_growth(inst, r)
+        out.append(peak_shortfall(inst.kv.available, [*reqs, cand], 1, pending + need))
+        if gv.action == DEFER:
+            break
+        assert inst.reserve(r, r.target - r.ctx)
+    return out
+
+
+@pytest.mark.parametrize("available,reserve,running,queue", NO_HARM_CASES)
+def test_server_and_simulator_govern_admission_the_same(available, reserve, running, queue):
+    """Same state, same question: both paths predict the same harm for each request offered, and the
+    one governed verdict (``no_harm.judge_with_governor``) follows from it and the mechanism's verdict."""
+    from memory_ext.policy.no_harm import judge_with_governor
+
+    server = _server_governed(available, reserve, running, queue)
+    sim = _sim_shortfalls(available, running, queue, server)
+    assert len(server) == len(sim) > 0
+    for (short, mech, gv), sim_short in zip(server, sim):
+        assert short == sim_short
+        assert gv == judge_with_governor(mech.action, sim_short > 0)
+
+
+def test_the_governed_cases_exercise_every_admission_reason():
+    seen = set()
+    for available, reserve, running, queue in NO_HARM_CASES:
+        seen |= {gv.reason for _, _, gv in _server_governed(available, reserve, running, queue)}
+    assert seen == {"mechanism_admits", "no_predicted_gain", "protects_running"}

@@ -91,7 +91,9 @@ def test_registry_is_a_literal_table():
     assert not [p for p in src if "def register_" in p.read_text()]
     with pytest.raises(TypeError):
         registry.SCHEDULERS["x"] = None  # read-only
-    assert {"continuous", "vllm_v0", "ellm", "ellm_elastic", "fineserve", "governed"} == set(registry.SCHEDULERS)
+    assert {"continuous", "vllm_v0", "ellm", "ellm_elastic", "fineserve", "governed", "governed_ellm"} == set(
+        registry.SCHEDULERS
+    )
     assert {"layer_streaming", "oneiros", "select_n", "flexgen_static", "swiftcache"} == set(registry.HOOKS)
 
 
@@ -248,8 +250,12 @@ GOV = {
     "node": {"gpu": "H100-SXM"},
     "models": [
         {"name": "g", "model": "Llama-3.1-8B", "slo": {"tpot_s": 0.02}, "scheduler": {"kind": "governed"}},
+        {"name": "ge", "model": "Llama-3.1-8B", "slo": {"tpot_s": 0.02}, "scheduler": {"kind": "governed_ellm"}},
     ],
-    "workloads": [{"model": "g", "arrival": {"kind": "poisson", "rate": 8}}],
+    "workloads": [
+        {"model": "g", "arrival": {"kind": "poisson", "rate": 8}},
+        {"model": "ge", "arrival": {"kind": "poisson", "rate": 8}},
+    ],
 }
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memory_ext.policy.governor import BatchGovernor
+from memory_ext.policy.no_harm import REASONS as NO_HARM_REASONS
+from memory_ext.policy.no_harm import GovernedVerdict
 from sglang_memx.config import TPOT_SLO_FLAG
 from sglang_memx.coordinator.parts import Iteration, Source, Step, step
 from sglang_memx.upstream import request as up_req
@@ -63,6 +65,7 @@ class GovernorPart:
     running: int = 0  # the running batch at the last tick (status)
     running_kv_tokens: int = 0
     max_running_seen: int = 0  # the largest running batch any tick saw (status)
+    verdicts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NO_HARM_REASONS, 0))  # by reason
     _last_tick: float | None = field(default=None, repr=False)
 
     def steps(self) -> tuple[Step, ...]:
@@ -75,6 +78,7 @@ class GovernorPart:
         doc = self.governor.status(self.running, self.running_kv_tokens, self.measured_s)
         doc["last_measured_tpot_ms"] = None if self.last_step_s is None else round(self.last_step_s * 1e3, 4)
         doc["max_running_seen"] = self.max_running_seen
+        doc["admission_verdicts"] = dict(self.verdicts)  # mechanisms' admissions passed through it, by reason
         tpot_ms = doc["tpot_slo_ms"]
         doc["slos"] = {"tpot": None if tpot_ms is None else SloInForce(tpot_ms, self.tpot_source).status(),
                        "ttft": None if self.ttft is None else self.ttft.status()}  # fmt: skip
@@ -86,6 +90,10 @@ class GovernorPart:
         self.last_step_s = step_s
         m = self.measured_s
         self.measured_s = step_s if m is None else m + MEASURED_WEIGHT * (step_s - m)
+
+    def note_verdict(self, verdict: GovernedVerdict) -> None:
+        """Count one admission verdict the governor passed (``memory_ext.policy.no_harm``), by reason."""
+        self.verdicts[verdict.reason] += 1
 
     def may_grow(self, running_reqs, req):
         """The decision for ``req`` joining ``running_reqs`` (counted by reason)."""

@@ -25,11 +25,26 @@ the request's KV is parked after its prefill (``host_buffer``). ``DEFER``: the r
 (counted in ``offload_no_room`` when only the buffer's room was short); a request whose KV waits
 on the host lets later requests prefill into the buffer, but none is admitted normally ahead of
 it (first come, first served).
+
+With the governor (``--memx-tpot-slo-ms``: ``coordinator.governor``), the question is
+``memory_ext.policy.no_harm.govern_prefill``, the call the simulator's ``governed_ellm`` scheduler
+makes: the verdict above passes the governor, which lets a refusal or a parking stand only with a
+predicted gain (``server_growth``: the running requests' peak KV demand with the request would
+exceed the budget, i.e. admitting it would preempt one); otherwise the on-device branch runs and
+upstream's own admission decides, as it would without memx. Each governed verdict is counted by
+reason (``GovernorPart.note_verdict``, ``/memx/status``).
 """
 
 from __future__ import annotations
 
-from memory_ext.policy.prefill_admission import DEFER, OFFLOAD, ON_GPU, PrefillAsk, judge_prefill
+from memory_ext.policy.no_harm import (
+    STOCK,
+    STOCK_ELSE_PARK,
+    GovernedVerdict,
+    Running,
+    govern_prefill,
+)
+from memory_ext.policy.prefill_admission import DEFER, OFFLOAD, ON_GPU, PrefillAsk, PrefillVerdict, judge_prefill
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.elastic import demand, host_buffer
 from sglang_memx.elastic.activation_side import ActivationSide
@@ -87,13 +102,45 @@ def server_ask(adder, req, chunk: int, has_chunked_req: bool, activation: Activa
     )
 
 
+def _pages(tokens: int, page: int) -> int:
+    return -(-tokens // page)
+
+
+def server_growth(adder, req) -> tuple[list[Running], int]:
+    """What ``no_harm.govern_prefill`` predicts the harm from, in pages: this pass's running
+    requests (the running batch's and those admitted so far) and ``req``, each with its KV tokens
+    (prompt + output so far), its remaining ``max_new_tokens`` (clipped as upstream's admission
+    clips it; one fewer for a request whose prefill is still to run, which yields one) and, when
+    it finishes, all its pages (a finished request's KV is free or
+    evictable); and the pages the prompts not yet on the device take at once (this pass's and
+    ``req``'s rest)."""
+    page = up_sched.adder_page_size(adder)
+    running, now = [], 0
+    admitted = (*up_sched.adder_admitted_list(adder), req)
+    for r in (*up_sched.adder_running_reqs(adder), *admitted):
+        tokens = up_req.prompt_len(r) + up_req.output_len(r)
+        remaining = up_req.remaining_new_tokens(r) - (1 if any(r is a for a in admitted) else 0)  # prefill's token
+        running.append(Running(tokens, max(remaining, 0), _pages(tokens + max(remaining, 0), page)))
+    for r in admitted:
+        now += _pages(demand.next_chunk_tokens(r, None), page)
+    return running, now
+
+
 def add_one(original, adder, req, has_chunked_req, truncation_align_size, activation: ActivationSide,
-            host: HostBufferState | None, lent: LentPool | None):  # fmt: skip
+            host: HostBufferState | None, lent: LentPool | None, governor=None):  # fmt: skip
     """``PrefillAdder.add_one_req`` with memx's admission rule in front (module docstring):
-    one question, then the verdict's branches."""
+    one question, then the verdict's branches. With the governor (``coordinator.governor``) the
+    question is ``no_harm.govern_prefill`` (the verdict passed through the governor, ``_as_verdict``)."""
     state = up_sched.adder_state(adder)
     chunk = demand.next_chunk_tokens(req, up_sched.adder_chunk_room(adder))
-    verdict = judge_prefill(server_ask(adder, req, chunk, has_chunked_req, activation, host))
+    ask = server_ask(adder, req, chunk, has_chunked_req, activation, host)
+    if governor is None:
+        verdict = judge_prefill(ask)
+    else:
+        running, now_pages = server_growth(adder, req)
+        verdict, gv = govern_prefill(ask, running, up_sched.adder_page_size(adder), now_pages)
+        governor.note_verdict(gv)
+        verdict = _as_verdict(gv, verdict)
     if verdict.action == DEFER:
         return _defer(host, adder, req, verdict.buffer_full)
     live_before = activation.live_chunks()
@@ -115,6 +162,22 @@ def add_one(original, adder, req, has_chunked_req, truncation_align_size, activa
     if host is not None:
         host_buffer.note_admitted(host, req, up_sched.adder_tree_cache(adder))
     return result
+
+
+def _as_verdict(gv: GovernedVerdict, verdict: PrefillVerdict) -> PrefillVerdict:
+    """The governed action as the branches of ``add_one`` take it: ``STOCK`` is the on-device
+    branch (the batch's activation is still made live, then upstream's own admission decides),
+    ``STOCK_ELSE_PARK`` the same with the buffer as its fallback; a governed ``DEFER`` keeps the
+    mechanism's buffer-full reason only if the mechanism deferred too."""
+    if gv.action == STOCK:
+        return PrefillVerdict(ON_GPU)
+    if gv.action == STOCK_ELSE_PARK:
+        return PrefillVerdict(ON_GPU, if_refused=OFFLOAD)
+    if gv.action == DEFER:
+        return PrefillVerdict(DEFER, buffer_full=verdict.action == DEFER and verdict.buffer_full)
+    if gv.action == OFFLOAD:
+        return PrefillVerdict(OFFLOAD)
+    return verdict  # ON_GPU: the mechanism's own verdict (its fallback included)
 
 
 def governor_refusal(governor, adder, req):

@@ -100,7 +100,8 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
     ):
         return original(adder, req, has_chunked_req, truncation_align_size)
     activation, host, lent = coordinator.activation_side(), coordinator.host_buffer(), coordinator.shared_pool()
-    return admission.add_one(original, adder, req, has_chunked_req, truncation_align_size, activation, host, lent)
+    return admission.add_one(original, adder, req, has_chunked_req, truncation_align_size, activation, host, lent,
+                             governor)  # fmt: skip
 
 
 def around_add_chunked_req(original, adder, req):

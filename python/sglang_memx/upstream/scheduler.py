@@ -263,6 +263,16 @@ def adder_batch_reqs(adder) -> list:
     return [*batch_reqs(adder.running_batch), *adder.can_run_list]
 
 
+def adder_running_reqs(adder) -> list:
+    """The running batch's requests (decoding)."""
+    return batch_reqs(adder.running_batch)
+
+
+def adder_admitted_list(adder) -> list:
+    """The requests this pass admitted so far (their prompts are not on the device yet)."""
+    return list(adder.can_run_list)
+
+
 def adder_running_count(adder) -> int:
     return len(batch_reqs(adder.running_batch))
 
