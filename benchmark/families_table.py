@@ -99,9 +99,21 @@ def render(doc: dict, memx: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def memx_cell(cell: dict, notes: list[str]) -> str:
+# the counters that show a feature acting, as the table quotes them
+EVIDENCE = {
+    "elastic_kv": ("retractions", "groups_unmapped_total"),
+    "host_buffer": ("parked", "restored", "prefill_offloads"),
+    "weights": ("streamed_layers", "resident_layers", "fetches"),
+    "peer_kv": ("spills", "hits", "tokens_loaded"),
+}
+
+
+def memx_cell(cell: dict, notes: list[str], feature: str = "") -> str:
     if cell["verdict"] == "works":
-        return f"**works on CPU**, greedy = stock ({_test_ref(cell['test'])})"
+        shown = [f"{k.replace('_', ' ')} {cell['evidence'][k]}" for k in EVIDENCE.get(feature, ())
+                 if k in cell.get("evidence", {})]  # fmt: skip
+        counters = f"; {', '.join(shown)}" if shown else ""
+        return f"**works on CPU**, greedy = stock ({_test_ref(cell['test'])}{counters})"
     if cell["verdict"] == "refused":
         if cell["message"] not in notes:
             notes.append(cell["message"])
@@ -133,7 +145,7 @@ def render_memx(memx: dict) -> str:
             one = memx_cell(cells["all"], notes)
             values = [one] * len(FEATURE_NAMES)
         else:
-            values = [memx_cell(cells[f], notes) for f in FEATURE_NAMES]
+            values = [memx_cell(cells[f], notes, f) for f in FEATURE_NAMES]
         lines.append("| " + " | ".join([row["family"], _model(row), *values]) + " |")
     lines.append("")
     lines += [f"{i}. `{_cell(n, 1000)}`" for i, n in enumerate(notes, 1)]
