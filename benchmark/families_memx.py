@@ -213,21 +213,21 @@ def _peer(server) -> dict:
     return server.request("/memx/status")["schedulers"][0]["peer_kv"]
 
 
-REMAP_MEMX = ["--memx-elastic-kv", "--memx-chunk-kb", "4", "--memx-pool-budget-gb", "0.0005",
+REMAP_MEMX = ["--memx-elastic-kv", "--memx-chunk-kb", "4", "--memx-pool-budget-gb", "0.0006",
               "--memx-weights", "remap", "--memx-weights-idle-after-s", "600"]  # fmt: skip
 
 
 def remap_under_pressure(stock, path: Path) -> dict:
-    """``--memx-weights remap`` with a budget that holds both layers and ~300 tokens of KV: three
-    680-token requests at once make the controller release layers; answers must be stock's."""
+    """``--memx-weights remap`` with a budget that holds both layers and ~250 tokens of KV: three
+    ~500-token requests at once make the controller release layers; answers must be stock's."""
     from concurrent.futures import ThreadPoolExecutor
 
     server = SGLangServer(path, name="fam-gemma2-remap", max_total_tokens=4096, extra_args=COMMON + REMAP_MEMX)
-    prompts = [" ".join(["one two three four five six seven eight"] * 60) + f" {i}" for i in range(3)]
+    prompts = [" ".join(["one two three four five six seven eight"] * 24) + f" {i}" for i in range(3)]
     try:
         start_all([server])
         with ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(_gen, server, p, 200) for p in prompts]
+            futures = [pool.submit(_gen, server, p, 300) for p in prompts]
             lent, deadline = 0, time.monotonic() + 300
             while not all(f.done() for f in futures) and time.monotonic() < deadline:
                 lent = max(lent, _elastic(server)["weights"]["lent_layers"])
@@ -236,7 +236,7 @@ def remap_under_pressure(stock, path: Path) -> dict:
         w = _elastic(server)["weights"]
     finally:
         server.stop()
-    equal = got == [_ids(_gen(stock, p, 200)) for p in prompts]
+    equal = got == [_ids(_gen(stock, p, 300)) for p in prompts]
     return {"equal": equal, "max_lent_layers": lent, "remap_decisions": w["decisions"]["remap"],
             "restores": w.get("restores")}  # fmt: skip
 
@@ -249,7 +249,10 @@ def run_served(family: Family, path: Path, model: dict, timeout: float) -> dict:
         start_all([stock, memx])
         result = served_workload(stock, memx)
         memx.stop()
-        remap = remap_under_pressure(stock, path)
+        try:
+            remap = remap_under_pressure(stock, path)
+        except Exception as exc:  # noqa: BLE001 - recorded: the weights cell then says it differs
+            remap = {"equal": False, "max_lent_layers": 0, "error": f"{type(exc).__name__}: {exc}"[:300]}
         want = [peer_turns(stock, t) for t in turns]
     finally:
         stock.stop()

@@ -2,7 +2,9 @@
 
 * ``ServerArgs.add_cli_args`` (after): adds the ``--memx-*`` group and makes the parser
   reject bad memx values the argparse way (exit 2, flag named), including a memx feature
-  asked on an SGLang outside the supported range.
+  asked on an SGLang outside the supported range, and a served shape memx cannot back
+  (``families``: a hybrid sliding-window pool, tensor / pipeline parallel size above 1; the
+  model class and pool class named), before any model is loaded.
 * ``ServerArgs.from_cli_args`` (around): builds the validated ``MemxConfig``, checks that
   the hooks of every feature on are in force in this (the launcher) process and attaches
   the config to the ServerArgs record, which upstream pickles into every process it starts.
