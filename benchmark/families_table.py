@@ -29,7 +29,8 @@ FEATURE_NAMES = {"elastic_kv": "elastic KV", "host_buffer": "host buffer", "weig
 # probe key -> memx.json row key: the family row the probe's memx column points to
 MEMX_ROW_OF = {"llama": "llama", "mla": "mla", "mla_v3": "mla", "sliding_window": "sliding_window",
                "swa_gpt_oss": "swa_gpt_oss", "swa_mellum": "swa_mellum", "hybrid_linear": "hybrid_linear",
-               "hybrid_linear_no_overlap": "hybrid_linear", "fp8_kv": "fp8_kv", "tp2_no_nccl": "tp2"}  # fmt: skip
+               "hybrid_linear_no_overlap": "hybrid_linear", "fp8_kv": "fp8_kv", "tp2": "tp2", "tp2_bound": "tp2",
+               "tp2_no_nccl": "tp2"}  # fmt: skip
 
 
 def verdict(row: dict, control: dict | None = None) -> str:
@@ -112,14 +113,20 @@ def memx_cell(cell: dict, notes: list[str], feature: str = "") -> str:
     if cell["verdict"] == "works":
         shown = [f"{k.replace('_', ' ')} {cell['evidence'][k]}" for k in EVIDENCE.get(feature, ())
                  if k in cell.get("evidence", {})]  # fmt: skip
+        remap = cell.get("remap")
+        if remap is not None:
+            shown.append(f"remap under load: {'= stock' if remap['equal'] else 'differs'}, "
+                         f"{remap['max_lent_layers']} layers released")  # fmt: skip
         counters = f"; {', '.join(shown)}" if shown else ""
         return f"**works on CPU**, greedy = stock ({_test_ref(cell['test'])}{counters})"
-    if cell["verdict"] == "refused":
-        if cell["message"] not in notes:
-            notes.append(cell["message"])
-        return f"**refused** at {cell['stage'].split(' ')[0]} [{notes.index(cell['message']) + 1}]"
-    if cell["verdict"] == "upstream":
-        return f"upstream does not run it on CPU; {cell['note']}"
+    if cell["verdict"] in ("refused", "upstream"):
+        note = cell["message"] if cell["verdict"] == "refused" else cell["note"]
+        if note not in notes:
+            notes.append(note)
+        ref = f"[{notes.index(note) + 1}]"
+        if cell["verdict"] == "upstream":
+            return f"upstream does not run it on CPU {ref}"
+        return f"**refused** at {cell['stage'].split(' ')[0]} {ref}"
     return f"**{cell['verdict']}**: {_cell(json.dumps(cell.get('evidence')))}"
 
 
@@ -133,7 +140,7 @@ def render_memx(memx: dict) -> str:
         f"`{memx['command']}` (sglang {memx['sglang']}, servers niced, at most two at a time, "
         f"`{' '.join(memx['common_args'])}` beside the CPU flags above). A feature *works* when its greedy "
         "outputs equal a stock server's on the same prompts while its counters show it acting; a refusal is "
-        "quoted from the server's log (numbered below).",
+        "quoted from the server's log (numbered below, with the notes).",
         "",
         "| family | model | " + " | ".join(FEATURE_NAMES.values()) + " |",
         "|---|---|" + "---|" * len(FEATURE_NAMES),

@@ -29,7 +29,8 @@ ELASTIC_POOL = "MHATokenToKVPool"
 HYBRID_SWA_POOL = "SWAKVPool"
 UNKNOWN_MODEL = "this model"
 _POOL_WHY = {
-    HYBRID_SWA_POOL: " (a full-attention and a sliding-window sub-pool of different sizes)",
+    HYBRID_SWA_POOL: " (a full-attention and a sliding-window sub-pool of different sizes; backing one of them "
+    "would leave the other static)",
 }
 
 
@@ -80,8 +81,8 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
         raise MemxConfigError(
             FLAG,
             f"{shape.model_class} is served from upstream's {shape.pool_class}{_POOL_WHY.get(shape.pool_class, '')}; "
-            f"elastic KV{_dependent_flags(config)} backs a single {ELASTIC_POOL} only (unquantized, NHD layout) "
-            f"and refuses rather than serve a pool half-elastic; run without the flag",
+            f"elastic KV{_dependent_flags(config)} backs a single {ELASTIC_POOL} only (unquantized, NHD layout); "
+            f"run without the flag",
         )
 
 
