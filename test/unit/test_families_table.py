@@ -83,3 +83,43 @@ def test_pool_class_from_upstreams_allocation_lines():
            "[t] SWAKVPool mem usage: 0.00 GB, swa size: 6, full size: 8"]  # fmt: skip
     assert len(fp.pool_evidence(swa)) == 3 and fp.pool_class(fp.pool_evidence(swa)) == "SWAKVPool"
     assert fp.pool_class([]) is None
+
+
+def _memx_doc():
+    works = {"verdict": "works", "test": "test/integration/test_families.py",
+             "evidence": {"retractions": 12, "groups_unmapped_total": 27, "group_bytes": 1}}  # fmt: skip
+    refused = {"verdict": "refused", "message": "argument --memx-elastic-kv: M is served from upstream's P | x",
+               "stage": "launch (argument parsing)"}  # fmt: skip
+    model = {"architecture": "XForCausalLM", "layers": 2, "hidden_size": 64, "weights_bytes": 300_000}
+    rows = [{"key": "sliding_window", "family": "g", "model": model, "extra_args": [], "env": {},
+             "cells": {"elastic_kv": works, "host_buffer": works, "weights": works, "peer_kv": works}},
+            {"key": "swa_mellum", "family": "m", "model": model, "extra_args": [], "env": {},
+             "cells": dict.fromkeys(ft.FEATURE_NAMES, refused)},
+            {"key": "mla", "family": "d", "model": model, "extra_args": ["--tp", "2"], "env": {},
+             "cells": {"all": refused}},
+            {"key": "fp8_kv", "family": "f", "model": model, "extra_args": [], "env": {},
+             "cells": {"all": {"verdict": "upstream", "note": "memx refuses it too"}}}]  # fmt: skip
+    return {"command": "c", "sglang": "0.5.23", "common_args": ["--dtype", "float32"], "rows": rows}
+
+
+def test_the_memx_table_quotes_verdicts_counters_and_numbered_refusals():
+    text = ft.render_memx(_memx_doc())
+    rows = {ln.split(" | ")[0][2:]: ln for ln in text.splitlines() if ln.startswith("| ") and " | " in ln}
+    assert rows["g"].count("**works on CPU**, greedy = stock (`test_families.py`") == 4
+    assert "retractions 12, groups unmapped total 27)" in rows["g"] and "group bytes" not in rows["g"]
+    assert rows["m"].count("**refused** at launch [1]") == 4 and rows["d"].count("[1]") == 4
+    assert "`--tp 2`" in rows["d"] and rows["f"].count("upstream does not run it on CPU [2]") == 4
+    notes = [ln for ln in text.splitlines() if ln[:3] in ("1. ", "2. ", "3. ")]
+    assert notes == ["1. `argument --memx-elastic-kv: M is served from upstream's P \\| x`", "2. `memx refuses it too`"]
+
+
+def test_the_probe_tables_memx_column_points_to_the_memx_table():
+    doc = _doc(
+        [_row("sliding_window", True), _row("swa_mellum", True), _row("new_probe", False), _row("fp8_kv", False)]
+    )
+    text = ft.render(doc, _memx_doc())
+    column = {ln.split(" | ")[0][2:]: ln.rsplit(" | ", 1)[1] for ln in text.splitlines() if ln.startswith("| ")}
+    assert column["sliding_window"] == "every feature works (table below) |"
+    assert column["swa_mellum"] == "refused at launch (table below) |"
+    assert column["new_probe"] == "not yet tested with memx |"  # a probe without a memx.json row
+    assert column["fp8_kv"] == "see the table below |"

@@ -24,6 +24,7 @@ from sglang_memx.coordinator.governor import GovernorPart, SloInForce
 from sglang_memx.elastic.build import activation_profile, build_elastic_kv
 from sglang_memx.elastic.host_buffer import build_host_buffer
 from sglang_memx.elastic.slab import cell_format
+from sglang_memx.families import ServedShape, check_served_shape, pool_class_for
 from sglang_memx.peer import layer_stream, peer_name
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import layer_stream as up_ls
@@ -41,6 +42,7 @@ class Build:
     server_args: object
     profile: object
     batch_tokens: int
+    model_class: str = "this model"  # the served model's class, named in refusals
     kv: object = None
     lent: LentPool | None = None  # the shared pool's link (--memx-pool), with the KV space
     layer_stream: object = None  # peer.layer_stream.LayerStreamSetup (--memx-peer-layer-stream), once planned
@@ -77,8 +79,11 @@ def scope(configurator):
     if config.disabled or not config.elastic_kv or is_draft:
         yield None
         return
+    model_class = up_model.architecture(model_config)
+    check_served_shape(config, ServedShape(model_class, pool_class_for(**up_kv.configurator_pool_traits(configurator)),
+                                           *up_args.parallel_sizes(server_args)))  # fmt: skip
     build = Build(config, server_args, activation_profile(up_model.decoder_dims(model_config), model_dtype.itemsize),
-                  up_args.max_prefill_batch_tokens(server_args))  # fmt: skip
+                  up_args.max_prefill_batch_tokens(server_args), model_class=model_class)  # fmt: skip
     _current.build = build
     try:
         yield build
@@ -94,6 +99,9 @@ def make_elastic(pool) -> bool:
     why = up_kv.plain_mha_refusal(pool)
     if why is not None:
         raise MemxConfigError("--memx-elastic-kv", f"does not support {why}; run without the flag")
+    if build.kv is not None:  # a pool composed of MHA sub-pools: backing only one would be half-elastic
+        raise MemxConfigError("--memx-elastic-kv", "backs a single MHATokenToKVPool per server; this pool build "
+                              "makes a second one (a pool of MHA sub-pools); run without the flag")  # fmt: skip
     g = up_kv.pool_geometry(pool)
     layers, stream = g["layers"], build.layer_stream
     own, index_of = (layers, lambda i: i) if stream is None else layer_stream.buffer_index(stream, layers)
@@ -120,13 +128,13 @@ def finish(build: Build, result) -> None:
         raise MemxConfigError(
             "--memx-elastic-kv",
             f"supports the MHA/GQA token-to-KV pool only (MHATokenToKVPool, unquantized KV, NHD layout); "
-            f"this model/configuration uses {why}",
+            f"{build.model_class} in this configuration uses {why}",
         )
     if type(allocator).__name__ not in SUPPORTED_ALLOCATORS:
         raise MemxConfigError(
             "--memx-elastic-kv",
-            f"supports the {' and '.join(SUPPORTED_ALLOCATORS)} only; this configuration uses "
-            f"{type(allocator).__name__}",
+            f"supports the {' and '.join(SUPPORTED_ALLOCATORS)} only; {build.model_class} in this configuration "
+            f"uses {type(allocator).__name__} (over {type(pool).__name__})",
         )
     kv.restrict_free_list(allocator)
     if build.layer_stream is not None:

@@ -2,7 +2,9 @@
 
 * ``ServerArgs.add_cli_args`` (after): adds the ``--memx-*`` group and makes the parser
   reject bad memx values the argparse way (exit 2, flag named), including a memx feature
-  asked on an SGLang outside the supported range.
+  asked on an SGLang outside the supported range, and a served shape memx cannot back
+  (``families``: a hybrid sliding-window pool, tensor / pipeline parallel size above 1; the
+  model class and pool class named), before any model is loaded.
 * ``ServerArgs.from_cli_args`` (around): builds the validated ``MemxConfig``, checks that
   the hooks of every feature on are in force in this (the launcher) process and attaches
   the config to the ServerArgs record, which upstream pickles into every process it starts.
@@ -15,7 +17,10 @@ import logging
 
 from sglang_memx import __version__
 from sglang_memx.config import MemxConfig, MemxConfigError, add_memx_arguments
+from sglang_memx.families import ServedShape, architecture, check_served_shape, checkpoint_config, pool_class_for
+from sglang_memx.families import text_config as checkpoint_text_config
 from sglang_memx.peer.checks import check_peer_kv
+from sglang_memx.upstream import model as up_model
 from sglang_memx.upstream import server_args as up_args
 from sglang_memx.upstream import version
 from sglang_memx.upstream.registry import HookSpec
@@ -32,7 +37,25 @@ def check_namespace(ns: argparse.Namespace) -> MemxConfig:
     config.check_server_args(up_args.radix_cache_disabled(ns), up_args.cuda_graphs_possible(ns))
     check_peer_kv(config, disable_radix_cache=up_args.radix_cache_disabled(ns),
                   hierarchical_cache=up_args.hierarchical_cache(ns), device=up_args.device(ns))  # fmt: skip
+    if config.elastic_kv and not config.disabled:
+        check_served_shape(config, launch_shape(ns))
     return config
+
+
+def launch_shape(ns: argparse.Namespace) -> ServedShape:
+    """What upstream will serve, as far as the command line and a local checkpoint's ``config.json``
+    tell before any model is loaded (the scheduler checks again with upstream's resolved facts)."""
+    tp, pp = up_args.parallel_sizes(ns)
+    hf = checkpoint_config(up_args.model_path(ns))
+    if hf is None:
+        return ServedShape(architecture(None), None, tp, pp)
+    text = checkpoint_text_config(hf)
+    archs = hf.get("architectures") or []
+    hybrid = not up_args.hybrid_swa_memory_disabled(ns) and up_model.hybrid_swa_architecture(archs, text)
+    layer_types = text.get("layer_types") or []
+    pool = pool_class_for(hybrid_swa=hybrid, mla=text.get("kv_lora_rank") is not None,
+                          linear="linear_attention" in layer_types)  # fmt: skip
+    return ServedShape(architecture(hf), pool, tp, pp)
 
 
 def _validating_parse_args(parser: argparse.ArgumentParser):

@@ -29,6 +29,16 @@ def configurator_parts(configurator):
     return configurator.server_args, configurator.model_config, configurator.model_dtype, configurator.is_draft_worker
 
 
+def configurator_pool_traits(configurator) -> dict:
+    """What the configurator resolved about the pool it is about to build: a hybrid sliding-window
+    model (``SWAKVPool``), MLA, a hybrid linear-attention (mamba-like) model."""
+    return {
+        "hybrid_swa": bool(configurator.is_hybrid_swa),
+        "mla": bool(configurator.use_mla_backend),
+        "linear": configurator.mambaish_config is not None,
+    }
+
+
 def configured_pool_and_allocator(config_result):
     """The KV pool and token allocator a KVCacheConfigurator.configure built."""
     return config_result.token_to_kv_pool, config_result.token_to_kv_pool_allocator

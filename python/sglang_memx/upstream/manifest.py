@@ -45,6 +45,8 @@ CLASSES: dict[str, str] = {
     "WeightUpdater": "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater",
     "LlamaForCausalLM": "sglang.srt.models.llama.LlamaForCausalLM",
     "LlamaModel": "sglang.srt.models.llama.LlamaModel",
+    "Gemma2ForCausalLM": "sglang.srt.models.gemma2.Gemma2ForCausalLM",
+    "Gemma2Model": "sglang.srt.models.gemma2.Gemma2Model",
     "PrefillAdder": _M + "schedule_policy.PrefillAdder",
     "AddReqResult": _M + "schedule_policy.AddReqResult",
     "PrefillBudget": _C + "prefill_budget.PrefillBudget",
@@ -85,7 +87,8 @@ MEMBERS: dict[str, dict[str, str | None]] = {
                    "max_prefill_tokens": None,
                    "device": None, "disable_cuda_graph": None, "disable_decode_cuda_graph": None,
                    "disable_prefill_cuda_graph": None, "cuda_graph_backend_decode": None,
-                   "cuda_graph_backend_prefill": None, "cuda_graph_config": None, "page_size": None},
+                   "cuda_graph_backend_prefill": None, "cuda_graph_config": None, "page_size": None,
+                   "tp_size": None, "pp_size": None, "disable_hybrid_swa_memory": None},
     "HookRegistry": {"register": None},
     "HookType": {"BEFORE": None, "AFTER": None, "AROUND": None, "REPLACE": None},
     "Scheduler": {
@@ -130,10 +133,11 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     "PoolStats": {"full_num_used": None, "full_available_size": None, "full_evictable_size": None,
                   "full_token_usage": None},
     "KVCacheConfigurator": {"server_args": "ServerArgs", "model_config": "ModelConfig", "model_dtype": None,
-                            "is_draft_worker": None, "kv_cache_dtype": None},
+                            "is_draft_worker": None, "kv_cache_dtype": None, "is_hybrid_swa": None,
+                            "use_mla_backend": None, "mambaish_config": None},
     "KVCacheConfigResult": {"token_to_kv_pool": "KVCache", "token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator",
                             "req_to_token_pool": "ReqToTokenPool"},
-    "ModelConfig": {"hf_text_config": None, "num_hidden_layers": None},
+    "ModelConfig": {"hf_text_config": None, "num_hidden_layers": None, "hf_config": None},
     # the layer stream cache (upstream.layer_stream)
     "MemoryPoolConfig": {"max_total_num_tokens": None},
     "RadixAttention": {"layer_id": None},
@@ -168,6 +172,9 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     # remappable weights: the decoder layers of a causal LM shaped like Llama's (most SGLang models)
     "LlamaForCausalLM": {"model": "LlamaModel", "start_layer": None, "end_layer": None},
     "LlamaModel": {"layers": None},
+    # ... and Gemma2's (no pipeline stages: no start_layer / end_layer, every layer in the process)
+    "Gemma2ForCausalLM": {"model": "Gemma2Model"},
+    "Gemma2Model": {"layers": None},
     "ForwardBatch": {"input_ids": None, "batch_size": None, "forward_mode": "ForwardMode",
                      "req_pool_indices": None, "seq_lens": None, "out_cache_loc": None},
     "GlobalState": {"tokenizer_manager": "TokenizerManager"},
@@ -194,6 +201,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     _M + "schedule_batch.release_req": ("req", "remaing_req_count", "req_to_token_pool", "token_to_kv_pool_allocator",
                                         "tree_cache", "hisparse_coordinator", "offload_kv"),
     "sglang.srt.utils.auth.add_api_key_middleware": ("app", "api_key", "admin_api_key"),
+    "sglang.srt.configs.model_config.is_hybrid_swa_model": ("model_architectures", "hf_text_config"),
 }  # fmt: skip
 
 OBJECTS: dict[str, str] = {
@@ -202,6 +210,7 @@ OBJECTS: dict[str, str] = {
     "sglang.srt.entrypoints.http_server.app": "object",
     "sglang.srt.entrypoints.http_server.get_global_state": "function",
     "sglang.srt.utils.auth.add_api_key_middleware": "function",
+    "sglang.srt.configs.model_config.is_hybrid_swa_model": "function",
 }
 
 _A = _C + "allocator."

@@ -30,6 +30,23 @@ def decoder_dims(model_config) -> dict | None:
     }
 
 
+def architecture(model_config) -> str:
+    """The served model's class name (the Hugging Face config's first architecture)."""
+    archs = model_config.hf_config.architectures
+    return str(archs[0]) if archs else "this model"
+
+
+def hybrid_swa_architecture(architectures: list[str], text_config_fields: dict) -> bool:
+    """Whether upstream's rule (``is_hybrid_swa_model``) serves these architectures with its hybrid
+    sliding-window pool, read from a checkpoint's ``config.json`` (the text model's fields)."""
+    from types import SimpleNamespace
+
+    from sglang_memx.upstream.manifest import resolve
+
+    rule = resolve("sglang.srt.configs.model_config.is_hybrid_swa_model")
+    return bool(rule(list(architectures), SimpleNamespace(**text_config_fields)))
+
+
 def _hf_optional(hf_config, field: str):
     """An optional Hugging Face config field (None when the model's config has none)."""
     return getattr(hf_config, field, None)
@@ -72,20 +89,30 @@ class NotHookable(TypeError):
 
 
 def decoder_layers(causal_lm) -> list:
-    """``(index, module)`` of this process's decoder layers: ``causal_lm.model.layers[start:end]``.
+    """``(index, module)`` of this process's decoder layers, found per architecture class:
 
-    SGLang's causal LMs shaped like ``LlamaForCausalLM`` (a ``model`` with a ``layers``
-    ModuleList and ``start_layer`` / ``end_layer``) qualify; any other raises ``NotHookable``
-    naming what is missing."""
+    * shaped like ``LlamaForCausalLM`` (most SGLang causal LMs, Mellum's included): a ``model``
+      with a ``layers`` ModuleList and ``start_layer`` / ``end_layer`` (this pipeline stage's slice);
+    * ``Gemma2ForCausalLM``: ``model.layers`` only; upstream builds it without pipeline stages,
+      so every layer is in this process.
+
+    Any other raises ``NotHookable`` naming what is missing."""
     import torch
+
+    from sglang_memx.upstream.manifest import resolve
 
     name = type(causal_lm).__name__
     try:
         lm_body = causal_lm.model
         layers = lm_body.layers
-        start, end = causal_lm.start_layer, causal_lm.end_layer
     except AttributeError as exc:
         raise NotHookable(f"{name} is not shaped like LlamaForCausalLM ({exc})") from None
     if not isinstance(layers, torch.nn.ModuleList):
         raise NotHookable(f"{name}.model.layers is a {type(layers).__name__}, not a ModuleList")
+    if isinstance(causal_lm, resolve("sglang.srt.models.gemma2.Gemma2ForCausalLM")):
+        return list(enumerate(layers))
+    try:
+        start, end = causal_lm.start_layer, causal_lm.end_layer
+    except AttributeError as exc:
+        raise NotHookable(f"{name} is not shaped like LlamaForCausalLM ({exc})") from None
     return [(i, layers[i]) for i in range(start, end)]

@@ -43,6 +43,16 @@ def model_path(server_args) -> str:
     return str(server_args.model_path)
 
 
+def parallel_sizes(args) -> tuple[int, int]:
+    """(tensor parallel size, pipeline parallel size) of a namespace or a ServerArgs record."""
+    return int(args.tp_size), int(args.pp_size)
+
+
+def hybrid_swa_memory_disabled(args) -> bool:
+    """``--disable-hybrid-swa-memory``: a hybrid sliding-window model keeps full-length KV in one pool."""
+    return bool(args.disable_hybrid_swa_memory)
+
+
 def _phase_disabled(args, phase: str) -> bool:
     """Whether a CUDA-graph phase ("decode" / "prefill") was switched off on the command
     line: ``--disable-cuda-graph``, ``--disable-<phase>-cuda-graph``,

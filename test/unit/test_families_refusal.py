@@ -1,0 +1,189 @@
+"""Served shapes memx refuses (issue 28 item 5): a KV pool other than one MHATokenToKVPool (a hybrid
+sliding-window model's SWAKVPool) and tensor / pipeline parallel size above 1, refused naming the
+flag, the model class and the pool class; in the launcher (upstream's real parser, a checkpoint's
+config.json) and when a scheduler's KV configurator opens the pool build. Gemma2's decoder layers
+are found without start_layer / end_layer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sglang_server_args = pytest.importorskip("sglang.srt.server_args")
+
+from sglang_memx.config import MemxConfig, MemxConfigError, add_memx_arguments  # noqa: E402
+from sglang_memx.coordinator import pool_build  # noqa: E402
+from sglang_memx.families import ServedShape, check_served_shape, pool_class_for  # noqa: E402
+from sglang_memx.hooks.server_args import _validating_parse_args, check_namespace  # noqa: E402
+from sglang_memx.upstream.server_args import CONFIG_ATTR  # noqa: E402
+
+ON = MemxConfig(elastic_kv=True)
+
+
+def _refusal(config, shape) -> str:
+    with pytest.raises(MemxConfigError) as info:
+        check_served_shape(config, shape)
+    assert info.value.flag == "--memx-elastic-kv"
+    return str(info.value)
+
+
+def test_one_mha_pool_at_parallel_size_one_is_served():
+    check_served_shape(ON, ServedShape("Gemma2ForCausalLM", "MHATokenToKVPool"))
+    check_served_shape(ON, ServedShape("LlamaForCausalLM", None))  # pool not known yet: the build checks
+
+
+def test_without_elastic_kv_nothing_is_refused():
+    for config in (MemxConfig(), MemxConfig(disabled=True)):
+        check_served_shape(config, ServedShape("MellumForCausalLM", "SWAKVPool", tp_size=2))
+
+
+def test_the_hybrid_sliding_window_pool_is_refused_naming_flag_model_and_pool():
+    msg = _refusal(ON, ServedShape("MellumForCausalLM", "SWAKVPool"))
+    assert msg.startswith("argument --memx-elastic-kv: MellumForCausalLM is served from upstream's SWAKVPool")
+    assert "sliding-window sub-pool" in msg and "MHATokenToKVPool only" in msg
+
+
+def test_tensor_parallel_is_refused_naming_flag_model_pool_and_the_way_out():
+    msg = _refusal(ON, ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))
+    assert "LlamaForCausalLM at tensor parallel size 2" in msg and "one MHATokenToKVPool per rank" in msg
+    assert "--tp 1" in msg
+    assert "pipeline parallel size 3" in _refusal(ON, ServedShape("LlamaForCausalLM", None, pp_size=3))
+
+
+def test_the_flags_that_need_elastic_kv_are_named_with_it():
+    config = MemxConfig(elastic_kv=True, pool_budget_gb=1.0, weights="static", weights_streamed=0.5)
+    msg = _refusal(config, ServedShape("MellumForCausalLM", "SWAKVPool"))
+    assert "(and with it --memx-pool-budget-gb, --memx-weights, --memx-weights-streamed)" in msg
+
+
+@pytest.mark.parametrize(
+    "traits,pool",
+    [({"hybrid_swa": True, "mla": True}, "SWAKVPool"), ({"hybrid_swa": False, "mla": True}, "MLATokenToKVPool"),
+     ({"hybrid_swa": False, "linear": True}, "HybridLinearKVPool"), ({"hybrid_swa": False}, "MHATokenToKVPool")],
+)  # fmt: skip
+def test_pool_class_for(traits, pool):
+    assert pool_class_for(**traits) == pool
+
+
+# ------------------------------------------------------------------ the launcher, on upstream's parser
+def _parser():
+    parser = argparse.ArgumentParser()
+    sglang_server_args.ServerArgs.add_cli_args(parser)
+    add_memx_arguments(parser)
+    return parser
+
+
+def _checkpoint(tmp_path, architecture, **fields):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture], **fields}))
+    return str(tmp_path)
+
+
+def _check(argv):
+    return check_namespace(_parser().parse_args(argv))
+
+
+def test_the_launcher_refuses_a_hybrid_swa_checkpoint(tmp_path):
+    model = _checkpoint(tmp_path, "MellumForCausalLM", layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(MemxConfigError, match="MellumForCausalLM is served from upstream's SWAKVPool"):
+        _check(["--model-path", model, "--memx-elastic-kv"])
+    _check(["--model-path", model])  # no memx KV feature: upstream's business
+    _check(["--model-path", model, "--memx-elastic-kv", "--disable-hybrid-swa-memory"])  # one full-length pool
+
+
+def test_the_launcher_serves_gemma2_whose_window_is_a_mask(tmp_path):
+    model = _checkpoint(tmp_path, "Gemma2ForCausalLM", layer_types=["sliding_attention", "full_attention"])
+    assert _check(["--model-path", model, "--memx-elastic-kv"]).elastic_kv
+
+
+def test_the_launcher_refuses_tensor_parallel(tmp_path):
+    model = _checkpoint(tmp_path, "LlamaForCausalLM")
+    with pytest.raises(MemxConfigError, match="LlamaForCausalLM at tensor parallel size 2 .* one MHATokenToKVPool "):
+        _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv"])
+    with pytest.raises(MemxConfigError, match="this model at tensor parallel size 2 .* one KV pool per rank"):
+        _check(["--model-path", str(tmp_path / "no-such-dir"), "--tp", "2", "--memx-elastic-kv"])
+    _check(["--model-path", model, "--tp", "2"])
+
+
+def test_the_launcher_names_an_mla_checkpoints_pool(tmp_path):
+    model = _checkpoint(tmp_path, "DeepseekV2ForCausalLM", kv_lora_rank=32)
+    with pytest.raises(MemxConfigError, match="DeepseekV2ForCausalLM is served from upstream's MLATokenToKVPool"):
+        _check(["--model-path", model, "--memx-elastic-kv"])
+
+
+def test_the_server_parser_exits_2_naming_the_flag_model_and_pool(tmp_path, capsys):
+    model = _checkpoint(tmp_path, "MellumForCausalLM")
+    parser = _parser()
+    parser.parse_args = _validating_parse_args(parser)
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--model-path", model, "--memx-elastic-kv", "--memx-host-buffer-gb", "0.01"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --memx-elastic-kv: MellumForCausalLM is served from upstream's SWAKVPool" in err
+    assert "(and with it --memx-host-buffer-gb)" in err
+
+
+# ------------------------------------------------------------------ the scheduler's pool build
+def _configurator(*, tp=1, pp=1, hybrid_swa=False, mla=False, mamba=None, arch="MellumForCausalLM"):
+    server_args = SimpleNamespace(tp_size=tp, pp_size=pp, chunked_prefill_size=16, max_prefill_tokens=None)
+    setattr(server_args, CONFIG_ATTR, ON.to_dict())
+    hf = SimpleNamespace(num_attention_heads=4, hidden_size=64, intermediate_size=128, vocab_size=512)
+    model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=[arch]), hf_text_config=hf)
+    return SimpleNamespace(server_args=server_args, model_config=model_config, model_dtype=torch.float32,
+                           is_draft_worker=False, is_hybrid_swa=hybrid_swa, use_mla_backend=mla,
+                           mambaish_config=mamba)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs,named",
+    [({"hybrid_swa": True}, "MellumForCausalLM is served from upstream's SWAKVPool"),
+     ({"mla": True}, "upstream's MLATokenToKVPool"), ({"mamba": object()}, "upstream's HybridLinearKVPool"),
+     ({"tp": 2}, "at tensor parallel size 2 and pipeline parallel size 1 builds one MHATokenToKVPool per rank"),
+     ({"tp": 2, "hybrid_swa": True}, "builds one SWAKVPool per rank")],
+)  # fmt: skip
+def test_the_pool_build_refuses_before_building(kwargs, named):
+    with pytest.raises(MemxConfigError, match=named) as info:
+        with pool_build.scope(_configurator(**kwargs)):
+            raise AssertionError("the build must not open")
+    assert info.value.flag == "--memx-elastic-kv"
+    assert pool_build.current() is None
+
+
+def test_the_pool_build_opens_for_one_mha_pool():
+    with pool_build.scope(_configurator(arch="Gemma2ForCausalLM")) as build:
+        assert build is not None and build.model_class == "Gemma2ForCausalLM"
+    assert pool_build.current() is None
+
+
+def test_a_second_mha_pool_in_one_build_is_refused(monkeypatch):
+    """A pool of MHA sub-pools reaching the buffers hook anyway: never back only the first one."""
+    memory_pool = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
+    pool = object.__new__(memory_pool.MHATokenToKVPool)
+    for name, value in {"quant_method": memory_pool.UnquantizedKVCacheMethod(), "post_capture_active": False,
+                        "kv_cache_layout": "nhd", "enable_custom_mem_pool": False}.items():  # fmt: skip
+        setattr(pool, name, value)
+    current = threading.local()
+    current.build = pool_build.Build(ON, SimpleNamespace(), None, 16, kv=object())
+    monkeypatch.setattr(pool_build, "_current", current)
+    with pytest.raises(MemxConfigError, match="second one") as info:
+        pool_build.make_elastic(pool)
+    assert info.value.flag == "--memx-elastic-kv"
+
+
+# ------------------------------------------------------------------ remappable weights: layer discovery
+def test_gemma2_decoder_layers_are_every_layer_of_its_body():
+    gemma2 = pytest.importorskip("sglang.srt.models.gemma2")
+    from sglang_memx.upstream.model import NotHookable, decoder_layers
+
+    lm = object.__new__(gemma2.Gemma2ForCausalLM)
+    torch.nn.Module.__init__(lm)
+    lm.model = torch.nn.Module()
+    lm.model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+    assert [i for i, _ in decoder_layers(lm)] == [0, 1, 2]
+    lm.model.layers = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(NotHookable, match="not a ModuleList"):
+        decoder_layers(lm)
