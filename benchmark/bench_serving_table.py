@@ -10,10 +10,11 @@ the figures in the docs are the JSON's, never typed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from benchmark.doc_blocks import check_args, write_or_check
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "router.md"
@@ -65,23 +66,9 @@ def render(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
-    text = DOC.read_text()
-    if BEGIN not in text or END not in text:
-        print(f"{DOC}: no generated block ({BEGIN} ... {END})", file=sys.stderr)
-        return 1
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    new = head + render(json.loads(RESULT.read_text())) + tail
-    if args.check:
-        if new != text:
-            print(f"{DOC} differs from {RESULT}: run python -m benchmark.bench_serving_table", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(new)
-    return 0
+    check = check_args(argv, __doc__.split("\n\n")[0])
+    block = render(json.loads(RESULT.read_text()))
+    return write_or_check(DOC, [(BEGIN, END, block)], check, "python -m benchmark.bench_serving_table")
 
 
 if __name__ == "__main__":

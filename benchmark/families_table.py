@@ -11,10 +11,11 @@ family x memx-feature table from ``benchmark/results/families/memx.json`` (writt
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from benchmark.doc_blocks import check_args, write_or_check
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "models.md"
@@ -160,31 +161,11 @@ def render_memx(memx: dict) -> str:
     return "\n".join(lines)
 
 
-def _replace_block(text: str, begin: str, end: str, block: str) -> str | None:
-    if begin not in text or end not in text:
-        return None
-    head, rest = text.split(begin, 1)
-    return head + block + rest.split(end, 1)[1]
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args(argv)
-    text = DOC.read_text()
+    check = check_args(argv, __doc__.split("\n\n")[0])
     memx = json.loads(MEMX_RESULT.read_text())
-    new = _replace_block(text, BEGIN, END, render(json.loads(RESULT.read_text()), memx))
-    new = None if new is None else _replace_block(new, MEMX_BEGIN, MEMX_END, render_memx(memx))
-    if new is None:
-        print(f"{DOC}: a generated block is missing ({BEGIN} / {MEMX_BEGIN})", file=sys.stderr)
-        return 1
-    if args.check:
-        if new != text:
-            print(f"{DOC} differs from {RESULT}: run python -m benchmark.families_table", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(new)
-    return 0
+    blocks = [(BEGIN, END, render(json.loads(RESULT.read_text()), memx)), (MEMX_BEGIN, MEMX_END, render_memx(memx))]
+    return write_or_check(DOC, blocks, check, "python -m benchmark.families_table")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,11 @@ request was accounted for (no ``outcomes`` in the JSON) are rendered as such.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from benchmark.doc_blocks import check_args, write_or_check
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "reliability.md"
@@ -84,25 +85,10 @@ def _load(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def current_block(text: str) -> str:
-    """The generated block of ``text`` (markers included); ValueError when the markers are missing."""
-    start, end = text.index(BEGIN), text.index(END)
-    return text[start : end + len(END)]
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="exit 1 when docs/reliability.md differs from the JSON")
-    args = ap.parse_args(argv)
-    text = DOC.read_text()
+    check = check_args(argv, __doc__)
     block = render(_load(SOAK), _load(FAULTS))
-    if args.check:
-        if current_block(text) != block:
-            print("docs/reliability.md's latest runs differ from the JSON: python -m benchmark.reliability_table")
-            return 1
-        return 0
-    DOC.write_text(text.replace(current_block(text), block))
-    return 0
+    return write_or_check(DOC, [(BEGIN, END, block)], check, "python -m benchmark.reliability_table")
 
 
 if __name__ == "__main__":
