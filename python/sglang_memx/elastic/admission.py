@@ -37,6 +37,8 @@ reason (``GovernorPart.note_verdict``, ``/memx/status``).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from memory_ext.policy.no_harm import (
     STOCK,
     STOCK_ELSE_PARK,
@@ -51,6 +53,15 @@ from sglang_memx.elastic.activation_side import ActivationSide
 from sglang_memx.elastic.host_state import HostBufferState
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
+
+
+class AdmissionGovernor(Protocol):
+    """What admission asks of the device's governor (``coordinator.governor.GovernorPart``); a
+    protocol because this package never imports the coordinator above it."""
+
+    def may_grow(self, running_reqs, req): ...
+
+    def note_verdict(self, verdict: GovernedVerdict) -> None: ...
 
 
 def _decode_headroom(adder, steps: int = 1) -> int:
@@ -127,7 +138,8 @@ def server_growth(adder, req) -> tuple[list[Running], int]:
 
 
 def add_one(original, adder, req, has_chunked_req, truncation_align_size, activation: ActivationSide,
-            host: HostBufferState | None, lent: LentPool | None, governor=None):  # fmt: skip
+            host: HostBufferState | None, lent: LentPool | None,
+            governor: AdmissionGovernor | None = None):  # fmt: skip
     """``PrefillAdder.add_one_req`` with memx's admission rule in front (module docstring):
     one question, then the verdict's branches. With the governor (``coordinator.governor``) the
     question is ``no_harm.govern_prefill`` (the verdict passed through the governor, ``_as_verdict``)."""
@@ -180,7 +192,7 @@ def _as_verdict(gv: GovernedVerdict, verdict: PrefillVerdict) -> PrefillVerdict:
     return verdict  # ON_GPU: the mechanism's own verdict (its fallback included)
 
 
-def governor_refusal(governor, adder, req):
+def governor_refusal(governor: AdmissionGovernor, adder, req):
     """Before ``req`` joins the running batch: the governor's batch decision (``coordinator.governor``:
     the predicted TPOT of the running requests with it within the SLO). None: go on to admission;
     else upstream's own "stop adding" result (``OTHER``: the pass ends, the request stays waiting
