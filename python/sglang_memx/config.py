@@ -65,6 +65,10 @@ def pool_owner_pid(environ=os.environ) -> int | None:
 # in the governor's status. Unset: the flag was given directly.
 TPOT_SLO_SOURCE_ENV = "SGLANG_MEMX_TPOT_SLO_SOURCE"
 TPOT_SLO_FLAG = "--memx-tpot-slo-ms"
+# The same for ``--memx-ttft-slo-ms``, which ``serve`` passes from a model's ``ttft_slo_ms`` to an
+# engine with a host buffer and a governor (the host buffer's rule needs both SLOs).
+TTFT_SLO_SOURCE_ENV = "SGLANG_MEMX_TTFT_SLO_SOURCE"
+TTFT_SLO_FLAG = "--memx-ttft-slo-ms"
 _MAX_SOURCE_CHARS = 200
 
 
@@ -76,16 +80,25 @@ class MemxConfigError(ValueError):
         self.flag = flag
 
 
+def _slo_source(environ, env: str, flag: str) -> str:
+    raw = environ.get(env)
+    if raw is None or raw == "":
+        return flag
+    if len(raw) > _MAX_SOURCE_CHARS or not raw.isprintable():
+        raise MemxConfigError(env, f"must be one printable line of at most {_MAX_SOURCE_CHARS} "
+                              f"characters, got {raw[:60]!r}")  # fmt: skip
+    return raw
+
+
 def tpot_slo_source(environ=os.environ) -> str:
     """Where ``--memx-tpot-slo-ms`` came from: ``TPOT_SLO_SOURCE_ENV`` when set, else the flag;
     a value that is not one printable line of at most 200 characters names the variable."""
-    raw = environ.get(TPOT_SLO_SOURCE_ENV)
-    if raw is None or raw == "":
-        return TPOT_SLO_FLAG
-    if len(raw) > _MAX_SOURCE_CHARS or not raw.isprintable():
-        raise MemxConfigError(TPOT_SLO_SOURCE_ENV, f"must be one printable line of at most {_MAX_SOURCE_CHARS} "
-                              f"characters, got {raw[:60]!r}")  # fmt: skip
-    return raw
+    return _slo_source(environ, TPOT_SLO_SOURCE_ENV, TPOT_SLO_FLAG)
+
+
+def ttft_slo_source(environ=os.environ) -> str:
+    """Where ``--memx-ttft-slo-ms`` came from: ``TTFT_SLO_SOURCE_ENV`` when set, else the flag (same rules)."""
+    return _slo_source(environ, TTFT_SLO_SOURCE_ENV, TTFT_SLO_FLAG)
 
 
 PEER_KV_MODES = ("off", "donate", "borrow", "both")

@@ -300,3 +300,14 @@ def test_the_tpot_slo_source_is_the_flag_unless_serve_names_its_field():
         with pytest.raises(MemxConfigError) as err:
             tpot_slo_source({TPOT_SLO_SOURCE_ENV: bad})
         assert err.value.flag == TPOT_SLO_SOURCE_ENV
+
+
+def test_the_ttft_slo_source_follows_the_same_rules():
+    from sglang_memx.config import TTFT_SLO_SOURCE_ENV, ttft_slo_source
+
+    assert ttft_slo_source({}) == ttft_slo_source({TTFT_SLO_SOURCE_ENV: ""}) == "--memx-ttft-slo-ms"
+    named = "models.yaml: models[0].ttft_slo_ms"
+    assert ttft_slo_source({TTFT_SLO_SOURCE_ENV: named}) == named
+    with pytest.raises(MemxConfigError) as err:
+        ttft_slo_source({TTFT_SLO_SOURCE_ENV: "a\nb"})
+    assert err.value.flag == TTFT_SLO_SOURCE_ENV

@@ -220,14 +220,9 @@ def test_slo_values_parse_and_tpot_is_optional(tmp_path):
         (["--memx-tpot-slo-ms", "50"], [], "models[0].server_args[0]", "contradicts models[0].tpot_slo_ms"),
         (["--memx-tpot-slo-ms=50"], [], "models[0].server_args[0]", "contradicts models[0].tpot_slo_ms"),
         ([], ["--memx-chunk-kb", "4", "--memx-tpot-slo-ms", "50"], "launch.memx_args[2]", "give one of the two"),
-        # a host buffer on the engine needs both SLOs: the TPOT one alone would be refused at start
-        (["--memx-host-buffer-gb", "1"], [], "models[0].tpot_slo_ms", "needs --memx-ttft-slo-ms too"),
-        ([], ["--memx-host-buffer-gb", "1"], "models[0].tpot_slo_ms", "needs --memx-ttft-slo-ms too"),
     ],
 )
-def test_a_tpot_slo_given_twice_or_half_a_host_buffer_pair_names_the_field(
-    tmp_path, server_args, memx_args, where, fragment
-):
+def test_a_tpot_slo_given_twice_names_the_field(tmp_path, server_args, memx_args, where, fragment):
     d = doc(tmp_path, launch={"memx_args": memx_args})
     d["models"][0].update(tpot_slo_ms=80, server_args=server_args)
     e = err(tmp_path, d)

@@ -176,3 +176,32 @@ def test_a_models_tpot_slo_reaches_its_engines_and_no_slo_passes_nothing(tmp_pat
     (spec,) = engine_specs(nameless, plan_placement(nameless), run_id="9", python="py", log_dir=str(tmp_path))
     assert spec.env["SGLANG_MEMX_TPOT_SLO_SOURCE"] == "models.yaml: models[0].tpot_slo_ms"
     assert _flag(spec.argv, "--memx-tpot-slo-ms") == "0.5"
+
+
+def test_with_a_host_buffer_the_models_ttft_slo_reaches_the_governed_engine_too(tmp_path):
+    """The host buffer's rule needs both SLOs: a governed engine with a host buffer gets the model's
+    ``ttft_slo_ms`` as ``--memx-ttft-slo-ms`` (and its source), unless its args give one."""
+    import argparse
+
+    from sglang_memx.config import MemxConfig, add_memx_arguments, ttft_slo_source
+
+    for n in "abc":
+        fake_model(tmp_path, n, weight_bytes=1 << 20)
+    cfg = parse_config({
+        "models": [{"name": "a", "path": "a", "ttft_slo_ms": 700},  # no TPOT SLO: no governor, no flag
+                   {"name": "b", "path": "b", "tpot_slo_ms": 80, "ttft_slo_ms": 700},
+                   {"name": "c", "path": "c", "tpot_slo_ms": 80, "server_args": ["--memx-ttft-slo-ms", "900"]}],
+        "devices": [{"name": "cpu0", "memory_gb": 0.5, "cores": [0, 1, 2]}],
+        "launch": {"memx_args": ["--memx-host-buffer-gb", "1"]},
+    }, base_dir=tmp_path, source=str(tmp_path / "serve.yaml"))  # fmt: skip
+    a, b, c = engine_specs(cfg, plan_placement(cfg), run_id="7", python="py", log_dir=str(tmp_path))
+    assert "--memx-ttft-slo-ms" not in a.argv and "SGLANG_MEMX_TTFT_SLO_SOURCE" not in a.env
+    assert b.argv.count("--memx-ttft-slo-ms") == 1 and float(_flag(b.argv, "--memx-ttft-slo-ms")) == 700.0
+    assert ttft_slo_source(b.env) == "serve.yaml: models[1].ttft_slo_ms"
+    assert c.argv.count("--memx-ttft-slo-ms") == 1 and _flag(c.argv, "--memx-ttft-slo-ms") == "900"
+    assert ttft_slo_source(c.env) == "--memx-ttft-slo-ms"
+    parser = argparse.ArgumentParser()
+    add_memx_arguments(parser)
+    cfg_b = MemxConfig.from_namespace(parser.parse_known_args(list(b.argv[3:]))[0])
+    cfg_b.validate()  # the engine accepts the pair it gets
+    assert (cfg_b.ttft_slo_ms, cfg_b.tpot_slo_ms, cfg_b.host_buffer_gb) == (700.0, 80.0, 1.0)

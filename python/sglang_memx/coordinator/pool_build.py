@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from memory_ext.policy.governor import BatchGovernor
 from memory_ext.pool.lent_pool import LentPool
-from sglang_memx.config import MemxConfig, MemxConfigError, tpot_slo_source
+from sglang_memx.config import MemxConfig, MemxConfigError, tpot_slo_source, ttft_slo_source
 from sglang_memx.coordinator import device
 from sglang_memx.coordinator.components import LayerStreamPart, PeerTier
 from sglang_memx.coordinator.governor import GovernorPart, SloInForce
@@ -154,5 +154,5 @@ def finish(build: Build, result) -> None:
     if build.config.tpot_slo_ms is not None:  # the governor's batch decision under the TPOT SLO
         ttft = build.config.ttft_slo_ms
         extra.append(GovernorPart(BatchGovernor(build.config.tpot_slo_ms / 1e3), tpot_source=tpot_slo_source(),
-                                  ttft=None if ttft is None else SloInForce(ttft, "--memx-ttft-slo-ms")))  # fmt: skip
+                                  ttft=None if ttft is None else SloInForce(ttft, ttft_slo_source())))  # fmt: skip
     device.attach(allocator, kv, tuple(extra), lent=build.lent, host=host)

@@ -357,8 +357,9 @@ def _check_server_args(path: str, args: tuple[str, ...]) -> None:
 
 def _check_slo_flags(models: list[ModelConfig], launch: LaunchConfig) -> None:
     """A model's ``tpot_slo_ms`` reaches its engines as ``--memx-tpot-slo-ms`` (``engine_specs``): the
-    flag may not come again from its ``server_args`` or ``launch.memx_args``, and a host buffer
-    given there then needs its TTFT SLO too (the engine refuses one SLO of the two)."""
+    flag may not come again from its ``server_args`` or ``launch.memx_args``. A host buffer given
+    there then gets the model's ``ttft_slo_ms`` as ``--memx-ttft-slo-ms`` too, unless one is given
+    (``engine_specs``; the engine refuses one SLO of the two)."""
     for i, m in enumerate(models):
         if m.tpot_slo_ms is None:
             continue
@@ -367,10 +368,6 @@ def _check_slo_flags(models: list[ModelConfig], launch: LaunchConfig) -> None:
                 if a.split("=", 1)[0] == "--memx-tpot-slo-ms":
                     why = f"--memx-tpot-slo-ms contradicts models[{i}].tpot_slo_ms (the launcher passes that)"
                     raise ServeConfigError(f"{path}[{j}]", why + "; give one of the two")
-        flags = {a.split("=", 1)[0] for a in m.server_args + launch.memx_args}
-        if "--memx-host-buffer-gb" in flags and "--memx-ttft-slo-ms" not in flags:
-            why = "reaches the engines as --memx-tpot-slo-ms, which with --memx-host-buffer-gb needs"
-            raise ServeConfigError(f"models[{i}].tpot_slo_ms", why + " --memx-ttft-slo-ms too (add it to server_args)")
 
 
 def _model(i: int, doc, base: Path) -> ModelConfig:

@@ -15,7 +15,9 @@ Invariants:
   (``sglang_memx.compute_share``). CUDA devices: ``CUDA_VISIBLE_DEVICES`` is the device's ordinal.
 * A model whose entry sets ``tpot_slo_ms``: its engines get ``--memx-tpot-slo-ms`` (the governor
   caps their running batch, docs/governor.md) and ``TPOT_SLO_SOURCE_ENV`` naming the field; a
-  model without one gets neither (no governor: the batch grows as stock's).
+  model without one gets neither (no governor: the batch grows as stock's). When such an engine
+  also has a host buffer and no ``--memx-ttft-slo-ms`` of its own, the model's ``ttft_slo_ms``
+  reaches it as ``--memx-ttft-slo-ms`` (``TTFT_SLO_SOURCE_ENV``): the buffer's rule needs both.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 
 from .. import compute_share
 from ..compute_share import ComputeShares
-from ..config import POOL_OWNER_ENV, TPOT_SLO_FLAG, TPOT_SLO_SOURCE_ENV
+from ..config import POOL_OWNER_ENV, TPOT_SLO_FLAG, TPOT_SLO_SOURCE_ENV, TTFT_SLO_FLAG, TTFT_SLO_SOURCE_ENV
 from .config import ServeConfig
 from .placement import GIB, Placement, instance_name
 
@@ -174,6 +176,10 @@ def engine_specs(
         if m.tpot_slo_ms is not None:  # the engine's governor keeps its running batch within it
             args += [TPOT_SLO_FLAG, repr(float(m.tpot_slo_ms))]
             env[TPOT_SLO_SOURCE_ENV] = f"{_config_name(config)}: models[{config.models.index(m)}].tpot_slo_ms"
+            given = list(config.launch.memx_args) + list(m.server_args)
+            if _has(given, "--memx-host-buffer-gb") and not _has(given, TTFT_SLO_FLAG):  # its rule needs both
+                args += [TTFT_SLO_FLAG, repr(float(m.ttft_slo_ms))]
+                env[TTFT_SLO_SOURCE_ENV] = f"{_config_name(config)}: models[{config.models.index(m)}].ttft_slo_ms"
         args += list(config.launch.memx_args) + list(m.server_args)
         log = log_root / f"{inst.replace('/', '_').replace('#', '.replica')}.log"
         specs.append(EngineSpec(m.name, dev.name, pool, pool_dir, port, tuple(args), env, str(log), replica))

@@ -1,0 +1,75 @@
+"""Render the no-harm matrix block of ``docs/governor.md`` from ``benchmark/results/e2e/matrix.json``
+(written by ``benchmark/e2e/matrix.py``): the figures in the docs are the JSON's, never typed.
+
+    python -m benchmark.matrix_table           # rewrite the block
+    python -m benchmark.matrix_table --check   # exit 1 when the docs differ from the JSON
+
+``test/unit/test_matrix_table.py`` runs the check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from benchmark.doc_blocks import check_args, write_or_check
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "governor.md"
+RESULT = REPO / "benchmark" / "results" / "e2e" / "matrix.json"
+BEGIN = "<!-- generated: python -m benchmark.matrix_table -->"
+END = "<!-- end generated: matrix -->"
+
+
+def _spread(st: dict, fmt: str = ".2f") -> str:
+    return f"{st['median']:{fmt}} [{st['min']:{fmt}}, {st['max']:{fmt}}]"
+
+
+def _verdict(c: dict) -> str:
+    out = "no harm" if c["no_harm"] else "**harm**"
+    if c["win_asked"]:
+        out += ", win ≥ 1.3×" if c["win"] else ", **no 1.3× win**"
+    return out
+
+
+def render(doc: dict) -> str:
+    params = doc["params"]
+    lines = [
+        BEGIN,
+        f"`{doc['command']}` ({doc['time']}, {doc['machine']['cpus']} CPUs), {params['rounds']} interleaved "
+        f"rounds; memx flags `{' '.join(params['memx_args'])}`. Attainment: median [min, max] over the rounds; "
+        "ratio: memx / the best static split, median [min, max] over the pairs; costs: memx / best split, medians "
+        "over the pairs. The tail percentile is the highest the requests per run allow (p99 needs 100).",
+        "",
+        "| workload | scale | best split (of searched) | its attainment | default split's | memx's | "
+        "memx / best | verdict | throughput | TTFT p50 | TTFT tail | TPOT p50 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, w in doc["workloads"].items():
+        searched = len(w["splits"])
+        for scale, c in w["cells"].items():
+            att, cost = c["attainment"], {k: v["median"] for k, v in c["cost_ratios_vs_best"].items()}
+            best, default = att[c["best_split"]], att[c["default_split"]]
+            row = [f"{name}{' (memory-bound)' if w['memory_bound'] else ''}", f"×{scale}",
+                   f"{c['best_split']} (of {searched})", _spread(best), _spread(default), _spread(att["memx"]),
+                   _spread(c["ratio_vs_best"]), _verdict(c), f"{cost['throughput_tok_s']:.2f}",
+                   f"{cost['ttft_p50_s']:.2f}", f"{cost['ttft_tail_s']:.2f} ({c['tail']})",
+                   f"{cost['tpot_p50_s']:.2f}"]  # fmt: skip
+            lines.append("| " + " | ".join(row) + " |")
+    cl = doc["claims"]
+    missing = "; ".join(f"{k} ({v})" for k, v in doc.get("missing_workloads", {}).items())
+    verdict = "yes" if cl["matrix_holds"] else "no"
+    lines += ["", f"Matrix holds (no harm in every cell, the win where memory binds at ≥ ×10): **{verdict}**. "
+                  f"Workloads not in the driver yet: {missing}.", END]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    check = check_args(argv, __doc__.split("\n\n")[0])
+    block = render(json.loads(RESULT.read_text()))
+    return write_or_check(DOC, [(BEGIN, END, block)], check, "python -m benchmark.matrix_table")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
