@@ -9,13 +9,17 @@
 
 Once per scheduler iteration ``tick`` publishes whether this engine has work (requests
 waiting or running; the coordinator's tick asks) and asks ``memory_ext.policy.compute_share.cores_for`` which cores it
-computes on; when the answer changes, the scheduler process's threads are moved to those
-cores and torch's intra-op thread count follows (one OpenMP thread per core). Without the
-variables (one server alone, stock's command line) nothing here runs.
+may compute on; when idle siblings' cores are on offer, ``memory_ext.policy.lending_trial``
+decides from measured iteration times whether taking them pays (own and lent cores in
+alternating blocks; lent only when faster per running request). When the answer changes, the
+scheduler process's threads are moved to those cores and torch's intra-op thread count follows
+(one OpenMP thread per core). Without the variables (one server alone, stock's command line)
+nothing here runs.
 
-Invariants: the decision is the policy's; an engine with no work returns to its own share
-at its next iteration; a board that cannot be used is logged once and the engine keeps its
-own share (it serves as with a static split, never worse).
+Invariants: the decisions are the policies'; an engine with no work returns to its own share
+at its next iteration; without a measurement that lending pays the engine stays on its own
+share; a board that cannot be used is logged once and the engine keeps its own share (it serves
+as with a static split, never worse).
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from memory_ext.policy.compute_share import ComputeShares, cores_for
+from memory_ext.policy.lending_trial import LendingTrial
 from memory_ext.pool.compute_board import ComputeBoard
 
 __all__ = ["BOARD_ENV", "SLOT_ENV", "SHARES_ENV", "ComputeLender", "ComputeShares", "tick", "status"]
@@ -57,19 +62,30 @@ class ComputeLender:
     slot: int
     table: ComputeShares
     apply: Callable[[tuple[int, ...]], None] = _apply_cores  # tests pass a recorder
+    trial: LendingTrial = field(default_factory=LendingTrial)
     cores: tuple[int, ...] = ()
     changes: int = 0
+    _last: tuple[float, bool, int] | None = None  # the previous iteration: (start, lent, running) if counted
 
-    def step(self, busy: bool, now: float) -> tuple[int, ...]:
-        """Publish ``busy``, then move to the policy's cores if they changed; returns them."""
+    def step(self, busy: bool, now: float, running: int = 0) -> tuple[int, ...]:
+        """Publish ``busy``, then move to the policies' cores if they changed; returns them.
+        ``running``: requests in the batch this iteration runs (the trial's cost unit)."""
+        if self._last is not None and busy:  # the previous iteration ran on unchanged cores: count it
+            start, lent, ran = self._last
+            self.trial.observe(lent, now - start, ran, now)
         self.board.publish(self.slot, os.getpid(), busy, now)
         flags = self.board.busy_flags()
         flags[self.slot] = busy  # our own word, even if the pid check raced
-        want = cores_for(self.slot, self.table, flags)
-        if want != self.cores:
+        own = self.table.shares[self.slot]
+        offered = cores_for(self.slot, self.table, flags)
+        lending = offered != own and self.trial.want_lent(now)
+        want = offered if lending else own
+        changed = want != self.cores
+        if changed:
             self.apply(want)
             self.cores = want
             self.changes += 1
+        self._last = (now, lending, running) if busy and offered != own and not changed else None
         return want
 
     def status(self) -> dict[str, Any]:
@@ -80,6 +96,7 @@ class ComputeLender:
             "shares": self.table.render(),
             "busy_slots": [i for i, b in enumerate(self.board.busy_flags()) if b],
             "changes": self.changes,
+            "lending": self.trial.status(),
         }
 
 
@@ -104,9 +121,9 @@ def from_environment(environ=os.environ) -> ComputeLender | None:
     return ComputeLender(board, slot, table)
 
 
-def tick(busy: bool) -> None:
-    """One iteration's publish-and-decide, ``busy``: requests wait or run in this engine (nothing
-    without the launcher's variables)."""
+def tick(busy: bool, running: int = 0) -> None:
+    """One iteration's publish-and-decide, ``busy``: requests wait or run in this engine,
+    ``running`` of them in its batch (nothing without the launcher's variables)."""
     global _lender, _failed
     if _failed:
         return
@@ -120,7 +137,7 @@ def tick(busy: bool) -> None:
         if _lender is None:
             _failed = True  # not under a launcher with a board: never look again
             return
-    _lender.step(busy, time.monotonic())
+    _lender.step(busy, time.monotonic(), running)
 
 
 def status() -> dict[str, Any] | None:

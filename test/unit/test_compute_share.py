@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from memory_ext.policy.compute_share import ComputeShareError, ComputeShares, cores_for
+from memory_ext.policy.lending_trial import LendingTrial
 from memory_ext.pool.compute_board import ComputeBoard, ComputeBoardError
 from sglang_memx import compute_share
 from sglang_memx.compute_share import ComputeLender, from_environment
@@ -109,8 +110,13 @@ def test_two_lenders_lend_and_take_back_cores(tmp_path):
     path = tmp_path / "pool.compute"
     ComputeBoard.create(path, 2).close()
     applied = {0: [], 1: []}
-    a = ComputeLender(ComputeBoard.open(path), 0, TWO, apply=applied[0].append)
-    b = ComputeLender(ComputeBoard.open(path), 1, TWO, apply=applied[1].append)
+
+    # the board's mechanics: a trial that has measured lending to pay (the trial's own tests below)
+    def paid():
+        return LendingTrial(phase="lend", until=1e9)
+
+    a = ComputeLender(ComputeBoard.open(path), 0, TWO, apply=applied[0].append, trial=paid())
+    b = ComputeLender(ComputeBoard.open(path), 1, TWO, apply=applied[1].append, trial=paid())
     assert a.step(False, 1.0) == (0,) and b.step(False, 1.0) == (1,)  # first step: own share set
     assert a.step(True, 2.0) == (0, 1)  # b is idle: a computes on both cores
     assert b.step(True, 3.0) == (1,)  # b has work: it starts on its own share at once ...
@@ -133,3 +139,86 @@ def test_environment_makes_the_lender_and_bad_variables_name_themselves(tmp_path
         from_environment({**env, compute_share.SLOT_ENV: "2"})
     with pytest.raises(ValueError, match="MEMX_COMPUTE_SLOT: slot 0 of 3 shares on a board of 2"):
         from_environment({**env, compute_share.SLOT_ENV: "0", compute_share.SHARES_ENV: "0;1;1"})
+
+
+def test_a_lender_stops_lending_when_the_lent_cores_are_measured_slower(tmp_path):
+    """Sibling idle, lending on offer: the engine starts on its own core, tries the lent ones,
+    and goes back to its own when the lent iterations are slower per running request."""
+    path = tmp_path / "pool.compute"
+    ComputeBoard.create(path, 2).close()
+    applied = []
+    a = ComputeLender(ComputeBoard.open(path), 0, TWO, apply=applied.append, trial=LendingTrial(block=2, pairs=1))
+    t, cores = 0.0, []
+    for _ in range(12):  # own iterations take 1 ms, lent ones 50 ms (a stalled barrier)
+        cores.append(a.step(True, t, running=4))
+        t += 0.001 if cores[-1] == (0,) else 0.050
+    assert cores[:3] == [(0,)] * 3  # the first change is not counted, then 2 own iterations
+    assert (0, 1) in cores  # the trial's lent block
+    assert cores[-4:] == [(0,)] * 4 and a.trial.phase == "own" and a.trial.refused == 1
+    assert "slower" in a.status()["lending"]["reason"] or "needs <=" in a.status()["lending"]["reason"]
+
+
+def test_a_lender_keeps_lending_when_the_lent_cores_are_faster(tmp_path):
+    path = tmp_path / "pool.compute"
+    ComputeBoard.create(path, 2).close()
+    a = ComputeLender(ComputeBoard.open(path), 0, TWO, apply=lambda c: None, trial=LendingTrial(block=2, pairs=2))
+    t, cores = 0.0, []
+    for _ in range(20):  # lent iterations take half as long
+        cores.append(a.step(True, t, running=2))
+        t += 0.002 if cores[-1] == (0,) else 0.001
+    assert a.trial.phase == "lend" and a.trial.paid == 1 and cores[-5:] == [(0, 1)] * 5
+    assert "lending" in a.status()["lending"]["reason"]
+
+
+@pytest.mark.parametrize(
+    "own_s,lent_s,phase",
+    [
+        (0.010, 0.005, "lend"),  # 2x faster: pays
+        (0.010, 0.0095, "own"),  # 5 % faster: not the 10 % the rule asks for
+        (0.010, 0.012, "own"),  # slower
+        (0.010, 0.5, "own"),  # a stall: bails out after one lent block
+    ],
+)
+def test_the_trial_verdict(own_s, lent_s, phase):
+    trial = LendingTrial(block=3, pairs=2)
+    now = 0.0
+    for _ in range(40):
+        if trial.phase != "trial":
+            break
+        lent = trial.want_lent(now)
+        now += lent_s if lent else own_s
+        trial.observe(lent, lent_s if lent else own_s, 1, now)
+    assert trial.phase == phase
+
+
+def test_the_trial_backs_off_doubling_and_retries_then_a_paying_trial_resets_it():
+    trial = LendingTrial(block=1, pairs=1, hold_s=10.0, max_backoff_s=25.0)
+    assert trial.want_lent(0.0) is False  # own first
+    trial.observe(False, 0.01, 1, 0.0)
+    assert trial.want_lent(0.0) is True
+    trial.observe(True, 0.02, 1, 0.0)  # slower: own cores for 10 s
+    assert trial.phase == "own" and not trial.want_lent(9.9) and trial.want_lent(10.0) is False  # new trial: own first
+    assert trial.trials == 2
+    trial.observe(False, 0.01, 1, 10.0)
+    trial.observe(True, 0.02, 1, 10.0)  # slower again: 20 s
+    assert trial.until == 30.0
+    trial.want_lent(30.0)
+    trial.observe(False, 0.01, 1, 30.0)
+    trial.observe(True, 0.02, 1, 30.0)  # capped at 25 s
+    assert trial.until == 55.0
+    trial.want_lent(55.0)
+    trial.observe(False, 0.01, 1, 55.0)
+    trial.observe(True, 0.005, 1, 55.0)  # pays: lend for hold_s, back-off reset
+    assert trial.phase == "lend" and trial.until == 65.0 and trial.backoff_s == 10.0
+    assert trial.want_lent(64.0) is True and trial.want_lent(65.0) is False  # held, then measured again
+
+
+def test_bad_trial_parameters_name_the_field():
+    from memory_ext.policy.lending_trial import LendingTrialError
+
+    for kwargs, field in (({"block": 0}, "block"), ({"pairs": 1.5}, "pairs"), ({"gain": 0}, "gain"),
+                          ({"hold_s": float("nan")}, "hold_s"), ({"bail": -1}, "bail")):  # fmt: skip
+        with pytest.raises(LendingTrialError, match=f"^{field}:"):
+            LendingTrial(**kwargs)
+    with pytest.raises(LendingTrialError, match="^seconds:"):
+        LendingTrial().observe(True, -1.0, 1, 0.0)

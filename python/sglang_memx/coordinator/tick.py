@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from sglang_memx import compute_share
 from sglang_memx.coordinator import device
-from sglang_memx.elastic import iteration
 from sglang_memx.peer import server as peer_server
 from sglang_memx.upstream import scheduler as up_sched
 
@@ -54,4 +53,5 @@ def per_iteration(scheduler) -> None:
         peer_server.tick(scheduler, None, None, None)
     else:
         coordinator.tick(scheduler)
-    compute_share.tick(iteration.has_work(scheduler))
+    running = len(up_sched.admitted_reqs(scheduler))
+    compute_share.tick(running > 0 or bool(up_sched.waiting(scheduler)), running)

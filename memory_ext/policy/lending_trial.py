@@ -1,0 +1,117 @@
+"""Lend idle siblings' cores to a busy engine only where lending was measured to pay.
+
+``compute_share.cores_for`` says which cores an engine *may* compute on. Whether more cores make
+its iterations faster is not given: on CPU, OpenMP threads wait for each other at every barrier,
+so one thread that shares its core with any other busy process (the router, a tokenizer, another
+tenant) stalls the whole step. Measured on this project's 2-core box with a busy neighbour: a
+tiny model's step took 0.47 ms on one thread and 190 ms on two. A static split never pays that.
+
+The trial (numbers in, decisions out; no clock, no I/O):
+
+* While lending is possible, the engine alternates blocks of ``block`` iterations on its own
+  cores and on the lent ones, own first, for ``pairs`` pairs. An iteration's *cost* is its
+  seconds per running request; the first iteration after a change of cores is not counted (the
+  thread pool is rebuilt).
+* Verdict: lending pays when the median lent cost is at most ``gain`` x the median own cost.
+  Then the engine lends for ``hold_s`` and tries again; otherwise it stays on its own cores for
+  the back-off (``hold_s``, doubled after each failed trial up to ``max_backoff_s``; reset by a
+  trial that pays). A lent block whose median is already above ``bail`` x the own median ends
+  the trial at once (a stall like the one above costs one block, not the whole trial).
+
+Invariants: with no measurement the engine computes on its own cores only (the static split's
+speed, never worse); every decision has a reason, kept in ``status``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+__all__ = ["LendingTrial", "LendingTrialError"]
+
+
+class LendingTrialError(ValueError):
+    """A bad trial parameter or observation; the message names the field."""
+
+
+@dataclass
+class LendingTrial:
+    block: int = 4
+    pairs: int = 2
+    gain: float = 0.9
+    bail: float = 2.0
+    hold_s: float = 10.0
+    max_backoff_s: float = 120.0
+    # state
+    phase: str = "trial"  # trial | lend | own
+    until: float = 0.0  # end of the lend / own phase
+    backoff_s: float = 0.0
+    own_costs: list = field(default_factory=list)
+    lent_costs: list = field(default_factory=list)
+    trials: int = 0
+    paid: int = 0
+    refused: int = 0
+    reason: str = "no measurement yet: own cores"
+
+    def __post_init__(self) -> None:
+        for name in ("block", "pairs"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise LendingTrialError(f"{name}: must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("gain", "bail", "hold_s", "max_backoff_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > 0 or v != v:
+                raise LendingTrialError(f"{name}: must be a positive number, got {v!r}")
+        self.backoff_s = self.hold_s
+        self.trials = 1  # the first trial starts with the first busy iteration
+
+    def _trial_side(self) -> bool:
+        """The side of the trial's current block: own first, then lent, alternating."""
+        n_own, n_lent = len(self.own_costs), len(self.lent_costs)
+        return n_own >= self.block * (n_lent // self.block + 1)
+
+    def want_lent(self, now: float) -> bool:
+        """Whether the next iteration computes on the lent cores (lending being possible)."""
+        if self.phase != "trial" and now >= self.until:
+            self._start_trial()
+        if self.phase == "lend":
+            return True
+        if self.phase == "own":
+            return False
+        return self._trial_side()
+
+    def observe(self, lent: bool, seconds: float, running: int, now: float) -> None:
+        """One counted iteration: ``seconds`` long with ``running`` requests, on the lent cores or not."""
+        if not seconds >= 0 or seconds != seconds:
+            raise LendingTrialError(f"seconds: must be >= 0, got {seconds!r}")
+        if self.phase != "trial":
+            return
+        cost = seconds / max(1, running)
+        (self.lent_costs if lent else self.own_costs).append(cost)
+        if not self.own_costs or not self.lent_costs:
+            return
+        own = statistics.median(self.own_costs)
+        lent_med = statistics.median(self.lent_costs)
+        if lent and len(self.lent_costs) % self.block == 0 and lent_med > self.bail * own:
+            self._refuse(now, f"lent cores {lent_med / own:.2f}x slower per request-iteration: bailed out")
+        elif len(self.lent_costs) >= self.block * self.pairs and len(self.own_costs) >= self.block * self.pairs:
+            if lent_med <= self.gain * own:
+                self.phase, self.until, self.backoff_s = "lend", now + self.hold_s, self.hold_s
+                self.paid += 1
+                self.reason = f"lent cores {lent_med / own:.2f}x the own cost per request-iteration: lending"
+            else:
+                self._refuse(now, f"lent cores {lent_med / own:.2f}x the own cost (needs <= {self.gain:g}x)")
+
+    def _refuse(self, now: float, why: str) -> None:
+        self.phase, self.until = "own", now + self.backoff_s
+        self.reason = f"{why}: own cores for {self.backoff_s:g} s"
+        self.backoff_s = min(self.max_backoff_s, 2 * self.backoff_s)
+        self.refused += 1
+
+    def _start_trial(self) -> None:
+        self.phase, self.own_costs, self.lent_costs = "trial", [], []
+        self.trials += 1
+        self.reason = "measuring: own and lent cores in alternating blocks"
+
+    def status(self) -> dict:
+        return {"phase": self.phase, "until_monotonic_s": self.until, "trials": self.trials, "paid": self.paid,
+                "refused": self.refused, "reason": self.reason}  # fmt: skip
