@@ -13,9 +13,11 @@ The trial (numbers in, decisions out; no clock, no I/O):
   seconds per running request; the first iteration after a change of cores is not counted (the
   thread pool is rebuilt).
 * Verdict: lending pays when the median lent cost is at most ``gain`` x the median own cost.
-  Then the engine lends for ``hold_s`` and tries again; otherwise it stays on its own cores for
-  the back-off (``hold_s``, doubled after each failed trial up to ``max_backoff_s``; reset by a
-  trial that pays). A lent block whose median is already above ``bail`` x the own median ends
+  Then the engine lends for the hold and measures again (the hold starts at ``hold_s`` and
+  doubles after each trial that pays, up to ``max_hold_s``, so a trial's own-core blocks cost a
+  vanishing share of the time where lending keeps paying); otherwise it stays on its own cores
+  for the back-off (``hold_s``, doubled after each failed trial up to ``max_backoff_s``), and the
+  hold starts again from ``hold_s``. A lent block whose median is already above ``bail`` x the own median ends
   the trial at once (a stall like the one above costs one block, not the whole trial).
 
 Invariants: with no measurement the engine computes on its own cores only (the static split's
@@ -41,11 +43,13 @@ class LendingTrial:
     gain: float = 0.9
     bail: float = 2.0
     hold_s: float = 10.0
+    max_hold_s: float = 160.0
     max_backoff_s: float = 120.0
     # state
     phase: str = "trial"  # trial | lend | own
     until: float = 0.0  # end of the lend / own phase
     backoff_s: float = 0.0
+    next_hold_s: float = 0.0
     own_costs: list = field(default_factory=list)
     lent_costs: list = field(default_factory=list)
     trials: int = 0
@@ -57,11 +61,11 @@ class LendingTrial:
         for name in ("block", "pairs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise LendingTrialError(f"{name}: must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("gain", "bail", "hold_s", "max_backoff_s"):
+        for name in ("gain", "bail", "hold_s", "max_hold_s", "max_backoff_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > 0 or v != v:
                 raise LendingTrialError(f"{name}: must be a positive number, got {v!r}")
-        self.backoff_s = self.hold_s
+        self.backoff_s = self.next_hold_s = self.hold_s
         self.trials = 1  # the first trial starts with the first busy iteration
 
     def _trial_side(self) -> bool:
@@ -95,9 +99,11 @@ class LendingTrial:
             self._refuse(now, f"lent cores {lent_med / own:.2f}x slower per request-iteration: bailed out")
         elif len(self.lent_costs) >= self.block * self.pairs and len(self.own_costs) >= self.block * self.pairs:
             if lent_med <= self.gain * own:
-                self.phase, self.until, self.backoff_s = "lend", now + self.hold_s, self.hold_s
+                self.phase, self.until, self.backoff_s = "lend", now + self.next_hold_s, self.hold_s
                 self.paid += 1
-                self.reason = f"lent cores {lent_med / own:.2f}x the own cost per request-iteration: lending"
+                self.reason = (f"lent cores {lent_med / own:.2f}x the own cost per request-iteration: lending for "
+                               f"{self.next_hold_s:g} s")  # fmt: skip
+                self.next_hold_s = min(self.max_hold_s, 2 * self.next_hold_s)
             else:
                 self._refuse(now, f"lent cores {lent_med / own:.2f}x the own cost (needs <= {self.gain:g}x)")
 
@@ -105,6 +111,7 @@ class LendingTrial:
         self.phase, self.until = "own", now + self.backoff_s
         self.reason = f"{why}: own cores for {self.backoff_s:g} s"
         self.backoff_s = min(self.max_backoff_s, 2 * self.backoff_s)
+        self.next_hold_s = self.hold_s
         self.refused += 1
 
     def _start_trial(self) -> None:

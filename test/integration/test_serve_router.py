@@ -134,6 +134,11 @@ def test_models_lists_both_and_they_share_one_pool(serve):
               for u in serve["status"]["models"].values()]  # fmt: skip
     assert shared[0]["budget_chunks"] == shared[1]["budget_chunks"] > 0  # one arbiter, one budget
     assert shared[0]["client_id"] != shared[1]["client_id"]
+    # co-located engines share the device's cores through the compute board; lending is a measured trial
+    boards = [_http(u["url"] + "/memx/status")["schedulers"][0]["compute_share"]
+              for u in serve["status"]["models"].values()]  # fmt: skip
+    assert sorted(b["slot"] for b in boards) == [0, 1] and all(b["lending"]["reason"] for b in boards)
+    assert all(b["lending"]["phase"] in ("trial", "lend", "own") for b in boards)
     assert serve["status"]["devices"]["cpu0"]["models"] == ["tiny-b", "tiny-a"]  # Alg. 1: larger footprint first
 
 

@@ -211,6 +211,13 @@ def test_the_trial_backs_off_doubling_and_retries_then_a_paying_trial_resets_it(
     trial.observe(True, 0.005, 1, 55.0)  # pays: lend for hold_s, back-off reset
     assert trial.phase == "lend" and trial.until == 65.0 and trial.backoff_s == 10.0
     assert trial.want_lent(64.0) is True and trial.want_lent(65.0) is False  # held, then measured again
+    trial.observe(False, 0.01, 1, 65.0)
+    trial.observe(True, 0.005, 1, 65.0)  # pays again: the hold doubles (the trial's own blocks get rarer)
+    assert trial.until == 85.0 and trial.want_lent(84.0) is True
+    trial.want_lent(85.0)
+    trial.observe(False, 0.01, 1, 85.0)
+    trial.observe(True, 0.02, 1, 85.0)  # stopped paying: own cores, and the hold starts again from hold_s
+    assert trial.phase == "own" and trial.next_hold_s == 10.0
 
 
 def test_bad_trial_parameters_name_the_field():
