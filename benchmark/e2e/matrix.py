@@ -286,14 +286,14 @@ def main(argv=None) -> int:
         w = WORKLOADS[name]
         doc["workloads"][name] = {"description": w.description, "memory_bound": w.memory_bound,
                                   **run_workload(w, args)}  # fmt: skip
-    if args.dry_run:
-        return 0
-    doc["claims"] = claims({n: d["cells"] for n, d in doc["workloads"].items()})
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(doc, indent=1))
-    heatmap(doc, RESULTS / f"{args.out}.png")
-    print(json.dumps(doc["claims"], indent=1))
-    print(f"wrote {RESULTS / args.out}.json, .png")
+        if not args.dry_run:  # after every workload: a run cut short keeps the workloads it finished
+            doc["workloads_done"] = list(doc["workloads"])
+            doc["claims"] = claims({n: d["cells"] for n, d in doc["workloads"].items()})
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            (RESULTS / f"{args.out}.json").write_text(json.dumps(doc, indent=1))
+            heatmap(doc, RESULTS / f"{args.out}.png")
+            print(json.dumps(doc["claims"], indent=1))
+            print(f"wrote {RESULTS / args.out}.json, .png", flush=True)
     return 0
 
 
