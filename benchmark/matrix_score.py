@@ -130,6 +130,8 @@ def cell(memx: Sequence[Mapping], stock: Mapping[str, Sequence[Mapping]], order:
             "memx": _spread([m["attainment"] for m in memx]),
             **{name: _spread([r["attainment"] for r in runs]) for name, runs in stock.items()},
         },
+        "failed": _totals("failed", memx, stock),
+        "requests": _totals("requests", memx, stock),
         "ratio_vs_best": vs_best,
         "ratio_vs_default": ratios(default),
         "cost_ratios_vs_best": costs,
@@ -138,6 +140,11 @@ def cell(memx: Sequence[Mapping], stock: Mapping[str, Sequence[Mapping]], order:
         "win_asked": win_asked,
         "win": (vs_best["median"] >= WIN_MEDIAN) if win_asked else None,
     }
+
+
+def _totals(key: str, memx: Sequence[Mapping], stock: Mapping[str, Sequence[Mapping]]) -> dict:
+    """``key`` summed over the rounds, per setup."""
+    return {"memx": sum(m[key] for m in memx), **{n: sum(r[key] for r in runs) for n, runs in stock.items()}}
 
 
 def claims(cells: Mapping[str, Mapping[str, Mapping]]) -> dict:

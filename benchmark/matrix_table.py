@@ -1,5 +1,6 @@
-"""Render the no-harm matrix block of ``docs/governor.md`` from ``benchmark/results/e2e/matrix.json``
-(written by ``benchmark/e2e/matrix.py``): the figures in the docs are the JSON's, never typed.
+"""Render the no-harm matrix block of ``docs/governor.md`` from the matrix's results files
+(``benchmark/results/e2e/matrix*.json``, written by ``benchmark/e2e/matrix.py``; one table per file, in
+``RESULTS`` order): the figures in the docs are the JSON's, never typed.
 
     python -m benchmark.matrix_table           # rewrite the block
     python -m benchmark.matrix_table --check   # exit 1 when the docs differ from the JSON
@@ -17,7 +18,7 @@ from benchmark.doc_blocks import check_args, write_or_check
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "governor.md"
-RESULT = REPO / "benchmark" / "results" / "e2e" / "matrix.json"
+RESULTS = [REPO / "benchmark" / "results" / "e2e" / f"{name}.json" for name in ("matrix", "matrix_steady2")]
 BEGIN = "<!-- generated: python -m benchmark.matrix_table -->"
 END = "<!-- end generated: matrix -->"
 
@@ -34,10 +35,16 @@ def _verdict(c: dict) -> str:
 
 
 def render(doc: dict) -> str:
+    """One results file's table, between the markers."""
+    return "\n".join([BEGIN, *table(doc), END])
+
+
+def table(doc: dict) -> list[str]:
     params = doc["params"]
+    done = ", ".join(doc.get("workloads_done", list(doc["workloads"])))
     lines = [
-        BEGIN,
-        f"`{doc['command']}` ({doc['time']}, {doc['machine']['cpus']} CPUs), {params['rounds']} interleaved "
+        f"`{doc['command']}` ({doc['time']}, {doc['machine']['cpus']} CPUs; workloads finished: {done}), "
+        f"{params['rounds']} interleaved "
         f"rounds; memx flags `{' '.join(params['memx_args'])}`. Attainment: median [min, max] over the rounds; "
         "ratio: memx / the best static split, median [min, max] over the pairs; costs: memx / best split, medians "
         "over the pairs. The tail percentile is the highest the requests per run allow (p99 needs 100).",
@@ -57,17 +64,27 @@ def render(doc: dict) -> str:
                    f"{cost['ttft_p50_s']:.2f}", f"{cost['ttft_tail_s']:.2f} ({c['tail']})",
                    f"{cost['tpot_p50_s']:.2f}"]  # fmt: skip
             lines.append("| " + " | ".join(row) + " |")
+    lost = []
+    for name, w in doc["workloads"].items():
+        c = next(iter(w["cells"].values()))  # stock's runs are the same at every scale
+        lost += [f"{name} `{setup}` {n} of {c['requests'][setup]}" for setup, n in c["failed"].items()
+                 if n and not setup == "memx"]  # fmt: skip
+        lost += [f"{name} memx ×{k} {c2['failed']['memx']} of {c2['requests']['memx']}"
+                 for k, c2 in w["cells"].items() if c2["failed"]["memx"]]  # fmt: skip
+    if lost:
+        lines += ["", "Requests that failed (they count as misses): " + "; ".join(lost) + "."]
     cl = doc["claims"]
     missing = "; ".join(f"{k} ({v})" for k, v in doc.get("missing_workloads", {}).items())
     verdict = "yes" if cl["matrix_holds"] else "no"
     lines += ["", f"Matrix holds (no harm in every cell, the win where memory binds at ≥ ×10): **{verdict}**. "
-                  f"Workloads not in the driver yet: {missing}.", END]  # fmt: skip
-    return "\n".join(lines)
+                  f"Workloads not in the driver yet: {missing}."]  # fmt: skip
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     check = check_args(argv, __doc__.split("\n\n")[0])
-    block = render(json.loads(RESULT.read_text()))
+    tables = [table(json.loads(path.read_text())) for path in RESULTS]
+    block = "\n".join([BEGIN, *(line for t in tables for line in (*t, "")), END])
     return write_or_check(DOC, [(BEGIN, END, block)], check, "python -m benchmark.matrix_table")
 
 

@@ -63,6 +63,19 @@ COMMON = ["--dtype", "float32", "--chunked-prefill-size", str(CHUNKED_PREFILL)]
 SCALES = (2, 5, 10, 20, 50)
 
 
+SERVER_RSS_BYTES = 1_300_000_000  # one tiny-model CPU server (tokenizer, scheduler, detokenizer): ~1.1 GB + start-up
+
+
+def check_memory(servers: int, meminfo: Path = Path("/proc/meminfo")) -> None:
+    """Refuse to start more servers than the host's available memory holds: on 2026-11-28 the OOM
+    killer took two stock schedulers of a 12-server run, and their requests counted as misses."""
+    fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
+    available = int(fields["MemAvailable"].split()[0]) * 1024
+    if servers * SERVER_RSS_BYTES > available:
+        raise SystemExit(f"--splits: {servers} servers need about {servers * SERVER_RSS_BYTES / 2**30:.1f} GiB, "
+                         f"{available / 2**30:.1f} GiB available: keep fewer candidate splits")  # fmt: skip
+
+
 def model_sizes(w: Workload, paths: dict[str, Path], sched) -> dict[str, ModelSize]:
     from transformers import AutoTokenizer
 
@@ -181,6 +194,7 @@ def run_workload(w: Workload, args) -> dict:
     print(f"# splits: {[(s.name, s.fractions, s.cores) for s in splits]}", flush=True)
     if args.dry_run:
         return {"plan": plan, "splits": [s.__dict__ for s in splits]}
+    check_memory(len(splits) * len(w.models) + len(w.models))
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-memx-bench-matrix-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     stock = {s.name: stock_servers(w, s, paths, plan) for s in splits}
@@ -197,6 +211,9 @@ def run_workload(w: Workload, args) -> dict:
         setups = [s.name for s in splits] + [f"memx@{k:g}" for k in args.scales]
 
         def run(setup: str, r: int) -> dict:
+            dead = [srv.name for srv in every if not srv.running]
+            if dead:  # its requests would count as misses: a lost server is not a result
+                raise RuntimeError(f"stock servers died (out of memory? see dmesg and test-logs/): {dead}")
             if setup.startswith("memx@"):
                 return memx(float(setup[5:]), sched)
             urls = {n: srv.url for n, srv in stock[setup].items()}
@@ -257,6 +274,11 @@ def parse_args(argv=None):
     ap.add_argument("--memx-args", default="--memx-host-buffer-gb 1", help="memx flags for every engine (serve.sh's)")
     ap.add_argument("--dry-run", action="store_true", help="print the plans and splits and exit")
     ap.add_argument("--out", default="matrix", help="results name under benchmark/results/e2e/")
+    ap.add_argument(
+        "--rescore",
+        action="store_true",
+        help="recompute the cells and claims of <out>.json from its recorded requests (no server)",
+    )
     args = ap.parse_args(argv)
     args.workloads = [x for x in args.workloads.split(",") if x]
     for name in args.workloads:
@@ -275,8 +297,27 @@ def parse_args(argv=None):
     return args
 
 
+def rescore(path: Path) -> dict:
+    """The cells and claims of a results file, recomputed from the requests it recorded (the scoring
+    code may have gained fields since the run); the measurements are untouched."""
+    doc = json.loads(path.read_text())
+    for name, wd in doc["workloads"].items():
+        split_names = [s["name"] for s in wd["splits"]]
+        wd["cells"] = score_cells(WORKLOADS[name], wd["rounds"], split_names, wd["solo"], doc["params"]["scales"])
+    doc["claims"] = claims({n: d["cells"] for n, d in doc["workloads"].items()})
+    doc["rescored"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return doc
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.rescore:
+        path = RESULTS / f"{args.out}.json"
+        doc = rescore(path)
+        path.write_text(json.dumps(doc, indent=1))
+        heatmap(doc, path.with_suffix(".png"))
+        print(json.dumps(doc["claims"], indent=1))
+        return 0
     command = "python benchmark/e2e/matrix.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"# {command}", flush=True)
     doc = {"command": command, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -47,9 +47,9 @@ def test_attainment_ratio_zero_cases():
     assert attainment_ratio(0.5, 1.0) == 0.5
 
 
-def run(att, good=1.0):
+def run(att, good=1.0, failed=0):
     return {"attainment": att, "goodput_tok_s": good, "throughput_tok_s": 1.0, "ttft_p50_s": 1.0,
-            "ttft_tail_s": 1.0, "tpot_p50_s": 1.0, "tail": "p90"}  # fmt: skip
+            "ttft_tail_s": 1.0, "tpot_p50_s": 1.0, "tail": "p90", "failed": failed, "requests": 10}  # fmt: skip
 
 
 def test_best_split_by_median_attainment_then_goodput_then_order():
@@ -66,6 +66,8 @@ def test_cell_no_harm_needs_median_and_every_pair():
     held = cell([run(0.8)] * 4 + [run(0.77)], stock, ["equal", "need"], "equal", memory_bound=False, scale=5)
     assert held["best_split"] == "need" and held["no_harm"] and held["win"] is None
     assert held["ratio_vs_default"]["median"] == pytest.approx(1.6)
+    lost = cell([run(0.8)] * 5, {"equal": [run(0.5, failed=3)] * 5}, ["equal"], "equal", False, 5)
+    assert lost["failed"] == {"memx": 0, "equal": 15} and lost["requests"]["equal"] == 50
     one_bad_pair = cell([run(0.9)] * 4 + [run(0.7)], stock, ["equal", "need"], "equal", False, 5)
     assert not one_bad_pair["no_harm"]  # 0.7 / 0.8 < 0.95 although the median is above 1
     low_median = cell([run(0.78)] * 5, stock, ["equal", "need"], "equal", False, 5)
@@ -121,3 +123,13 @@ def test_memory_plan_and_splits_count_the_same_bytes():
     starved = Split("starve", {"tiny-a": 0.999, "tiny-c": 0.001})
     assert not starved.feasible(plan, w.new_tokens)
     assert w.memory_bound and not WORKLOADS["steady2"].memory_bound
+
+
+def test_the_driver_refuses_more_servers_than_memory_holds_naming_the_flag(tmp_path):
+    from benchmark.e2e import matrix
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    4000000 kB\n")
+    matrix.check_memory(3, meminfo)  # 3 x 1.3 GB < 4.1 GB
+    with pytest.raises(SystemExit, match="--splits: 12 servers need"):
+        matrix.check_memory(12, meminfo)
