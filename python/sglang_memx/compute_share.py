@@ -35,7 +35,7 @@ from memory_ext.policy.compute_share import ComputeShares, cores_for
 from memory_ext.policy.lending_trial import LendingTrial
 from memory_ext.pool.compute_board import ComputeBoard
 
-__all__ = ["BOARD_ENV", "SLOT_ENV", "SHARES_ENV", "ComputeLender", "ComputeShares", "tick", "status"]
+__all__ = ["BOARD_ENV", "SLOT_ENV", "SHARES_ENV", "ComputeLender", "ComputeShares", "in_use", "tick", "status"]
 
 logger = logging.getLogger("sglang_memx")
 
@@ -119,6 +119,12 @@ def from_environment(environ=os.environ) -> ComputeLender | None:
     if board.slots != table.slots or not 0 <= slot < table.slots:
         raise ValueError(f"{SLOT_ENV}: slot {slot} of {table.slots} shares on a board of {board.slots} slots")
     return ComputeLender(board, slot, table)
+
+
+def in_use() -> bool:
+    """False once this engine is known to have no usable board: the caller then skips counting
+    its requests for ``tick`` (nothing here would read them)."""
+    return not _failed
 
 
 def tick(busy: bool, running: int = 0) -> None:

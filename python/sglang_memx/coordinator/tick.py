@@ -53,5 +53,6 @@ def per_iteration(scheduler) -> None:
         peer_server.tick(scheduler, None, None, None)
     else:
         coordinator.tick(scheduler)
-    running = len(up_sched.admitted_reqs(scheduler))
-    compute_share.tick(running > 0 or bool(up_sched.waiting(scheduler)), running)
+    if compute_share.in_use():  # an engine without a compute board counts nothing here
+        running = len(up_sched.admitted_reqs(scheduler))
+        compute_share.tick(running > 0 or bool(up_sched.waiting(scheduler)), running)
