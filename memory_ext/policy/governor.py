@@ -14,8 +14,12 @@ feed them here, ``observe``).
   (Alg. 2) and the TPOT side of eLLM's Alg. 2: admit while the predicted step time of the
   running batch with the request stays within the TPOT SLO (``<=``: exactly at the SLO admits).
   No SLO: always admit (stock behaviour). An empty batch always admits (nothing starves).
-  A refusal only leaves the request waiting: nothing is ever dropped, a request past its TTFT
-  included; the running batch shrinks as its requests finish and admission reopens.
+  An SLO no batch can meet (one request decoding alone, the lighter of the newcomer and an
+  average running one, is predicted over it) admits as stock would: a cap would only queue
+  the burst (every TTFT later) for a TPOT no batch size attains, harm with no predicted gain.
+  A refusal only leaves the request waiting: nothing is
+  ever dropped, a request past its TTFT included; the running batch shrinks as its requests
+  finish and admission reopens.
 
 Every decision carries a reason code (``REASONS``) and the predicted vs SLO numbers.
 """
@@ -33,6 +37,7 @@ __all__ = [
     "CAP_REASONS",
     "BatchGovernor",
     "REASONS",
+    "SLO_INFEASIBLE",
     "StepTimeModel",
     "check_tpot_slo",
 ]
@@ -41,13 +46,14 @@ NO_SLO = "no_slo"  # no TPOT SLO set: never caps
 EMPTY_BATCH = "empty_batch"  # nothing runs: one request always joins
 LEARNING = "learning"  # too few step samples to predict: admit as stock would
 WITHIN_SLO = "within_slo"  # predicted step time with the request <= the SLO
+SLO_INFEASIBLE = "slo_infeasible"  # even the request alone is predicted over the SLO: no cap helps, admit
 OVER_SLO = "over_slo"  # predicted step time with the request > the SLO: the request waits
-ADMIT_REASONS = (NO_SLO, EMPTY_BATCH, LEARNING, WITHIN_SLO)
+ADMIT_REASONS = (NO_SLO, EMPTY_BATCH, LEARNING, WITHIN_SLO, SLO_INFEASIBLE)
 REASONS = (*ADMIT_REASONS, OVER_SLO)
-# why the status' batch cap is what it is: none without an SLO or while learning, else the
-# largest batch predicted within the SLO
+# why the status' batch cap is what it is: none without an SLO, while learning or when no batch
+# meets the SLO, else the largest batch predicted within the SLO
 CAP_WITHIN_SLO = "predicted_tpot_within_slo"
-CAP_REASONS = (NO_SLO, LEARNING, CAP_WITHIN_SLO)
+CAP_REASONS = (NO_SLO, LEARNING, SLO_INFEASIBLE, CAP_WITHIN_SLO)
 
 KV_UNIT = 1000.0  # kv tokens per fit unit (keeps the normal equations well scaled)
 RIDGE = 1e-6  # per unit of total weight, on the slopes only
@@ -180,8 +186,12 @@ class BatchGovernor:
             reason = EMPTY_BATCH
         elif predicted is None:
             reason = LEARNING
+        elif predicted <= slo:
+            reason = WITHIN_SLO
         else:
-            reason = WITHIN_SLO if predicted <= slo else OVER_SLO
+            # the smallest batch: one request, the lighter of the newcomer and a running one on average
+            alone = self.model.predict(1, min(add_kv_tokens, kv_tokens // running))
+            reason = SLO_INFEASIBLE if alone > slo else OVER_SLO
         return BatchDecision(reason != OVER_SLO, reason, running, predicted, slo)
 
     def may_grow(self, running: int, kv_tokens: int, add_kv_tokens: int) -> BatchDecision:
@@ -199,6 +209,8 @@ class BatchGovernor:
             cap, why = None, NO_SLO
         elif model.coef is None:
             cap, why = None, LEARNING
+        elif model.predict(1, round(kv_per)) > slo:
+            cap, why = None, SLO_INFEASIBLE
         else:
             cap, why = model.cap(slo, kv_per), CAP_WITHIN_SLO
         a, b, c = model.coef if model.coef is not None else (None, None, None)

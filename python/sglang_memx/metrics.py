@@ -116,7 +116,8 @@ _HELP = {
     "memx_governor_batch_cap": ("gauge", "Largest running batch predicted within the TPOT SLO (absent: no cap)."),
     "memx_governor_batch_cap_reason": (
         "gauge",
-        "1 for why the batch cap is what it is (no_slo, learning, predicted_tpot_within_slo), 0 for the others.",
+        "1 for why the batch cap is what it is (no_slo, learning, slo_infeasible, predicted_tpot_within_slo), "
+        "0 for the others.",
     ),
     "memx_governor_predicted_tpot_seconds": ("gauge", "Predicted decode step (TPOT) of the running batch."),
     "memx_governor_measured_tpot_seconds": ("gauge", "Measured decode step (TPOT), exponential mean of recent steps."),

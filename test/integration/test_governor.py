@@ -7,10 +7,12 @@ memx with one every step meets ("loose", 100 s). Each memx server first decodes 
 alone, so its step-time model has its samples (``StepTimeModel.min_samples``); then the same
 burst of prompts arrives at once (one ``/generate`` with a list of texts).
 
-* tight: the cap is 1 (< the burst) with reason ``predicted_tpot_within_slo``, decisions
-  ``over_slo`` counted, at most one request ever runs, every request is served; each output
-  equals stock's answer to the same prompt sent alone (the governor serialises the burst, so
-  stock alone is the equal batching);
+* tight (do no harm): even one request alone is predicted over the SLO, so a cap would only queue
+  the burst for a TPOT no batch attains; there is no cap (reason ``slo_infeasible``), no
+  ``over_slo`` refusal, the burst runs as a batch and every output equals stock's for the same
+  burst. (A cap on a feasible SLO is covered by ``test_policy_governor``, the admission hook's
+  unit tests and ``test_same_decisions``: on this CPU the step time grows with the batch by less
+  than its noise, so no fixed SLO here would cap a real server reliably.)
 * loose: no ``over_slo`` decision, the burst runs as a batch (as stock's), its cap is >= the
   burst; outputs equal stock's for the same burst (equal batching: both admit it at once).
 
@@ -78,26 +80,27 @@ def _visible(server, gov):
     text = server.request_text("/memx/metrics")
     slo_s = _metric(text, "memx_governor_tpot_slo_seconds", source="--memx-tpot-slo-ms")
     assert slo_s is not None and abs(slo_s - gov["tpot_slo_ms"] / 1e3) < 1e-12
-    assert _metric(text, "memx_governor_batch_cap_reason", reason="predicted_tpot_within_slo") == 1
+    assert _metric(text, "memx_governor_batch_cap_reason", reason=gov["batch_cap_reason"]) == 1
     assert _metric(text, "memx_governor_batch_cap_reason", reason="no_slo") == 0
-    assert _metric(text, "memx_governor_batch_cap") >= 1
+    assert _metric(text, "memx_governor_batch_cap") == gov["batch_cap"]  # None (absent) when there is no cap
     assert _metric(text, "memx_governor_decisions_total", reason="over_slo") >= gov["decisions"]["over_slo"]
     return text
 
 
-def test_a_tight_tpot_slo_caps_the_batch_and_outputs_match_stock_alone(servers):
+def test_an_slo_no_batch_meets_does_not_cap_and_outputs_match_stock(servers):
     before = _governor(servers["tight"])
     assert before["model"]["samples"] >= before["model"]["min_samples"]  # the warm-up taught the model
+    want = [r["output_ids"] for r in _gen(servers["stock"], BURST)]
     got = [r["output_ids"] for r in _gen(servers["tight"], BURST)]
-    want = [_gen(servers["stock"], text)["output_ids"] for text in BURST]
-    assert got == want and all(len(x) == NEW_TOKENS for x in got)  # every request served, none dropped
+    assert got == want and all(len(x) == NEW_TOKENS for x in got)  # every request served, batched as stock
     gov = _governor(servers["tight"])
     assert gov["tpot_slo_ms"] == 0.01
-    assert gov["batch_cap"] == 1 < len(BURST) and gov["batch_cap_reason"] == "predicted_tpot_within_slo"
-    assert gov["decisions"]["over_slo"] > 0 and gov["max_running_seen"] == 1
+    assert gov["batch_cap"] is None and gov["batch_cap_reason"] == "slo_infeasible"
+    assert gov["decisions"]["over_slo"] == 0 and gov["decisions"]["slo_infeasible"] > 0
+    assert gov["max_running_seen"] > 1  # the burst ran as a batch, not one by one
     assert gov["measured_tpot_ms"] > gov["tpot_slo_ms"] and gov["predicted_tpot_ms"] is not None
     text = _visible(servers["tight"], gov)
-    assert _metric(text, "memx_governor_batch_cap") == 1 and _metric(text, "memx_governor_measured_tpot_seconds") > 0
+    assert _metric(text, "memx_governor_measured_tpot_seconds") > 0
 
 
 def test_a_loose_tpot_slo_does_not_cap_and_outputs_match_stock(servers):
@@ -111,3 +114,4 @@ def test_a_loose_tpot_slo_does_not_cap_and_outputs_match_stock(servers):
     text = _visible(servers["loose"], gov)
     assert _metric(text, "memx_governor_batch_cap") >= len(BURST)
     assert _metric(text, "memx_governor_decisions_total", reason="over_slo") == 0
+    assert gov["batch_cap_reason"] == "predicted_tpot_within_slo"

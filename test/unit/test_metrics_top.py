@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from memory_ext.policy.governor import CAP_REASONS
 from sglang_memx.metrics import render_prometheus
 from sglang_memx.top import render
 
@@ -279,7 +280,7 @@ def test_governor_metrics_and_top_line(gov, present, absent, top_parts):
         if line.startswith("memx_governor_"):
             name = line.split("{")[0]
             assert f"# HELP {name} " in text and f"# TYPE {name} " in text
-    assert sum(line.startswith("memx_governor_batch_cap_reason{") for line in lines) == 3  # one per reason
+    assert sum(line.startswith("memx_governor_batch_cap_reason{") for line in lines) == len(CAP_REASONS)  # one each
     frame = render({"time": time.time(), "pools": [], "servers": [{"url": "http://x", "status": doc}]})
     (gov_line,) = [line for line in frame.splitlines() if line.strip().startswith("governor")]
     for part in top_parts:

@@ -84,6 +84,8 @@ DECISIONS = [
     (0.020, 4, 400, 100, True, True, "within_slo"),  # predicted 10 + 2*5 = 20 ms: exactly at the SLO admits
     (0.020, 5, 500, 100, True, False, "over_slo"),  # predicted 22 ms > 20 ms
     (0.050, 10, 1000, 100, True, True, "within_slo"),
+    (0.011, 3, 300, 100, True, True, "slo_infeasible"),  # one alone is 12 ms > 11 ms: a cap gains nothing
+    (0.0121, 3, 300, 100, True, False, "over_slo"),  # one alone (12 ms) meets it: a smaller batch would
 ]
 
 
@@ -111,6 +113,13 @@ def test_decide_does_not_count_may_grow_does():
     assert sum(gov.counts.values()) == 0 and gov.last is None
     gov.may_grow(5, 0, 0)
     assert gov.counts["over_slo"] == 1 and gov.last.reason == "over_slo"
+
+
+def test_infeasible_is_judged_on_the_lighter_request():
+    gov = BatchGovernor(0.015, _trained(a=0.010, b=0.001, c=2e-6))  # alone: 11 ms + 2 us per KV token
+    assert gov.decide(2, 1000, 4000).reason == "over_slo"  # the newcomer alone is over, the running ones are not
+    assert gov.decide(2, 8000, 100).reason == "over_slo"  # the running ones alone are over, the newcomer is not
+    assert gov.decide(2, 8000, 4000).reason == "slo_infeasible"  # neither meets the SLO alone: admit as stock
 
 
 def test_kv_tokens_of_the_request_count():
@@ -163,7 +172,8 @@ CAPS = [
     (None, False, 0, 0, None, "no_slo", None),
     (0.050, False, 3, 300, None, "learning", None),  # too few samples: no cap yet, admits as stock
     (0.020, True, 3, 300, 5, "predicted_tpot_within_slo", 16.0),  # 10 + 2*5 = 20 ms: 5 fits exactly
-    (0.011, True, 1, 100, 1, "predicted_tpot_within_slo", 12.0),  # even one is over: the cap stays 1
+    (0.0121, True, 1, 100, 1, "predicted_tpot_within_slo", 12.0),  # one alone (12 ms) meets it: cap 1
+    (0.011, True, 1, 100, None, "slo_infeasible", 12.0),  # even one is over: no cap (it would gain nothing)
     (0.050, True, 0, 0, 20, "predicted_tpot_within_slo", 12.0),  # idle: the prediction is for one request
 ]
 

@@ -365,7 +365,7 @@ def _sim_governor_decisions(slo_s, steps, rounds):
     return out
 
 
-@pytest.mark.parametrize("slo_s", [None, 0.018, 0.021, 0.030])
+@pytest.mark.parametrize("slo_s", [None, 0.008, 0.018, 0.021, 0.030])
 def test_server_and_simulator_governors_decide_the_same(slo_s):
     server = _server_governor_decisions(slo_s, GOVERNOR_STEPS, GOVERNOR_ROUNDS)
     sim = _sim_governor_decisions(slo_s, GOVERNOR_STEPS, GOVERNOR_ROUNDS)
@@ -379,10 +379,10 @@ def test_server_and_simulator_governors_decide_the_same(slo_s):
 
 def test_the_governor_cases_exercise_every_reason():
     seen = set()
-    for slo_s in (None, 0.018, 0.021, 0.030):
+    for slo_s in (None, 0.008, 0.018, 0.021, 0.030):  # 8 ms: even one request alone is over
         seen |= {d.reason for d in _sim_governor_decisions(slo_s, GOVERNOR_STEPS, GOVERNOR_ROUNDS)}
         seen |= {d.reason for d in _sim_governor_decisions(slo_s, GOVERNOR_STEPS[:3], GOVERNOR_ROUNDS)}
-    assert seen == {"no_slo", "empty_batch", "learning", "within_slo", "over_slo"}
+    assert seen == {"no_slo", "empty_batch", "learning", "within_slo", "over_slo", "slo_infeasible"}
 
 
 # ------------------------------------------------------------------ governed admission ("do no harm")
