@@ -71,7 +71,8 @@ class FakeBatch:
 
 class FakeScheduler:
     def __init__(self, waiting=(), running=(), decode=True, last=None, allocator=None, tree=None, page_size=1,
-                 chunked_prefill_size=None, ratio=0.7, max_running=1 << 20):  # fmt: skip
+                 chunked_prefill_size=None, ratio=0.7, max_running=1 << 20,
+                 max_prefill_tokens=16384):  # fmt: skip
         self.waiting_queue = list(waiting)
         self.max_running = max_running
         self.running_batch = FakeBatch(running, decode=True, allocator=allocator)
@@ -81,6 +82,7 @@ class FakeScheduler:
         self.chunked_req = None
         self.page_size = page_size
         self.chunked_prefill_size = chunked_prefill_size
+        self.max_prefill_tokens = max_prefill_tokens
         self.max_total_num_tokens = 1 << 20
         self.new_token_ratio_tracker = types.SimpleNamespace(current=ratio)
         self.token_to_kv_pool_allocator = allocator

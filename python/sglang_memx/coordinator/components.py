@@ -239,7 +239,7 @@ class HostBufferPart:
     def status(self) -> dict[str, Any] | None:
         return {"host_buffer": self.host.status()}
 
-    def _fetch_parked(self, it: Iteration) -> None:  # first: the head's prefill size needs its parked KV back
+    def _fetch_parked(self, it: Iteration) -> None:  # first: the queue's prefill sizes need their parked KV back
         reserve = int(demand.decode_reserve_tokens(it.scheduler))
         host_buffer.fetch_parked(it.kv, self.host, it.coordinator.activation_side(), it.scheduler, reserve)
 

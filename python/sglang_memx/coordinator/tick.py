@@ -15,7 +15,7 @@ steps and their ranks, ``parts.ITERATION_RANKS``):
 6. host buffer: one Alg. 2 step from this iteration's TTFT / TPOT samples;
 7. shared pool: give idle chunks back, borrow the queue's shortfall, report to the arbiter
    (with the chunks lending layers could free: ``weights.lending.lendable_chunks``);
-8. host buffer: fetch the first parked request's KV when it can be admitted; reopen
+8. host buffer: fetch the parked requests' KV the next prefill batch can admit; reopen
    admission while the buffer has room for new prefills;
 9. weights: sleep or wake, then one Oneiros step (release a layer under KV pressure, restore
    one when its lent memory is empty); applied by the layer pipeline at the next forward boundary;

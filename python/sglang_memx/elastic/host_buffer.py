@@ -14,11 +14,14 @@ Two kinds of request keep their KV in a ``HostKVBuffer`` while they wait:
   it retracts): their committed KV is copied before upstream frees it.
 
 ``fetch_parked`` (once per iteration, before batch selection) puts parked KV
-back on the device for the first waiting request that has some, when the
-device has room and the request's decode reservation fits: it allocates
-slots, copies the rows back and inserts them into the radix cache under the
-request's tokens (skipped when the cache still holds them), then pins them
-with a radix lock until the request is admitted. Upstream's admission then
+back on the device for every waiting request with some that the next prefill
+batch could admit, in queue order: while the device has room for each one's
+decode reservation on top of those kept before it, and upstream's request and
+prefill-token limits would take it; it stops at the first that does not fit
+(none behind it passes it). For each it allocates slots, copies the rows back
+and inserts them into the radix cache under the request's tokens (skipped when
+the cache still holds them), then pins them with a radix lock until the
+request is admitted; the pins of requests it no longer fetches are released. Upstream's admission then
 finds them as a cached prefix and computes only the last token. The entry
 stays until the request is admitted (``note_admitted``: taken if its prefix
 came from the device, dropped if it had to be recomputed). Entries of
@@ -31,6 +34,7 @@ The buffer's logical size follows eLLM Alg. 2 when SLOs are given
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -165,35 +169,111 @@ def note_admitted(host: HostBufferState, req, tree) -> None:
         host.buffer.drop(rid)
 
 
-def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSide, scheduler,
-                 decode_reserve_tokens: int = 0) -> bool:  # fmt: skip
-    """Make sure the first waiting request with parked KV finds it on the device when it can be
-    admitted: copy it back (evicting other cached prefixes if needed) unless the cache still holds
-    it, and pin it in the radix cache until the request is admitted, so decode allocations cannot
-    evict it meanwhile. ``decode_reserve_tokens``: what upstream's admission reserves for the
-    running requests' remaining decode; while the request's own reservation does not fit, nothing
-    is fetched and its pin is released. Returns whether its KV is on the device now."""
-    if not len(host.buffer):
-        return False
-    waiting = up_sched.waiting(scheduler)
-    allocator, tree = up_sched.allocator(scheduler), up_sched.tree_cache(scheduler)
+@dataclass
+class _BatchRoom:
+    """What upstream's next prefill batch has left for requests after the ones kept so far in one
+    fetch pass (``PrefillAdder``'s limits, KV memory aside): request slots (``--max-running-requests``,
+    request rows), input tokens (``--max-prefill-tokens``) and the chunk (``--chunked-prefill-size``,
+    None when off), after a chunked prefill under way took its next chunk."""
+
+    slots: int
+    input_left: int
+    chunk_left: int | None
+    page: int
+
+    @classmethod
+    def of(cls, scheduler, page: int) -> _BatchRoom:
+        chunk = up_sched.chunked_prefill_size(scheduler)
+        room = cls(up_sched.request_slots_left(scheduler), up_sched.prefill_token_budget(scheduler),
+                   chunk if chunk and chunk > 0 else None, page)  # fmt: skip
+        if up_sched.chunked_req(scheduler) is not None:  # admitted first, into the same batch
+            room.take(demand.head_prefill_tokens(scheduler, None))
+            room.slots -= 1
+        return room
+
+    def admits_another(self, kept: int, extend: int) -> bool:
+        """Whether the batch would still take one more request of ``extend`` new input tokens after
+        ``kept`` (>= 1) requests: upstream stops at a spent budget, at its request limits and, with
+        chunking off, at a request whose input does not fit what is left (it admits the first whole)."""
+        if kept >= self.slots or self.input_left <= 0:
+            return False
+        if self.chunk_left is None:
+            return self._paged(extend) < self.input_left
+        return self.chunk_left > 0
+
+    def take(self, extend: int) -> None:
+        tokens = self._paged(extend)
+        self.input_left -= tokens
+        if self.chunk_left is not None:
+            self.chunk_left -= tokens
+
+    def _paged(self, tokens: int) -> int:
+        return -(-max(tokens, 1) // self.page) * self.page
+
+
+def _drop_gone(host: HostBufferState, waiting: list, tree) -> None:
+    """Drop the entries (and pins) of requests neither waiting nor in limbo."""
     live = {up_req.rid(r) for r in waiting} | {up_req.rid(r) for r in host.limbo}
     for key in host.buffer.keys():
         if key not in live:  # finished, aborted or admitted by a path that bypassed the hook
             _unpin(host, tree, key)
             host.buffer.drop(key)
-    req = next((r for r in waiting if up_req.rid(r) in host.buffer), None)
-    if req is None:
-        return False
+
+
+def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSide, scheduler,
+                 decode_reserve_tokens: int = 0) -> int:  # fmt: skip
+    """Make sure the waiting requests with parked KV that the next prefill batch could admit find
+    it on the device: walking the queue in order, copy each one's KV back (evicting other cached
+    prefixes if needed) unless the cache still holds it, and pin it in the radix cache until the
+    request is admitted, so decode allocations cannot evict it meanwhile.
+
+    Memory: ``decode_reserve_tokens`` is what upstream's admission reserves for the running
+    requests' remaining decode; each kept request adds its own reservation (remaining
+    ``max_new_tokens`` + 2 pages) to what the next one must leave room for. The pass stops at the
+    first parked request that does not fit (first come, first served: none behind it is fetched),
+    whose copy fails, or that the batch's request and prefill-token limits would not take
+    (``_BatchRoom``; the first parked request is checked against memory only, as upstream admits
+    a batch's first request above its input budget). Pins of requests not kept are released.
+    Returns how many parked requests have their KV on the device for the next batch."""
+    if not len(host.buffer):
+        return 0
+    waiting = up_sched.waiting(scheduler)
+    allocator, tree = up_sched.allocator(scheduler), up_sched.tree_cache(scheduler)
+    _drop_gone(host, waiting, tree)
+    page = up_kv.page_size(allocator)
+    batch = _BatchRoom.of(scheduler, page)
+    kept: set = set()
+    reserve = decode_reserve_tokens
+    for req in waiting:
+        rid = up_req.rid(req)
+        entry = host.buffer.peek(rid)
+        if entry is None:
+            continue
+        extend = up_req.prompt_len(req) + up_req.output_len(req) - len(entry)
+        if kept and not batch.admits_another(len(kept), extend):
+            break
+        need = up_req.remaining_new_tokens(req) + 2 * page
+        # pinned prefixes are not evictable, but those of requests not kept yet are theirs (this one's included)
+        own = sum(host.pinned_tokens(key) for key in host.pins if key not in kept)
+        room = up_kv.available_tokens(allocator) + up_radix.evictable_tokens(tree) + own - reserve
+        if room < need or not _bring_back(kv, host, activation, allocator, tree, req, entry):
+            break
+        kept.add(rid)
+        reserve += need
+        batch.take(extend)
+    for key in [k for k in host.pins if k not in kept]:  # not admitted next: let decode steps evict them
+        _unpin(host, tree, key)
+    return len(kept)
+
+
+def _bring_back(kv: ElasticKV, host: HostBufferState, activation: ActivationSide, allocator, tree, req,
+                entry) -> bool:  # fmt: skip
+    """Put ``req``'s parked KV (``entry``) on the device and pin it, unless the radix cache still
+    holds it (then only pin it). Returns whether its KV is on the device now; False leaves nothing
+    of it pinned."""
     rid = up_req.rid(req)
-    entry = host.buffer.peek(rid)
     n, page = len(entry), up_kv.page_size(allocator)
     pinned = host.pins.get(rid) is not None
-    own = n if pinned else 0  # a pinned prefix is not evictable, but it is this request's own
-    room = up_kv.available_tokens(allocator) + up_radix.evictable_tokens(tree) + own - decode_reserve_tokens
-    if room < up_req.remaining_new_tokens(req) + 2 * page:
-        _unpin(host, tree, rid)  # it cannot be admitted now: let decode steps evict it if they must
-        return False
     key = up_req.radix_key(req, entry.tokens)
     matched, node = up_radix.match(tree, key)
     if matched >= n:

@@ -98,7 +98,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
         "max_total_num_tokens": None, "new_token_ratio_tracker": "NewTokenRatioTracker", "max_req_len": None,
         "max_req_input_len": None, "req_to_token_pool": "ReqToTokenPool", "hisparse_coordinator": None,
         "_add_request_to_queue": None, "abort_request": None, "idle_sleeper": "IdleSleeper",
-        "get_num_allocatable_reqs": None, "send_abort_output": None,
+        "get_num_allocatable_reqs": None, "send_abort_output": None, "max_prefill_tokens": None,
     },
     "IdleSleeper": {"poller": None},
     "ScheduleBatch": {"reqs": None, "forward_mode": "ForwardMode",

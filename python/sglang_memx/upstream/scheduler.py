@@ -89,6 +89,12 @@ def chunked_prefill_size(scheduler) -> int | None:
     return scheduler.chunked_prefill_size
 
 
+def prefill_token_budget(scheduler) -> int:
+    """Input tokens one prefill batch may take (``--max-prefill-tokens``); upstream's admission
+    stops adding requests once they are spent (the first request is admitted above it)."""
+    return int(scheduler.max_prefill_tokens)
+
+
 def logical_capacity_tokens(scheduler) -> int:
     return int(scheduler.max_total_num_tokens)
 

@@ -1,0 +1,211 @@
+"""``host_buffer.fetch_parked``: every parked waiting request the next prefill batch could admit
+gets its KV back on the device and pinned, in queue order, until the first one that does not fit
+(memory with the kept ones' reservations, request slots, prefill tokens); pins of the others go.
+
+Against upstream's RadixKey / MatchPrefixParams / EvictParams, a small fake radix tree (whole
+paths, locks counted) and a fake allocator over a real KV tensor."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictResult
+
+from sglang_memx.config import MemxConfig
+from sglang_memx.coordinator.components import NoActivation
+from sglang_memx.elastic.host_buffer import build_host_buffer, fetch_parked
+from support.fakes import FakeReq, FakeScheduler
+
+SLOTS, WIDTH = 256, 4
+PROMPT, OUTPUTS, MAX_NEW = 8, 1, 16
+NEED = MAX_NEW - OUTPUTS + 2  # a kept request's own reservation: remaining max_new + 2 pages (page 1)
+
+
+class FakeAllocator:
+    page_size = 1
+
+    def __init__(self, free: int):
+        self.k = torch.zeros(SLOTS, WIDTH)
+        self.v = torch.zeros(SLOTS, WIDTH)
+        self.free_slots = list(range(1, free + 1))
+        self.allocs: list[list[int]] = []
+
+    def available_size(self):
+        return len(self.free_slots)
+
+    def alloc(self, n):
+        if n > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        self.allocs.append(out)
+        return torch.tensor(out, dtype=torch.int64)
+
+    def free(self, idx):
+        self.free_slots += [int(i) for i in idx]
+
+    def get_kvcache(self):
+        return types.SimpleNamespace(k_buffer=[self.k], v_buffer=[self.v])
+
+
+class FakeTree:
+    """Paths stored whole: tokens -> [slots, locks]; a match is the longest stored path that is a
+    prefix of the key; eviction takes unlocked paths, oldest first."""
+
+    def __init__(self, allocator: FakeAllocator):
+        self.allocator = allocator
+        self.paths: dict[tuple, list] = {}
+
+    def supports_prefix_sharing(self):
+        return True
+
+    def evictable_size(self):
+        return sum(len(p) for p, (_, locks) in self.paths.items() if locks == 0)
+
+    def match_prefix(self, params):
+        tokens = tuple(params.key.raw_token_ids())
+        best = max((p for p in self.paths if tokens[: len(p)] == p), key=len, default=())
+        return types.SimpleNamespace(device_prefix_len=len(best), last_device_node=best or None)
+
+    def insert(self, params):
+        self.paths[tuple(params.key.raw_token_ids())] = [params.value, 0]
+
+    def lock(self, node):
+        self.paths[node][1] += 1
+        return node
+
+    def unlock(self, node):
+        self.paths[node][1] -= 1
+
+    def evict(self, params):
+        gone = 0
+        for path in [p for p, (_, locks) in self.paths.items() if locks == 0]:
+            if gone >= params.num_tokens:
+                break
+            self.allocator.free(self.paths.pop(path)[0])
+            gone += len(path)
+        return EvictResult(num_tokens_evicted=gone)
+
+    def locked(self) -> set:
+        return {p for p, (_, locks) in self.paths.items() if locks > 0}
+
+
+def _parked(host, rid: str, first_token: int, max_new: int = MAX_NEW):
+    """A waiting request whose first ``PROMPT`` tokens' KV is parked (rows filled with its number)."""
+    req = FakeReq(prompt=PROMPT, outputs=OUTPUTS, max_new=max_new, rid=rid)
+    req.origin_input_ids = list(range(first_token, first_token + PROMPT))
+    rows = [torch.full((PROMPT, WIDTH), float(first_token)) for _ in range(2)]
+    assert host.buffer.park(rid, req.origin_input_ids, rows)
+    return req
+
+
+def _setup(free: int, reqs=(("a", 100), ("b", 200)), **sched):
+    host = build_host_buffer(MemxConfig(elastic_kv=True, host_buffer_gb=0.001), 4096)
+    allocator = FakeAllocator(free)
+    tree = FakeTree(allocator)
+    waiting = [_parked(host, rid, first) for rid, first in reqs]
+    scheduler = FakeScheduler(waiting=waiting, allocator=allocator, tree=tree, **sched)
+    return host, allocator, tree, scheduler, waiting
+
+
+def _fetch(host, scheduler, reserve=0):
+    kv = types.SimpleNamespace(buffers=types.SimpleNamespace(chunks_per_group=1, group_rows=1))
+    return fetch_parked(kv, host, NoActivation(), scheduler, reserve)
+
+
+def _path(req):
+    return tuple(req.origin_input_ids)
+
+
+def test_two_parked_requests_are_both_fetched_and_pinned_when_both_fit():
+    host, allocator, tree, scheduler, (a, b) = _setup(free=64)
+    assert _fetch(host, scheduler) == 2
+    assert set(host.pins) == {"a", "b"} and tree.locked() == {_path(a), _path(b)}
+    assert host.buffer.stats["fetched"] == 2
+    for req, first in ((a, 100), (b, 200)):  # each one's rows are back in its slots
+        slots = tree.paths[_path(req)][0]
+        assert torch.equal(allocator.k[slots], torch.full((PROMPT, WIDTH), float(first)))
+    assert _fetch(host, scheduler) == 2 and host.buffer.stats["fetched"] == 2  # pinned: nothing copied again
+
+
+def test_fetches_follow_the_queue_order():
+    host, allocator, tree, scheduler, (b, a) = _setup(free=64, reqs=(("b", 200), ("a", 100)))
+    assert _fetch(host, scheduler) == 2
+    assert [tree.paths[_path(r)][0].tolist() for r in (b, a)] == allocator.allocs  # b's slots first
+
+
+def test_the_second_is_not_fetched_nor_pinned_when_only_one_fits():
+    # a: 40 free >= NEED; fetched, 32 free; b: 32 - a's reservation (17) < NEED
+    host, allocator, tree, scheduler, (a, b) = _setup(free=40)
+    assert _fetch(host, scheduler) == 1
+    assert set(host.pins) == {"a"} and tree.locked() == {_path(a)}
+    assert _path(b) not in tree.paths and host.buffer.stats["fetched"] == 1
+    assert "b" in host.buffer  # its entry waits for the next pass
+
+
+def test_a_pin_the_next_batch_no_longer_covers_is_released():
+    host, allocator, tree, scheduler, (a, b) = _setup(free=64)
+    assert _fetch(host, scheduler) == 2  # both pinned; 48 free now
+    # the running requests' reservation grew: a still fits (48 + its and b's pinned 16 - 30 >= 17),
+    # b no longer does once a's reservation counts (48 + its 8 - 30 - 17 < 17)
+    assert _fetch(host, scheduler, reserve=30) == 1
+    assert set(host.pins) == {"a"} and tree.locked() == {_path(a)}
+    assert tree.evictable_size() == PROMPT  # b's KV stays cached, evictable
+    assert _fetch(host, scheduler, reserve=0) == 2 and host.buffer.stats["fetched"] == 2  # found cached again
+
+
+def test_no_request_behind_one_that_does_not_fit_is_fetched():
+    """First come, first served: a small parked request never passes a big one ahead of it."""
+    host = build_host_buffer(MemxConfig(elastic_kv=True, host_buffer_gb=0.001), 4096)
+    allocator = FakeAllocator(64)
+    tree = FakeTree(allocator)
+    big, small = _parked(host, "big", 100, max_new=200), _parked(host, "small", 200)
+    scheduler = FakeScheduler(waiting=[big, small], allocator=allocator, tree=tree)
+    assert _fetch(host, scheduler) == 0
+    assert host.pins == {} and tree.paths == {} and host.buffer.stats["fetched"] == 0
+    scheduler.waiting_queue = [small, big]
+    assert _fetch(host, scheduler) == 1 and set(host.pins) == {"small"}
+
+
+def test_a_waiting_request_without_parked_kv_is_passed_over():
+    host, allocator, tree, scheduler, (a, b) = _setup(free=64)
+    scheduler.waiting_queue = [FakeReq(rid="new"), a, FakeReq(rid="new2"), b]
+    assert _fetch(host, scheduler) == 2 and set(host.pins) == {"a", "b"}
+
+
+@pytest.mark.parametrize(
+    "sched,expected",
+    [
+        ({"max_running": 1}, 1),  # one request slot left: one request
+        ({"max_running": 2}, 2),
+        ({"max_prefill_tokens": 1}, 1),  # each resumes with 1 new token; the first is admitted whole
+        ({"max_prefill_tokens": 2}, 1),  # chunking off: the next must fit strictly below what is left
+        ({"max_prefill_tokens": 3}, 2),
+        ({"max_prefill_tokens": 1, "chunked_prefill_size": 16}, 1),  # the input budget is spent
+        ({"max_prefill_tokens": 2, "chunked_prefill_size": 16}, 2),
+        ({"chunked_prefill_size": 1}, 1),  # the chunk is spent by the first
+    ],
+)
+def test_no_more_than_one_prefill_batch_would_admit_is_fetched(sched, expected):
+    host, allocator, tree, scheduler, _ = _setup(free=256, reqs=(("a", 100), ("b", 200), ("c", 300)), **sched)
+    assert _fetch(host, scheduler) == expected
+    assert len(host.pins) == expected == host.buffer.stats["fetched"]
+
+
+def test_a_chunked_prefill_under_way_takes_its_chunk_and_slot_first():
+    host, allocator, tree, scheduler, _ = _setup(free=256, max_running=3, chunked_prefill_size=4)
+    scheduler.chunked_req = FakeReq(prompt=20, allocated=16)  # its next chunk: its last 4 tokens
+    assert _fetch(host, scheduler) == 1  # the chunk is spent; the first parked one still goes (memory only)
+    scheduler.chunked_prefill_size = 8
+    assert _fetch(host, scheduler) == 2
+    scheduler.max_running = 2  # the chunked request holds one of the two slots
+    assert _fetch(host, scheduler) == 1 and set(host.pins) == {"a"}
+
+
+def test_entries_of_requests_that_left_the_queue_are_dropped_and_unpinned():
+    host, allocator, tree, scheduler, (a, b) = _setup(free=64)
+    assert _fetch(host, scheduler) == 2
+    scheduler.waiting_queue = [b]  # a finished or was aborted
+    assert _fetch(host, scheduler) == 1
+    assert "a" not in host.buffer and set(host.pins) == {"b"} and tree.locked() == {_path(b)}
