@@ -244,6 +244,9 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
     batch = _BatchRoom.of(scheduler, page)
     kept: set = set()
     reserve = decode_reserve_tokens
+    # pinned prefixes are not evictable, but those of requests not kept yet are theirs (this one's
+    # included); a request's pin changes only when it is visited, so the sum is kept as it goes
+    own = sum(host.pinned_tokens(key) for key in host.pins)
     for req in waiting:
         rid = up_req.rid(req)
         entry = host.buffer.peek(rid)
@@ -253,12 +256,12 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
         if kept and not batch.admits_another(len(kept), extend):
             break
         need = up_req.remaining_new_tokens(req) + 2 * page
-        # pinned prefixes are not evictable, but those of requests not kept yet are theirs (this one's included)
-        own = sum(host.pinned_tokens(key) for key in host.pins if key not in kept)
+        held = host.pinned_tokens(rid)  # in ``own`` until it is kept
         room = up_kv.available_tokens(allocator) + up_radix.evictable_tokens(tree) + own - reserve
         if room < need or not _bring_back(kv, host, activation, allocator, tree, req, entry):
             break
         kept.add(rid)
+        own -= held  # its pin is now a kept request's: no longer room for the ones behind it
         reserve += need
         batch.take(extend)
     for key in [k for k in host.pins if k not in kept]:  # not admitted next: let decode steps evict them
