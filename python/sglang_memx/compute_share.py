@@ -11,7 +11,8 @@ Once per scheduler iteration ``tick`` publishes whether this engine has work (re
 waiting or running; the coordinator's tick asks) and asks ``memory_ext.policy.compute_share.cores_for`` which cores it
 may compute on; when idle siblings' cores are on offer, ``memory_ext.policy.lending_trial``
 decides from measured iteration times whether taking them pays (own and lent cores in
-alternating blocks; lent only when faster per running request). When the answer changes, the
+alternating blocks; lent only when faster per decoding request in every pair). Only iterations
+that ran a pure decode batch are measured: a prefill's cost would bias the blocks. When the answer changes, the
 scheduler process's threads are moved to those cores and torch's intra-op thread count follows
 (one OpenMP thread per core). Without the variables (one server alone, stock's command line)
 nothing here runs.
@@ -65,17 +66,18 @@ class ComputeLender:
     trial: LendingTrial = field(default_factory=LendingTrial)
     cores: tuple[int, ...] = ()
     changes: int = 0
-    _last: tuple[float, bool, int] | None = None  # the previous iteration: (start, lent, running) if counted
+    _last: tuple[float, bool] | None = None  # the previous iteration: (start, lent) if it may be counted
 
-    def step(self, busy: bool, now: float, running: int = 0) -> tuple[int, ...]:
+    def step(self, busy: bool, now: float, decoded: int = 0) -> tuple[int, ...]:
         """Publish ``busy``, then move to the policies' cores if they changed; returns them.
-        ``running``: requests in the batch this iteration runs (the trial's cost unit)."""
-        if self._last is not None and busy:  # the previous iteration ran on unchanged cores: count it
-            start, lent, ran = self._last
-            self.trial.observe(lent, now - start, ran, now)
+        ``decoded``: requests of the pure decode batch the iteration that just ended ran (0: it ran
+        a prefill or mixed batch, or nothing; then it is not measured)."""
+        if self._last is not None and busy and decoded > 0:  # a decode step on unchanged cores: count it
+            start, lent = self._last
+            self.trial.observe(lent, now - start, decoded, now)
         self.board.publish(self.slot, os.getpid(), busy, now)
-        flags = self.board.busy_flags()
-        flags[self.slot] = busy  # our own word, even if the pid check raced
+        flags = self.board.busy_flags(own_slot=self.slot)
+        flags[self.slot] = busy  # our own word
         own = self.table.shares[self.slot]
         offered = cores_for(self.slot, self.table, flags)
         lending = offered != own and self.trial.want_lent(now)
@@ -85,7 +87,7 @@ class ComputeLender:
             self.apply(want)
             self.cores = want
             self.changes += 1
-        self._last = (now, lending, running) if busy and offered != own and not changed else None
+        self._last = (now, lending) if busy and offered != own and not changed else None
         return want
 
     def status(self) -> dict[str, Any]:
@@ -127,9 +129,10 @@ def in_use() -> bool:
     return not _failed
 
 
-def tick(busy: bool, running: int = 0) -> None:
-    """One iteration's publish-and-decide, ``busy``: requests wait or run in this engine,
-    ``running`` of them in its batch (nothing without the launcher's variables)."""
+def tick(busy: bool, decoded: int = 0) -> None:
+    """One iteration's publish-and-decide, ``busy``: requests wait or run in this engine;
+    ``decoded``: requests of the pure decode batch the iteration that just ended ran, 0 if it
+    ran none (nothing without the launcher's variables)."""
     global _lender, _failed
     if _failed:
         return
@@ -143,7 +146,7 @@ def tick(busy: bool, running: int = 0) -> None:
         if _lender is None:
             _failed = True  # not under a launcher with a board: never look again
             return
-    _lender.step(busy, time.monotonic(), running)
+    _lender.step(busy, time.monotonic(), decoded)
 
 
 def status() -> dict[str, Any] | None:

@@ -87,6 +87,7 @@ def test_board_is_shared_across_processes_and_a_dead_writer_reads_idle(tmp_path)
         child.kill()  # dies busy: its cores must not stay lent
         child.wait(30)
         assert board.busy_flags() == [False, False]
+        assert board.busy_flags(own_slot=1) == [False, True]  # the caller's own slot: its word, no pid read
     finally:
         child.kill()
         child.wait(30)
@@ -150,7 +151,7 @@ def test_a_lender_stops_lending_when_the_lent_cores_are_measured_slower(tmp_path
     a = ComputeLender(ComputeBoard.open(path), 0, TWO, apply=applied.append, trial=LendingTrial(block=2, pairs=1))
     t, cores = 0.0, []
     for _ in range(12):  # own iterations take 1 ms, lent ones 50 ms (a stalled barrier)
-        cores.append(a.step(True, t, running=4))
+        cores.append(a.step(True, t, decoded=4))
         t += 0.001 if cores[-1] == (0,) else 0.050
     assert cores[:3] == [(0,)] * 3  # the first change is not counted, then 2 own iterations
     assert (0, 1) in cores  # the trial's lent block
@@ -164,10 +165,47 @@ def test_a_lender_keeps_lending_when_the_lent_cores_are_faster(tmp_path):
     a = ComputeLender(ComputeBoard.open(path), 0, TWO, apply=lambda c: None, trial=LendingTrial(block=2, pairs=2))
     t, cores = 0.0, []
     for _ in range(20):  # lent iterations take half as long
-        cores.append(a.step(True, t, running=2))
+        cores.append(a.step(True, t, decoded=2))
         t += 0.002 if cores[-1] == (0,) else 0.001
     assert a.trial.phase == "lend" and a.trial.paid == 1 and cores[-5:] == [(0, 1)] * 5
     assert "lending" in a.status()["lending"]["reason"]
+
+
+def test_prefill_iterations_do_not_count_so_they_cannot_fake_a_gain(tmp_path):
+    """Each request starts with a slow prefill iteration, and own blocks come first, right after
+    arrivals: counted, prefills made the own cores look slow. Decode steps take the same time on
+    both sides here, so the lender must not lend; every prefill alone would have said 'pays'."""
+    path = tmp_path / "pool.compute"
+    ComputeBoard.create(path, 2).close()
+    a = ComputeLender(ComputeBoard.open(path), 0, TWO, apply=lambda c: None, trial=LendingTrial(block=2, pairs=2))
+    t, prefill_next = 0.0, True
+    for i in range(40):
+        if a.trial.phase != "trial":
+            break
+        # the iteration that just ended: a prefill (not counted) or a decode step of 1 request
+        a.step(True, t, decoded=0 if prefill_next else 1)
+        lent = a.cores == (0, 1)
+        prefill_next = not lent and i % 3 == 0  # prefills land in own blocks (after arrivals)
+        t += 0.050 if prefill_next else 0.010
+    assert a.trial.phase == "own" and a.trial.paid == 0, a.status()["lending"]
+    assert a.trial.own_costs and a.trial.own_costs + a.trial.lent_costs == pytest.approx([0.010] * 8)  # decodes only
+
+
+def test_a_pair_that_contradicts_the_gain_keeps_own_cores():
+    """Median over both pairs says lent is 0.5x, but in the second pair the lent block was slower
+    than its own block: the measurement is not consistent, so no lending (the benchmark rule)."""
+    trial = LendingTrial(block=2, pairs=2)
+    costs = {False: [0.010, 0.010, 0.010, 0.010], True: [0.002, 0.002, 0.012, 0.012]}
+    taken = {False: 0, True: 0}
+    now = 0.0
+    while trial.phase == "trial":
+        lent = trial.want_lent(now)
+        cost = costs[lent][taken[lent]]
+        taken[lent] += 1
+        now += cost
+        trial.observe(lent, cost, 1, now)
+    assert trial.phase == "own" and trial.refused == 1
+    assert "slower in pair(s) [2] of 2" in trial.reason, trial.reason
 
 
 @pytest.mark.parametrize(

@@ -54,5 +54,6 @@ def per_iteration(scheduler) -> None:
     else:
         coordinator.tick(scheduler)
     if compute_share.in_use():  # an engine without a compute board counts nothing here
-        running = len(up_sched.admitted_reqs(scheduler))
-        compute_share.tick(running > 0 or bool(up_sched.waiting(scheduler)), running)
+        busy = bool(up_sched.admitted_reqs(scheduler)) or bool(up_sched.waiting(scheduler))
+        decoded = up_sched.last_decode_batch(scheduler)
+        compute_share.tick(busy, 0 if decoded is None else len(up_sched.batch_reqs(decoded)))
