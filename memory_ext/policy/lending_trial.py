@@ -10,7 +10,7 @@ The trial (numbers in, decisions out; no clock, no I/O):
 
 * While lending is possible, the engine alternates blocks of ``block`` iterations on its own
   cores and on the lent ones, own first, for ``pairs`` pairs. An iteration's *cost* is its
-  seconds per running request; the first iteration after a change of cores is not counted (the
+  seconds per decoding request; the first iteration after a change of cores is not counted (the
   thread pool is rebuilt).
 * Only iterations that ran a pure decode batch are observed (the caller's job): a prefill costs
   many times a decode step per request, and the own block comes first, right after a request

@@ -76,8 +76,7 @@ class ComputeLender:
             start, lent = self._last
             self.trial.observe(lent, now - start, decoded, now)
         self.board.publish(self.slot, os.getpid(), busy, now)
-        flags = self.board.busy_flags(own_slot=self.slot)
-        flags[self.slot] = busy  # our own word
+        flags = self.board.busy_flags(own_slot=self.slot)  # our slot reads the ``busy`` just published
         own = self.table.shares[self.slot]
         offered = cores_for(self.slot, self.table, flags)
         lending = offered != own and self.trial.want_lent(now)
