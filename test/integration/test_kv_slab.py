@@ -45,7 +45,7 @@ SMALL = ["hello world the model", "paris is the capital of", "memory pool share 
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory, tiny_model_root):
+def pool(tmp_path_factory, tiny_model_root, shared_servers):
     pool_dir = tmp_path_factory.mktemp("slabpools")
     name = f"s{os.getpid()}"
     shared = ["--memx-elastic-kv", "--memx-pool", name, "--memx-pool-budget-gb", BUDGET_GB,
@@ -55,7 +55,10 @@ def pool(tmp_path_factory, tiny_model_root):
         model = tiny_model(spec, tiny_model_root)
         args = COMMON + ["--dtype", DTYPE[key][0]]
         servers[key] = SGLangServer(model, name=f"slab-{key}", max_total_tokens=4096, extra_args=args + shared)
-        servers[f"stock-{key}"] = SGLangServer(model, name=f"slab-stock-{key}", stock=True, extra_args=args)
+        stock_name = "stock-llama-s5-f32-c64" if key == "a" else f"slab-stock-{key}"
+        stock = SGLangServer(model, name=stock_name, stock=True, extra_args=args)
+        # model A's stock server is test_peer_kv.py's too (same model and arguments): one a session
+        servers[f"stock-{key}"] = shared_servers.get(stock) if key == "a" else stock
     start_all(list(servers.values()))
     yield {"servers": servers, "sock": pool_dir / f"{name}.sock", "dir": pool_dir, "name": name}
     stop_all(servers.values())

@@ -21,16 +21,17 @@ import pytest
 
 from memory_ext.pool.arbiter_client import query_arbiter_status
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all
+from support.server import SGLangServer, start_all, stop_all
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(1200),
 ]
 
-SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=7)
+# test_kv_slab.py's model A, with the same arguments: its stock server is the session's (started once)
+SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=5)
 # float32: the servers see different batch shapes; bf16 rounding could flip a flat random model's argmax
-COMMON = ["--dtype", "float32", "--chunked-prefill-size", "64"]
+COMMON = ["--chunked-prefill-size", "64", "--dtype", "float32"]
 # 512 B of KV a token (2 layers x K,V x 2 heads x 16 x 4 B): a 64 KiB chunk holds 8 peer blocks of 16 tokens.
 # The donor lends at most 512 KiB (64 blocks, 1024 tokens) of its 2048-token KV capacity: a load of more
 # than the other 1024 tokens makes it reclaim.
@@ -39,7 +40,7 @@ CONVS, PREFIX, MORE, NEW = 6, 160, 48, 8
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory, tiny_model_root):
+def servers(tmp_path_factory, tiny_model_root, shared_servers):
     model = tiny_model(SPEC, tiny_model_root)
     pool_dir = tmp_path_factory.mktemp("pools")
     name = f"pk{os.getpid()}"
@@ -50,14 +51,15 @@ def servers(tmp_path_factory, tiny_model_root):
                                                      DONATE_GB])  # fmt: skip
     borrower = DumpingServer(model, name="peer-borrower", max_total_tokens=512,
                             extra_args=COMMON + pool + ["--memx-peer-kv", "borrow"])  # fmt: skip
-    stock = SGLangServer(model, name="peer-stock", stock=True, max_total_tokens=4096, extra_args=COMMON)
+    stock = shared_servers.get(
+        SGLangServer(model, name="stock-llama-s5-f32-c64", stock=True, max_total_tokens=4096, extra_args=COMMON)
+    )
     try:
         start_all([donor, borrower, stock])
         donor.dump_on_stop = borrower.dump_on_stop = False
         yield {"donor": donor, "borrower": borrower, "stock": stock, "sock": pool_dir / f"{name}.sock"}
     finally:  # the pool's arbiter outlives its servers: stop it even when they never became healthy
-        for s in (donor, borrower, stock):
-            s.stop()
+        stop_all([donor, borrower, stock])  # the shared stock server stays up for the session
         subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir",
                         str(pool_dir)], check=False)  # fmt: skip
 
