@@ -123,7 +123,7 @@ def tpot_by_batch(timelines: list[list[dict]]) -> dict[int, float]:
 
 def run_once(servers: list[SGLangServer], sched, args) -> dict:
     for s in servers:
-        s.request_text("/flush_cache")  # every run starts with an empty prefix cache
+        s.flush_cache()  # every run starts with an empty prefix cache
     marks = [len(s.log_path.read_text(errors="replace")) for s in servers]
     t0_wall = time.time()
     results, wall = play([s.url for s in servers], sched, args.new_tokens)

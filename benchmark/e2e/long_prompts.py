@@ -100,7 +100,7 @@ def host_offloads(server: SGLangServer) -> int:
 
 
 def run_once(server: SGLangServer, args) -> dict:
-    server.request_text("/flush_cache")
+    server.flush_cache()
     before = None if server.stock else host_offloads(server)
     sched = [(0.0, 0, f"long {i} " + " ".join(f"p{i}_{j}" for j in range(args.prompt_words)))
              for i in range(args.requests)]  # fmt: skip

@@ -47,27 +47,12 @@ def model(layers: int):
     return tiny_model(spec, root), spec
 
 
-def flush(server: SGLangServer, timeout_s: float = 60.0) -> None:
-    """Empty the prefix cache. Upstream answers 400 while a request is still pending, which a
-    refused probe can be for a moment after its 400 (seen: ``#running-req: 1`` right after a
-    too-long prompt's refusal); retry until it flushes, else raise naming the server."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            server.request_text("/flush_cache")
-            return
-        except urllib.error.HTTPError as exc:
-            if exc.code != 400 or time.monotonic() > deadline:
-                raise RuntimeError(f"{server.name}: /flush_cache failed: {exc}") from exc
-            time.sleep(0.2)
-
-
 def fits(server: SGLangServer, ids: list[int]) -> list[int] | None:
     """The greedy output, or None if the server refused or failed the prompt. Every probe starts
     with an empty prefix cache (``/flush_cache``): probes are independent, and a memx server then
     never has to evict an earlier probe's prefix first (an elastic-KV admission stall seen with an
     evictable 4,115-token prefix and a 6,144-token probe: docs/peer-kv.md)."""
-    flush(server)
+    server.flush_cache()  # retries while a refused probe is still pending
     try:
         out = server.request("/generate", {"input_ids": ids, "sampling_params": {
             "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}}, timeout=600)  # fmt: skip

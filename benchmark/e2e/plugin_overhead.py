@@ -51,7 +51,7 @@ def _model(kind: str):
 
 
 def measure(server: SGLangServer, args) -> dict:
-    server.request_text("/flush_cache")
+    server.flush_cache()
     one, _ = play([server.url], [(0.0, 0, "Tell a long story about the sea:")], args.decode_tokens)
     streams = [(0.0, 0, f"Stream {i}: write about memory and caches.") for i in range(args.concurrency)]
     many, wall = play([server.url], streams, args.decode_tokens)

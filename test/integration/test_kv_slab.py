@@ -55,10 +55,11 @@ def pool(tmp_path_factory, tiny_model_root, shared_servers):
         model = tiny_model(spec, tiny_model_root)
         args = COMMON + ["--dtype", DTYPE[key][0]]
         servers[key] = SGLangServer(model, name=f"slab-{key}", max_total_tokens=4096, extra_args=args + shared)
-        stock_name = "stock-llama-s5-f32-c64" if key == "a" else f"slab-stock-{key}"
-        stock = SGLangServer(model, name=stock_name, stock=True, extra_args=args)
-        # model A's stock server is test_peer_kv.py's too (same model and arguments): one a session
-        servers[f"stock-{key}"] = shared_servers.get(stock) if key == "a" else stock
+        if key == "a":  # test_peer_kv.py's stock server too (same model and arguments): one a session
+            stock = shared_servers.get(SGLangServer(model, name="stock-llama-s5-f32-c64", stock=True, extra_args=args))
+        else:
+            stock = SGLangServer(model, name=f"slab-stock-{key}", stock=True, extra_args=args)
+        servers[f"stock-{key}"] = stock
     start_all(list(servers.values()))
     yield {"servers": servers, "sock": pool_dir / f"{name}.sock", "dir": pool_dir, "name": name}
     stop_all(servers.values())

@@ -200,6 +200,21 @@ class SGLangServer:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
             return r.read().decode()
 
+    def flush_cache(self, timeout_s: float = 60.0) -> None:
+        """Empty the prefix cache (upstream's ``/flush_cache``). Upstream answers 400 while a request
+        is still pending, which a refused request can be for a moment after its own 400 (seen:
+        ``#running-req: 1`` right after a too-long prompt's refusal); retry until it flushes, else
+        raise naming the server."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.request_text("/flush_cache")
+                return
+            except urllib.error.HTTPError as exc:
+                if exc.code != 400 or time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name}: /flush_cache failed: {exc}") from exc
+                time.sleep(0.2)
+
     def generate(self, text, **sampling) -> dict:
         return self.request("/generate", {"text": text, "sampling_params": sampling})
 

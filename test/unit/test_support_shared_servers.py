@@ -103,3 +103,51 @@ def test_cores_are_shared_out_among_all_servers_of_a_module(n):
     srv.pin_to_cores(servers)
     per = max(1, len(srv.os.sched_getaffinity(0)) // n)
     assert all(s.env["OMP_NUM_THREADS"] == str(per) for s in servers)
+
+
+class _FlushAnswers:
+    """A stand-in ``/flush_cache``: answers 400 (a request still pending) ``pending`` times, then 200."""
+
+    def __init__(self, pending: int, code: int = 400):
+        import http.server
+        import threading
+
+        answers = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                answers.calls += 1
+                status = answers.code if answers.calls <= answers.pending else 200
+                self.send_response(status)
+                self.end_headers()
+                self.wfile.write(b"pending" if status != 200 else b"flushed")
+
+            def log_message(self, *args):
+                pass
+
+        self.pending, self.code, self.calls = pending, code, 0
+        self.httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def server(self) -> SGLangServer:
+        s = _server("flushed")
+        s.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        return s
+
+
+def test_flush_cache_retries_while_a_request_is_pending_then_flushes():
+    answers = _FlushAnswers(pending=2)
+    try:
+        answers.server().flush_cache(timeout_s=10)
+        assert answers.calls == 3  # two 400s, then the flush
+    finally:
+        answers.httpd.shutdown()
+
+
+def test_flush_cache_raises_naming_the_server_on_another_error_or_after_the_timeout():
+    for answers, timeout in ((_FlushAnswers(pending=5, code=500), 10), (_FlushAnswers(pending=10**6), 0.5)):
+        try:
+            with pytest.raises(RuntimeError, match="flushed: /flush_cache failed"):
+                answers.server().flush_cache(timeout_s=timeout)
+        finally:
+            answers.httpd.shutdown()
