@@ -14,8 +14,8 @@ class _MemxServer:
     def __init__(self):
         self.offloads = 30  # warm-up and earlier rounds
 
-    def request_text(self, path):
-        return ""
+    def flush_cache(self):
+        pass
 
     def request(self, path):
         host = {"prefill_offloads": self.offloads}
