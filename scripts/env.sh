@@ -36,7 +36,10 @@ _memx_uv() {
       MEMX_UV_PY="$tool/bin/python"
     fi
   fi
-  "$MEMX_UV_PY" -m uv "$@"
+  # The platform's certificate store, not uv's bundled roots: where HTTPS goes through a proxy
+  # whose CA is installed system-wide (pip trusts it through its config), uv's own roots fail
+  # with "invalid peer certificate: UnknownIssuer" (seen on a fresh machine under `env -i`).
+  UV_SYSTEM_CERTS="${UV_SYSTEM_CERTS:-1}" "$MEMX_UV_PY" -m uv "$@"
 }
 
 _memx_env_key() {
