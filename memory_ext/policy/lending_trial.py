@@ -26,8 +26,18 @@ The trial (numbers in, decisions out; no clock, no I/O):
   again from ``hold_s``. A lent block whose median is already above ``bail`` x the own median
   ends the trial at once (a stall like the one above costs one block, not the whole trial).
 
-Invariants: with no measurement the engine computes on its own cores only (the static split's
-speed, never worse); every decision has a reason, kept in ``status``.
+* Which side needs proof depends on the siblings (``prefer_lent``, the caller's reading of the
+  board). While some sibling has work, the own cores are the default (the static split) and the
+  lent ones must pay as above. While **every** sibling is idle, the lent cores are the whole
+  device, the configuration of one stock server alone on it (the baseline a user compares with),
+  so they are the default and the own cores must pay by the same rule (own median at most
+  ``gain`` x lent, no pair contradicting) before the engine keeps to them. Measured before this
+  rule (upstream's ``bench_serving`` against ``scripts/serve.sh``, one busy engine of two): the
+  gain rule refused lending at 0.93x and on noisy pairs, the busy scheduler computed on 1.47 cores
+  on average against stock's 2, and served 0.74x stock's requests per second.
+
+Invariants: with no measurement and a busy sibling the engine computes on its own cores only
+(the static split's speed, never worse); every decision has a reason, kept in ``status``.
 """
 
 from __future__ import annotations
@@ -89,8 +99,9 @@ class LendingTrial:
             return False
         return self._trial_side()
 
-    def observe(self, lent: bool, seconds: float, running: int, now: float) -> None:
-        """One counted iteration: ``seconds`` long with ``running`` requests, on the lent cores or not."""
+    def observe(self, lent: bool, seconds: float, running: int, now: float, prefer_lent: bool = False) -> None:
+        """One counted iteration: ``seconds`` long with ``running`` requests, on the lent cores or not;
+        ``prefer_lent``: every sibling was idle (the own cores must pay to be kept)."""
         if not seconds >= 0 or seconds != seconds:
             raise LendingTrialError(f"seconds: must be >= 0, got {seconds!r}")
         if self.phase != "trial":
@@ -104,26 +115,43 @@ class LendingTrial:
         if lent and len(self.lent_costs) % self.block == 0 and lent_med > self.bail * own:
             self._refuse(now, f"lent cores {lent_med / own:.2f}x slower per request-iteration: bailed out")
         elif len(self.lent_costs) >= self.block * self.pairs and len(self.own_costs) >= self.block * self.pairs:
+            if prefer_lent:
+                self._verdict_lent_preferred(own, lent_med, now)
+                return
             contradicting = self._contradicting_pairs()
             if lent_med <= self.gain * own and not contradicting:
-                self.phase, self.until, self.backoff_s = "lend", now + self.next_hold_s, self.hold_s
-                self.paid += 1
-                self.reason = (f"lent cores {lent_med / own:.2f}x the own cost per request-iteration: lending for "
-                               f"{self.next_hold_s:g} s")  # fmt: skip
-                self.next_hold_s = min(self.max_hold_s, 2 * self.next_hold_s)
+                self._lend(now, f"lent cores {lent_med / own:.2f}x the own cost per request-iteration")
             elif contradicting:
                 self._refuse(now, f"lent cores {lent_med / own:.2f}x the own cost, but slower in pair(s) "
                                   f"{contradicting} of {self.pairs}")  # fmt: skip
             else:
                 self._refuse(now, f"lent cores {lent_med / own:.2f}x the own cost (needs <= {self.gain:g}x)")
 
-    def _contradicting_pairs(self) -> list[int]:
-        """The pairs (1-based) whose lent block's median exceeds its own block's."""
+    def _verdict_lent_preferred(self, own: float, lent_med: float, now: float) -> None:
+        """Every sibling idle: lend unless the own cores are measured to pay (the gain rule reversed)."""
+        contradicting = self._contradicting_pairs(cheaper="own")
+        if own <= self.gain * lent_med and not contradicting:
+            self._refuse(now, f"every sibling idle, but the own cores cost {own / lent_med:.2f}x the lent ones per "
+                              "request-iteration in every pair")  # fmt: skip
+        else:
+            self._lend(now, f"every sibling idle: the whole device (own cores {own / lent_med:.2f}x the lent cost; "
+                            f"kept only at <= {self.gain:g}x in every pair)")  # fmt: skip
+
+    def _lend(self, now: float, why: str) -> None:
+        self.phase, self.until, self.backoff_s = "lend", now + self.next_hold_s, self.hold_s
+        self.paid += 1
+        self.reason = f"{why}: lending for {self.next_hold_s:g} s"
+        self.next_hold_s = min(self.max_hold_s, 2 * self.next_hold_s)
+
+    def _contradicting_pairs(self, cheaper: str = "lent") -> list[int]:
+        """The pairs (1-based) where the side that should be ``cheaper`` ("lent" or "own") was not:
+        its block's median exceeds the other block's."""
         b = self.block
         out = []
         for k in range(self.pairs):
             own_block, lent_block = self.own_costs[k * b : (k + 1) * b], self.lent_costs[k * b : (k + 1) * b]
-            if statistics.median(lent_block) > statistics.median(own_block):
+            own_med, lent_med = statistics.median(own_block), statistics.median(lent_block)
+            if (lent_med > own_med) if cheaper == "lent" else (own_med > lent_med):
                 out.append(k + 1)
         return out
 

@@ -18,6 +18,7 @@ from sglang_memx.compute_share import ComputeLender, from_environment
 
 TWO = ComputeShares(((0,), (1,)))
 THREE_ON_SIX = ComputeShares(((0, 1), (2, 3), (4, 5)))
+THREE = ComputeShares(((0,), (1,), (2,)))
 
 
 @pytest.mark.parametrize(
@@ -174,10 +175,12 @@ def test_a_lender_keeps_lending_when_the_lent_cores_are_faster(tmp_path):
 def test_prefill_iterations_do_not_count_so_they_cannot_fake_a_gain(tmp_path):
     """Each request starts with a slow prefill iteration, and own blocks come first, right after
     arrivals: counted, prefills made the own cores look slow. Decode steps take the same time on
-    both sides here, so the lender must not lend; every prefill alone would have said 'pays'."""
+    both sides here, so the lender must not lend (a third sibling is busy: the lent cores must
+    pay); every prefill alone would have said 'pays'."""
     path = tmp_path / "pool.compute"
-    ComputeBoard.create(path, 2).close()
-    a = ComputeLender(ComputeBoard.open(path), 0, TWO, apply=lambda c: None, trial=LendingTrial(block=2, pairs=2))
+    ComputeBoard.create(path, 3).close()
+    ComputeBoard.open(path).publish(2, os.getpid(), True, 0.0)  # slot 2 has work: lending must pay
+    a = ComputeLender(ComputeBoard.open(path), 0, THREE, apply=lambda c: None, trial=LendingTrial(block=2, pairs=2))
     t, prefill_next = 0.0, True
     for i in range(40):
         if a.trial.phase != "trial":
@@ -227,6 +230,48 @@ def test_the_trial_verdict(own_s, lent_s, phase):
         now += lent_s if lent else own_s
         trial.observe(lent, lent_s if lent else own_s, 1, now)
     assert trial.phase == phase
+
+
+@pytest.mark.parametrize(
+    "own_s,lent_s,phase",
+    [
+        (0.010, 0.005, "lend"),  # the whole device is faster: lend
+        (0.010, 0.0105, "lend"),  # own 5 % faster: not the 10 % it must show to be kept
+        (0.010, 0.010, "lend"),  # a tie goes to the whole device (one stock server's configuration)
+        (0.010, 0.012, "own"),  # own measured 17 % cheaper in every pair: keep the own cores
+        (0.010, 0.5, "own"),  # a stall: bails out after one lent block, whatever the preference
+    ],
+)
+def test_with_every_sibling_idle_the_own_cores_must_pay(own_s, lent_s, phase):
+    trial = LendingTrial(block=3, pairs=2)
+    now = 0.0
+    for _ in range(40):
+        if trial.phase != "trial":
+            break
+        lent = trial.want_lent(now)
+        now += lent_s if lent else own_s
+        trial.observe(lent, lent_s if lent else own_s, 1, now, prefer_lent=True)
+    assert trial.phase == phase, trial.reason
+    assert ("every sibling idle" in trial.reason) == (lent_s < 0.5)
+
+
+@pytest.mark.parametrize("third_busy, phase", [(False, "lend"), (True, "own")])
+def test_equal_costs_lend_the_whole_device_but_not_a_busy_siblings_neighbourhood(tmp_path, third_busy, phase):
+    """Same decode cost on own and lent cores: with every sibling idle the engine computes on the
+    whole device (stock's configuration); with a sibling busy it keeps its own share (the static split)."""
+    path = tmp_path / "pool.compute"
+    ComputeBoard.create(path, 3).close()
+    ComputeBoard.open(path).publish(2, os.getpid(), third_busy, 0.0)
+    a = ComputeLender(ComputeBoard.open(path), 0, THREE, apply=lambda c: None, trial=LendingTrial(block=2, pairs=2))
+    t = 0.0
+    for _ in range(30):
+        if a.trial.phase != "trial":
+            break
+        a.step(True, t, decoded=2)
+        t += 0.004
+    assert a.trial.phase == phase, a.status()["lending"]
+    assert a.step(True, t, decoded=2) == ((0,) if third_busy else (0, 1, 2))  # own share, or the whole device
+    assert a.trial.paid == (0 if third_busy else 1)
 
 
 def test_the_trial_backs_off_doubling_and_retries_then_a_paying_trial_resets_it():
