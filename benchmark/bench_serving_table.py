@@ -38,10 +38,11 @@ def _range(values: list[float]) -> str:
 def render(doc: dict) -> str:
     rounds = doc["rounds"]
     n = len(rounds)
+    features = f", memx flags `{doc['memx_features']}`" if "memx_features" in doc else ""
     lines = [
         BEGIN,
         f"`{doc['command']}`, {n} interleaved pairs ({doc['time']}, {doc['machine']['cpus']} CPUs); each run on a "
-        "freshly started `scripts/serve.sh` (memx: router + two engines, only the bf16 model loaded) or "
+        f"freshly started `scripts/serve.sh` (memx: router + two engines, only the bf16 model loaded{features}) or "
         "`scripts/serve.sh --memx-disable` (stock). Per setup: median [min, max] over the runs; ratio memx / stock: "
         "median [min, max] over the pairs.",
         "",

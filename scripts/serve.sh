@@ -56,7 +56,7 @@ if [ "$SINGLE" = 1 ]; then
   MODELS="$NAME"
 else
   SERVE_CFG=(--host "$HOST" --port "$PORT" --max-total-tokens "${MEMX_MAX_TOTAL_TOKENS:-16384}"
-    --memory-gb "${MEMX_MEMORY_GB:-2}" --memx-args "$MEMX_FEATURES")
+    --memory-gb "${MEMX_MEMORY_GB:-2}" --memx-args="$MEMX_FEATURES")
   [ -n "${MEMX_LOG_DIR:-}" ] && SERVE_CFG+=(--log-dir "$MEMX_LOG_DIR")
   [ -n "${MEMX_CONFIG:-}" ] && SERVE_CFG+=(--out "$MEMX_CONFIG")
   CONFIG=$("$PY" -m sglang_memx.cli models serve-config "${SERVE_CFG[@]}" -- ${ARGS[@]+"${ARGS[@]}"})

@@ -15,7 +15,8 @@ reported only with at least 100 requests per run (``--num-prompts``), else p90.
 Claims (``claims`` in the JSON): every request served by memx in every run; memx's request
 throughput >= stock's and its TTFT p99 (p90) <= stock's in every pair.
 
-    benchmark/e2e/bench_serving.py [--rounds 5] [--num-prompts 100] [--out benchmark/results/e2e/bench_serving.json]
+    benchmark/e2e/bench_serving.py [--rounds 5] [--num-prompts 100] [--memx-features FLAGS]
+                                   [--out benchmark/results/e2e/bench_serving.json]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -52,9 +54,12 @@ def _get(url: str, timeout: float = 5.0) -> int:
 class ServeScript:
     """``scripts/serve.sh`` in its own session, stopped with its whole group."""
 
-    def __init__(self, setup: str, port: int, log: Path):
+    def __init__(self, setup: str, port: int, log: Path, memx_features: str | None = None):
         args = ["--memx-disable"] if setup == "stock" else []
         env = {**os.environ, "MEMX_PORT": str(port), "MEMX_LOG_DIR": str(log.parent / f"logs-{setup}")}
+        env.pop("MEMX_FEATURES", None)  # serve.sh's own default unless --memx-features says otherwise
+        if memx_features is not None and setup == "memx":
+            env["MEMX_FEATURES"] = memx_features
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log, "ab")
         self.proc = subprocess.Popen([str(ROOT / "scripts" / "serve.sh"), *args], cwd=ROOT, env=env,
@@ -81,6 +86,15 @@ class ServeScript:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
         self._log.close()
+
+
+def _serve_default_features() -> str:
+    """The memx flags ``scripts/serve.sh`` passes by default (its ``MEMX_FEATURES`` line)."""
+    text = (ROOT / "scripts" / "serve.sh").read_text()
+    found = re.search(r'^MEMX_FEATURES="\$\{MEMX_FEATURES-"([^"]*)"\}"$', text, re.M)
+    if found is None:
+        raise RuntimeError("scripts/serve.sh: no MEMX_FEATURES default line")
+    return found.group(1)
 
 
 def bench(url: str, tokenizer: str, args, seed: int, out: Path) -> dict:
@@ -123,6 +137,11 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--request-rate", type=float, default=4.0)
     ap.add_argument("--port", type=int, default=30400)
+    ap.add_argument(
+        "--memx-features",
+        default=None,
+        help="the memx flags of the main job (serve.sh's MEMX_FEATURES); default: serve.sh's own",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmark/results/e2e/bench_serving.json"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -134,7 +153,7 @@ def main() -> int:
     startups: dict[str, list[float]] = {s: [] for s in SETUPS}
 
     def run(setup: str, r: int) -> dict:
-        server = ServeScript(setup, args.port, work / f"serve-{setup}.log")
+        server = ServeScript(setup, args.port, work / f"serve-{setup}.log", args.memx_features)
         try:
             startups[setup].append(server.wait_ready())
             return bench(server.url, tokenizer, args, seed=r + 1, out=work / f"{setup}-{r}.jsonl")
@@ -149,6 +168,7 @@ def main() -> int:
         f"--random-input-len 256 --random-output-len 64 --random-range-ratio 0.5 --num-prompts {args.num_prompts} "
         f"--request-rate {args.request_rate} --seed <round>",
         "tail": "p99" if args.num_prompts >= 100 else "p90",
+        "memx_features": args.memx_features if args.memx_features is not None else _serve_default_features(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "rounds": rounds,

@@ -150,6 +150,10 @@ def test_serve_script_defaults_and_single_mode_command_lines(served, tmp_path):
     assert argv[1:3] == ["-m", "sglang.launch_server"] and argv[-1] == "--memx-disable"
     assert not [a for a in argv if a.startswith("--memx-") and a != "--memx-disable"]
 
+    # one flag alone (no host buffer): passed as --memx-args=VALUE, argparse once refused a lone "--memx-..."
+    argv, port = dry(MEMX_FEATURES="--memx-elastic-kv")
+    assert "memx_args: []" in Path(argv[5]).read_text()
+
     argv, port = dry("--chunked-prefill-size", "256", MEMX_MAX_TOTAL_TOKENS="4096")
     assert argv[1:4] == ["-m", "sglang_memx.cli", "serve"] and argv[4] == "--config"
     lines = subprocess.run([argv[0], "-m", "sglang_memx.cli", "serve", "--config", argv[5], "--dry-run"],

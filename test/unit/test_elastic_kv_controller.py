@@ -245,6 +245,43 @@ def test_demand_counts_the_rest_of_a_chunked_prompt():
     assert head_prefill_tokens(sched, None) == 52  # the chunked request's last chunk comes before any waiting one
 
 
+def _waiting_req(prompt, max_new=64):
+    return types.SimpleNamespace(origin_input_ids=[1] * prompt, output_ids=[],
+                                 sampling_params=types.SimpleNamespace(max_new_tokens=max_new),
+                                 finished=lambda: False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "prompts, chunk, max_prefill, slots, taken",
+    [
+        ([], 4096, 16384, 100, 0),  # nothing waits
+        ([200, 300, 250], 4096, 16384, 100, 3),  # a burst: the whole of it fits one prefill batch
+        ([200, 300, 250], 400, 16384, 100, 1),  # the chunk holds the head only: the head alone
+        ([200, 150, 250], 400, 16384, 100, 2),  # in queue order, stopping at the first that does not fit
+        ([5000, 10], 4096, 16384, 100, 1),  # the head always counts, even above the chunk (it is chunked)
+        ([200, 300, 250], None, 450, 100, 1),  # chunked prefill off: --max-prefill-tokens bounds the batch
+        ([200, 300, 250], 4096, 16384, 2, 2),  # upstream's request slots bound it too
+        ([200, 300, 250], 4096, 16384, 0, 1),  # ... but the head is always asked for
+    ],
+)
+def test_the_queue_demand_covers_what_the_next_prefill_batch_could_take(prompts, chunk, max_prefill, slots, taken):
+    """A shared-pool server borrows for the requests one prefill batch could admit, as stock's pool
+    would admit them at once; not for the head alone (a burst then ran one request a batch)."""
+    from sglang_memx.elastic.demand import next_prefill_batch, queue_demand_tokens
+
+    waiting = [_waiting_req(p) for p in prompts]
+    decoding = _waiting_req(100)
+    decoding.output_ids, decoding.kv = [2] * 10, types.SimpleNamespace(kv_allocated_len=110)
+    sched = types.SimpleNamespace(
+        running_batch=types.SimpleNamespace(reqs=[decoding]), last_batch=None, chunked_req=None,
+        waiting_queue=waiting, chunked_prefill_size=chunk, max_prefill_tokens=max_prefill, page_size=1,
+        get_num_allocatable_reqs=lambda running: slots,
+    )  # fmt: skip
+    assert next_prefill_batch(sched) == waiting[:taken]
+    each = sum(p + 64 + 1 + 1 for p in prompts[:taken])  # input + max_new + a page + 1, as upstream admits
+    assert queue_demand_tokens(sched) == each + (64 - 10)  # plus the running request's remaining decode
+
+
 # ------------------------------------------------ activation arena (the CUDA layout, on host chunks)
 class _FakeMemPool:
     """Plays ArenaMemPool: ``release_cached`` hands back the segments torch would cache."""
