@@ -211,6 +211,19 @@ def test_a_pair_that_contradicts_the_gain_keeps_own_cores():
     assert "slower in pair(s) [2] of 2" in trial.reason, trial.reason
 
 
+def _run_trial(own_s: float, lent_s: float, prefer_lent: bool) -> LendingTrial:
+    """A trial whose own and lent iterations take ``own_s`` / ``lent_s``, run to its verdict."""
+    trial = LendingTrial(block=3, pairs=2)
+    now = 0.0
+    for _ in range(40):
+        if trial.phase != "trial":
+            break
+        lent = trial.want_lent(now)
+        now += lent_s if lent else own_s
+        trial.observe(lent, lent_s if lent else own_s, 1, now, prefer_lent=prefer_lent)
+    return trial
+
+
 @pytest.mark.parametrize(
     "own_s,lent_s,phase",
     [
@@ -221,15 +234,7 @@ def test_a_pair_that_contradicts_the_gain_keeps_own_cores():
     ],
 )
 def test_the_trial_verdict(own_s, lent_s, phase):
-    trial = LendingTrial(block=3, pairs=2)
-    now = 0.0
-    for _ in range(40):
-        if trial.phase != "trial":
-            break
-        lent = trial.want_lent(now)
-        now += lent_s if lent else own_s
-        trial.observe(lent, lent_s if lent else own_s, 1, now)
-    assert trial.phase == phase
+    assert _run_trial(own_s, lent_s, prefer_lent=False).phase == phase
 
 
 @pytest.mark.parametrize(
@@ -243,14 +248,7 @@ def test_the_trial_verdict(own_s, lent_s, phase):
     ],
 )
 def test_with_every_sibling_idle_the_own_cores_must_pay(own_s, lent_s, phase):
-    trial = LendingTrial(block=3, pairs=2)
-    now = 0.0
-    for _ in range(40):
-        if trial.phase != "trial":
-            break
-        lent = trial.want_lent(now)
-        now += lent_s if lent else own_s
-        trial.observe(lent, lent_s if lent else own_s, 1, now, prefer_lent=True)
+    trial = _run_trial(own_s, lent_s, prefer_lent=True)
     assert trial.phase == phase, trial.reason
     assert ("every sibling idle" in trial.reason) == (lent_s < 0.5)
 
