@@ -55,8 +55,9 @@ class ServeScript:
     """``scripts/serve.sh`` in its own session, stopped with its whole group."""
 
     def __init__(self, setup: str, port: int, log: Path, memx_features: str | None = None):
+        """``log``: serve.sh's own output; the engines' logs go beside it, ``logs-<log's stem>/``."""
         args = ["--memx-disable"] if setup == "stock" else []
-        env = {**os.environ, "MEMX_PORT": str(port), "MEMX_LOG_DIR": str(log.parent / f"logs-{setup}")}
+        env = {**os.environ, "MEMX_PORT": str(port), "MEMX_LOG_DIR": str(log.parent / f"logs-{log.stem}")}
         env.pop("MEMX_FEATURES", None)  # serve.sh's own default unless --memx-features says otherwise
         if memx_features is not None and setup == "memx":
             env["MEMX_FEATURES"] = memx_features
@@ -153,7 +154,7 @@ def main() -> int:
     startups: dict[str, list[float]] = {s: [] for s in SETUPS}
 
     def run(setup: str, r: int) -> dict:
-        server = ServeScript(setup, args.port, work / f"serve-{setup}.log", args.memx_features)
+        server = ServeScript(setup, args.port, work / f"serve-{setup}-{r}.log", args.memx_features)
         try:
             startups[setup].append(server.wait_ready())
             return bench(server.url, tokenizer, args, seed=r + 1, out=work / f"{setup}-{r}.jsonl")

@@ -11,9 +11,9 @@ Once per scheduler iteration ``tick`` publishes whether this engine has work (re
 waiting or running; the coordinator's tick asks) and asks ``memory_ext.policy.compute_share.cores_for`` which cores it
 may compute on; when idle siblings' cores are on offer, ``memory_ext.policy.lending_trial``
 decides from measured iteration times whether taking them pays (own and lent cores in
-alternating blocks; while a sibling has work, lent only when faster per decoding request in
-every pair; while every sibling is idle, the whole device unless the own cores are measured
-faster in every pair, as one stock server alone on the device computes on all of it). Only iterations
+alternating blocks, while a sibling has work: lent only when faster per decoding request in
+every pair). While every sibling is idle the engine computes on the whole device without a
+trial, as one stock server alone on the device computes on all of it. Only iterations
 that ran a pure decode batch are measured: a prefill's cost would bias the blocks. When the answer changes, the
 scheduler process's threads are moved to those cores and torch's intra-op thread count follows
 (one OpenMP thread per core). Without the variables (one server alone, stock's command line)
@@ -68,28 +68,29 @@ class ComputeLender:
     trial: LendingTrial = field(default_factory=LendingTrial)
     cores: tuple[int, ...] = ()
     changes: int = 0
-    _last: tuple[float, bool, bool] | None = None  # previous iteration: (start, lent, siblings idle) if counted
+    _last: tuple[float, bool] | None = None  # previous iteration: (start, lent) if the trial counts it
 
     def step(self, busy: bool, now: float, decoded: int = 0) -> tuple[int, ...]:
         """Publish ``busy``, then move to the policies' cores if they changed; returns them.
         ``decoded``: requests of the pure decode batch the iteration that just ended ran (0: it ran
         a prefill or mixed batch, or nothing; then it is not measured)."""
         if self._last is not None and busy and decoded > 0:  # a decode step on unchanged cores: count it
-            start, lent, siblings_idle = self._last
-            self.trial.observe(lent, now - start, decoded, now, prefer_lent=siblings_idle)
+            start, lent = self._last
+            self.trial.observe(lent, now - start, decoded, now)
         self.board.publish(self.slot, os.getpid(), busy, now)
         flags = self.board.busy_flags(own_slot=self.slot)  # our slot reads the ``busy`` just published
         own = self.table.shares[self.slot]
         offered = cores_for(self.slot, self.table, flags)
-        lending = offered != own and self.trial.want_lent(now)
+        siblings_idle = not any(b for i, b in enumerate(flags) if i != self.slot)
+        lending = offered != own and self.trial.want_lent(now, every_sibling_idle=siblings_idle)
         want = offered if lending else own
         changed = want != self.cores
         if changed:
             self.apply(want)
             self.cores = want
             self.changes += 1
-        siblings_idle = not any(b for i, b in enumerate(flags) if i != self.slot)
-        self._last = (now, lending, siblings_idle) if busy and offered != own and not changed else None
+        trial_counts = busy and offered != own and not siblings_idle and not changed
+        self._last = (now, lending) if trial_counts else None
         return want
 
     def status(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from memory_ext.policy.compute_share import ComputeShareError, ComputeShares, cores_for
-from memory_ext.policy.lending_trial import LendingTrial
+from memory_ext.policy.lending_trial import WHOLE_DEVICE_REASON, LendingTrial
 from memory_ext.pool.compute_board import ComputeBoard, ComputeBoardError
 from sglang_memx import compute_share
 from sglang_memx.compute_share import ComputeLender, from_environment
@@ -144,12 +144,13 @@ def test_environment_makes_the_lender_and_bad_variables_name_themselves(tmp_path
 
 
 def test_a_lender_stops_lending_when_the_lent_cores_are_measured_slower(tmp_path):
-    """Sibling idle, lending on offer: the engine starts on its own core, tries the lent ones,
-    and goes back to its own when the lent iterations are slower per running request."""
+    """One sibling idle, another busy, lending on offer: the engine starts on its own core, tries
+    the lent ones, and goes back to its own when the lent iterations are slower per running request."""
     path = tmp_path / "pool.compute"
-    ComputeBoard.create(path, 2).close()
+    ComputeBoard.create(path, 3).close()
+    ComputeBoard.open(path).publish(2, os.getpid(), True, 0.0)  # slot 2 has work: the trial decides
     applied = []
-    a = ComputeLender(ComputeBoard.open(path), 0, TWO, apply=applied.append, trial=LendingTrial(block=2, pairs=1))
+    a = ComputeLender(ComputeBoard.open(path), 0, THREE, apply=applied.append, trial=LendingTrial(block=2, pairs=1))
     t, cores = 0.0, []
     for _ in range(12):  # own iterations take 1 ms, lent ones 50 ms (a stalled barrier)
         cores.append(a.step(True, t, decoded=4))
@@ -162,8 +163,9 @@ def test_a_lender_stops_lending_when_the_lent_cores_are_measured_slower(tmp_path
 
 def test_a_lender_keeps_lending_when_the_lent_cores_are_faster(tmp_path):
     path = tmp_path / "pool.compute"
-    ComputeBoard.create(path, 2).close()
-    a = ComputeLender(ComputeBoard.open(path), 0, TWO, apply=lambda c: None, trial=LendingTrial(block=2, pairs=2))
+    ComputeBoard.create(path, 3).close()
+    ComputeBoard.open(path).publish(2, os.getpid(), True, 0.0)  # slot 2 has work: the trial decides
+    a = ComputeLender(ComputeBoard.open(path), 0, THREE, apply=lambda c: None, trial=LendingTrial(block=2, pairs=2))
     t, cores = 0.0, []
     for _ in range(20):  # lent iterations take half as long
         cores.append(a.step(True, t, decoded=2))
@@ -211,7 +213,7 @@ def test_a_pair_that_contradicts_the_gain_keeps_own_cores():
     assert "slower in pair(s) [2] of 2" in trial.reason, trial.reason
 
 
-def _run_trial(own_s: float, lent_s: float, prefer_lent: bool) -> LendingTrial:
+def _run_trial(own_s: float, lent_s: float) -> LendingTrial:
     """A trial whose own and lent iterations take ``own_s`` / ``lent_s``, run to its verdict."""
     trial = LendingTrial(block=3, pairs=2)
     now = 0.0
@@ -220,7 +222,7 @@ def _run_trial(own_s: float, lent_s: float, prefer_lent: bool) -> LendingTrial:
             break
         lent = trial.want_lent(now)
         now += lent_s if lent else own_s
-        trial.observe(lent, lent_s if lent else own_s, 1, now, prefer_lent=prefer_lent)
+        trial.observe(lent, lent_s if lent else own_s, 1, now)
     return trial
 
 
@@ -234,42 +236,42 @@ def _run_trial(own_s: float, lent_s: float, prefer_lent: bool) -> LendingTrial:
     ],
 )
 def test_the_trial_verdict(own_s, lent_s, phase):
-    assert _run_trial(own_s, lent_s, prefer_lent=False).phase == phase
+    assert _run_trial(own_s, lent_s).phase == phase
 
 
-@pytest.mark.parametrize(
-    "own_s,lent_s,phase",
-    [
-        (0.010, 0.005, "lend"),  # the whole device is faster: lend
-        (0.010, 0.0105, "lend"),  # own 5 % faster: not the 10 % it must show to be kept
-        (0.010, 0.010, "lend"),  # a tie goes to the whole device (one stock server's configuration)
-        (0.010, 0.012, "own"),  # own measured 17 % cheaper in every pair: keep the own cores
-        (0.010, 0.5, "own"),  # a stall: bails out after one lent block, whatever the preference
-    ],
-)
-def test_with_every_sibling_idle_the_own_cores_must_pay(own_s, lent_s, phase):
-    trial = _run_trial(own_s, lent_s, prefer_lent=True)
-    assert trial.phase == phase, trial.reason
-    assert ("every sibling idle" in trial.reason) == (lent_s < 0.5)
+@pytest.mark.parametrize("phase", ["trial", "own", "lend"])
+def test_with_every_sibling_idle_the_whole_device_is_taken_in_any_phase(phase):
+    """Every sibling idle: the lent cores are the whole device (one stock server's configuration),
+    taken without a trial, even during an own-core back-off; a busy sibling brings the trial back."""
+    trial = _run_trial(0.010, 0.012 if phase == "own" else 0.005) if phase != "trial" else LendingTrial()
+    assert trial.phase == phase
+    for now in (0.0, 1.0, 500.0):
+        assert trial.want_lent(now, every_sibling_idle=True) is True
+        assert trial.status()["reason"] == WHOLE_DEVICE_REASON
+    assert trial.want_lent(0.01) is (phase == "lend")  # a sibling has work again: the trial's own state
+    assert trial.status()["reason"] != WHOLE_DEVICE_REASON
 
 
-@pytest.mark.parametrize("third_busy, phase", [(False, "lend"), (True, "own")])
-def test_equal_costs_lend_the_whole_device_but_not_a_busy_siblings_neighbourhood(tmp_path, third_busy, phase):
+@pytest.mark.parametrize("third_busy", [False, True])
+def test_equal_costs_lend_the_whole_device_but_not_a_busy_siblings_neighbourhood(tmp_path, third_busy):
     """Same decode cost on own and lent cores: with every sibling idle the engine computes on the
-    whole device (stock's configuration); with a sibling busy it keeps its own share (the static split)."""
+    whole device from its first iteration and measures nothing (stock's configuration); with a
+    sibling busy it tries both and keeps its own share (the static split)."""
     path = tmp_path / "pool.compute"
     ComputeBoard.create(path, 3).close()
     ComputeBoard.open(path).publish(2, os.getpid(), third_busy, 0.0)
     a = ComputeLender(ComputeBoard.open(path), 0, THREE, apply=lambda c: None, trial=LendingTrial(block=2, pairs=2))
-    t = 0.0
+    t, cores = 0.0, []
     for _ in range(30):
-        if a.trial.phase != "trial":
-            break
-        a.step(True, t, decoded=2)
+        cores.append(a.step(True, t, decoded=2))
         t += 0.004
-    assert a.trial.phase == phase, a.status()["lending"]
-    assert a.step(True, t, decoded=2) == ((0,) if third_busy else (0, 1, 2))  # own share, or the whole device
-    assert a.trial.paid == (0 if third_busy else 1)
+    if third_busy:
+        assert a.trial.phase == "own" and a.trial.paid == 0, a.status()["lending"]
+        assert (0, 1) in cores and cores[-1] == (0,)  # tried its idle neighbour's core, kept its own
+    else:
+        assert cores == [(0, 1, 2)] * 30 and a.changes == 1  # the whole device at once, never moved
+        assert a.trial.own_costs == a.trial.lent_costs == [] and a.trial.phase == "trial"
+        assert a.status()["lending"]["reason"] == WHOLE_DEVICE_REASON
 
 
 def test_the_trial_backs_off_doubling_and_retries_then_a_paying_trial_resets_it():
