@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from sglang_memx import __version__, compute_share, router_activity
+from sglang_memx import __version__, compute_share, heap_trim, router_activity
 from sglang_memx.config import MemxConfig
 from sglang_memx.coordinator import device
 from sglang_memx.elastic.slab import slab_status
@@ -92,6 +92,7 @@ def scheduler_status(scheduler, config: MemxConfig, hooks: list[dict[str, Any]])
         doc["pool_name"] = config.pool
     doc["router_activity"] = router_activity.status()  # None: no router ever posted /memx/activity
     doc["compute_share"] = compute_share.status()  # None: no co-located engines' board
+    doc["heap_trim"] = heap_trim.status()  # None: no iteration yet, or no glibc
     peer = peer_server.server_of(scheduler) if config.features["peer_kv"] else None
     if peer is not None:
         doc["peer_kv"] = peer.status()

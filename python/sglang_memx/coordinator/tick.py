@@ -32,7 +32,7 @@ elastic KV on a shared pool).
 
 from __future__ import annotations
 
-from sglang_memx import compute_share
+from sglang_memx import compute_share, heap_trim
 from sglang_memx.coordinator import device
 from sglang_memx.peer import server as peer_server
 from sglang_memx.upstream import scheduler as up_sched
@@ -46,14 +46,16 @@ def tick(scheduler) -> None:
 
 
 def per_iteration(scheduler) -> None:
-    """Everything memx does before upstream picks the next batch; last, the cores this engine
-    computes on (``compute_share``: its idle co-located siblings' cores while it has work)."""
+    """Everything memx does before upstream picks the next batch; then, at the first idle
+    iteration after work, the allocator's kept heap goes back to the system (``heap_trim``); last,
+    the cores this engine computes on (``compute_share``: its idle co-located siblings' cores while it has work)."""
     coordinator = device.of(up_sched.allocator(scheduler))
     if coordinator is None:
         peer_server.tick(scheduler, None, None, None)
     else:
         coordinator.tick(scheduler)
+    busy = bool(up_sched.admitted_reqs(scheduler)) or bool(up_sched.waiting(scheduler))
+    heap_trim.tick(busy)
     if compute_share.in_use():  # an engine without a compute board counts nothing here
-        busy = bool(up_sched.admitted_reqs(scheduler)) or bool(up_sched.waiting(scheduler))
         decoded = up_sched.last_decode_batch(scheduler)
         compute_share.tick(busy, 0 if decoded is None else len(up_sched.batch_reqs(decoded)))
