@@ -34,7 +34,7 @@ Checks, every ``--check-s`` seconds and at the end:
   per engine, mapped KV groups, mapped bytes and chunks held at the arbiter grow by less than one
   KV group (``--max-kv-group-growth`` 0), the engine's and the arbiter's chunk counts agree at
   each, open fds (memfds apart: they are the pool's chunks) by ``--max-fd-growth`` (8: the
-  router's keep-alive connections), threads by ``--max-thread-growth`` (4), RSS by
+  router's keep-alive connections), threads by ``--max-thread-growth`` (8: thread pools that grow on demand), RSS by
   ``--max-rss-growth-pools`` (4) times the device pool.
 
 ``--inject-fault drop|abort|reset|wrong`` (``load_driver``) spoils every 7th request: the run
@@ -284,10 +284,11 @@ class Checker:
 
 
 def per_process_change(before: dict, after: dict) -> list[dict]:
-    """RSS / fd change of every process present at both quiet points (which one grew)."""
+    """RSS / fd / thread change of every process present at both quiet points (which one grew)."""
     old = {p["pid"]: p for p in before.get("per_process", [])}
     return [{"pid": p["pid"], "cmd": p["cmd"][:120], "fds": [old[p["pid"]]["fds"], p["fds"]],
              "memfd_fds": [old[p["pid"]]["memfd_fds"], p["memfd_fds"]],
+             "threads": [old[p["pid"]].get("threads"), p.get("threads")],
              "rss_mib": [round(old[p["pid"]]["rss_bytes"] / 2**20, 1), round(p["rss_bytes"] / 2**20, 1)]}
             for p in after.get("per_process", []) if p["pid"] in old]  # fmt: skip
 
@@ -374,7 +375,9 @@ def parse_args(argv):
         default=8,
         help="open fds (router keep-alive connections to engines may vary by a few)",
     )
-    ap.add_argument("--max-thread-growth", type=int, default=4)
+    ap.add_argument(
+        "--max-thread-growth", type=int, default=8, help="threads between quiet points (thread pools grow on demand)"
+    )
     ap.add_argument("--max-rss-growth-pools", type=float, default=4.0, help="RSS growth limit, in device pools")
     ap.add_argument("--settle-s", type=float, default=12.0, help="quiet samples wait this long after the drain")
     ap.add_argument(

@@ -23,7 +23,7 @@ import pytest
 
 from memory_ext.pool.arbiter_client import query_arbiter_status
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all, stop_all
+from support.server import SGLangServer, release_with_pool, start_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
@@ -56,10 +56,7 @@ def pool(tmp_path_factory, tiny_model_root):
     start_all(servers)
     sock = pool_dir / f"{name}.sock"
     yield {"servers": servers, "sock": sock, "dir": pool_dir, "name": name}
-    stop_all(servers)
-    subprocess.run(
-        [sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir", str(pool_dir)], check=False
-    )
+    release_with_pool(servers, name, pool_dir)
 
 
 def _gen(server, texts, n):

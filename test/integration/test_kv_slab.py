@@ -27,7 +27,7 @@ import pytest
 from memory_ext.policy.kv_format import KVLayout, KVPrecision, slab_format, token_kv_bytes, uniform_slab_units
 from memory_ext.pool.arbiter_client import query_arbiter_status
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all, stop_all
+from support.server import SGLangServer, release_with_pool, start_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -62,9 +62,7 @@ def pool(tmp_path_factory, tiny_model_root, shared_servers):
         servers[f"stock-{key}"] = stock
     start_all(list(servers.values()))
     yield {"servers": servers, "sock": pool_dir / f"{name}.sock", "dir": pool_dir, "name": name}
-    stop_all(servers.values())
-    subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir", str(pool_dir)],
-                   check=False)  # fmt: skip
+    release_with_pool(servers.values(), name, pool_dir)
 
 
 def _gen(server, texts, n):

@@ -12,8 +12,6 @@ keeps serving identical outputs and the arbiter's books balance (held + free + u
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,7 +19,7 @@ import pytest
 
 from memory_ext.pool.arbiter_client import query_arbiter_status
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all, stop_all
+from support.server import SGLangServer, release_with_pool, start_all
 
 pytestmark = [
     pytest.mark.integration,
@@ -59,9 +57,7 @@ def servers(tmp_path_factory, tiny_model_root, shared_servers):
         donor.dump_on_stop = borrower.dump_on_stop = False
         yield {"donor": donor, "borrower": borrower, "stock": stock, "sock": pool_dir / f"{name}.sock"}
     finally:  # the pool's arbiter outlives its servers: stop it even when they never became healthy
-        stop_all([donor, borrower, stock])  # the shared stock server stays up for the session
-        subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir",
-                        str(pool_dir)], check=False)  # fmt: skip
+        release_with_pool([donor, borrower, stock], name, pool_dir)  # the shared stock server stays up
 
 
 class DumpingServer(SGLangServer):

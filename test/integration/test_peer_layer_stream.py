@@ -12,8 +12,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 
@@ -21,7 +19,7 @@ import pytest
 
 from memory_ext.pool.arbiter_client import query_arbiter_status
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all, stop_all
+from support.server import SGLangServer, release_with_pool, start_all
 
 pytestmark = [
     pytest.mark.integration,
@@ -54,9 +52,7 @@ def servers(tmp_path_factory, tiny_model_root):
         start_all([donor, borrower, stock])
         yield {"donor": donor, "borrower": borrower, "stock": stock, "sock": pool_dir / f"{name}.sock"}
     finally:
-        stop_all((donor, borrower, stock))
-        subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir",
-                        str(pool_dir)], check=False)  # fmt: skip
+        release_with_pool((donor, borrower, stock), name, pool_dir)
 
 
 def _gen(server, ids, n=NEW):

@@ -16,8 +16,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -25,7 +23,7 @@ import pytest
 
 from memory_ext.pool.arbiter_client import query_arbiter_status
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import SGLangServer, start_all, stop_all
+from support.server import SGLangServer, release_with_pool, start_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
@@ -50,9 +48,7 @@ def pair(tmp_path_factory, tiny_model_root, shared_servers):
     )
     start_all([a, b, stock])
     yield {"a": a, "b": b, "stock": stock, "sock": pool_dir / f"{name}.sock", "model": model, "args": args}
-    stop_all((a, b, stock))
-    subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir", str(pool_dir)],
-                   check=False)  # fmt: skip
+    release_with_pool((a, b, stock), name, pool_dir)
 
 
 def _gen(server, text, n, timeout=180):

@@ -266,6 +266,26 @@ def release_all(servers) -> None:
         _RELEASED.append(t)
 
 
+def release_with_pool(servers, pool: str, pool_dir) -> None:
+    """``release_all`` for servers on a shared pool, then that pool's arbiter: one background
+    thread waits for every server to exit and only then runs ``sglang-memx pool stop`` (the
+    arbiter outlives its clients by design); the next module starts meanwhile, and
+    ``join_released`` waits for the thread."""
+    servers = _own(servers)
+    for s in servers:
+        s.terminate()
+
+    def finish() -> None:
+        for s in servers:
+            s.stop()
+        cmd = [sys.executable, "-m", "sglang_memx.cli", "pool", "stop", pool, "--pool-dir", str(pool_dir)]
+        subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
+
+    t = threading.Thread(target=finish, name=f"release-pool-{pool}", daemon=True)
+    t.start()
+    _RELEASED.append(t)
+
+
 def join_released() -> None:
     while _RELEASED:
         _RELEASED.pop().join()

@@ -202,7 +202,7 @@ def test_less_than_a_group_and_process_limits():
     after["engines"]["tiny-a"]["arbiter_held"] = after["engines"]["tiny-a"]["held_chunks"] = 5  # half a group
     after["pool_held"]["cpu0"] += 1
     assert leak_check(quiet_point(), after, LeakLimits()).violations == []
-    grown = quiet_point(rss=(100 << 20) + (33 << 20), fds=509, threads=95)
+    grown = quiet_point(rss=(100 << 20) + (33 << 20), fds=509, threads=99)
     violations = leak_check(quiet_point(), grown, LeakLimits()).violations
     assert [v.split()[0] for v in violations] == ["fds", "threads", "rss_bytes"]
     assert leak_check(quiet_point(), grown, LeakLimits(check_processes=False)).violations == []
