@@ -7,8 +7,8 @@ too. The process's RSS then stays at the burst's high-water mark while the engin
 host memory its co-located siblings (and the shared pool's chunks) cannot use, and that a leak
 check between quiet points cannot tell from a leak. Measured on the one-minute soak (four
 engines on two cores, the busy engine lending its idle siblings' cores): RSS grew 30-37 MiB
-between the quiet points without the trim (three runs), 6.9 and 13.2 MiB with it (two runs); a
-trim took 0.2 ms at the median and 2.3 ms at most over 77 trims.
+between the quiet points without the trim (three runs), 6.9-16.5 MiB with it (four runs); a
+trim took 0.2 ms at the median and 2.3 ms at most over 77 trims (docs/reliability.md).
 
 ``tick`` runs once per scheduler iteration (``coordinator.tick.per_iteration``); at the first
 idle iteration after work, at most once per ``min_interval_s``, it calls glibc's
