@@ -89,6 +89,32 @@ class ServeScript:
         self._log.close()
 
 
+def _json(url: str, timeout: float = 10.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def engine_states(url: str) -> dict:
+    """After a memx run, before its stop: each engine's host buffer counters (parked, fetched,
+    recomputed ...), its compute share (cores, changes, the lending trial) and heap trims, from
+    its ``/memx/status`` through the router's ``/memx/serve``. For diagnosis; nothing is scored."""
+    try:
+        engines = _json(url + "/memx/serve")["engines"]
+    except (OSError, ValueError, KeyError) as exc:
+        return {"error": repr(exc)[:200]}
+    out: dict = {}
+    for key, e in engines.items():
+        try:
+            sched = _json(e["url"] + "/memx/status")["schedulers"][0]
+        except (OSError, ValueError, KeyError, IndexError) as exc:
+            out[key] = {"error": repr(exc)[:200]}
+            continue
+        elastic = sched.get("elastic_kv") or {}
+        out[key] = {"host_buffer": elastic.get("host_buffer"), "compute_share": sched.get("compute_share"),
+                    "heap_trim": sched.get("heap_trim"), "requests": sched.get("requests")}  # fmt: skip
+    return out
+
+
 def _serve_default_features() -> str:
     """The memx flags ``scripts/serve.sh`` passes by default (its ``MEMX_FEATURES`` line)."""
     text = (ROOT / "scripts" / "serve.sh").read_text()
@@ -157,7 +183,10 @@ def main() -> int:
         server = ServeScript(setup, args.port, work / f"serve-{setup}-{r}.log", args.memx_features)
         try:
             startups[setup].append(server.wait_ready())
-            return bench(server.url, tokenizer, args, seed=r + 1, out=work / f"{setup}-{r}.jsonl")
+            result = bench(server.url, tokenizer, args, seed=r + 1, out=work / f"{setup}-{r}.jsonl")
+            if setup == "memx":
+                result["engines"] = engine_states(server.url)
+            return result
         finally:
             server.stop()
 

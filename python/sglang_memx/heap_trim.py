@@ -10,10 +10,11 @@ engines on two cores, the busy engine lending its idle siblings' cores): RSS gre
 between the quiet points without the trim (three runs), 6.9-16.5 MiB with it (four runs); a
 trim took 0.2 ms at the median and 2.3 ms at most over 77 trims (docs/reliability.md).
 
-``tick`` runs once per scheduler iteration (``coordinator.tick.per_iteration``); at the first
-idle iteration after work, at most once per ``min_interval_s``, it calls glibc's
-``malloc_trim(0)``, which returns the free pages of every arena. It never runs while requests
-wait or run, so it costs no step time; the next burst faults its pages back in.
+``tick`` runs once per scheduler iteration (``coordinator.tick.per_iteration``). When the policy
+says so (``memory_ext.policy.idle_trim``: the first idle iteration after work, at most once per
+``min_interval_s``), it calls glibc's ``malloc_trim(0)``, which returns the free pages of every
+arena. It never runs while requests wait or run, so it costs no step time; the next burst faults
+its pages back in.
 
 Invariants: no trim while busy; at most one trim per idle period and per ``min_interval_s``; a C
 library without ``malloc_trim`` (not glibc) is logged once and nothing more is tried.
@@ -26,8 +27,10 @@ import ctypes.util
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from memory_ext.policy.idle_trim import IdleTrimRule
 
 __all__ = ["IdleHeapTrim", "tick", "status"]
 
@@ -36,33 +39,28 @@ logger = logging.getLogger("sglang_memx")
 
 @dataclass
 class IdleHeapTrim:
-    """When to trim: the first idle iteration after a busy one, ``min_interval_s`` apart."""
+    """The mechanism: trims when ``memory_ext.policy.idle_trim.IdleTrimRule`` says so, and times it."""
 
     trim: Callable[[], object]
-    min_interval_s: float = 2.0
+    rule: IdleTrimRule = field(default_factory=IdleTrimRule)
     trims: int = 0
     last_ms: float = 0.0
     max_ms: float = 0.0
-    _was_busy: bool = False
-    _last_at: float | None = None
 
     def step(self, busy: bool, now: float) -> bool:
         """One iteration: ``busy`` if requests wait or run. True when it trimmed."""
-        went_idle = self._was_busy and not busy
-        self._was_busy = busy
-        if not went_idle or (self._last_at is not None and now - self._last_at < self.min_interval_s):
+        if not self.rule.should_trim(busy, now):
             return False
         started = time.perf_counter()
         self.trim()
         self.last_ms = (time.perf_counter() - started) * 1e3
         self.max_ms = max(self.max_ms, self.last_ms)
         self.trims += 1
-        self._last_at = now
         return True
 
     def status(self) -> dict[str, Any]:
         return {"trims": self.trims, "last_ms": round(self.last_ms, 3), "max_ms": round(self.max_ms, 3),
-                "min_interval_s": self.min_interval_s}  # fmt: skip
+                "min_interval_s": self.rule.min_interval_s}  # fmt: skip
 
 
 def glibc_trim() -> Callable[[], object] | None:

@@ -1,6 +1,7 @@
-"""An idle engine returns its allocator's kept heap (``sglang_memx.heap_trim``): when it trims,
-that it never trims while busy, the interval between trims, and that glibc's trim really gives
-memory back in a process that freed a burst's worth of blocks."""
+"""An idle engine returns its allocator's kept heap (the rule ``memory_ext.policy.idle_trim``, the
+mechanism ``sglang_memx.heap_trim``): when it trims, that it never trims while busy, the interval
+between trims, bad settings refused, and that glibc's trim really gives memory back in a process
+that freed a burst's worth of blocks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from memory_ext.policy.idle_trim import IdleTrimError, IdleTrimRule
 from sglang_memx import heap_trim
 from sglang_memx.heap_trim import IdleHeapTrim
 
@@ -26,11 +28,29 @@ CASES = [
 @pytest.mark.parametrize("why, busy, dt, want", CASES, ids=[c[0] for c in CASES])
 def test_trims_at_the_first_idle_iteration_after_work(why, busy, dt, want):
     calls = []
-    trimmer = IdleHeapTrim(trim=lambda: calls.append(1), min_interval_s=2.0)
+    trimmer = IdleHeapTrim(trim=lambda: calls.append(1), rule=IdleTrimRule(min_interval_s=2.0))
     did = [i for i, b in enumerate(busy) if trimmer.step(b, i * dt)]
     assert did == want, why
     assert trimmer.trims == len(calls) == len(want)
     assert trimmer.status()["trims"] == len(want)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "2"])
+def test_a_bad_interval_is_refused_naming_the_field(bad):
+    with pytest.raises(IdleTrimError, match="min_interval_s"):
+        IdleTrimRule(min_interval_s=bad)
+
+
+def test_the_rule_decides_without_trimming_and_the_mechanism_follows_it():
+    rule = IdleTrimRule(min_interval_s=0.0)
+    assert [rule.should_trim(b, float(i)) for i, b in enumerate([True, False, False, True, False])] == [
+        False, True, False, False, True]  # fmt: skip
+    calls = []
+    told = IdleTrimRule()
+    told.should_trim = lambda busy, now: busy  # a rule that (wrongly) says "trim while busy"
+    trimmer = IdleHeapTrim(trim=lambda: calls.append(1), rule=told)
+    assert trimmer.step(True, 0.0) and not trimmer.step(False, 1.0)
+    assert calls == [1]
 
 
 def test_without_malloc_trim_the_engine_logs_once_and_stops_trying(monkeypatch, caplog):
