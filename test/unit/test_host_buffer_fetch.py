@@ -15,6 +15,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictResult
 
 from sglang_memx.config import MemxConfig
 from sglang_memx.coordinator.components import NoActivation
+from sglang_memx.elastic import host_buffer
 from sglang_memx.elastic.host_buffer import build_host_buffer, fetch_parked
 from support.fakes import FakeReq, FakeScheduler
 
@@ -209,3 +210,58 @@ def test_entries_of_requests_that_left_the_queue_are_dropped_and_unpinned():
     scheduler.waiting_queue = [b]  # a finished or was aborted
     assert _fetch(host, scheduler) == 1
     assert "a" not in host.buffer and set(host.pins) == {"b"} and tree.locked() == {_path(b)}
+
+
+class HeldActivation(NoActivation):
+    """An activation side holding ``held`` idle chunks (the running batch's decode step) while the
+    head's next prefill needs ``head`` of them (one chunk is one KV token here)."""
+
+    def __init__(self, held: int, head: int):
+        self.held, self.head = held, head
+
+    def held_chunks(self) -> int:
+        return self.held
+
+    def head_prefill_chunks(self, scheduler) -> int:
+        return self.head
+
+
+@pytest.mark.parametrize(
+    "held, head, fetched",
+    [
+        (0, 0, 1),  # nothing held
+        (32, 2, 1),  # the decode step's chunks are not kept out: prefill and decode forwards alternate
+        (32, 32, 0),  # the next prefill's activation is: 40 free - 32 < its 8 tokens + a page
+        (31, 31, 1),  # exactly its 8 tokens + a page left
+    ],
+)
+def test_the_copy_leaves_room_for_the_next_prefills_activation_only(held, head, fetched):
+    """Until 2026-12-03 every held chunk was kept out of the copy's room, the decode step's too, and
+    upstream's admission (which keeps none out) then took the request and recomputed its prompt."""
+    host, allocator, tree, scheduler, _ = _setup(free=40, reqs=(("a", 100),))
+    kv = types.SimpleNamespace(buffers=types.SimpleNamespace(chunks_per_group=1, group_rows=1))
+    assert fetch_parked(kv, host, HeldActivation(held, head), scheduler, 0) == fetched
+    assert host.fetch_stopped["copy_room"] == 1 - fetched
+
+
+def test_a_request_whose_prompt_and_decode_do_not_both_fit_is_not_fetched():
+    """The room a fetch asks is what upstream's admission would ask of the request recomputed: its
+    prompt's KV (8) and its decode's (NEED), not its decode's alone."""
+    host, allocator, tree, scheduler, _ = _setup(free=NEED + PROMPT - 1, reqs=(("a", 100),))
+    assert _fetch(host, scheduler) == 0
+    assert host.fetch_stopped["kv_room"] == 1 and tree.paths == {}
+    host, allocator, tree, scheduler, _ = _setup(free=NEED + PROMPT, reqs=(("a", 100),))
+    assert _fetch(host, scheduler) == 1
+
+
+def test_an_admission_without_the_parked_kv_on_the_device_is_counted_as_recomputed():
+    host, allocator, tree, scheduler, (a, b) = _setup(free=64)
+    assert _fetch(host, scheduler) == 2
+    a.prefix_len = PROMPT  # admitted with its fetched prefix: taken
+    host_buffer.note_admitted(host, a, tree)
+    b.prefix_len = 0
+    host.pins.pop("b")  # as if the pass had not kept it
+    host_buffer.note_admitted(host, b, tree)
+    assert host.recomputed == {"not_fetched": 1, "partial_prefix": 0}
+    assert host.status()["recomputed"] == host.recomputed and "fetch_stopped" in host.status()
+    assert host.buffer.stats["restored"] == 1 and host.buffer.stats["dropped"] == 1

@@ -162,10 +162,15 @@ def note_admitted(host: HostBufferState, req, tree) -> None:
     entry = host.buffer.peek(rid)
     if entry is None:
         return
+    fetched = rid in host.pins
     _unpin(host, tree, rid)
     if up_req.cached_prefix_len(req) >= len(entry):
         host.buffer.take(rid)
     else:
+        host.recomputed["partial_prefix" if fetched else "not_fetched"] += 1
+        logger.debug("memx: parked request %s admitted with %d of its %d parked tokens on the device (%s); "
+                    "the rest is recomputed", rid, up_req.cached_prefix_len(req), len(entry),
+                    "fetched" if fetched else "not fetched")  # fmt: skip
         host.buffer.drop(rid)
 
 
@@ -228,8 +233,11 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
     request is admitted, so decode allocations cannot evict it meanwhile.
 
     Memory: ``decode_reserve_tokens`` is what upstream's admission reserves for the running
-    requests' remaining decode; each kept request adds its own reservation (remaining
-    ``max_new_tokens`` + 2 pages) to what the next one must leave room for. The pass stops at the
+    requests' remaining decode; a request is fetched only if its prompt's KV (unless back already)
+    and its own reservation (remaining ``max_new_tokens`` + 2 pages) fit beside it, as upstream's
+    admission would ask of it recomputed, and each kept request adds its reservation to what the
+    next one must leave room for. The copy keeps the next prefill's activation out of its room
+    (``_bring_back``). The pass stops at the
     first parked request that does not fit (first come, first served: none behind it is fetched),
     whose copy fails, or that the batch's request and prefill-token limits would not take
     (``_BatchRoom``; the first parked request is checked against memory only, as upstream admits
@@ -247,6 +255,7 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
     # pinned prefixes are not evictable, but those of requests not kept yet are theirs (this one's
     # included); a request's pin changes only when it is visited, so the sum is kept as it goes
     own = sum(host.pinned_tokens(key) for key in host.pins)
+    prefill_act = demand.activation_tokens(kv, activation.head_prefill_chunks(scheduler))
     for req in waiting:
         rid = up_req.rid(req)
         entry = host.buffer.peek(rid)
@@ -254,11 +263,16 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
             continue
         extend = up_req.prompt_len(req) + up_req.output_len(req) - len(entry)
         if kept and not batch.admits_another(len(kept), extend):
+            host.fetch_stopped["batch_limits"] += 1
             break
         need = up_req.remaining_new_tokens(req) + 2 * page
         held = host.pinned_tokens(rid)  # in ``own`` until it is kept
         room = up_kv.available_tokens(allocator) + up_radix.evictable_tokens(tree) + own - reserve
-        if room < need or not _bring_back(kv, host, activation, allocator, tree, req, entry):
+        if room < need + len(entry) - held:  # what upstream's admission would ask of it recomputed
+            host.fetch_stopped["kv_room"] += 1
+            break
+        if not _bring_back(kv, host, allocator, tree, req, entry, prefill_act):
+            host.fetch_stopped["copy_room"] += 1
             break
         kept.add(rid)
         own -= held  # its pin is now a kept request's: no longer room for the ones behind it
@@ -269,11 +283,17 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
     return len(kept)
 
 
-def _bring_back(kv: ElasticKV, host: HostBufferState, activation: ActivationSide, allocator, tree, req,
-                entry) -> bool:  # fmt: skip
+def _bring_back(kv: ElasticKV, host: HostBufferState, allocator, tree, req, entry, prefill_act: int) -> bool:
     """Put ``req``'s parked KV (``entry``) on the device and pin it, unless the radix cache still
-    holds it (then only pin it). Returns whether its KV is on the device now; False leaves nothing
-    of it pinned."""
+    holds it (then only pin it), leaving the next prefill's activation (``prefill_act``, in KV
+    tokens) room. Returns whether its KV is on the device now; False leaves nothing of it pinned.
+
+    The decode step's activation is not kept out of that room: prefill and decode forwards
+    alternate, and upstream's admission, which would otherwise take the request and recompute its
+    prompt into the same room, does not keep it either (the decode step covers its activation
+    itself: ``capacity.decode_step_fits``). Until 2026-12-03 every held chunk was kept out, the
+    decode step's too: on ``bench_serving`` (100 requests at 4/s) 17 of 55 parked requests were then
+    admitted without their KV and recomputed, 12 of them right after such a refusal."""
     rid = up_req.rid(req)
     n, page = len(entry), up_kv.page_size(allocator)
     pinned = host.pins.get(rid) is not None
@@ -284,12 +304,10 @@ def _bring_back(kv: ElasticKV, host: HostBufferState, activation: ActivationSide
             host.pins[rid] = up_radix.lock(tree, node)
         return True
     _unpin(host, tree, rid)
-    # the held activation chunks (idle now) are not room for KV
-    act = demand.activation_tokens(kv, activation.held_chunks())
-    short = n + page + act - up_kv.available_tokens(allocator)
+    short = n + page + prefill_act - up_kv.available_tokens(allocator)
     if short > 0:
         up_radix.evict(tree, short)
-    if up_kv.available_tokens(allocator) - act < n + page:
+    if up_kv.available_tokens(allocator) - prefill_act < n + page:
         return False
     idx = up_kv.alloc_tokens(allocator, n)
     if idx is None:

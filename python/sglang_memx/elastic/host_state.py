@@ -26,6 +26,10 @@ class HostBufferState:
         self.pins: dict = {}  # rid -> radix-cache lock on a fetched prefix, held until the request is admitted
         self.pending_bytes = 0
         self.offload = {"prefill_offloads": 0, "offload_parked": 0, "offload_no_room": 0}
+        # why a fetch pass stopped before the end of the queue, and why a parked request was
+        # admitted without its KV (its prompt recomputed): diagnosis of wasted prefill work
+        self.fetch_stopped = {"batch_limits": 0, "kv_room": 0, "copy_room": 0}
+        self.recomputed = {"not_fetched": 0, "partial_prefix": 0}
         if rule is not None:
             buffer.set_logical_bytes(rule.logical_units * unit_bytes)
 
@@ -47,6 +51,8 @@ class HostBufferState:
             offload_pending=len(self.limbo),
             offload_pending_bytes=self.pending_bytes,
             pinned=len(self.pins),
+            fetch_stopped=dict(self.fetch_stopped),
+            recomputed=dict(self.recomputed),
         )
         rule = self.rule
         out["slo_scaling"] = None if rule is None else {
