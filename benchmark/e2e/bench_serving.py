@@ -36,7 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "test")]
 
+from benchmark.e2e.router_proc import http_json  # noqa: E402
 from benchmark.pairs import plot_ratios, ratio_stats, run_rounds  # noqa: E402
+from benchmark.quiet_point import engines  # noqa: E402
 
 NAME = "SmolLM2-135M-Instruct"
 SETUPS = ("stock", "memx")
@@ -89,23 +91,18 @@ class ServeScript:
         self._log.close()
 
 
-def _json(url: str, timeout: float = 10.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
 def engine_states(url: str) -> dict:
     """After a memx run, before its stop: each engine's host buffer counters (parked, fetched,
     recomputed ...), its compute share (cores, changes, the lending trial) and heap trims, from
     its ``/memx/status`` through the router's ``/memx/serve``. For diagnosis; nothing is scored."""
     try:
-        engines = _json(url + "/memx/serve")["engines"]
+        listed = engines(url)
     except (OSError, ValueError, KeyError) as exc:
         return {"error": repr(exc)[:200]}
     out: dict = {}
-    for key, e in engines.items():
+    for key, e in listed.items():
         try:
-            sched = _json(e["url"] + "/memx/status")["schedulers"][0]
+            sched = http_json(e["url"] + "/memx/status", timeout=10)["schedulers"][0]
         except (OSError, ValueError, KeyError, IndexError) as exc:
             out[key] = {"error": repr(exc)[:200]}
             continue

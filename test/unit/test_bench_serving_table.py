@@ -40,3 +40,41 @@ def test_one_contradicting_pair_breaks_the_claim_and_the_table_shows_it():
     text = bt.render(mixed)
     assert "| requests answered per run | 100, 100, 100, 100, 100 | 100, 100, 100, 100, 99 |" in text
     assert "TTFT p99 (ms)" in text and "1.2 [0.9, 1.2]" in text and "memx_served_every_request **no**" in text
+
+
+def test_engine_states_reads_each_engines_status_through_the_router():
+    """``engine_states`` lists the engines from the router's ``/memx/serve`` and keeps each one's
+    host buffer, compute share, heap trims and requests; an engine that does not answer is an error
+    entry, not a lost run."""
+    import http.server
+    import json
+    import threading
+
+    status = {"schedulers": [{"elastic_kv": {"host_buffer": {"parked": 3, "recomputed": {"not_fetched": 1}}},
+                              "compute_share": {"cores": [0, 1]}, "heap_trim": {"trims": 2},
+                              "requests": {"running": 0, "waiting": 0}, "other": 1}]}  # fmt: skip
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            port = self.server.server_address[1]
+            routes = {"/memx/serve": {"engines": {"a": {"url": f"http://127.0.0.1:{port}/a"},
+                                                  "b": {"url": "http://127.0.0.1:9/gone"}}},
+                      "/a/memx/status": status}  # fmt: skip
+            body = json.dumps(routes.get(self.path, {})).encode()
+            self.send_response(200 if self.path in routes else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        got = bs.engine_states(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    assert got["a"] == {"host_buffer": {"parked": 3, "recomputed": {"not_fetched": 1}},
+                        "compute_share": {"cores": [0, 1]}, "heap_trim": {"trims": 2},
+                        "requests": {"running": 0, "waiting": 0}}  # fmt: skip
+    assert set(got["b"]) == {"error"}

@@ -237,11 +237,11 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
     and its own reservation (remaining ``max_new_tokens`` + 2 pages) fit beside it, as upstream's
     admission would ask of it recomputed, and each kept request adds its reservation to what the
     next one must leave room for. The copy keeps the next prefill's activation out of its room
-    (``_bring_back``). The pass stops at the
-    first parked request that does not fit (first come, first served: none behind it is fetched),
-    whose copy fails, or that the batch's request and prefill-token limits would not take
-    (``_BatchRoom``; the first parked request is checked against memory only, as upstream admits
-    a batch's first request above its input budget). Pins of requests not kept are released.
+    (``_bring_back``). The pass stops at the first parked request that does not fit (first come,
+    first served: none behind it is fetched), whose copy fails, or that the batch's request and
+    prefill-token limits would not take (``_BatchRoom``; the first parked request is checked
+    against memory only, as upstream admits a batch's first request above its input budget). Pins
+    of requests not kept are released.
     Returns how many parked requests have their KV on the device for the next batch."""
     if not len(host.buffer):
         return 0
