@@ -81,7 +81,7 @@ def park_kv(host: HostBufferState, req, req_to_token_rows, allocator) -> bool:
         host.buffer.stats["refused"] += 1
         return False
     idx = req_to_token_rows[up_req.req_pool_index(req), :n].to(torch.int64)
-    rows = [b[idx].to("cpu", copy=True) for b in up_kv.kv_buffers(allocator)]
+    rows = [b[idx].to("cpu") for b in up_kv.kv_buffers(allocator)]  # indexing copies: one copy, not two
     if idx.device.type == "cuda":
         rows = [r.pin_memory() for r in rows]
     return host.buffer.park(rid, tokens[:n], rows)
