@@ -6,9 +6,8 @@ load driver passes in a router kill's window in faults and fails the soak."""
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -16,6 +15,7 @@ from benchmark.accounting import LeakLimits, faults_verdict, judge, soak_verdict
 from benchmark.faults import DEFAULT_KINDS
 from benchmark.load_driver import LoadDriver
 from benchmark.soak_client import Client, program_answer
+from support.http_stub import serving
 
 
 class StubRouter(BaseHTTPRequestHandler):
@@ -57,13 +57,10 @@ class StubRouter(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def router():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), StubRouter)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield f"http://127.0.0.1:{server.server_port}"
+        with serving(StubRouter) as url:
+            yield url
     finally:
-        server.shutdown()
-        server.server_close()
         StubRouter.reason, StubRouter.cut, StubRouter.down = "length", False, False
 
 

@@ -48,7 +48,8 @@ def test_engine_states_reads_each_engines_status_through_the_router():
     entry, not a lost run."""
     import http.server
     import json
-    import threading
+
+    from support.http_stub import serving
 
     status = {"schedulers": [{"elastic_kv": {"host_buffer": {"parked": 3, "recomputed": {"not_fetched": 1}}},
                               "compute_share": {"cores": [0, 1]}, "heap_trim": {"trims": 2},
@@ -68,12 +69,8 @@ def test_engine_states_reads_each_engines_status_through_the_router():
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        got = bs.engine_states(f"http://127.0.0.1:{server.server_address[1]}")
-    finally:
-        server.shutdown()
+    with serving(Handler) as url:
+        got = bs.engine_states(url)
     assert got["a"] == {"host_buffer": {"parked": 3, "recomputed": {"not_fetched": 1}},
                         "compute_share": {"cores": [0, 1]}, "heap_trim": {"trims": 2},
                         "requests": {"running": 0, "waiting": 0}}  # fmt: skip

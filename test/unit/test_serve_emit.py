@@ -19,7 +19,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 from dataclasses import replace
 
 import jsonschema
@@ -31,6 +30,7 @@ from sglang_memx.serve.config import ServeConfigError, parse_config
 from sglang_memx.serve.launcher import engine_specs
 from sglang_memx.serve.placement import plan_placement
 from support.fake_checkpoint import fake_model
+from support.http_stub import serving
 
 # ------------------------------------------------------------------ minimal schemas
 
@@ -499,20 +499,14 @@ def test_register_workers_posts_only_the_missing_ones(tmp_path):
     exec(emit.REGISTER_WORKERS_PY, mod.__dict__)
     _FakeGateway.workers = [{"url": "http://memx-a.default.svc:30000", "model_id": "a"}]
     _FakeGateway.posts = []
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeGateway)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
+    with serving(_FakeGateway) as gw:
         bodies = [{"url": "http://memx-a.default.svc:30000", "model_id": "a"},
                   {"url": "http://memx-b.default.svc:30000", "model_id": "b"}]  # fmt: skip
         f = tmp_path / "workers.json"
         f.write_text(json.dumps(bodies))
-        gw = f"http://127.0.0.1:{srv.server_address[1]}"
         assert mod.main(["--gateway", gw, "--timeout", "10", str(f)]) == 0
         assert _FakeGateway.posts == [bodies[1]]
         assert mod.main(["--gateway", gw, str(f)]) == 0 and len(_FakeGateway.posts) == 1  # idempotent
-    finally:
-        srv.shutdown()
-        srv.server_close()
     assert mod.main(["--gateway", gw, "--timeout", "0.1", str(f)]) == 1  # nothing answers: times out
     assert "Authorization" not in mod._headers() and mod.KEY is None
 
