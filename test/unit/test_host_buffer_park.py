@@ -9,7 +9,7 @@ import types
 import torch
 
 from sglang_memx.config import MemxConfig
-from sglang_memx.elastic.host_buffer import build_host_buffer, park_kv
+from sglang_memx.elastic.host_buffer import build_host_buffer, park_kv, rows_on_host
 from support.fakes import FakeReq
 
 LAYERS, SLOTS, HEADS, DIM = 3, 32, 2, 4
@@ -50,3 +50,14 @@ def test_only_whole_pages_are_parked_and_nothing_without_room():
     tiny = build_host_buffer(MemxConfig(elastic_kv=True, host_buffer_gb=1e-9), 4096)
     assert not park_kv(tiny, FakeReq(rid="d", prompt=8), rows, allocator)
     assert tiny.buffer.stats["refused"] == 1
+
+
+def test_rows_from_a_host_pool_are_a_copy_in_pageable_memory():
+    """On the host no pinning (nothing copies them to a device) and the indexing is the only copy."""
+    pool = torch.randn(SLOTS, HEADS, DIM)
+    idx = torch.tensor([4, 9, 2])
+    rows = rows_on_host(pool, idx)
+    assert torch.equal(rows, pool[idx]) and not rows.is_pinned()
+    assert rows.data_ptr() != pool.data_ptr()
+    pool.zero_()
+    assert rows.abs().sum() > 0

@@ -81,10 +81,19 @@ def park_kv(host: HostBufferState, req, req_to_token_rows, allocator) -> bool:
         host.buffer.stats["refused"] += 1
         return False
     idx = req_to_token_rows[up_req.req_pool_index(req), :n].to(torch.int64)
-    rows = [b[idx].to("cpu") for b in up_kv.kv_buffers(allocator)]  # indexing copies: one copy, not two
-    if idx.device.type == "cuda":
-        rows = [r.pin_memory() for r in rows]
-    return host.buffer.park(rid, tokens[:n], rows)
+    return host.buffer.park(rid, tokens[:n], [rows_on_host(b, idx) for b in up_kv.kv_buffers(allocator)])
+
+
+def rows_on_host(buffer: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``buffer``'s rows at ``idx`` as a host tensor of their own: on the host the indexing is the
+    copy; from a GPU pool the rows are gathered on the device and copied once, straight into
+    pinned memory (so restoring them is an asynchronous copy, with no pageable staging copy)."""
+    if buffer.device.type != "cuda":
+        return buffer[idx]
+    rows = buffer[idx]
+    out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    out.copy_(rows)
+    return out
 
 
 def _requeue_ahead(scheduler, req) -> None:
