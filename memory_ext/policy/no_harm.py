@@ -7,11 +7,12 @@ Numbers in, one verdict out. Two questions:
   tokens now, the tokens it may still generate and the pages it frees when it finishes) and a
   candidate's immediate pages, with no further admission: the largest number of pages they will
   need beyond ``free_pages`` at any future decode step (<= 0: nobody is ever preempted). Exact
-  for known remaining lengths (the simulator's output lengths; the server's ``max_new_tokens``, an
-  upper bound): at step ``t`` a request holding ``c`` tokens has added
-  ``ceil((c + t) / page) - ceil(c / page)`` pages while it runs, and has freed its pages once it
-  has produced its last token. The peak is at one of the steps where a request produces its
-  last token (in between, demand only grows), so it costs a sort and one sweep.
+  for known remaining lengths (the simulator's output lengths; the server passes upstream's own
+  estimate, the remaining ``max_new_tokens`` times its new-token ratio): at step ``t`` a request
+  holding ``c`` tokens has added ``ceil((c + t) / page) - ceil(c / page)`` pages while it runs,
+  and has freed its pages once it has produced its last token. The peak is at one of the steps
+  where a request produces its last token (in between, demand only grows), so it costs a sort
+  and one sweep.
 * ``govern_prefill(ask, running, page, now_pages, batch_admits)``: the one call both the server's
   admission hook and the simulator's ``governed_ellm`` scheduler make: eLLM's verdict
   (``judge_prefill(ask)``), the harm prediction against the room the running requests may grow

@@ -418,7 +418,8 @@ def _server_governed(available, reserve, running, queue):
     batch = FakeBatch([FakeReq(prompt=p, outputs=g, max_new=m) for p, g, m in running])
     adder = types.SimpleNamespace(token_to_kv_pool_allocator=allocator, tree_cache=tree, memory_budget=budget,
                                   can_run_list=[], running_batch=batch, page_size=1, rem_chunk_tokens=None,
-                                  rem_input_tokens=1 << 20, new_chunked_req=None)  # fmt: skip
+                                  rem_input_tokens=1 << 20, new_chunked_req=None,
+                                  new_token_ratio=1.0)  # fmt: skip  # the simulator's lengths are exact
 
     def original(adder, req, has_chunked_req, truncation_align_size):
         adder.can_run_list.append(req)

@@ -30,13 +30,15 @@ With the governor (``--memx-tpot-slo-ms``: ``coordinator.governor``), the questi
 ``memory_ext.policy.no_harm.govern_prefill``, the call the simulator's ``governed_ellm`` scheduler
 makes: the verdict above passes the governor, which lets a refusal or a parking stand only with a
 predicted gain (``server_growth``: the running requests' peak KV demand with the request would
-exceed the budget, i.e. admitting it would preempt one); otherwise the on-device branch runs and
+exceed the budget, i.e. admitting it would preempt one, with each request's decode estimated as
+upstream's admission estimates it); otherwise the on-device branch runs and
 upstream's own admission decides, as it would without memx. Each governed verdict is counted by
 reason (``GovernorPart.note_verdict``, ``/memx/status``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 from memory_ext.policy.no_harm import (
@@ -120,18 +122,24 @@ def _pages(tokens: int, page: int) -> int:
 def server_growth(adder, req) -> tuple[list[Running], int]:
     """What ``no_harm.govern_prefill`` predicts the harm from, in pages: this pass's running
     requests (the running batch's and those admitted so far) and ``req``, each with its KV tokens
-    (prompt + output so far), its remaining ``max_new_tokens`` (clipped as upstream's admission
-    clips it; one fewer for a request whose prefill is still to run, which yields one) and, when
-    it finishes, all its pages (a finished request's KV is free or
-    evictable); and the pages the prompts not yet on the device take at once (this pass's and
-    ``req``'s rest)."""
+    (prompt + output so far), the tokens it is expected to still generate and, when it finishes,
+    all its pages (a finished request's KV is free or evictable); and the pages the prompts not yet
+    on the device take at once (this pass's and ``req``'s rest).
+
+    Expected tokens: upstream's own estimate (``demand.expected_new_tokens``: the remaining
+    ``max_new_tokens``, clipped, times this pass's new-token ratio, or all of it with ignore_eos),
+    rounded up; one fewer for a request whose prefill is still to run, which yields one. So the
+    governor predicts harm from the decode stock's admission reserves for, not from the
+    ``max_new_tokens`` upper bound (a chat request without ``max_tokens`` asks for the context)."""
     page = up_sched.adder_page_size(adder)
+    ratio = up_sched.adder_new_token_ratio(adder)
     running, now = [], 0
     admitted = (*up_sched.adder_admitted_list(adder), req)
     for r in (*up_sched.adder_running_reqs(adder), *admitted):
         tokens = up_req.prompt_len(r) + up_req.output_len(r)
-        remaining = up_req.remaining_new_tokens(r) - (1 if any(r is a for a in admitted) else 0)  # prefill's token
-        running.append(Running(tokens, max(remaining, 0), _pages(tokens + max(remaining, 0), page)))
+        expected = math.ceil(demand.expected_new_tokens(r, ratio))
+        remaining = max(expected - (1 if any(r is a for a in admitted) else 0), 0)  # the prefill's token
+        running.append(Running(tokens, remaining, _pages(tokens + remaining, page)))
     for r in admitted:
         now += _pages(demand.next_chunk_tokens(r, None), page)
     return running, now

@@ -31,10 +31,13 @@ def decode_reserve_tokens(scheduler) -> float:
     """What upstream's admission reserves for the running requests' remaining decode: each one's
     remaining max_new_tokens (clipped) times the current new-token ratio (1 with ignore_eos)."""
     ratio = up_sched.new_token_ratio(scheduler)
-    return sum(
-        up_req.remaining_new_tokens(req) * (1.0 if up_req.ignores_eos(req) else ratio)
-        for req in up_sched.running_reqs(scheduler)
-    )
+    return sum(expected_new_tokens(req, ratio) for req in up_sched.running_reqs(scheduler))
+
+
+def expected_new_tokens(req, ratio: float) -> float:
+    """Upstream's estimate of what ``req`` will still generate: its remaining max_new_tokens
+    (clipped) times ``ratio``, the new-token ratio, or all of it with ignore_eos (a fixed length)."""
+    return up_req.remaining_new_tokens(req) * (1.0 if up_req.ignores_eos(req) else ratio)
 
 
 def next_prefill_batch(scheduler) -> list:

@@ -124,6 +124,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
         "token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator", "tree_cache": "BasePrefixCache",
         "memory_budget": "PrefillBudget", "can_run_list": None, "running_batch": "ScheduleBatch",
         "page_size": None, "rem_chunk_tokens": None, "rem_input_tokens": None, "new_chunked_req": None,
+        "new_token_ratio": None,
     },
     "AddReqResult": {"NO_TOKEN": None, "CONTINUE": None, "OTHER": None},
     "PrefillBudget": {"total_offset": None, "current_offset": None, "remaining_current": None,

@@ -287,6 +287,12 @@ def adder_page_size(adder) -> int:
     return adder.page_size
 
 
+def adder_new_token_ratio(adder) -> float:
+    """The ratio this pass applies to a running request's remaining decode (upstream's adaptive
+    estimate of how much of ``max_new_tokens`` a request that may stop at EOS will generate)."""
+    return float(adder.new_token_ratio)
+
+
 def adder_chunk_room(adder) -> int | None:
     """Tokens left in this pass's chunk (None: not chunking)."""
     return adder.rem_chunk_tokens
