@@ -93,8 +93,9 @@ class ServeScript:
 
 def engine_states(url: str) -> dict:
     """After a memx run, before its stop: each engine's host buffer counters (parked, fetched,
-    recomputed ...), its compute share (cores, changes, the lending trial) and heap trims, from
-    its ``/memx/status`` through the router's ``/memx/serve``. For diagnosis; nothing is scored."""
+    recomputed ...), its compute share (cores, changes, the lending trial), heap trims and, with
+    the governor, its admission verdicts, from its ``/memx/status`` through the router's
+    ``/memx/serve``. For diagnosis; nothing is scored."""
     try:
         listed = engines(url)
     except (OSError, ValueError, KeyError) as exc:
@@ -107,8 +108,11 @@ def engine_states(url: str) -> dict:
             out[key] = {"error": repr(exc)[:200]}
             continue
         elastic = sched.get("elastic_kv") or {}
+        governor = elastic.get("governor")
         out[key] = {"host_buffer": elastic.get("host_buffer"), "compute_share": sched.get("compute_share"),
                     "heap_trim": sched.get("heap_trim"), "requests": sched.get("requests")}  # fmt: skip
+        if governor is not None:  # its admission verdicts by reason and the largest batch it saw
+            out[key]["governor"] = {k: governor.get(k) for k in ("admission_verdicts", "max_running_seen")}
     return out
 
 

@@ -121,6 +121,7 @@ class MemxConfig:
     host_buffer_gb: float | None = None
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    governor: bool = False
     weights: str = "off"
     weights_streamed: float | None = None
     prefetch_depth: int | None = None
@@ -131,6 +132,11 @@ class MemxConfig:
     peer_kv: str = "off"
     peer_donate_max_gb: float | None = None
     peer_layer_stream: bool = False
+
+    @property
+    def governed(self) -> bool:
+        """Whether the governor runs: ``--memx-governor``, or a TPOT SLO (which adds its batch cap)."""
+        return self.governor or self.tpot_slo_ms is not None
 
     def validate(self) -> MemxConfig:
         path = self.status_path
@@ -206,6 +212,8 @@ class MemxConfig:
             raise MemxConfigError(
                 "--memx-tpot-slo-ms", "needs --memx-elastic-kv (the governor runs on its coordinator)"
             )
+        if self.governor and not self.elastic_kv:
+            raise MemxConfigError("--memx-governor", "needs --memx-elastic-kv (the governor runs on its coordinator)")
         slos = (self.ttft_slo_ms, self.tpot_slo_ms)
         if self.host_buffer_gb is not None and any(v is not None for v in slos):
             option = "--memx-ttft-slo-ms" if self.ttft_slo_ms is not None else "--memx-tpot-slo-ms"

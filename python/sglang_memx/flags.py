@@ -140,6 +140,17 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         "Needs --memx-elastic-kv.",
     ),
     MemxFlag(
+        "--memx-governor",
+        "governor",
+        action="store_true",
+        default=False,
+        help="The governor without a TPOT SLO: every memx admission verdict passes its do-no-harm "
+        "rules (a refusal or a parking stock would not make stands only where admitting is predicted "
+        "to preempt a running request; otherwise upstream's own admission decides), with no batch "
+        "cap (docs/governor.md). --memx-tpot-slo-ms turns it on too, with the cap. "
+        "Needs --memx-elastic-kv.",
+    ),
+    MemxFlag(
         "--memx-weights",
         "weights",
         type=str,

@@ -126,6 +126,11 @@ _HELP = {
         "Batch-growth decisions by reason; reason=over_slo counts refusals to grow (a request kept waiting).",
     ),
     "memx_governor_step_samples_total": ("counter", "Decode steps the governor's step-time model learned from."),
+    "memx_governor_admission_verdicts_total": (
+        "counter",
+        "memx admission verdicts passed through the governor's do-no-harm rules, by reason "
+        "(protects_running / park_protects_running: a refusal or parking kept a running request's KV).",
+    ),
     "memx_requests_running": ("gauge", "Requests decoding."),
     "memx_requests_waiting": ("gauge", "Requests waiting for admission."),
 }
@@ -243,8 +248,9 @@ def _samples(rank: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any], float]
 
 
 def _governor_samples(base: dict[str, Any], gov: dict[str, Any] | None) -> Iterable[tuple[str, dict[str, Any], float]]:
-    """The governor's SLOs, batch cap and why, predicted vs measured TPOT, decisions; without a
-    governor (no TPOT SLO: the batch grows as stock's) only the cap's reason, ``no_slo``."""
+    """The governor's SLOs, batch cap and why, predicted vs measured TPOT, decisions, admission
+    verdicts; without a governor (neither a TPOT SLO nor ``--memx-governor``: the batch grows as
+    stock's) only the cap's reason, ``no_slo``."""
     why = NO_SLO if gov is None else gov["batch_cap_reason"]
     for reason in CAP_REASONS:
         yield "memx_governor_batch_cap_reason", dict(base, reason=reason), int(reason == why)
@@ -262,6 +268,8 @@ def _governor_samples(base: dict[str, Any], gov: dict[str, Any] | None) -> Itera
     for reason, n in sorted(gov["decisions"].items()):
         yield "memx_governor_decisions_total", dict(base, reason=reason), n
     yield "memx_governor_step_samples_total", base, gov["model"]["samples"]
+    for reason, n in sorted((gov.get("admission_verdicts") or {}).items()):
+        yield "memx_governor_admission_verdicts_total", dict(base, reason=reason), n
 
 
 def _peer_samples(base: dict[str, Any], peer: dict[str, Any] | None) -> Iterable[tuple[str, dict[str, Any], float]]:

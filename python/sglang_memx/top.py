@@ -227,9 +227,11 @@ def _governor_line(g: dict[str, Any] | None) -> str:
     slos = g.get("slos") or {}
     held = [f"{kind.upper()} {_ms(s['ms'])} ({s['source']})" for kind, s in sorted(slos.items()) if s]
     cap = "-" if g["batch_cap"] is None else g["batch_cap"]
+    verdicts = ", ".join(f"{r} {n}" for r, n in sorted((g.get("admission_verdicts") or {}).items()) if n)
     return (f"    governor SLO {', '.join(held) or '-'}  cap {cap} ({g['batch_cap_reason']}), run {g['running']}"
             f"  TPOT predicted {_ms(g['predicted_tpot_ms'])} / measured {_ms(g['measured_tpot_ms'])}"
-            f"  refused {g['decisions'].get('over_slo', 0)}")  # fmt: skip
+            f"  refused {g['decisions'].get('over_slo', 0)}"
+            f"  admission {verdicts or '-'}")  # fmt: skip
 
 
 def _peer_line(p: dict[str, Any]) -> str:

@@ -1,11 +1,12 @@
 """The governor (``--memx-tpot-slo-ms`` with ``--memx-elastic-kv``) on a real CPU server, against
 stock SGLang on the same prompts, greedy.
 
-Three servers on one tiny Llama (float32, so a random tiny model's flat logits do not flip
+Four servers on one tiny Llama (float32, so a random tiny model's flat logits do not flip
 between batch shapes): stock; memx with a TPOT SLO no decode step can meet ("tight", 0.01 ms);
-memx with one every step meets ("loose", 100 s). Each memx server first decodes one request
-alone, so its step-time model has its samples (``StepTimeModel.min_samples``); then the same
-burst of prompts arrives at once (one ``/generate`` with a list of texts).
+memx with one every step meets ("loose", 100 s); memx with ``--memx-governor`` and no SLO
+("flag"). The two SLO servers first decode one request alone, so their step-time model has its
+samples (``StepTimeModel.min_samples``); then the same burst of prompts arrives at once (one
+``/generate`` with a list of texts).
 
 * tight (do no harm): even one request alone is predicted over the SLO, so a cap would only queue
   the burst for a TPOT no batch attains; there is no cap (reason ``slo_infeasible``), no
@@ -13,10 +14,12 @@ burst of prompts arrives at once (one ``/generate`` with a list of texts).
   burst. (A cap on a feasible SLO is covered by ``test_policy_governor``, the admission hook's
   unit tests and ``test_same_decisions``: on this CPU the step time grows with the batch by less
   than its noise, so no fixed SLO here would cap a real server reliably.)
+* ``--memx-governor`` (no SLO): no cap; every admission of the burst passes the do-no-harm rules
+  and is counted by reason; outputs equal stock's.
 * loose: no ``over_slo`` decision, the burst runs as a batch (as stock's), its cap is >= the
   burst; outputs equal stock's for the same burst (equal batching: both admit it at once).
 
-Both: ``/memx/status`` names the SLO in force and its source (the flag), ``/memx/metrics`` shows
+Tight and loose: ``/memx/status`` names the SLO in force and its source (the flag), ``/memx/metrics`` shows
 the same SLO, the cap and its reason, and the refusals to grow (``reason="over_slo"``).
 """
 
@@ -47,11 +50,13 @@ def servers(tiny_model_root, shared_servers):
                          extra_args=COMMON + ["--memx-elastic-kv", "--memx-tpot-slo-ms", "0.01"])  # fmt: skip
     loose = SGLangServer(model, name="gov-loose", max_total_tokens=4096,
                          extra_args=COMMON + ["--memx-elastic-kv", "--memx-tpot-slo-ms", "100000"])  # fmt: skip
-    everyone = [stock, tight, loose]
+    flag = SGLangServer(model, name="gov-flag", max_total_tokens=4096,
+                        extra_args=COMMON + ["--memx-elastic-kv", "--memx-governor"])  # fmt: skip
+    everyone = [stock, tight, loose, flag]
     start_all(everyone)
     for server in (tight, loose):  # the step-time model's samples: one request decoding alone
         _gen(server, "warm up the step time model", 24)
-    yield {"stock": stock, "tight": tight, "loose": loose}
+    yield {"stock": stock, "tight": tight, "loose": loose, "flag": flag}
     release_all(everyone)
 
 
@@ -115,3 +120,23 @@ def test_a_loose_tpot_slo_does_not_cap_and_outputs_match_stock(servers):
     assert _metric(text, "memx_governor_batch_cap") >= len(BURST)
     assert _metric(text, "memx_governor_decisions_total", reason="over_slo") == 0
     assert gov["batch_cap_reason"] == "predicted_tpot_within_slo"
+
+
+def test_the_governor_flag_without_an_slo_passes_admissions_and_outputs_match_stock(servers):
+    """``--memx-governor``: no SLO, no cap; every admission of the burst passed its do-no-harm rules
+    (counted by reason in the status and in /memx/metrics), none refused with room to spare."""
+    want = [r["output_ids"] for r in _gen(servers["stock"], BURST)]
+    got = [r["output_ids"] for r in _gen(servers["flag"], BURST)]
+    assert got == want
+    gov = _governor(servers["flag"])
+    assert gov["tpot_slo_ms"] is None and gov["slos"]["tpot"] is None
+    assert gov["batch_cap"] is None and gov["batch_cap_reason"] == "no_slo" and gov["decisions"]["over_slo"] == 0
+    verdicts = gov["admission_verdicts"]
+    assert verdicts["mechanism_admits"] + verdicts["no_predicted_gain"] >= len(BURST), verdicts
+    assert verdicts["protects_running"] == verdicts["park_protects_running"] == 0, verdicts
+    assert gov["max_running_seen"] > 1
+    text = servers["flag"].request_text("/memx/metrics")
+    assert _metric(text, "memx_governor_batch_cap_reason", reason="no_slo") == 1
+    assert _metric(text, "memx_governor_tpot_slo_seconds") is None
+    n = _metric(text, "memx_governor_admission_verdicts_total", reason="mechanism_admits")
+    assert n == verdicts["mechanism_admits"]

@@ -44,14 +44,16 @@ def test_one_contradicting_pair_breaks_the_claim_and_the_table_shows_it():
 
 def test_engine_states_reads_each_engines_status_through_the_router():
     """``engine_states`` lists the engines from the router's ``/memx/serve`` and keeps each one's
-    host buffer, compute share, heap trims and requests; an engine that does not answer is an error
+    host buffer, compute share, heap trims, requests and governor verdicts; an engine that does not answer is an error
     entry, not a lost run."""
     import http.server
     import json
 
     from support.http_stub import serving
 
-    status = {"schedulers": [{"elastic_kv": {"host_buffer": {"parked": 3, "recomputed": {"not_fetched": 1}}},
+    governor = {"admission_verdicts": {"stock_first": 2}, "max_running_seen": 7, "model": {"samples": 9}}
+    status = {"schedulers": [{"elastic_kv": {"host_buffer": {"parked": 3, "recomputed": {"not_fetched": 1}},
+                                             "governor": governor},
                               "compute_share": {"cores": [0, 1]}, "heap_trim": {"trims": 2},
                               "requests": {"running": 0, "waiting": 0}, "other": 1}]}  # fmt: skip
 
@@ -73,5 +75,6 @@ def test_engine_states_reads_each_engines_status_through_the_router():
         got = bs.engine_states(url)
     assert got["a"] == {"host_buffer": {"parked": 3, "recomputed": {"not_fetched": 1}},
                         "compute_share": {"cores": [0, 1]}, "heap_trim": {"trims": 2},
-                        "requests": {"running": 0, "waiting": 0}}  # fmt: skip
+                        "requests": {"running": 0, "waiting": 0},
+                        "governor": {"admission_verdicts": {"stock_first": 2}, "max_running_seen": 7}}  # fmt: skip
     assert set(got["b"]) == {"error"}

@@ -179,6 +179,16 @@ def test_bad_governor_flags_name_the_flag(argv, flag, fragment):
     assert fragment in str(err.value)
 
 
+def test_the_governor_flag_needs_elastic_kv_and_runs_without_an_slo():
+    with pytest.raises(MemxConfigError) as err:
+        _parse(["--memx-governor"])
+    assert err.value.flag == "--memx-governor" and "needs --memx-elastic-kv" in str(err.value)
+    cfg = _parse(["--memx-elastic-kv", "--memx-governor"])
+    assert cfg.governed and cfg.tpot_slo_ms is None
+    assert _parse(["--memx-elastic-kv", "--memx-tpot-slo-ms", "80"]).governed
+    assert not _parse(["--memx-elastic-kv"]).governed
+
+
 def test_tpot_slo_alone_with_elastic_kv_is_the_governor():
     cfg = _parse(["--memx-elastic-kv", "--memx-tpot-slo-ms", "80"])
     assert (cfg.tpot_slo_ms, cfg.ttft_slo_ms, cfg.host_buffer_gb) == (80.0, None, None)

@@ -1,6 +1,6 @@
 """The governor in the engine (``coordinator.governor.GovernorPart``): its step measures decode
 steps tick to tick, admission asks it before a request joins the running batch (the hook on
-``PrefillAdder.add_one_req``), its status, and its registration only with a TPOT SLO."""
+``PrefillAdder.add_one_req``), its status, and its registration (with a TPOT SLO or ``--memx-governor``)."""
 
 from __future__ import annotations
 
@@ -121,15 +121,15 @@ def test_without_the_governor_admission_is_upstreams():
     assert "measure the decode step" not in [s.name for _, s in coordinator.iteration_order()]
 
 
-def test_the_pool_build_registers_the_governor_only_with_a_tpot_slo(monkeypatch):
+def test_the_pool_build_registers_the_governor_with_a_tpot_slo_or_the_flag(monkeypatch):
     seen = {}
     monkeypatch.setattr(pool_build.device, "attach", lambda allocator, kv, extra, **_: seen.setdefault("extra", extra))
     monkeypatch.setattr(pool_build.up_kv, "configured_pool_and_allocator",
                         lambda result: (None, type("TokenToKVPoolAllocator", (), {})()))  # fmt: skip
     kv = SimpleNamespace(restrict_free_list=lambda allocator: None)
-    for slo, want in ((None, []), (80.0, [0.08])):
+    for slo, flag, want in ((None, False, []), (80.0, False, [0.08]), (None, True, [None]), (80.0, True, [0.08])):
         seen.clear()
-        config = MemxConfig(elastic_kv=True, tpot_slo_ms=slo)
+        config = MemxConfig(elastic_kv=True, tpot_slo_ms=slo, governor=flag)
         build = pool_build.Build(config, SimpleNamespace(), None, 0, kv=kv)
         monkeypatch.setattr(pool_build.up_args, "radix_cache_disabled", lambda args: False)
         monkeypatch.setattr(pool_build.up_args, "cuda_graphs_possible", lambda args: False)

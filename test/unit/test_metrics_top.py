@@ -208,6 +208,8 @@ def _governor(**over):
         "decisions": {"no_slo": 0, "empty_batch": 2, "learning": 8, "within_slo": 30, "over_slo": 7},
         "last_decision": None,
         "slos": {"tpot": {"ms": 80.0, "source": "models.yaml: models[0].tpot_slo_ms"}, "ttft": None},
+        "admission_verdicts": {"over_slo": 0, "park_protects_running": 0, "protects_running": 2,
+                               "mechanism_admits": 9, "stock_first": 0, "no_predicted_gain": 4},
     }  # fmt: skip
     doc.update(over)
     return doc
@@ -254,7 +256,18 @@ GOVERNED = [
          "# TYPE memx_governor_decisions_total counter", "# TYPE memx_governor_batch_cap gauge"],
         [],
         ["governor SLO TPOT 80.0 ms (models.yaml: models[0].tpot_slo_ms), TTFT 500.0 ms (--memx-ttft-slo-ms)",
-         "cap 5 (predicted_tpot_within_slo), run 3", "TPOT predicted 16.0 ms / measured 16.5 ms", "refused 7"],
+         "cap 5 (predicted_tpot_within_slo), run 3", "TPOT predicted 16.0 ms / measured 16.5 ms", "refused 7",
+         "admission mechanism_admits 9, no_predicted_gain 4, protects_running 2"],
+    ),
+    (  # --memx-governor without an SLO: no cap, the admission verdicts it passed
+        _governor(tpot_slo_ms=None, batch_cap=None, batch_cap_reason="no_slo", predicted_tpot_ms=None,
+                  slos={"tpot": None, "ttft": None},
+                  admission_verdicts={"protects_running": 0, "mechanism_admits": 0, "stock_first": 3}),
+        ['memx_governor_batch_cap_reason{dp_rank="0",pool="gpu0",reason="no_slo"} 1',
+         'memx_governor_admission_verdicts_total{dp_rank="0",pool="gpu0",reason="stock_first"} 3',
+         'memx_governor_admission_verdicts_total{dp_rank="0",pool="gpu0",reason="protects_running"} 0'],
+        ["memx_governor_batch_cap ", "memx_governor_tpot_slo_seconds", "memx_governor_predicted_tpot_seconds"],
+        ["governor SLO -  cap - (no_slo), run 3", "admission stock_first 3"],
     ),
     (  # a tiny SLO stays readable in top
         _governor(tpot_slo_ms=0.01, batch_cap=1, slos={"tpot": {"ms": 0.01, "source": "--memx-tpot-slo-ms"},

@@ -13,8 +13,9 @@
   from; the TTFT SLO when the host buffer has one), the batch cap and why, predicted vs measured
   TPOT, decisions counted by reason (``over_slo``: refusals to grow).
 
-Registered only with ``--memx-tpot-slo-ms`` (``pool_build.finish``): without an SLO it is absent
-and nothing changes. Invariant: it never drops or aborts a request; a refusal leaves it waiting.
+Registered with ``--memx-tpot-slo-ms``, or ``--memx-governor`` without one (then no batch cap,
+only admission's no-harm rules; ``pool_build.finish``); with neither it is absent and nothing
+changes. Invariant: it never drops or aborts a request; a refusal leaves it waiting.
 """
 
 from __future__ import annotations

@@ -151,8 +151,8 @@ def finish(build: Build, result) -> None:
         extra.append(LayerStreamPart(build.layer_stream))
     if build.config.peer_kv != "off":
         extra.append(PeerTier(kv))
-    if build.config.tpot_slo_ms is not None:  # the governor's batch decision under the TPOT SLO
-        ttft = build.config.ttft_slo_ms
-        extra.append(GovernorPart(BatchGovernor(build.config.tpot_slo_ms / 1e3), tpot_source=tpot_slo_source(),
+    if build.config.governed:  # the no-harm admission rules; with a TPOT SLO, the batch cap too
+        tpot, ttft = build.config.tpot_slo_ms, build.config.ttft_slo_ms
+        extra.append(GovernorPart(BatchGovernor(None if tpot is None else tpot / 1e3), tpot_source=tpot_slo_source(),
                                   ttft=None if ttft is None else SloInForce(ttft, ttft_slo_source())))  # fmt: skip
     device.attach(allocator, kv, tuple(extra), lent=build.lent, host=host)
