@@ -1,8 +1,10 @@
-"""Render the "bench_serving against scripts/serve.sh" block of ``docs/router.md`` from
-``benchmark/results/e2e/bench_serving.json`` (written by ``benchmark/e2e/bench_serving.py``):
-the figures in the docs are the JSON's, never typed.
+"""Render the "bench_serving against scripts/serve.sh" blocks from their JSON (written by
+``benchmark/e2e/bench_serving.py``): ``docs/router.md``'s from ``bench_serving.json`` (serve.sh's
+default features) and ``docs/governor.md``'s from ``bench_serving_governor.json`` (the same with
+``--memx-governor``) and ``bench_serving_governor_baseline.json`` (the default features again, run
+right after it on the same machine); the figures in the docs are the JSON's, never typed.
 
-    python -m benchmark.bench_serving_table           # rewrite the block
+    python -m benchmark.bench_serving_table           # rewrite the blocks
     python -m benchmark.bench_serving_table --check   # exit 1 when the docs differ from the JSON
 
 ``test/unit/test_bench_serving_table.py`` runs the check.
@@ -21,6 +23,16 @@ DOC = REPO / "docs" / "router.md"
 RESULT = REPO / "benchmark" / "results" / "e2e" / "bench_serving.json"
 BEGIN = "<!-- generated: python -m benchmark.bench_serving_table -->"
 END = "<!-- end generated: bench_serving -->"
+# (doc, result, begin marker, end marker) for each rendered block
+BLOCKS = (
+    (DOC, RESULT, BEGIN, END),
+    (REPO / "docs" / "governor.md", RESULT.with_name("bench_serving_governor.json"),
+     "<!-- generated: python -m benchmark.bench_serving_table (governor) -->",
+     "<!-- end generated: bench_serving (governor) -->"),
+    (REPO / "docs" / "governor.md", RESULT.with_name("bench_serving_governor_baseline.json"),
+     "<!-- generated: python -m benchmark.bench_serving_table (governor baseline) -->",
+     "<!-- end generated: bench_serving (governor baseline) -->"),
+)  # fmt: skip
 
 _LABELS = {
     "request_throughput": "request throughput (req/s)",
@@ -35,12 +47,12 @@ def _range(values: list[float]) -> str:
     return f"{sorted(values)[len(values) // 2]:.4g} [{min(values):.4g}, {max(values):.4g}]"
 
 
-def render(doc: dict) -> str:
+def render(doc: dict, begin: str = BEGIN, end: str = END) -> str:
     rounds = doc["rounds"]
     n = len(rounds)
     features = f", memx flags `{doc['memx_features']}`" if "memx_features" in doc else ""
     lines = [
-        BEGIN,
+        begin,
         f"`{doc['command']}`, {n} interleaved pairs ({doc['time']}, {doc['machine']['cpus']} CPUs); each run on a "
         f"freshly started `scripts/serve.sh` (memx: router + two engines, only the bf16 model loaded{features}) or "
         "`scripts/serve.sh --memx-disable` (stock). Per setup: median [min, max] over the runs; ratio memx / stock: "
@@ -61,15 +73,18 @@ def render(doc: dict) -> str:
     lines += [
         "",
         "Claims: " + "; ".join(f"{k} **{'yes' if v else 'no'}**" for k, v in doc["claims"].items()) + ".",
-        END,
+        end,
     ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     check = check_args(argv, __doc__.split("\n\n")[0])
-    block = render(json.loads(RESULT.read_text()))
-    return write_or_check(DOC, [(BEGIN, END, block)], check, "python -m benchmark.bench_serving_table")
+    failed = 0
+    for doc, result, begin, end in BLOCKS:
+        block = render(json.loads(result.read_text()), begin, end)
+        failed |= write_or_check(doc, [(begin, end, block)], check, "python -m benchmark.bench_serving_table")
+    return failed
 
 
 if __name__ == "__main__":
