@@ -26,7 +26,7 @@ the request's KV is parked after its prefill (``host_buffer``). ``DEFER``: the r
 on the host lets later requests prefill into the buffer, but none is admitted normally ahead of
 it (first come, first served).
 
-With the governor (``--memx-tpot-slo-ms``: ``coordinator.governor``), the question is
+With the governor (``--memx-tpot-slo-ms`` or ``--memx-governor``: ``coordinator.governor``), the question is
 ``memory_ext.policy.no_harm.govern_prefill``, the call the simulator's ``governed_ellm`` scheduler
 makes: the verdict above passes the governor, which lets a refusal or a parking stand only with a
 predicted gain (``server_growth``: the running requests' peak KV demand with the request would
