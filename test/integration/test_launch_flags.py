@@ -55,6 +55,7 @@ DEFAULTS = {
     "host_buffer_gb": None,
     "ttft_slo_ms": None,
     "tpot_slo_ms": None,
+    "governor": False,
     "weights": "off",
     "weights_streamed": None,
     "prefetch_depth": None,
