@@ -88,9 +88,9 @@ def rows_on_host(buffer: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``buffer``'s rows at ``idx`` as a host tensor of their own: on the host the indexing is the
     copy; from a GPU pool the rows are gathered on the device and copied once, straight into
     pinned memory (so restoring them is an asynchronous copy, with no pageable staging copy)."""
-    if buffer.device.type != "cuda":
-        return buffer[idx]
     rows = buffer[idx]
+    if rows.device.type != "cuda":
+        return rows
     out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
     out.copy_(rows)
     return out
