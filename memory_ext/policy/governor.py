@@ -13,6 +13,8 @@ feed them here, ``observe``).
 * ``BatchGovernor.may_grow(running, kv_tokens, add_kv_tokens)``: FineServe's batch-aware idea
   (Alg. 2) and the TPOT side of eLLM's Alg. 2: admit while the predicted step time of the
   running batch with the request stays within the TPOT SLO (``<=``: exactly at the SLO admits).
+  The step counts the prefills a running request waits through (``prefill_stalls``: a batch of
+  ``b`` predicts ``step(b) + b * q``, ``q`` the stalled seconds per decoded token measured).
   No SLO: always admit (stock behaviour). An empty batch always admits (nothing starves).
   An SLO no batch can meet (one request decoding alone, the lighter of the newcomer and an
   average running one, is predicted over it) admits as stock would: a cap would only queue
@@ -30,6 +32,7 @@ import math
 from dataclasses import dataclass, field
 
 from memory_ext.policy._checks import check_int, check_num
+from memory_ext.policy.prefill_stalls import PrefillStalls
 
 __all__ = [
     "ADMIT_REASONS",
@@ -141,12 +144,15 @@ class StepTimeModel:
         a, b, c = self.coef
         return max(0.0, a + b * batch + c * kv_tokens)
 
-    def cap(self, slo_s: float, kv_per_request: float, limit: int = 1 << 16) -> int | None:
-        """The largest batch (>= 1) predicted within ``slo_s`` at ``kv_per_request`` each; None while learning."""
+    def cap(
+        self, slo_s: float, kv_per_request: float, limit: int = 1 << 16, extra_per_request: float = 0.0
+    ) -> int | None:
+        """The largest batch (>= 1) predicted within ``slo_s`` at ``kv_per_request`` each, each request
+        adding ``extra_per_request`` seconds beside the fit's (the prefill stalls); None while learning."""
         if self.coef is None:
             return None
         a, b, c = self.coef
-        per = b + c * kv_per_request
+        per = b + c * kv_per_request + extra_per_request
         if per <= 0:
             return limit if a <= slo_s else 1
         return max(1, min(limit, math.floor((slo_s - a) / per + 1e-9)))
@@ -167,11 +173,30 @@ class BatchGovernor:
     def __init__(self, tpot_slo_s: float | None, model: StepTimeModel | None = None):
         self.tpot_slo_s = check_tpot_slo("tpot_slo_s", tpot_slo_s)
         self.model = model if model is not None else StepTimeModel()
+        self.prefill = PrefillStalls(self.model.decay)  # the prefills running requests wait through
         self.counts: dict[str, int] = dict.fromkeys(REASONS, 0)
         self.last: BatchDecision | None = None
 
     def observe(self, batch: int, kv_tokens: int, step_s: float) -> None:
+        """One pure decode step: a sample of the step-time model, and token time."""
         self.model.observe(batch, kv_tokens, step_s)
+        self.prefill.observe(batch, 0.0)
+
+    def observe_iteration(self, seconds: float, decoded: int, kv_tokens: int, stalled: int, prefilled: bool) -> None:
+        """Any busy iteration: ``decoded`` requests (holding ``kv_tokens``) got a token, ``stalled``
+        running requests waited, ``prefilled``: it computed some prefill. A pure decode step is a
+        sample (``observe``); prefill and mixed iterations feed the stalled share."""
+        if not prefilled and decoded:
+            self.observe(decoded, kv_tokens, seconds)
+            return
+        step = self.model.predict(decoded, kv_tokens) if decoded else None
+        self.prefill.observe_iteration(seconds, decoded, stalled, prefilled, step)
+
+    def predict_tpot(self, batch: int, kv_tokens: int) -> float | None:
+        """The TPOT a running request of a ``batch``-request batch sees: the predicted decode step
+        plus the prefills it waits through, ``batch * q`` (None while learning)."""
+        step = self.model.predict(batch, kv_tokens)
+        return None if step is None else step + batch * self.prefill.per_token()
 
     def decide(self, running: int, kv_tokens: int, add_kv_tokens: int) -> BatchDecision:
         """The decision without counting it (``may_grow`` counts)."""
@@ -179,7 +204,7 @@ class BatchGovernor:
         check_int("kv_tokens", kv_tokens, 0)
         check_int("add_kv_tokens", add_kv_tokens, 0)
         slo = self.tpot_slo_s
-        predicted = self.model.predict(running + 1, kv_tokens + add_kv_tokens)
+        predicted = self.predict_tpot(running + 1, kv_tokens + add_kv_tokens)
         if slo is None:
             reason = NO_SLO
         elif running == 0:
@@ -190,7 +215,7 @@ class BatchGovernor:
             reason = WITHIN_SLO
         else:
             # the smallest batch: one request, the lighter of the newcomer and a running one on average
-            alone = self.model.predict(1, min(add_kv_tokens, kv_tokens // running))
+            alone = self.predict_tpot(1, min(add_kv_tokens, kv_tokens // running))
             reason = SLO_INFEASIBLE if alone > slo else OVER_SLO
         return BatchDecision(reason != OVER_SLO, reason, running, predicted, slo)
 
@@ -202,25 +227,30 @@ class BatchGovernor:
         return d
 
     def status(self, running: int, kv_tokens: int, measured_s: float | None) -> dict:
-        """JSON-ready: the SLO in force, the batch cap and why, predicted vs measured step time."""
+        """JSON-ready: the SLO in force, the batch cap and why, predicted vs measured TPOT (the
+        decode step with the prefills running requests wait through; ``measured_s``: the measured
+        decode steps' mean)."""
         slo, model = self.tpot_slo_s, self.model
+        q = self.prefill.per_token()
         kv_per = kv_tokens / running if running else 0.0
         if slo is None:
             cap, why = None, NO_SLO
         elif model.coef is None:
             cap, why = None, LEARNING
-        elif model.predict(1, round(kv_per)) > slo:
+        elif self.predict_tpot(1, round(kv_per)) > slo:
             cap, why = None, SLO_INFEASIBLE
-        else:
-            cap, why = model.cap(slo, kv_per), CAP_WITHIN_SLO
+        else:  # each request adds its share of the stalls, q, beside its share of the step
+            cap, why = model.cap(slo, kv_per, extra_per_request=q), CAP_WITHIN_SLO
         a, b, c = model.coef if model.coef is not None else (None, None, None)
         return {
             "tpot_slo_ms": None if slo is None else slo * 1e3,
             "batch_cap": cap,
             "batch_cap_reason": why,
             "running": running,
-            "predicted_tpot_ms": _ms(model.predict(max(running, 1), kv_tokens)),
-            "measured_tpot_ms": _ms(measured_s),
+            "predicted_tpot_ms": _ms(self.predict_tpot(max(running, 1), kv_tokens)),
+            "measured_tpot_ms": _ms(None if measured_s is None else measured_s + max(running, 1) * q),
+            "measured_decode_step_ms": _ms(measured_s),
+            "prefill_stalls": self.prefill.status(),
             "model": {
                 "samples": model.samples,
                 "min_samples": model.min_samples,

@@ -119,8 +119,18 @@ _HELP = {
         "1 for why the batch cap is what it is (no_slo, learning, slo_infeasible, predicted_tpot_within_slo), "
         "0 for the others.",
     ),
-    "memx_governor_predicted_tpot_seconds": ("gauge", "Predicted decode step (TPOT) of the running batch."),
-    "memx_governor_measured_tpot_seconds": ("gauge", "Measured decode step (TPOT), exponential mean of recent steps."),
+    "memx_governor_predicted_tpot_seconds": (
+        "gauge",
+        "Predicted TPOT of the running batch: its decode step plus the prefill stalls its requests wait through.",
+    ),
+    "memx_governor_measured_tpot_seconds": (
+        "gauge",
+        "Measured TPOT: recent decode steps' exponential mean plus the batch times the prefill stalls per token.",
+    ),
+    "memx_governor_prefill_stall_seconds_per_token": (
+        "gauge",
+        "Seconds running requests waited through other requests' prefills, per token decoded (recent iterations).",
+    ),
     "memx_governor_decisions_total": (
         "counter",
         "Batch-growth decisions by reason; reason=over_slo counts refusals to grow (a request kept waiting).",
@@ -265,6 +275,7 @@ def _governor_samples(base: dict[str, Any], gov: dict[str, Any] | None) -> Itera
                       ("measured_tpot_ms", "memx_governor_measured_tpot_seconds")):  # fmt: skip
         if gov[key] is not None:
             yield name, base, gov[key] / 1e3
+    yield "memx_governor_prefill_stall_seconds_per_token", base, gov["prefill_stalls"]["ms_per_token"] / 1e3
     for reason, n in sorted(gov["decisions"].items()):
         yield "memx_governor_decisions_total", dict(base, reason=reason), n
     yield "memx_governor_step_samples_total", base, gov["model"]["samples"]

@@ -230,6 +230,7 @@ def _governor_line(g: dict[str, Any] | None) -> str:
     verdicts = ", ".join(f"{r} {n}" for r, n in sorted((g.get("admission_verdicts") or {}).items()) if n)
     return (f"    governor SLO {', '.join(held) or '-'}  cap {cap} ({g['batch_cap_reason']}), run {g['running']}"
             f"  TPOT predicted {_ms(g['predicted_tpot_ms'])} / measured {_ms(g['measured_tpot_ms'])}"
+            f" (prefill stalls {_ms((g.get('prefill_stalls') or {}).get('ms_per_token'))}/token)"
             f"  refused {g['decisions'].get('over_slo', 0)}"
             f"  admission {verdicts or '-'}")  # fmt: skip
 

@@ -11,13 +11,17 @@ import types
 
 
 class FakeMode:
-    def __init__(self, decode: bool):
-        self.decode = decode
+    def __init__(self, decode: bool, mixed: bool = False):
+        self.decode = decode and not mixed
+        self.mixed = mixed
 
     def is_decode(self) -> bool:
         return self.decode
 
-    def is_extend(self) -> bool:
+    def is_mixed(self) -> bool:
+        return self.mixed
+
+    def is_extend(self) -> bool:  # upstream counts a mixed batch as extend too
         return not self.decode
 
 
@@ -57,9 +61,9 @@ class FakeReq:
 
 
 class FakeBatch:
-    def __init__(self, reqs=(), decode=True, allocator=None):
+    def __init__(self, reqs=(), decode=True, allocator=None, mixed=False):
         self.reqs = list(reqs)
-        self.forward_mode = FakeMode(decode)
+        self.forward_mode = FakeMode(decode, mixed)
         self.token_to_kv_pool_allocator = allocator
         self.req_to_token_pool = None
         self.batch_is_full = False

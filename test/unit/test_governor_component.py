@@ -201,3 +201,36 @@ ELASTIC = {
     "groups_unmapped_total": 0, "grow_refused": 0, "map_seconds": 0.0, "unmap_seconds": 0.0,
     "max_map_seconds": 0.0, "max_unmap_seconds": 0.0, "chunk_bytes": 4096,
 }  # fmt: skip
+
+
+def test_a_prefill_the_running_requests_wait_through_is_a_stall():
+    """The interval of a prefill batch counts as stalled time of the requests running at the tick
+    before it; with nobody running it counts nothing; a mixed batch counts what exceeds the step."""
+    clock = Clock()
+    part = GovernorPart(BatchGovernor(0.05, _trained(a=0.010, b=0.002)), clock=clock)
+    idle = FakeScheduler(running=[])
+    idle.last_batch = FakeBatch([FakeReq()], decode=False)  # a prefill while nothing ran
+    _run_step(part, idle)
+    clock.t += 0.5
+    _run_step(part, idle)
+    assert part.governor.prefill.iterations == 0
+    running = [FakeReq(prompt=10, outputs=2), FakeReq(prompt=20, outputs=3)]
+    decode = FakeScheduler(running=running)
+    for _ in range(2):
+        clock.t += 0.014
+        _run_step(part, decode)  # decode steps of 2: 2 tokens each
+    prefill = FakeScheduler(running=running)
+    prefill.last_batch = FakeBatch([FakeReq(prompt=500)], decode=False)
+    clock.t += 0.040
+    _run_step(part, prefill)  # the 2 running requests waited 40 ms
+    mixed = FakeScheduler(running=running)
+    mixed.last_batch = FakeBatch(running + [FakeReq(prompt=64)], mixed=True)
+    clock.t += 0.020
+    _run_step(part, mixed)  # a mixed step of 2 predicted at 14 ms took 20: 6 ms stalled, 2 tokens
+    stalls = part.governor.prefill
+    assert stalls.stalls == 2 and stalls.iterations == 4
+    d = part.governor.model.decay
+    assert stalls.tokens == pytest.approx(2 * d**3 + 2 * d**2 + 2)
+    assert stalls.stalled_s == pytest.approx(0.040 * d + 0.006)
+    doc = part.status()["governor"]
+    assert doc["prefill_stalls"]["stalls"] == 2 and doc["measured_decode_step_ms"] == pytest.approx(14.0)

@@ -203,6 +203,7 @@ def _governor(**over):
     doc = {
         "tpot_slo_ms": 80.0, "batch_cap": 5, "batch_cap_reason": "predicted_tpot_within_slo", "running": 3,
         "predicted_tpot_ms": 16.0, "measured_tpot_ms": 16.5, "last_measured_tpot_ms": 17.0, "max_running_seen": 5,
+        "measured_decode_step_ms": 15.0, "prefill_stalls": {"ms_per_token": 0.5, "iterations": 60, "stalls": 6},
         "model": {"samples": 40, "min_samples": 8, "intercept_ms": 10.0, "per_request_ms": 2.0,
                   "per_kv_token_ms": 0.0},
         "decisions": {"no_slo": 0, "empty_batch": 2, "learning": 8, "within_slo": 30, "over_slo": 7},
@@ -251,12 +252,14 @@ GOVERNED = [
          'memx_governor_ttft_slo_seconds{dp_rank="0",pool="gpu0",source="--memx-ttft-slo-ms"} 0.5',
          'memx_governor_predicted_tpot_seconds{dp_rank="0",pool="gpu0"} 0.016',
          'memx_governor_measured_tpot_seconds{dp_rank="0",pool="gpu0"} 0.016500000000000001',
+         'memx_governor_prefill_stall_seconds_per_token{dp_rank="0",pool="gpu0"} 0.00050000000000000001',
          'memx_governor_decisions_total{dp_rank="0",pool="gpu0",reason="over_slo"} 7',
          'memx_governor_decisions_total{dp_rank="0",pool="gpu0",reason="within_slo"} 30',
          "# TYPE memx_governor_decisions_total counter", "# TYPE memx_governor_batch_cap gauge"],
         [],
         ["governor SLO TPOT 80.0 ms (models.yaml: models[0].tpot_slo_ms), TTFT 500.0 ms (--memx-ttft-slo-ms)",
-         "cap 5 (predicted_tpot_within_slo), run 3", "TPOT predicted 16.0 ms / measured 16.5 ms", "refused 7",
+         "cap 5 (predicted_tpot_within_slo), run 3",
+         "TPOT predicted 16.0 ms / measured 16.5 ms (prefill stalls 0.5 ms/token)", "refused 7",
          "admission mechanism_admits 9, no_predicted_gain 4, protects_running 2"],
     ),
     (  # --memx-governor without an SLO: no cap, the admission verdicts it passed

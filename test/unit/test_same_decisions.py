@@ -276,8 +276,13 @@ def test_same_host_buffer_rule():
 # ------------------------------------------------------------------ governor (batch under the TPOT SLO)
 # decode steps: (running requests as (prompt, generated), step seconds); then admission rounds:
 # (running requests, waiting queue), both as (prompt, generated)
+# (running, seconds, prefilled): decode steps of growing batches; after every third one a prefill
+# iteration the same running batch waits through (its stall counts in the predicted TPOT)
 GOVERNOR_STEPS = [
-    ([(100, 1)] * n + [(300, 5)] * (n % 3), 0.010 + 0.002 * n + 0.0004 * (n % 3)) for n in range(1, 9)
+    step
+    for n in range(1, 9)
+    for step in [([(100, 1)] * n + [(300, 5)] * (n % 3), 0.010 + 0.002 * n + 0.0004 * (n % 3), False)]
+    + ([([(100, 1)] * n + [(300, 5)] * (n % 3), 0.004 * n, True)] if n % 3 == 0 else [])
 ] * 2
 GOVERNOR_ROUNDS = [
     ([], [(100, 0), (100, 0)]),  # empty batch: one always joins
@@ -307,10 +312,10 @@ def _server_governor_decisions(slo_s, steps, rounds):
     part = GovernorPart(BatchGovernor(slo_s), clock=clock)
     (measure,) = part.steps()
     measure.run(Iteration(FakeScheduler(decode=False), None, None, None, None))  # after a prefill: starts the clock
-    for running, step_s in steps:  # each tick sees the decode batch that ran since the previous tick
+    for running, step_s, prefilled in steps:  # each tick sees the batch that ran since the previous tick
         clock.t += step_s
-        measure.run(Iteration(FakeScheduler(running=[FakeReq(prompt=p, outputs=o) for p, o in running]),
-                              None, None, None, None))  # fmt: skip
+        reqs = [FakeReq(prompt=p, outputs=o) for p, o in running]
+        measure.run(Iteration(FakeScheduler(running=reqs, decode=not prefilled), None, None, None, None))
     alloc = types.SimpleNamespace()
     device.tie(alloc, device.Coordinator(types.SimpleNamespace())).register(part)
     out = []
@@ -327,7 +332,7 @@ def _server_governor_decisions(slo_s, steps, rounds):
             out.append(part.governor.last)
             if result != up_sched.add_result("CONTINUE"):
                 break
-    return out
+    return out, part.governor
 
 
 def _sim_governor_decisions(slo_s, steps, rounds):
@@ -347,9 +352,13 @@ def _sim_governor_decisions(slo_s, steps, rounds):
 
     sched = GovernedScheduler(types.SimpleNamespace(name="m", tpot_slo_s=slo_s))
     inst = types.SimpleNamespace(running=[], iterations=0, last_duration=0.0)
-    for running, step_s in steps:
+    for running, step_s, prefilled in steps:
         inst.running = reqs(running)
-        sched.note_plan(inst, BatchPlan(decodes=list(inst.running)))
+        for r in inst.running:
+            r.decoding = True
+        newcomer = Request(len(running), 0, 0.0, 100, 2)
+        plan = BatchPlan(prefills=[(newcomer, 100)]) if prefilled else BatchPlan(decodes=list(inst.running))
+        sched.note_plan(inst, plan)
         inst.iterations += 1
         inst.last_duration = step_s
         sched.observe(inst)
@@ -362,13 +371,16 @@ def _sim_governor_decisions(slo_s, steps, rounds):
             if not admit:
                 break
             inst.running.append(r)
-    return out
+    return out, sched.governor
 
 
 @pytest.mark.parametrize("slo_s", [None, 0.008, 0.018, 0.021, 0.030])
 def test_server_and_simulator_governors_decide_the_same(slo_s):
-    server = _server_governor_decisions(slo_s, GOVERNOR_STEPS, GOVERNOR_ROUNDS)
-    sim = _sim_governor_decisions(slo_s, GOVERNOR_STEPS, GOVERNOR_ROUNDS)
+    server, server_gov = _server_governor_decisions(slo_s, GOVERNOR_STEPS, GOVERNOR_ROUNDS)
+    sim, sim_gov = _sim_governor_decisions(slo_s, GOVERNOR_STEPS, GOVERNOR_ROUNDS)
+    # both counted the same prefill stalls per decoded token, and they are in the predictions
+    assert server_gov.prefill.per_token() == pytest.approx(sim_gov.prefill.per_token(), rel=1e-12)
+    assert server_gov.prefill.per_token() > 0 and server_gov.prefill.stalls == sim_gov.prefill.stalls == 4
     assert len(server) == len(sim) > 0
     for a, b in zip(server, sim):
         assert (a.admit, a.reason, a.running, a.slo_s) == (b.admit, b.reason, b.running, b.slo_s)
@@ -380,8 +392,8 @@ def test_server_and_simulator_governors_decide_the_same(slo_s):
 def test_the_governor_cases_exercise_every_reason():
     seen = set()
     for slo_s in (None, 0.008, 0.018, 0.021, 0.030):  # 8 ms: even one request alone is over
-        seen |= {d.reason for d in _sim_governor_decisions(slo_s, GOVERNOR_STEPS, GOVERNOR_ROUNDS)}
-        seen |= {d.reason for d in _sim_governor_decisions(slo_s, GOVERNOR_STEPS[:3], GOVERNOR_ROUNDS)}
+        seen |= {d.reason for d in _sim_governor_decisions(slo_s, GOVERNOR_STEPS, GOVERNOR_ROUNDS)[0]}
+        seen |= {d.reason for d in _sim_governor_decisions(slo_s, GOVERNOR_STEPS[:3], GOVERNOR_ROUNDS)[0]}
     assert seen == {"no_slo", "empty_batch", "learning", "within_slo", "over_slo", "slo_infeasible"}
 
 

@@ -7,7 +7,10 @@ A refused request stays at the head of the queue (FCFS: nothing overtakes it, no
 
 The step-time model learns from the simulated iterations as the server's learns from its
 measured ones: each pure decode iteration is one sample (its batch size, the KV tokens its
-requests hold after the step, its duration). Options: ``watermark`` (as ``continuous``),
+requests hold after the step, its duration); an iteration with prefill chunks feeds the share of
+time the running requests wait through prefills (``memory_ext.policy.prefill_share``: a mixed
+iteration's time beyond its predicted decode step, all of a prefill-only iteration that decoding
+requests sat out), which the governor adds to the predicted TPOT. Options: ``watermark`` (as ``continuous``),
 ``min_samples``, ``decay``, ``use_kv`` (the model's, ``StepTimeModel``).
 """
 
@@ -46,19 +49,28 @@ class GovernedScheduler(ContinuousBatchingScheduler):
         slo = getattr(cfg, "tpot_slo_s", math.inf)
         self.governor = BatchGovernor(None if slo is None or math.isinf(slo) else slo, model)
         self.instance_name = str(getattr(cfg, "name", "") or "instance")
-        self._pending: tuple[int, list[Request]] | None = None  # (iteration count, decodes) of the last plan
+        # the last plan: (iteration count, decodes, whether it prefilled, decoding requests it left out)
+        self._pending: tuple[int, list[Request], bool, int] | None = None
         self.max_running_seen = 0
 
     def observe(self, inst: InstanceView) -> None:
-        """Feed the last iteration to the model if it was a pure decode iteration that ran."""
+        """Feed the last plan, once it ran, to the governor: a pure decode iteration is a sample of
+        the step-time model, one with prefill chunks a measure of the stalls (module docstring)."""
         pending, self._pending = self._pending, None
-        if pending is not None and inst.iterations == pending[0] + 1 and pending[1]:
-            self.governor.observe(len(pending[1]), kv_tokens(pending[1]), inst.last_duration)
+        if pending is None or inst.iterations != pending[0] + 1:
+            return
+        _, decodes, prefilled, stalled = pending
+        if decodes or stalled:
+            self.governor.observe_iteration(inst.last_duration, len(decodes), kv_tokens(decodes), stalled, prefilled)
 
     def note_plan(self, inst: InstanceView, plan: BatchPlan) -> None:
-        """Remember a pure decode plan: once it has run, ``observe`` takes its duration as a sample."""
-        if plan.decodes and not plan.prefills:
-            self._pending = (inst.iterations, list(plan.decodes))
+        """Remember a plan that decodes or prefills: once it has run, ``observe`` feeds it to the governor."""
+        if plan.prefills:
+            chosen = {id(r) for r in plan.decodes}
+            stalled = sum(1 for r in inst.running if r.decoding and id(r) not in chosen)
+            self._pending = (inst.iterations, list(plan.decodes), True, stalled)
+        elif plan.decodes:
+            self._pending = (inst.iterations, list(plan.decodes), False, 0)
         self.max_running_seen = max(self.max_running_seen, len(inst.running))
 
     def plan(self, inst: InstanceView, now: float) -> BatchPlan:

@@ -4,8 +4,10 @@
 * its step (``"measure the decode step"``, first in the iteration order): the wall time from the
   previous iteration's tick to this one is the step the previous batch took, which is the
   interval between two tokens of its requests; when that batch was a pure decode batch it is one
-  sample of the step-time model (batch size, KV tokens in flight, seconds). Mixed or prefill
-  batches, and iterations with no batch (idle), are not samples;
+  sample of the step-time model (batch size, KV tokens in flight, seconds). A prefill batch is
+  time the requests running at the tick before it waited through, and a mixed batch's time beyond
+  its predicted decode step too (``memory_ext.policy.prefill_stalls``: the predicted TPOT counts
+  them); iterations with no batch (idle) count nothing;
 * admission asks it before a new request joins the running batch
   (``elastic.admission.governor_refusal``, from ``hooks.scheduler.around_add_one_req``);
 * its status (``/memx/status`` → ``elastic_kv.governor``): the SLOs in force and where each came
@@ -102,12 +104,23 @@ class GovernorPart:
 
     def _measure(self, it: Iteration) -> None:
         now = self.clock()
-        last = up_sched.last_decode_batch(it.scheduler)
-        if self._last_tick is not None and last is not None:
-            reqs = up_sched.batch_reqs(last)
-            if reqs:
-                self.observe(len(reqs), kv_tokens(reqs), now - self._last_tick)
+        if self._last_tick is not None:
+            self._count_iteration(it.scheduler, now - self._last_tick)
         self._last_tick = now
         running = up_sched.running_reqs(it.scheduler)
         self.running, self.running_kv_tokens = len(running), kv_tokens(running)
         self.max_running_seen = max(self.max_running_seen, self.running)
+
+    def _count_iteration(self, scheduler, seconds: float) -> None:
+        """The iteration since the last tick: a pure decode batch is a step sample; a prefill batch
+        stalled the requests running at the last tick; a mixed one decoded them, slower."""
+        mode = up_sched.last_batch_mode(scheduler)
+        if mode == "decode":
+            reqs = up_sched.batch_reqs(up_sched.last_decode_batch(scheduler))
+            if reqs:
+                self.observe(len(reqs), kv_tokens(reqs), seconds)
+        elif mode is not None:
+            mixed = mode == "mixed"
+            self.governor.observe_iteration(seconds, self.running if mixed else 0,
+                                            self.running_kv_tokens if mixed else 0,
+                                            0 if mixed else self.running, prefilled=True)  # fmt: skip

@@ -104,7 +104,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     "ScheduleBatch": {"reqs": None, "forward_mode": "ForwardMode",
                       "token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator",
                       "req_to_token_pool": "ReqToTokenPool", "batch_is_full": None, "filter_batch": None},
-    "ForwardMode": {"is_extend": None, "is_decode": None},
+    "ForwardMode": {"is_extend": None, "is_decode": None, "is_mixed": None},
     "NewTokenRatioTracker": {"current": None},
     "ReqToTokenPool": {"req_to_token": None},
     "Req": {

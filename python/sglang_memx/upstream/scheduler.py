@@ -64,6 +64,21 @@ def last_decode_batch(scheduler):
     return last
 
 
+def last_batch_mode(scheduler) -> str | None:
+    """What the last iteration ran: ``"decode"`` (a pure decode batch), ``"prefill"`` (an extend
+    batch: the running requests got no token from it), ``"mixed"`` (prefill chunks beside their
+    decode), or None (no batch: an idle iteration, or a mode that is neither)."""
+    last = scheduler.last_batch
+    if last is None:
+        return None
+    mode = last.forward_mode
+    if mode.is_decode():
+        return "decode"
+    if mode.is_mixed():
+        return "mixed"
+    return "prefill" if mode.is_extend() else None
+
+
 def admitted_reqs(scheduler) -> list:
     """Requests holding KV, unfinished, each once: the running batch, a prefill batch not
     merged into it yet, and a request whose chunked prefill is under way."""
