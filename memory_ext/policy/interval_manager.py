@@ -29,6 +29,12 @@ Rule applied, by the number of device slots the streamed layers rotate through:
   Any ``m`` is allowed (Oneiros places them by ``uniform_interval_layers``);
   ``interval`` is then the mean spacing ``n // m``.
 
+* ``copies_share_compute`` (a CPU device: the copies run on the cores that compute, and one
+  OpenMP thread delayed by a copy holds every other one at the next barrier): the copies add to
+  the iteration instead of overlapping it, whatever the slots: ``m`` layers take
+  ``n t_c + m T_T``; the answer is the largest ``m`` within ``B``, ``interval`` again ``n // m``.
+  On a GPU the copy engine runs beside the kernels, and the two rules above apply.
+
 Invariants: ``0 <= layers <= n`` and the modelled iteration with ``layers``
 streamed meets the SLO, while the next larger choice would not (one more
 layer with two slots, the next smaller interval with one) or ``layers == n``.
@@ -88,17 +94,31 @@ class StreamBudget:
 
 
 def iteration_seconds(
-    n_layers: int, interval: int, t_c: float, t_tr: float, slots: int = 1, fixed_s: float = 0.0
+    n_layers: int,
+    interval: int,
+    t_c: float,
+    t_tr: float,
+    slots: int = 1,
+    fixed_s: float = 0.0,
+    copies_share_compute: bool = False,
 ) -> float:
     """Modelled iteration time when every ``interval``-th layer streams (module docstring)."""
     layers = offloaded_layers(n_layers, interval)
+    if copies_share_compute:
+        return n_layers * t_c + layers * t_tr + fixed_s
     if slots == 1:
         return iteration_latency(n_layers, interval, LayerTiming(t_c, t_tr)) + fixed_s
     return max(n_layers * t_c, layers * t_tr) + fixed_s
 
 
 def stream_budget(
-    n_layers: int, t_c: float, t_tr: float, slo_s: float, slots: int = 1, fixed_s: float = 0.0
+    n_layers: int,
+    t_c: float,
+    t_tr: float,
+    slo_s: float,
+    slots: int = 1,
+    fixed_s: float = 0.0,
+    copies_share_compute: bool = False,
 ) -> StreamBudget:
     """The rule of the module docstring for one layer time ``t_c``: the smallest
     interval whose modelled iteration meets ``slo_s`` (Select-N's optimal
@@ -116,6 +136,8 @@ def stream_budget(
     if base > slo_s + tol:
         why = f"SLO {ms(slo_s)} unattainable: compute alone takes {ms(base)}"
         return StreamBudget(0, none, why, slots, base, False)
+    if copies_share_compute:
+        return _serial_budget(n, t_c, t_tr, slo_s, slots, fixed_s, tol, ms)
     if slots == 1:  # latency is non-increasing in the interval: the first hit is the smallest
         i = next(i for i in range(1, none + 1) if iteration_seconds(n, i, t_c, t_tr, 1, fixed_s) <= slo_s + tol)
         layers, it = offloaded_layers(n, i), iteration_seconds(n, i, t_c, t_tr, 1, fixed_s)
@@ -143,6 +165,22 @@ def stream_budget(
     return StreamBudget(layers, i, why, slots, it, True)
 
 
+def _serial_budget(n: int, t_c: float, t_tr: float, slo_s: float, slots: int, fixed_s: float, tol: float, ms):
+    """``stream_budget`` when the copies take the compute's time (module docstring)."""
+    layers = min(n, max(0, int(math.floor((slo_s - fixed_s - n * t_c + tol) / t_tr))))
+    it = n * t_c + layers * t_tr + fixed_s
+    i = n // layers if layers else no_offload_interval(n)
+    if layers == n:
+        why = f"all {n} layers stream within SLO {ms(slo_s)} (copies on the compute's cores): {ms(it)}"
+    else:
+        nxt = it + t_tr
+        why = (
+            f"SLO {ms(slo_s)} binds (copies on the compute's cores, added to it): {layers} of {n} layers take "
+            f"{ms(it)}, {layers + 1} would take {ms(nxt)}"
+        )
+    return StreamBudget(layers, i, why, slots, it, True)
+
+
 class IntervalManager:
     """Per-iteration streaming budget of one model on one device.
 
@@ -151,18 +189,27 @@ class IntervalManager:
     prompt tokens under its own (TTFT) budget. Stateless beyond its arguments.
     """
 
-    def __init__(self, profile: LayerProfile, tbt_slo_s: float, slots: int = 1, fixed_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        profile: LayerProfile,
+        tbt_slo_s: float,
+        slots: int = 1,
+        fixed_s: float = 0.0,
+        copies_share_compute: bool = False,
+    ) -> None:
         if not isinstance(profile, LayerProfile):
             raise ValueError(f"profile must be a LayerProfile, got {type(profile).__name__}")
         self.profile = profile
         self.tbt_slo_s = _pos("tbt_slo_s", tbt_slo_s)
         self.slots = _int("slots", slots)
         self.fixed_s = _pos("fixed_s", fixed_s, zero_ok=True)
+        self.copies_share_compute = bool(copies_share_compute)
 
     def decide(self, batch: int) -> StreamBudget:
         p = self.profile
         t_c = p.decode_layer_seconds(_int("batch", batch))
-        return stream_budget(p.n_layers, t_c, p.layer_transfer_s, self.tbt_slo_s, self.slots, self.fixed_s)
+        return stream_budget(p.n_layers, t_c, p.layer_transfer_s, self.tbt_slo_s, self.slots, self.fixed_s,
+                             self.copies_share_compute)  # fmt: skip
 
     def streamable_layers(self, batch: int) -> int:
         return self.decide(batch).layers
@@ -170,7 +217,8 @@ class IntervalManager:
     def decide_prefill(self, tokens: int, slo_s: float) -> StreamBudget:
         p = self.profile
         t_c = p.prefill_layer_seconds(_int("tokens", tokens))
-        return stream_budget(p.n_layers, t_c, p.layer_transfer_s, slo_s, self.slots, self.fixed_s)
+        return stream_budget(p.n_layers, t_c, p.layer_transfer_s, slo_s, self.slots, self.fixed_s,
+                             self.copies_share_compute)  # fmt: skip
 
 
 def demand_from_timings(
@@ -183,6 +231,7 @@ def demand_from_timings(
     slots: int = 1,
     fixed_s: float = 0.0,
     max_interval: int | None = None,
+    copies_share_compute: bool = False,
 ) -> GpuDemand:
     """A ``LinkCoordinator`` demand for the GPU ``name``: ``n_layers`` of ``layer_bytes``,
     one layer's compute ``t_c`` at the batch it serves, one layer's uncontended copy
@@ -194,8 +243,8 @@ def demand_from_timings(
     (Fig. 8 l. 4-13 with the per-interval time).
     """
     n = _int("n_layers", n_layers)
-    b = stream_budget(n, t_c, t_tr, slo_s, slots, fixed_s)
-    times = {i: iteration_seconds(n, i, t_c, t_tr, slots, fixed_s) for i in range(1, n + 2)}
+    b = stream_budget(n, t_c, t_tr, slo_s, slots, fixed_s, copies_share_compute)
+    times = {i: iteration_seconds(n, i, t_c, t_tr, slots, fixed_s, copies_share_compute) for i in range(1, n + 2)}
     min_i = b.interval if b.feasible else None
     return GpuDemand(name, n, _int("layer_bytes", layer_bytes), b.iteration_s, min_i, max_interval, iter_times=times)
 
@@ -213,4 +262,5 @@ def demand_from_profile(
     t_c = p.decode_layer_seconds(_int("batch", batch))
     bw = p.link_bytes_per_s if link_bytes_per_s is None else _pos("link_bytes_per_s", link_bytes_per_s)
     return demand_from_timings(name, p.n_layers, p.layer_bytes, t_c, p.layer_bytes / bw, manager.tbt_slo_s,
-                               manager.slots, manager.fixed_s, max_interval)  # fmt: skip
+                               manager.slots, manager.fixed_s, max_interval,
+                               manager.copies_share_compute)  # fmt: skip

@@ -163,3 +163,29 @@ def test_demand_from_profile_feeds_the_link_coordinator():
 def test_bad_arguments_name_the_field(call, field):
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         call()
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_copies_on_the_compute_cores_add_to_the_iteration(slots):
+    """CPU: m streamed layers take n t_c + m T_T whatever the slots; the largest m within the SLO."""
+    n, t_c, t_tr = 8, 1.0, 3.0
+    assert iteration_seconds(n, 2, t_c, t_tr, slots, 0.5, copies_share_compute=True) == 8 + 4 * 3 + 0.5
+    b = stream_budget(n, t_c, t_tr, 21.0, slots, 0.5, copies_share_compute=True)
+    assert (b.layers, b.interval, b.feasible) == (4, 2, True)  # 8.5 + 4 * 3 = 20.5 <= 21 < 23.5
+    assert b.iteration_s == 20.5 and "added to it" in b.reason
+    overlapped = stream_budget(n, t_c, t_tr, 21.0, slots, 0.5)
+    # beside a copy engine the same layers cost less, and the same SLO streams at least as many
+    assert overlapped.layers >= b.layers and overlapped.iteration_s < b.iteration_s
+    assert stream_budget(n, t_c, t_tr, 10.0, slots, 0.5, copies_share_compute=True).layers == 0
+    assert stream_budget(n, t_c, t_tr, 100.0, slots, copies_share_compute=True).layers == n
+    none = stream_budget(n, t_c, t_tr, 7.0, slots, copies_share_compute=True)
+    assert (none.layers, none.feasible) == (0, False)  # compute alone misses it
+
+
+def test_manager_and_demand_carry_the_shared_compute_rule():
+    p = _profile()
+    shared = IntervalManager(p, 14.0, 2, copies_share_compute=True)
+    assert shared.decide(1).layers == 2  # 8 * 1 + m * 3 <= 14
+    assert IntervalManager(p, 14.0, 2).decide(1).layers == 4  # max(8, m * 3) <= 14
+    demand = demand_from_profile("cpu0", shared, 1)
+    assert demand.iter_times[2] == 8 + 4 * 3 and demand.min_interval == 4

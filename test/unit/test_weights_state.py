@@ -111,3 +111,39 @@ def test_admission_closed_at_the_request_limit_is_no_kv_pressure():
     open_ = scheduler(max_running=4)
     open_.running_batch.batch_is_full = False
     assert not admission_denied(open_)
+
+
+def test_on_cpu_the_copies_add_to_the_step_and_lend_fewer_layers():
+    """A CPU device's copies take the compute's cores: m streamed layers cost 8 ms + m T_T, not
+    max(8 ms, m T_T) as beside a GPU's copy engine, so the same SLO lends fewer layers."""
+    t_tr = (1 << 20) / 1e9  # ~1.05 ms a layer
+    overlapped = _state(tbt_slo_s=0.0125)
+    shared = _state(tbt_slo_s=0.0125, copies_share_compute=True)
+    for w in (overlapped, shared):
+        w.decode_layer_s, w.decode_step_s = 1e-3, 8e-3
+    assert tbt_cap(overlapped) == 6  # max(8, 8 * 1.05) = 8.4 ms: all 8 stream, lend 8 - 2
+    m = int((0.0125 - 0.008) / t_tr)  # 4 copies fit in the 4.5 ms left after the compute
+    assert m == 4 and tbt_cap(shared) == m - 2
+    shared.tbt_slo_s = 0.0085  # room for no copy beside the compute: nothing lent
+    assert tbt_cap(shared) == 0
+    assert shared.status()["copies_share_compute"] is True and overlapped.status()["copies_share_compute"] is False
+
+
+@pytest.mark.parametrize(
+    "tbt,tpot,env,want",
+    [(None, None, {}, (None, None)),  # no SLO: Oneiros lends as the paper does
+     (40.0, None, {}, (40.0, "--memx-tbt-slo-ms")),
+     (None, 80.0, {}, (80.0, "--memx-tpot-slo-ms")),  # the governor's TPOT SLO bounds a step too
+     (None, 80.0, {"SGLANG_MEMX_TPOT_SLO_SOURCE": "m.yaml: models[0].tpot_slo_ms"},
+      (80.0, "m.yaml: models[0].tpot_slo_ms")),
+     (40.0, 80.0, {}, (40.0, "--memx-tbt-slo-ms"))],  # the per-step SLO given for the weights wins
+)  # fmt: skip
+def test_the_step_slo_is_the_tbt_flag_else_the_governors_tpot(monkeypatch, tbt, tpot, env, want):
+    from types import SimpleNamespace
+
+    from sglang_memx.weights.attach import step_slo
+
+    monkeypatch.delenv("SGLANG_MEMX_TPOT_SLO_SOURCE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert step_slo(SimpleNamespace(tbt_slo_ms=tbt, tpot_slo_ms=tpot)) == want

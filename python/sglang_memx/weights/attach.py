@@ -15,7 +15,7 @@ from memory_ext.policy.oneiros import uniform_interval_layers
 from memory_ext.pool import PoolExhausted
 from memory_ext.pool.lent_pool import LentPool
 from memory_ext.weights import HostCopier, LayerPipeline, WeightStore
-from sglang_memx.config import MemxConfigError
+from sglang_memx.config import MemxConfigError, tpot_slo_source
 from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import model as up_model
 from sglang_memx.upstream import server_args as up_args
@@ -32,6 +32,17 @@ def _copier(device: str):
 
         return CudaCopier(device)
     return HostCopier()
+
+
+def step_slo(config) -> tuple[float | None, str | None]:
+    """The per-step SLO the released layers' streaming must keep (ms) and its flag:
+    ``--memx-tbt-slo-ms``, else the governor's ``--memx-tpot-slo-ms`` (a decode step longer than the
+    TPOT SLO cannot average within it), else none (the controller lends as Oneiros does)."""
+    if config.tbt_slo_ms is not None:
+        return config.tbt_slo_ms, "--memx-tbt-slo-ms"
+    if config.tpot_slo_ms is not None:
+        return config.tpot_slo_ms, tpot_slo_source()
+    return None, None
 
 
 def _own_params(layers) -> dict:
@@ -95,6 +106,7 @@ def attach(runner, kv: ElasticKV | None, lent: LentPool | None) -> WeightsState 
         ) from None
     keys = [i for i, _ in layers]
     pipeline = LayerPipeline(store, keys)
+    slo_ms, slo_source = step_slo(config)
     for i, layer in layers:
         layer.register_forward_pre_hook(lambda module, args, i=i: pipeline.before_layer(i))
         layer.register_forward_hook(lambda module, args, out, i=i: pipeline.after_layer(i))
@@ -107,7 +119,9 @@ def attach(runner, kv: ElasticKV | None, lent: LentPool | None) -> WeightsState 
         link_bytes_per_s=store.measure_copy(keys[0]),
         idle_after_s=config.weights_idle_after_s,
         sleep_after_s=config.sleep_after_s,
-        tbt_slo_s=None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1e3,
+        tbt_slo_s=None if slo_ms is None else slo_ms / 1e3,
+        tbt_slo_source=slo_source,
+        copies_share_compute=not str(up_model.runner_device(runner)).startswith("cuda"),
         depth=config.prefetch_depth,
     )
     if config.weights_profile is not None:

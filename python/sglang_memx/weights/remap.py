@@ -104,12 +104,13 @@ def tbt_cap(w) -> int:
         return w.n_layers - 1
     slots = w.depth or 2
     if w.profile is not None:
-        budget = IntervalManager(w.profile, w.tbt_slo_s, slots, _fixed_s(w)).decide(w.last_decode_batch)
+        manager = IntervalManager(w.profile, w.tbt_slo_s, slots, _fixed_s(w), w.copies_share_compute)
+        budget = manager.decide(w.last_decode_batch)
     elif w.decode_layer_s is None or w.decode_step_s is None:
         return 0
     else:
         budget = stream_budget(w.n_layers, max(w.decode_layer_s, 1e-9), max(w.layer_transfer_s, 1e-9),
-                               w.tbt_slo_s, slots, _fixed_s(w))  # fmt: skip
+                               w.tbt_slo_s, slots, _fixed_s(w), w.copies_share_compute)  # fmt: skip
     return max(0, min(w.n_layers - 1, budget.layers - slots))
 
 
@@ -123,12 +124,13 @@ def link_demand(w):
         return None
     slots = w.depth or 2
     if w.profile is not None:
-        manager = IntervalManager(w.profile, w.tbt_slo_s, slots, _fixed_s(w))
+        manager = IntervalManager(w.profile, w.tbt_slo_s, slots, _fixed_s(w), w.copies_share_compute)
         return demand_from_profile(MODEL, manager, w.last_decode_batch)
     if w.decode_layer_s is None or w.decode_step_s is None:
         return None
     return demand_from_timings(MODEL, w.n_layers, w.layer_bytes, max(w.decode_layer_s, 1e-9),
-                               max(w.layer_transfer_s, 1e-9), w.tbt_slo_s, slots, _fixed_s(w))  # fmt: skip
+                               max(w.layer_transfer_s, 1e-9), w.tbt_slo_s, slots, _fixed_s(w),
+                               copies_share_compute=w.copies_share_compute)  # fmt: skip
 
 
 def link_cap(w, lent: LentPool | None, active: bool) -> int | None:

@@ -26,6 +26,8 @@ class WeightsState:
     link_bytes_per_s: float  # measured host -> pool copy bandwidth (first copies in)
     idle_after_s: float = 30.0
     tbt_slo_s: float | None = None
+    tbt_slo_source: str | None = None  # the flag the step SLO came from (weights/attach.step_slo)
+    copies_share_compute: bool = False  # the copies run on the compute's cores (a CPU device)
     depth: int | None = None
     decode_step_s: float | None = None  # EMA of decode forwards
     prefill_step_s: float | None = None  # EMA of extend forwards
@@ -116,6 +118,8 @@ class WeightsState:
             "decode_step_s": None if self.decode_step_s is None else round(self.decode_step_s, 6),
             "prefill_step_s": None if self.prefill_step_s is None else round(self.prefill_step_s, 6),
             "tbt_slo_s": self.tbt_slo_s,
+            "tbt_slo_source": self.tbt_slo_source,
+            "copies_share_compute": self.copies_share_compute,
             "decode_layer_s": None if self.decode_layer_s is None else round(self.decode_layer_s, 7),
             "decode_layer_s_by_batch": {
                 b: round(statistics.median(v), 7) for b, v in sorted(self.decode_layer_by_batch.items())
