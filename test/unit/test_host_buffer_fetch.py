@@ -265,3 +265,22 @@ def test_an_admission_without_the_parked_kv_on_the_device_is_counted_as_recomput
     assert host.recomputed == {"not_fetched": 1, "partial_prefix": 0}
     assert host.status()["recomputed"] == host.recomputed and "fetch_stopped" in host.status()
     assert host.buffer.stats["restored"] == 1 and host.buffer.stats["dropped"] == 1
+
+
+@pytest.mark.parametrize("cap,fetched", [(None, 2), (3, 2), (2, 1), (1, 0)])
+def test_a_request_the_governor_would_not_let_in_is_not_fetched(cap, fetched):
+    """With the governor, a parked request joins the fetch only if its batch decision (asked with the
+    running batch and the ones kept before it, not counted) would let it in; the pass stops there."""
+    from memory_ext.policy.governor import BatchGovernor, StepTimeModel
+    from sglang_memx.coordinator.governor import GovernorPart
+
+    running = [FakeReq(prompt=4, outputs=1)]
+    host, allocator, tree, scheduler, _ = _setup(free=64, running=running)
+    model = StepTimeModel(min_samples=2, use_kv=False)
+    for batch in (1, 2, 3, 1, 2, 3):
+        model.observe(batch, 0, 0.010 * batch)  # 10 ms a request
+    part = GovernorPart(BatchGovernor(None if cap is None else 0.010 * cap + 1e-6, model))
+    kv = types.SimpleNamespace(buffers=types.SimpleNamespace(chunks_per_group=1, group_rows=1))
+    assert fetch_parked(kv, host, NoActivation(), scheduler, 0, part.would_admit) == fetched
+    assert host.fetch_stopped["governor"] == (fetched < 2) and len(host.pins) == fetched
+    assert sum(part.governor.counts.values()) == 0  # asked ahead of admission: not counted

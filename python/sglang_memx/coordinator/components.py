@@ -27,6 +27,7 @@ from typing import Any
 
 from memory_ext.pool.activation_balloon import ActivationBalloon
 from memory_ext.pool.lent_pool import LentPool
+from sglang_memx.coordinator.governor import GovernorPart
 from sglang_memx.coordinator.parts import Iteration, Source, Step, source, step
 from sglang_memx.elastic import demand, host_buffer, iteration, shared_pool, slo
 from sglang_memx.elastic.ballooning import grow_over_activation, hold_head_activation, reserve_activation
@@ -241,7 +242,9 @@ class HostBufferPart:
 
     def _fetch_parked(self, it: Iteration) -> None:  # first: the queue's prefill sizes need their parked KV back
         reserve = int(demand.decode_reserve_tokens(it.scheduler))
-        host_buffer.fetch_parked(it.kv, self.host, it.coordinator.activation_side(), it.scheduler, reserve)
+        governor = it.coordinator.part(GovernorPart)  # a request it would not let in is not fetched
+        host_buffer.fetch_parked(it.kv, self.host, it.coordinator.activation_side(), it.scheduler, reserve,
+                                 None if governor is None else governor.would_admit)  # fmt: skip
 
 
 @dataclass(eq=False)

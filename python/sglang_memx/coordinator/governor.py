@@ -102,6 +102,11 @@ class GovernorPart:
         """The decision for ``req`` joining ``running_reqs`` (counted by reason)."""
         return self.governor.may_grow(len(running_reqs), kv_tokens(running_reqs), kv_tokens((req,)))
 
+    def would_admit(self, running_reqs, req) -> bool:
+        """Whether ``req`` may join ``running_reqs`` now, asked ahead of admission (not counted):
+        the host buffer fetches a parked request's KV back only if it will be let in."""
+        return self.governor.decide(len(running_reqs), kv_tokens(running_reqs), kv_tokens((req,))).admit
+
     def _measure(self, it: Iteration) -> None:
         now = self.clock()
         if self._last_tick is not None:

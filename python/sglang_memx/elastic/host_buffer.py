@@ -34,6 +34,7 @@ The buffer's logical size follows eLLM Alg. 2 when SLOs are given
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -235,7 +236,8 @@ def _drop_gone(host: HostBufferState, waiting: list, tree) -> None:
 
 
 def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSide, scheduler,
-                 decode_reserve_tokens: int = 0) -> int:  # fmt: skip
+                 decode_reserve_tokens: int = 0,
+                 may_join: Callable[[list, object], bool] | None = None) -> int:  # fmt: skip
     """Make sure the waiting requests with parked KV that the next prefill batch could admit find
     it on the device: walking the queue in order, copy each one's KV back (evicting other cached
     prefixes if needed) unless the cache still holds it, and pin it in the radix cache until the
@@ -249,8 +251,10 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
     (``_bring_back``). The pass stops at the first parked request that does not fit (first come,
     first served: none behind it is fetched), whose copy fails, or that the batch's request and
     prefill-token limits would not take (``_BatchRoom``; the first parked request is checked
-    against memory only, as upstream admits a batch's first request above its input budget). Pins
-    of requests not kept are released.
+    against memory only, as upstream admits a batch's first request above its input budget), or
+    that ``may_join(running + kept, req)`` (the governor's batch decision, asked without counting)
+    says may not join the running batch now: its admission would be refused, so its copy would
+    only cost the running requests time. Pins of requests not kept are released.
     Returns how many parked requests have their KV on the device for the next batch."""
     if not len(host.buffer):
         return 0
@@ -265,6 +269,7 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
     # included); a request's pin changes only when it is visited, so the sum is kept as it goes
     own = sum(host.pinned_tokens(key) for key in host.pins)
     prefill_act = demand.activation_tokens(kv, activation.head_prefill_chunks(scheduler))
+    joining = list(up_sched.running_reqs(scheduler)) if may_join is not None else []
     for req in waiting:
         rid = up_req.rid(req)
         entry = host.buffer.peek(rid)
@@ -273,6 +278,9 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
         extend = up_req.prompt_len(req) + up_req.output_len(req) - len(entry)
         if kept and not batch.admits_another(len(kept), extend):
             host.fetch_stopped["batch_limits"] += 1
+            break
+        if may_join is not None and not may_join(joining, req):
+            host.fetch_stopped["governor"] += 1
             break
         need = up_req.remaining_new_tokens(req) + 2 * page
         held = host.pinned_tokens(rid)  # in ``own`` until it is kept
@@ -284,6 +292,7 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
             host.fetch_stopped["copy_room"] += 1
             break
         kept.add(rid)
+        joining.append(req)
         own -= held  # its pin is now a kept request's: no longer room for the ones behind it
         reserve += need
         batch.take(extend)
