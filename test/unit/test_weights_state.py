@@ -147,3 +147,24 @@ def test_the_step_slo_is_the_tbt_flag_else_the_governors_tpot(monkeypatch, tbt, 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert step_slo(SimpleNamespace(tbt_slo_ms=tbt, tpot_slo_ms=tpot)) == want
+
+
+def test_a_starved_queue_is_not_held_to_the_step_slo():
+    """Nothing runs and requests wait: no step runs at all, so the SLO cap (0 here: compute alone is
+    over it) gives way to the controller's own limit; with a request running it holds again."""
+    from types import SimpleNamespace
+
+    from sglang_memx.weights.remap import model_state, starved
+    from support.fakes import FakeReq, FakeScheduler
+
+    w = _state(tbt_slo_s=1e-5)
+    w.decode_layer_s, w.decode_step_s = 1e-3, 8e-3
+    kv = SimpleNamespace(buffers=SimpleNamespace(chunks_per_group=1))
+    waiting_only = FakeScheduler(waiting=[FakeReq()])
+    waiting_only.last_batch = None
+    running = FakeScheduler(waiting=[FakeReq()], running=[FakeReq()])
+    idle = FakeScheduler()
+    idle.last_batch = None
+    assert (starved(waiting_only), starved(running), starved(idle)) == (True, False, False)
+    assert model_state(w, kv, None, True, starving=False).cap == 0
+    assert model_state(w, kv, None, True, starving=True).cap == 7

@@ -71,14 +71,22 @@ def arbiter_free_chunks(w, lent: LentPool) -> int:
     return w.arbiter_free
 
 
-def model_state(w, kv: ElasticKV, lent: LentPool | None, busy: bool) -> ModelState:
+def starved(scheduler) -> bool:
+    """Requests wait and nothing runs: no decode step runs at all, so no step SLO can bind, and a
+    head that fits only with layers lent would otherwise wait for ever. (Whether it needs them is
+    the controller's KV signal, ``free_kv_groups``: a head that fits lends nothing.)"""
+    return bool(up_sched.waiting(scheduler)) and not up_sched.admitted_reqs(scheduler)
+
+
+def model_state(w, kv: ElasticKV, lent: LentPool | None, busy: bool, starving: bool = False) -> ModelState:
     now = time.monotonic()
     if busy:
         w.last_busy = now
     active = now - w.last_busy < w.idle_after_s
     compute = w.decode_step_s if active else (w.prefill_step_s or w.decode_step_s)
     blocks = max(1, w.store.slot_chunks // kv.buffers.chunks_per_group)
-    cap = tbt_cap(w) if active else w.n_layers - 1  # the TBT SLO binds decode steps, not an idle model
+    # the step SLO binds decode steps: not an idle model's, nor a starved queue head's (nothing runs)
+    cap = tbt_cap(w) if active and not starving else w.n_layers - 1
     shared = link_cap(w, lent, active)
     if shared is not None:
         cap = min(cap, shared)
@@ -186,7 +194,7 @@ def step(w, kv: ElasticKV, allocator, scheduler, lent: LentPool | None, host: Ho
     if w.controller is None:  # stateless between observations; one per server
         w.controller = OneirosController(LOW_WATERMARK_GROUPS, LOW_WATERMARK_GROUPS, buffer_mode(w.depth))
     controller = w.controller
-    state = model_state(w, kv, lent, busy)
+    state = model_state(w, kv, lent, busy, starved(scheduler))
     controller.observe(free_kv_groups(w, kv, allocator, tree, scheduler, lent, host), [state])
     decision = controller.decide()
     w.last_reason = decision.reason
