@@ -32,6 +32,9 @@ BLOCKS = (
     (REPO / "docs" / "governor.md", RESULT.with_name("bench_serving_governor_baseline.json"),
      "<!-- generated: python -m benchmark.bench_serving_table (governor baseline) -->",
      "<!-- end generated: bench_serving (governor baseline) -->"),
+    (DOC, RESULT.with_name("bench_serving_elastic_only.json"),
+     "<!-- generated: python -m benchmark.bench_serving_table (elastic KV only) -->",
+     "<!-- end generated: bench_serving (elastic KV only) -->"),
 )  # fmt: skip
 
 _LABELS = {
