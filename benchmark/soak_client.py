@@ -23,6 +23,7 @@ import urllib.request
 
 from benchmark.accounting import CONNECTION_ERRORS, CUT_DETAIL, ROUTER_ERROR_CODES, normalize_finish
 from benchmark.e2e.router_proc import http_json
+from benchmark.sse import DONE, data_payloads
 
 LONG_WORDS = 150
 REUSE_CONVERSATIONS = 10
@@ -83,21 +84,18 @@ class Client:
                                      headers={"Content-Type": "application/json"})  # fmt: skip
         events, finish, tokens = 0, None, None
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            for raw in resp:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                if b'"error"' in line:
-                    text = line[:300].decode(errors="replace")
-                    return {"result": "error" if _named(text) else "failed", "status": 200, "error": text}
-                if line == b"data: [DONE]":
+            for payload in data_payloads(resp):
+                if payload is DONE:
                     if not events:
                         return {"result": "failed", "status": 200, "error": "stream with no event"}
                     return {"result": "ok", "status": 200, "finish_reason": finish, "tokens": tokens}
+                if b'"error"' in payload:
+                    text = payload[:300].decode(errors="replace")
+                    return {"result": "error" if _named(text) else "failed", "status": 200, "error": text}
                 events += 1
                 if stop_after is not None and events >= stop_after:
                     return {"result": "aborted", "status": 200}  # leaving the with-block closes the connection
-                chunk = json.loads(line[5:])
+                chunk = json.loads(payload)
                 usage = chunk.get("usage") or {}
                 if usage.get("completion_tokens") is not None:
                     tokens = usage["completion_tokens"]

@@ -15,10 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
+
+from benchmark.sse import DONE, data_payloads  # noqa: E402
 
 TOPICS = "dragon ship river mountain robot city garden winter ocean desert forest castle".split()
 
@@ -37,17 +43,14 @@ def _stream(url: str, body: dict, t0: float, window_s: float) -> Outcome:
                                  {"Content-Type": "application/json"})  # fmt: skip
     try:
         with urllib.request.urlopen(req, timeout=window_s + 5) as reply:
-            for raw in reply:
+            for payload in data_payloads(reply):
                 now = time.monotonic() - t0
                 if now > window_s:
                     break
-                line = raw.strip()
-                if line == b"data: [DONE]":
+                if payload is DONE:
                     out.finished = True
                     break
-                if not line.startswith(b"data:"):
-                    continue
-                choices = json.loads(line[5:]).get("choices") or [{}]
+                choices = json.loads(payload).get("choices") or [{}]
                 if choices[0].get("delta", {}).get("content"):
                     out.chunks += 1
                     out.first_s = now if out.first_s is None else out.first_s

@@ -19,6 +19,7 @@ import urllib.request
 from datetime import datetime
 
 from benchmark._stats import percentile
+from benchmark.sse import DONE, data_payloads
 
 DECODE_LINE = re.compile(
     r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] Decode batch.*?#running-req: (\d+).*?token usage: ([\d.]+).*?"
@@ -34,13 +35,12 @@ def stream_generate(url: str, payload: dict, timeout: float) -> tuple[float | No
     t0 = time.perf_counter()
     ttft, last = None, None
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
+        for payload in data_payloads(r):
+            if payload is DONE:
+                break
             if ttft is None:
                 ttft = time.perf_counter() - t0
-            last = json.loads(line[5:])
+            last = json.loads(payload)
     return ttft, time.perf_counter() - t0, last
 
 
