@@ -16,7 +16,6 @@ Prints one line per run (bench_serving's JSON numbers); nothing is scored, no cl
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "test")]
-from benchmark.e2e.bench_serving import _get, bench  # noqa: E402
+from benchmark.e2e.bench_serving import ServeScript, bench  # noqa: E402
+from benchmark.quiet_point import engines  # noqa: E402
 
 
 def python() -> str:
@@ -73,50 +73,39 @@ def one_engine_config() -> str:
     return str(out)
 
 
-def start(setup: str, log):
-    env = {
-        **os.environ,
-        "MEMX_PORT": str(PORT),
-        "MEMX_FEATURES": "--memx-elastic-kv",
-        "MEMX_LOG_DIR": str(WORK / f"logs-{setup}"),
-    }
-    if setup == "stock":
-        cmd = [str(ROOT / "scripts/serve.sh"), "--memx-disable"]
-    elif setup == "single":
-        cmd = [str(ROOT / "scripts/serve.sh"), "--single"]
-    elif setup in ("router2", "router2direct"):
-        cmd = [str(ROOT / "scripts/serve.sh")]
-    else:
-        cmd = [python(), "-m", "sglang_memx.cli", "serve", "--config", one_engine_config()]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+class ProbeServer(ServeScript):
+    """One setup started in its own session (``ServeScript``'s readiness wait and group stop)."""
+
+    def __init__(self, setup: str, log: Path):
+        env = {**os.environ, "MEMX_PORT": str(PORT), "MEMX_FEATURES": "--memx-elastic-kv",
+               "MEMX_LOG_DIR": str(WORK / f"logs-{setup}")}  # fmt: skip
+        if setup == "stock":
+            cmd = [str(ROOT / "scripts/serve.sh"), "--memx-disable"]
+        elif setup == "single":
+            cmd = [str(ROOT / "scripts/serve.sh"), "--single"]
+        elif setup in ("router2", "router2direct"):
+            cmd = [str(ROOT / "scripts/serve.sh")]
+        else:
+            cmd = [python(), "-m", "sglang_memx.cli", "serve", "--config", one_engine_config()]
+        self.url = f"http://127.0.0.1:{PORT}"
+        self._log = open(log, "ab")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
 
 
-def run(setup: str, r: int):
-    log = open(WORK / f"{setup}-{r}.log", "ab")
-    p = start(setup, log)
-    url = f"http://127.0.0.1:{PORT}"
+def run(setup: str, r: int) -> None:
+    server = ProbeServer(setup, WORK / f"{setup}-{r}.log")
     try:
-        t0 = time.time()
-        while not (_get(url + "/health", 30) == 200 and _get(url + "/v1/models") == 200):
-            if p.poll() is not None or time.time() - t0 > 600:
-                raise RuntimeError(f"{setup} did not start")
-            time.sleep(1)
+        server.wait_ready()
         time.sleep(5)
-        args = types.SimpleNamespace(num_prompts=100, request_rate=4.0)
-        target = url
+        target = server.url
         if setup.endswith("direct"):  # the engine's own port, past the router
-            from benchmark.quiet_point import engines
-
-            target = next(e["url"] for k, e in engines(url).items() if not k.endswith("fp32"))
+            target = next(e["url"] for k, e in engines(server.url).items() if not k.endswith("fp32"))
+        args = types.SimpleNamespace(num_prompts=100, request_rate=4.0)
         res = bench(target, tokenizer(), args, seed=r + 1, out=WORK / f"{setup}-{r}.jsonl")
         print(setup, r, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
     finally:
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(30)
+        server.stop()
         time.sleep(3)
 
 
