@@ -116,9 +116,11 @@ def _weights_state(**kw):
     from sglang_memx.weights import remap
 
     store = SimpleNamespace(copy_bytes_per_s=lambda: BW)
+    # copies beside the compute (a GPU's copy engine), as _demand's numbers assume
     w = SimpleNamespace(tbt_slo_s=1.0, depth=2, profile=None, decode_layer_s=T_C, decode_step_s=N * T_C,
                         n_layers=N, layer_bytes=LAYER, layer_transfer_s=T_TR, last_decode_batch=1, store=store,
-                        link_demand=None, link=None, link_layers=None, link_asked_at=0.0)  # fmt: skip
+                        link_demand=None, link=None, link_layers=None, link_asked_at=0.0,
+                        copies_share_compute=False)  # fmt: skip
     w.__dict__.update(kw)
     return remap, w
 
