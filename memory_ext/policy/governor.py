@@ -195,8 +195,11 @@ class BatchGovernor:
     def predict_tpot(self, batch: int, kv_tokens: int) -> float | None:
         """The TPOT a running request of a ``batch``-request batch sees: the predicted decode step
         plus the prefills it waits through, ``batch * q`` (None while learning)."""
-        step = self.model.predict(batch, kv_tokens)
-        return None if step is None else step + batch * self.prefill.per_token()
+        return self._with_stalls(self.model.predict(batch, kv_tokens), batch)
+
+    def _with_stalls(self, step_s: float | None, batch: int) -> float | None:
+        """A decode step of ``batch`` requests plus their share of the prefill stalls (None stays None)."""
+        return None if step_s is None else step_s + batch * self.prefill.per_token()
 
     def decide(self, running: int, kv_tokens: int, add_kv_tokens: int) -> BatchDecision:
         """The decision without counting it (``may_grow`` counts)."""
@@ -248,7 +251,7 @@ class BatchGovernor:
             "batch_cap_reason": why,
             "running": running,
             "predicted_tpot_ms": _ms(self.predict_tpot(max(running, 1), kv_tokens)),
-            "measured_tpot_ms": _ms(None if measured_s is None else measured_s + max(running, 1) * q),
+            "measured_tpot_ms": _ms(self._with_stalls(measured_s, max(running, 1))),
             "measured_decode_step_ms": _ms(measured_s),
             "prefill_stalls": self.prefill.status(),
             "model": {

@@ -7,10 +7,10 @@ A refused request stays at the head of the queue (FCFS: nothing overtakes it, no
 
 The step-time model learns from the simulated iterations as the server's learns from its
 measured ones: each pure decode iteration is one sample (its batch size, the KV tokens its
-requests hold after the step, its duration); an iteration with prefill chunks feeds the share of
-time the running requests wait through prefills (``memory_ext.policy.prefill_share``: a mixed
-iteration's time beyond its predicted decode step, all of a prefill-only iteration that decoding
-requests sat out), which the governor adds to the predicted TPOT. Options: ``watermark`` (as ``continuous``),
+requests hold after the step, its duration); an iteration with prefill chunks feeds the seconds
+the running requests wait through prefills per decoded token (``memory_ext.policy.prefill_stalls``:
+a mixed iteration's time beyond its predicted decode step, all of a prefill-only iteration that
+decoding requests sat out), which the governor adds to the predicted TPOT. Options: ``watermark`` (as ``continuous``),
 ``min_samples``, ``decay``, ``use_kv`` (the model's, ``StepTimeModel``).
 """
 

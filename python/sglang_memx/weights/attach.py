@@ -121,7 +121,7 @@ def attach(runner, kv: ElasticKV | None, lent: LentPool | None) -> WeightsState 
         sleep_after_s=config.sleep_after_s,
         tbt_slo_s=None if slo_ms is None else slo_ms / 1e3,
         tbt_slo_source=slo_source,
-        copies_share_compute=not str(up_model.runner_device(runner)).startswith("cuda"),
+        copies_share_compute=isinstance(store.copier, HostCopier),  # the host copier's thread shares the cores
         depth=config.prefetch_depth,
     )
     if config.weights_profile is not None:
