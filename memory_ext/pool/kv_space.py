@@ -105,6 +105,7 @@ class KVSpace:
             "decode_unmap_calls": 0,
             "ticks": 0,
             "tick_seconds": 0.0,
+            "admission_reopened": 0,  # upstream's closed admission opened again: the head fits (server)
         }
         self._request_maps_seen = 0
         self._request_unmaps_seen = 0

@@ -67,6 +67,9 @@ def quiet_kv_core(monkeypatch, alloc) -> list[str]:
     monkeypatch.setattr(it, "has_work", lambda scheduler: ran.append("work?") is None)
     monkeypatch.setattr(it, "deflate", lambda kv, allocator, busy: ran.append("deflate"))
     monkeypatch.setattr(it, "premap", lambda kv, allocator, scheduler, keep: ran.append(("premap", keep)))
+    monkeypatch.setattr(
+        it, "reopen_admission_when_head_fits", lambda kv, scheduler, allocator, tree: ran.append("reopen")
+    )
     monkeypatch.setattr(device.up_sched, "allocator", lambda scheduler: alloc)
     monkeypatch.setattr(device.up_sched, "tree_cache", lambda scheduler: None)
     return ran
@@ -87,10 +90,11 @@ def every_component(kv) -> device.Coordinator:
     )
 
 
-def test_the_built_in_orders_are_the_governors_measure_the_old_tick_order_then_the_peer_step():
+def test_the_built_in_orders_are_the_governors_measure_the_old_tick_order_the_reopening_then_the_peer_step():
     kv = SimpleNamespace()
     names = [s.name for _, s in every_component(kv).iteration_order()]
-    assert names == ["measure the decode step", *OLD_STEPS, "peer tier step"]  # the governor's first
+    # the governor's first; reopening admission last in the tick, after every step that adds memory
+    assert names == ["measure the decode step", *OLD_STEPS, "reopen admission when the head fits", "peer tier step"]
     assert [s.name for _, s in every_component(kv).short_order()] == list(SOURCE_RANKS)
     assert set(names) == set(ITERATION_RANKS)
 
@@ -98,7 +102,9 @@ def test_the_built_in_orders_are_the_governors_measure_the_old_tick_order_then_t
 def test_absent_components_add_no_steps_and_no_sources():
     c = device.Coordinator(SimpleNamespace())
     assert [type(x) for x in c.components] == [KVCore]
-    assert [s.name for _, s in c.iteration_order()] == ["cap request lengths", "work?", "deflate", "premap"]
+    assert [s.name for _, s in c.iteration_order()] == [
+        "cap request lengths", "work?", "deflate", "premap", "reopen admission when the head fits"
+    ]  # fmt: skip
     assert [s.name for _, s in c.short_order()] == ["map from the local pool"]
     assert c.part(SharedPoolLender) is None and c.part(KVCore) is c.components[0]
 
@@ -183,7 +189,7 @@ def test_a_new_mechanism_is_one_component_registered(free_list, monkeypatch):
     assert names.index("count ticks") == names.index("deflate") + 1
     ran = quiet_kv_core(monkeypatch, alloc)
     c.tick(SimpleNamespace())
-    assert ran == ["cap", "work?", "deflate", ("premap", 0)]  # the core's steps, in order; no activation to keep
+    assert ran == ["cap", "work?", "deflate", ("premap", 0), "reopen"]  # the core's steps in order; no activation
     assert reserve.ticks == [("tick", True)] and kv.phase == "request" and kv.stats["ticks"] == 1
 
     # both orders and its status in the status document
@@ -197,6 +203,22 @@ def test_a_new_mechanism_is_one_component_registered(free_list, monkeypatch):
     assert {"step": "count ticks", "component": "test reserve", "rank": 71, "in_tick": True} in orders[
         "iteration_order"
     ]
+    # each step and source timed where it ran: the reserve only in the allocation the local pool left short
+    timed = {name: t["calls"] for name, t in orders["time"].items()}
+    assert timed["map from the local pool"] == 2 and timed["take from the reserve"] == 1 and timed["count ticks"] == 1
+    assert all(t["total_s"] >= t["max_s"] >= 0 for t in orders["time"].values())
+
+
+def test_a_slow_step_is_logged_with_its_name(caplog):
+    from sglang_memx.coordinator.step_clock import SLOW_STEP_S, StepClock
+
+    clock = StepClock()
+    with caplog.at_level("INFO", logger="sglang_memx"):
+        clock.record("give back, borrow", SLOW_STEP_S / 10)
+        clock.record("give back, borrow", SLOW_STEP_S * 2)
+    assert clock.status()["give back, borrow"] == {"calls": 2, "total_s": round(SLOW_STEP_S * 2.1, 4),
+                                                   "max_s": SLOW_STEP_S * 2}  # fmt: skip
+    assert [r.getMessage() for r in caplog.records] == [f"memx: give back, borrow took {SLOW_STEP_S * 2:.3f} s"]
 
 
 def test_steps_after_the_tick_run_outside_its_phase(monkeypatch):
@@ -285,8 +307,9 @@ def test_status_of_a_real_server_shows_its_components_and_both_orders():
     assert doc["coordinator"]["components"] == ["kv space", "activation balloon"]
     assert [s["step"] for s in doc["coordinator"]["iteration_order"]] == [
         "cap request lengths", "end the activation's iteration", "work?", "deflate", "hold the head's activation",
-        "premap",
+        "premap", "reopen admission when the head fits",
     ]  # fmt: skip
+    assert doc["coordinator"]["time"] == {}  # no iteration yet: nothing timed
     assert [s["source"] for s in doc["coordinator"]["short_allocation_order"]] == [
         "map from the local pool", "over the activation balloon"
     ]  # fmt: skip

@@ -16,12 +16,18 @@ CHUNK = 4096
 ROW = 64  # bytes per token row per buffer -> 64 rows per chunk
 
 
-def _make(page_size, num_tokens=1024, capacity_chunks=1000, buffers=4):
+def _make(page_size, num_tokens=1024, capacity_chunks=1000, buffers=4, borrow_room=0):
+    """``borrow_room`` > 0: a shared pool's server, whose pool creates no chunk: it starts with
+    ``capacity_chunks`` chunks adopted and may take ``borrow_room`` more (a lent pool's borrows)."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
     backend = host_backend(CHUNK)
-    pool = ChunkPool(backend, capacity_chunks)
+    if borrow_room:
+        pool = ChunkPool(backend, capacity_chunks + borrow_room, create_chunks=False)
+        pool.adopt([backend.create_chunk() for _ in range(capacity_chunks)])
+    else:
+        pool = ChunkPool(backend, capacity_chunks)
     layered = LayeredKVBuffers(pool, [ROW] * buffers, num_tokens + page_size, page_size)
     kv = ElasticKV(layered, page_size, num_tokens // page_size)
     cache = types.SimpleNamespace(_memx_elastic=kv)

@@ -49,7 +49,7 @@ def _server(free_chunks_beyond_groups: int, groups: int = 6, per_token_bytes: in
         token_to_kv_pool_allocator=alloc,
         tree_cache=None,
         waiting_queue=[],  # nothing waits: the premap may use idle activation chunks
-        running_batch=types.SimpleNamespace(reqs=reqs),
+        running_batch=types.SimpleNamespace(reqs=reqs, batch_is_full=False),
         last_batch=None,
         chunked_req=None,
         chunked_prefill_size=64,

@@ -51,6 +51,10 @@ class KVCore:
             step("work?", self._note_work),
             step("deflate", lambda it: iteration.deflate(it.kv, it.allocator, it.busy)),
             step("premap", self._premap),
+            step(
+                "reopen admission when the head fits",
+                lambda it: iteration.reopen_admission_when_head_fits(it.kv, it.scheduler, it.allocator, it.tree),
+            ),
         )
 
     def sources(self) -> tuple[Source, ...]:

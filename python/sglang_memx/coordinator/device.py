@@ -29,6 +29,7 @@ from sglang_memx.coordinator.components import (
     WeightLender,
 )
 from sglang_memx.coordinator.parts import Component, Iteration, Source, Step
+from sglang_memx.coordinator.step_clock import StepClock
 from sglang_memx.elastic.host_state import HostBufferState
 from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
@@ -44,6 +45,7 @@ class Coordinator:
         self.components: tuple[Component, ...] = ()
         self._steps: tuple[tuple[Component, Step], ...] = ()
         self._sources: tuple[tuple[Component, Source], ...] = ()
+        self.clock = StepClock()
         for component in (KVCore(kv), *components):
             self.register(component)
 
@@ -85,6 +87,7 @@ class Coordinator:
             "short_allocation_order": [
                 {"source": s.name, "component": c.name, "rank": s.rank} for c, s in self._sources
             ],
+            "time": self.clock.status(),  # seconds per step / source (``step_clock``)
         }
 
     def activation_side(self) -> ActivationBalloonPart | NoActivation:
@@ -127,14 +130,21 @@ class Coordinator:
             it = Iteration(scheduler, allocator, kv, up_sched.tree_cache(scheduler), self)
             for _, s in self._steps:
                 if s.in_tick:
-                    s.run(it)
+                    self._timed(s.name, s.run, it)
         finally:
             kv.phase = "request"
         kv.stats["ticks"] += 1
         kv.stats["tick_seconds"] += time.perf_counter() - t0
         for _, s in self._steps:
             if not s.in_tick:
-                s.run(it)
+                self._timed(s.name, s.run, it)
+
+    def _timed(self, name: str, run, *args) -> None:
+        t0 = time.perf_counter()
+        try:
+            run(*args)
+        finally:
+            self.clock.record(name, time.perf_counter() - t0)
 
     def cover_allocation(self, allocator, pages: int) -> None:
         """Before an allocation upstream has already decided on (a prefill chunk, an extend, a
@@ -144,7 +154,7 @@ class Coordinator:
         for _, s in self._sources:
             if pages <= up_kv.free_page_count(allocator):
                 return
-            s.take(allocator, pages)
+            self._timed(s.name, s.take, allocator, pages)
 
     # ------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:

@@ -39,6 +39,7 @@ ITERATION_RANKS = {
     "Oneiros step": 140,
     "hold the head's activation": 150,
     "premap": 160,
+    "reopen admission when the head fits": 170,  # last: after every step that adds memory
     "peer tier step": 200,  # outside the tick's window
 }
 

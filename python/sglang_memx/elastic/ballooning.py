@@ -25,9 +25,12 @@ def reserve_activation(kv: ElasticKV, balloon: ActivationBalloon, allocator, tre
 
     ``tree`` None: only empty groups may be deflated, nothing evicted (queued requests hold
     unlocked prefix matches during admission). With a shared pool (``lent``: its link, None for
-    an own pool) a shortfall is then borrowed: what the arbiter has free now, or, when ``urgent``
-    (a decode step that would otherwise retract), letting it reclaim from peers. False: the batch does not fit with its
-    activation; nothing was taken.
+    an own pool) what the arbiter has free now is borrowed before any KV is deflated (a deflated
+    group is one upstream's admission counted as available: taking it would refuse the very
+    request whose activation this is, and upstream would then close admission until a running
+    request leaves), and a shortfall after that is borrowed when ``urgent`` (a decode step that
+    would otherwise retract), letting the arbiter reclaim from peers. False: the batch does not
+    fit with its activation; nothing was taken.
     """
     if tokens <= 0:
         return True
@@ -39,6 +42,10 @@ def reserve_activation(kv: ElasticKV, balloon: ActivationBalloon, allocator, tre
     def deflate(chunks: int) -> int:
         return free_groups(kv, allocator, tree, -(-chunks // cpg)) * cpg
 
+    if lent is not None:  # memory nobody on the device holds comes before this server's own KV,
+        early = balloon.need_chunks(tokens, seqs) - balloon.held - kv.buffers.pool.available()
+        if early > 0:  # which upstream's admission has just counted as available for the prompt
+            borrow_chunks(kv, lent, early, may_wait=False)
     if balloon.reserve(tokens, seqs, kv_idle, deflate):
         return True
     if lent is None:

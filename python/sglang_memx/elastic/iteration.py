@@ -1,5 +1,6 @@
 """The KV core's own steps of a scheduler iteration, which ``coordinator.tick`` runs in its order
-(the length cap, deflation, reopening admission for the host buffer, the premap).
+(the length cap, deflation, reopening admission for the host buffer or when the head fits again,
+the premap).
 
 Invariant: nothing here imports weights or peer; what they add to an iteration is composed above.
 """
@@ -8,8 +9,11 @@ from __future__ import annotations
 
 import logging
 
+from sglang_memx.elastic import demand
 from sglang_memx.elastic.host_state import HostBufferState
 from sglang_memx.elastic.kv import ElasticKV
+from sglang_memx.upstream import kv as up_kv
+from sglang_memx.upstream import radix as up_radix
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 
@@ -43,6 +47,29 @@ def reopen_admission_for_offload(host: HostBufferState, scheduler) -> None:
         and any(up_req.is_plain_text_request(r) for r in up_sched.waiting(scheduler))
     ):
         up_sched.reopen_admission(up_sched.running_batch(scheduler))
+
+
+def reopen_admission_when_head_fits(kv: ElasticKV, scheduler, allocator, tree) -> bool:
+    """Upstream closes admission after a refusal for memory and opens it again only when a running
+    request leaves. Memory memx adds in between (a borrow that landed, activation given back)
+    would sit unused for as long as the longest running request takes: a burst then queues behind
+    one or two decoding requests (measured: ``bench_serving`` against a shared pool queued 14 for
+    two seconds at the load's first concurrent requests). Reopen it when the waiting head fits by
+    upstream's own rule: its whole prompt (no cached prefix counted) plus its remaining
+    ``max_new_tokens`` plus a page, below what is free (mapped, and mappable now) and evictable
+    less the running requests' decode reserve. True: reopened (the next pass asks upstream)."""
+    if not up_sched.admission_closed_for_memory(scheduler):
+        return False
+    head = up_sched.waiting(scheduler)[:1]
+    if not head:
+        return False
+    need = up_req.prompt_len(head[0]) + up_req.remaining_new_tokens(head[0]) + kv.page_size
+    room = up_kv.available_tokens(allocator) + up_radix.evictable_tokens(tree) - demand.decode_reserve_tokens(scheduler)
+    if need >= room:
+        return False
+    up_sched.reopen_admission(up_sched.running_batch(scheduler))
+    kv.stats["admission_reopened"] += 1
+    return True
 
 
 def premap_pages(kv: ElasticKV, scheduler) -> int:
