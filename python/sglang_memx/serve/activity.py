@@ -3,10 +3,10 @@
 Every ``interval_s`` the publisher reads each model's numbers from the admission gate
 (``AdmissionGate.activity``: queued, in flight, arrival rate, the queued requests' estimated
 KV tokens, seconds since the last arrival) and ``POST``s them to ``<engine>/memx/activity``
-of each of the model's engines (with the router's API key) when they changed, and at least
-every ``refresh_s`` while they are non-zero (anything queued or in flight, or an arrival rate
-of at least ``MIN_RATE``), with ``ttl_s`` so that an engine forgets them when the router
-stops (dies) sending. The engines turn them into their memory decisions
+of each of the model's engines (with the router's API key) when they changed in a way the
+engines act on (``_changed``), and at least every ``refresh_s`` while they are non-zero
+(anything queued or in flight, or an arrival rate of at least ``MIN_RATE``), with ``ttl_s``
+so that an engine forgets them when the router stops (dies) sending. The engines turn them into their memory decisions
 (``sglang_memx.router_activity``, ``memory_ext.policy.router_activity``).
 
 Token estimate: a request's body size in bytes / ``BYTES_PER_TOKEN`` (4: about one token per
@@ -42,9 +42,13 @@ def estimate_tokens(body: bytes) -> int:
 
 
 def _changed(a: dict | None, b: dict) -> bool:
+    """A change the engines act on: the queue (its length, its tokens) or in-flight work starting or
+    ending. The in-flight count itself changes with every arrival and completion under load, and
+    the engines use it only as "any in flight" (``memory_ext.policy.router_activity``): the exact
+    number goes out with the next refresh (``refresh_s``) and is not worth a message per 0.2 s."""
     if a is None:
         return True
-    return any(a[k] != b[k] for k in ("queued", "inflight", "queued_tokens"))
+    return any(a[k] != b[k] for k in ("queued", "queued_tokens")) or (a["inflight"] > 0) != (b["inflight"] > 0)
 
 
 def _nonzero(doc: dict) -> bool:
