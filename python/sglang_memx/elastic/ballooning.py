@@ -42,17 +42,17 @@ def reserve_activation(kv: ElasticKV, balloon: ActivationBalloon, allocator, tre
     def deflate(chunks: int) -> int:
         return free_groups(kv, allocator, tree, -(-chunks // cpg)) * cpg
 
-    if lent is not None:  # memory nobody on the device holds comes before this server's own KV,
-        early = balloon.need_chunks(tokens, seqs) - balloon.held - kv.buffers.pool.available()
-        if early > 0:  # which upstream's admission has just counted as available for the prompt
-            borrow_chunks(kv, lent, early, may_wait=False)
+    def short() -> int:  # chunks neither held nor FREE in the local pool
+        return balloon.need_chunks(tokens, seqs) - balloon.held - kv.buffers.pool.available()
+
+    if lent is not None and short() > 0:  # memory nobody on the device holds comes before this
+        borrow_chunks(kv, lent, short(), may_wait=False)  # server's KV, which admission just counted
     if balloon.reserve(tokens, seqs, kv_idle, deflate):
         return True
     if lent is None:
         return False
-    short = balloon.need_chunks(tokens, seqs) - balloon.held - kv.buffers.pool.available()
     # the activation's own chunks: KV's capacity (all groups mapped, say) does not bound them
-    if not borrow_chunks(kv, lent, max(short, 1), may_wait=urgent, urgent=urgent):
+    if not borrow_chunks(kv, lent, max(short(), 1), may_wait=urgent, urgent=urgent):
         return False
     return balloon.reserve(tokens, seqs, kv_idle, deflate)
 

@@ -75,9 +75,15 @@ def queue_demand_tokens(scheduler) -> int:
     while stock ran 60.
     """
     page = up_sched.page_size(scheduler)
-    batch = next_prefill_batch(scheduler)
-    demand = sum(up_req.prompt_len(r) + up_req.remaining_new_tokens(r) + page + 1 for r in batch)
+    demand = sum(upstream_admission_tokens(r, page) for r in next_prefill_batch(scheduler))
     return demand + running_demand_tokens(scheduler)
+
+
+def upstream_admission_tokens(req, page: int) -> int:
+    """The free + evictable tokens (less the running requests' decode reserve) upstream's admission
+    needs to take ``req`` from the queue: its whole prompt (no cached prefix counted) + its
+    remaining ``max_new_tokens`` (clipped) + a page, strictly below, i.e. that sum + 1."""
+    return up_req.prompt_len(req) + up_req.remaining_new_tokens(req) + page + 1
 
 
 def head_prefill_tokens(scheduler, host: HostBufferState | None) -> int:

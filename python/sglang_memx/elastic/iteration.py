@@ -55,17 +55,16 @@ def reopen_admission_when_head_fits(kv: ElasticKV, scheduler, allocator, tree) -
     would sit unused for as long as the longest running request takes: a burst then queues behind
     one or two decoding requests (measured: ``bench_serving`` against a shared pool queued 14 for
     two seconds at the load's first concurrent requests). Reopen it when the waiting head fits by
-    upstream's own rule: its whole prompt (no cached prefix counted) plus its remaining
-    ``max_new_tokens`` plus a page, below what is free (mapped, and mappable now) and evictable
-    less the running requests' decode reserve. True: reopened (the next pass asks upstream)."""
+    upstream's own rule (``demand.upstream_admission_tokens``) in what is free (mapped, and
+    mappable now) and evictable less the running requests' decode reserve. True: reopened (the
+    next pass asks upstream)."""
     if not up_sched.admission_closed_for_memory(scheduler):
         return False
     head = up_sched.waiting(scheduler)[:1]
     if not head:
         return False
-    need = up_req.prompt_len(head[0]) + up_req.remaining_new_tokens(head[0]) + kv.page_size
     room = up_kv.available_tokens(allocator) + up_radix.evictable_tokens(tree) - demand.decode_reserve_tokens(scheduler)
-    if need >= room:
+    if demand.upstream_admission_tokens(head[0], kv.page_size) > room:
         return False
     up_sched.reopen_admission(up_sched.running_batch(scheduler))
     kv.stats["admission_reopened"] += 1
