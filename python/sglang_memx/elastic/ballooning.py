@@ -45,8 +45,8 @@ def reserve_activation(kv: ElasticKV, balloon: ActivationBalloon, allocator, tre
     def short() -> int:  # chunks neither held nor FREE in the local pool
         return balloon.need_chunks(tokens, seqs) - balloon.held - kv.buffers.pool.available()
 
-    if lent is not None and short() > 0:  # memory nobody on the device holds comes before this
-        borrow_chunks(kv, lent, short(), may_wait=False)  # server's KV, which admission just counted
+    if lent is not None and (early := short()) > 0:  # memory nobody on the device holds comes before
+        borrow_chunks(kv, lent, early, may_wait=False)  # this server's KV, which admission just counted
     if balloon.reserve(tokens, seqs, kv_idle, deflate):
         return True
     if lent is None:
