@@ -7,40 +7,28 @@ request answered stop / length with its tokens or aborted by us, no engine death
 KV group between quiet points); a failure prints the seed and the first violations so the run
 replays with ``--seed``.
 
-Here the greedy probes are held to the answers ``serve`` gave at start (``--stock-reference off``),
-not to three stock servers started first: those cost the suite about 75 s of the 2-core box, and
-memx-under-serve's greedy answers equal to stock's are checked by ``test_serve_router.py``. The
-script's own runs keep the stock reference on (its default)."""
+The run starts with the first integration test (``conftest.background_soak``) and runs beside the
+other modules, its engines sharing the cores with theirs; this test waits for it and reads its
+JSON. Greedy probes are held to the answers ``serve`` gave at start (``--stock-reference off``,
+``support.background_soak``)."""
 
 from __future__ import annotations
-
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def test_one_minute_soak_keeps_every_invariant(tmp_path):
-    cmd = [sys.executable, str(REPO / "benchmark" / "soak.py"), "--duration-s", "60", "--warmup-s", "10",
-           "--results-dir", str(tmp_path), "--out", "soak_ci", "--stock-reference", "off"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
-    out = proc.stdout + proc.stderr
-    doc_path = tmp_path / "soak_ci.json"
-    assert doc_path.exists(), out[-4000:]
-    doc = json.loads(doc_path.read_text())
+def test_one_minute_soak_keeps_every_invariant(background_soak):
+    code, doc, out = background_soak.result(timeout_s=840)
+    assert doc is not None, out
     sent = doc["sent"]
     print(f"soak seed {doc['params']['seed']}: {sent} of {doc['scheduled']} requests sent {doc['requests']}, "
           f"leak growth {doc['leak']['growth']}, peer tier: {doc['peer_kv']}")  # fmt: skip
     failed = {k: v for k, v in doc["checks"].items() if not v}
     why = (doc["failure_reasons"], doc["self_deaths"], doc["leak"]["violations"], doc["violations"][:10])
     assert not failed, (failed, why, doc["failures"][:5], f"replay: --seed {doc['params']['seed']}")
-    assert proc.returncode == 0, out[-4000:]
+    assert code == 0, out
     # The soak is only evidence if the traffic happened: every kind, every request accounted for,
     # at least the schedule's minimum (a quarter of its mean for this duration and rate).
     kinds = {"chat", "chat_stream", "long", "program", "generate", "abort"}
