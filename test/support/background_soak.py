@@ -32,6 +32,7 @@ class BackgroundSoak:
         self.log_path = LOG_DIR / "soak-driver.log"
         self.doc_path = self.results_dir / "soak_ci.json"
         self.proc: subprocess.Popen | None = None
+        self.started = 0.0  # time.monotonic() at start
 
     def command(self) -> list[str]:
         # Greedy probes are held to the answers serve gave at start (--stock-reference off): three
