@@ -17,12 +17,11 @@ FIRST_MODULE = "test_embedded_model_prepare.py"  # one core converting: the soak
 def pytest_collection_modifyitems(session, config, items):
     """Run ``FIRST_MODULE`` first among the integration tests (the rest keep their order): its
     conversion computes on one core while the soak, begun with it, starts its engines."""
-    here = [i for i, item in enumerate(items) if "test/integration/" in item.nodeid]
-    if not here:
+    start = next((i for i, item in enumerate(items) if "test/integration/" in item.nodeid), None)
+    if start is None:
         return
-    first = [item for item in items if FIRST_MODULE in item.nodeid]
-    rest = [item for item in items[here[0] :] if FIRST_MODULE not in item.nodeid]
-    items[here[0] :] = first + rest
+    first = [item for item in items[start:] if FIRST_MODULE in item.nodeid]
+    items[start:] = first + [item for item in items[start:] if FIRST_MODULE not in item.nodeid]
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +41,6 @@ def background_soak(request, tmp_path_factory):
         yield None
         return
     soak = BackgroundSoak(tmp_path_factory.mktemp("soak"))
-    soak.start()
     yield soak
     soak.stop()
 

@@ -4,7 +4,7 @@ After its start-up (four engines, both cores for about 85 s) the soak's traffic 
 2-core box about 70 % idle for its two minutes of load and quiet checks; run after the other
 modules it cost the suite about 200 s of wall time, run beside them about its start-up's share.
 ``BackgroundSoak`` starts ``benchmark/soak.py`` in its own process group with its output in a
-file (a pipe nobody reads would block it), ``result`` waits for it and reads its JSON; ``stop``
+file (a pipe nobody reads would block it) when constructed, ``result`` waits for it and reads its JSON; ``stop``
 ends a run still going (the soak's ``sglang-memx serve`` stops its engines when it dies).
 """
 
@@ -25,14 +25,17 @@ WARMUP_S = 10
 
 
 class BackgroundSoak:
-    """One soak run; ``start`` once, then ``result`` (blocks) and ``stop`` (idempotent)."""
+    """One soak run, started when constructed; ``result`` blocks for it, ``stop`` is idempotent."""
 
     def __init__(self, results_dir: Path):
         self.results_dir = Path(results_dir)
         self.log_path = LOG_DIR / "soak-driver.log"
         self.doc_path = self.results_dir / "soak_ci.json"
-        self.proc: subprocess.Popen | None = None
-        self.started = 0.0  # time.monotonic() at start
+        LOG_DIR.mkdir(exist_ok=True)
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                         start_new_session=True)  # fmt: skip
+        self.started = time.monotonic()
 
     def command(self) -> list[str]:
         # Greedy probes are held to the answers serve gave at start (--stock-reference off): three
@@ -42,18 +45,9 @@ class BackgroundSoak:
                 "--warmup-s", str(WARMUP_S), "--results-dir", str(self.results_dir), "--out", "soak_ci",
                 "--stock-reference", "off"]  # fmt: skip
 
-    def start(self) -> None:
-        LOG_DIR.mkdir(exist_ok=True)
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                         start_new_session=True)  # fmt: skip
-        self.started = time.monotonic()
-
     def result(self, timeout_s: float) -> tuple[int, dict | None, str]:
         """``(exit code, the run's JSON or None, the end of its output)``; a run past ``timeout_s``
         (counted from its start) is stopped and reported as exit code -1."""
-        if self.proc is None:
-            raise RuntimeError("the soak was not started")
         try:
             code = self.proc.wait(max(1.0, timeout_s - (time.monotonic() - self.started)))
         except subprocess.TimeoutExpired:
@@ -64,7 +58,7 @@ class BackgroundSoak:
         return code, doc, tail
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc.poll() is not None:
             return
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
