@@ -1,14 +1,19 @@
-"""Converting the packaged SmolLM2 GGUF into a bf16 checkpoint, for real (about a minute on CPU).
+"""Preparing the packaged SmolLM2 GGUF as a bf16 checkpoint, for real (a conversion takes
+about half a minute of one core).
 
-The tests share one prepared directory in a temporary cache root and run in
-file order: first the conversion and what it produced, then the fast re-run,
-a greedy generation with transformers, and last a corruption that forces a
-rebuild.
+The tests share one prepared directory in a temporary cache root and run in file order.
+It starts as a copy of the session's checkpoint (``scripts/test.sh`` prepares it before
+pytest; it is converted here if it is missing): what a prepared directory holds, the fast
+re-run, a greedy generation with transformers. Last, a corruption forces a rebuild: a
+conversion from the GGUF in an empty scratch directory, the same path a first prepare takes,
+whose files must equal the session checkpoint's byte for byte (the conversion is
+deterministic) and which leaves nothing else in the cache root.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -31,23 +36,26 @@ def cache_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prepared(cache_root):
+def session_checkpoint() -> Path:
+    return em.prepare_embedded_model()
+
+
+@pytest.fixture(scope="module")
+def prepared(cache_root, session_checkpoint):
+    shutil.copytree(session_checkpoint, em.embedded_model_dir(cache_root))
     log = _Log()
     t = time.monotonic()
     path = em.prepare_embedded_model(cache_root, log=log)
     return path, log, time.monotonic() - t
 
 
-def test_prepare_converts_once(prepared, cache_root):
+def test_prepare_verifies_a_prepared_directory_without_converting(prepared, cache_root):
     path, log, seconds = prepared
     assert path == em.embedded_model_dir(cache_root)
     assert path.is_dir()
-    assert any("convert" in line for line in log)
-    assert any("ready at" in line for line in log)
-    print(f"conversion took {seconds:.1f} s")
-    em.verify_embedded_model(path)
-    # Nothing but the model and its lock file is left in the cache root.
-    assert sorted(p.name for p in cache_root.iterdir()) == sorted([path.name, f".{path.name}.lock"])
+    assert any("verified" in line for line in log)
+    assert not any("convert" in line for line in log)
+    print(f"verifying took {seconds:.2f} s")
 
 
 def test_config_has_no_quantization(prepared):
@@ -141,7 +149,7 @@ def test_greedy_generation_answers_paris(prepared):
     assert "Paris" in answer
 
 
-def test_corrupted_file_triggers_rebuild(prepared, cache_root):
+def test_corrupted_file_triggers_rebuild(prepared, cache_root, session_checkpoint):
     path = prepared[0]
     victim = path / "tokenizer_config.json"
     original = victim.read_bytes()
@@ -152,10 +160,20 @@ def test_corrupted_file_triggers_rebuild(prepared, cache_root):
         em.verify_embedded_model(path)
 
     log = _Log()
+    t = time.monotonic()
     again = em.prepare_embedded_model(cache_root, log=log)
+    print(f"rebuild (a conversion) took {time.monotonic() - t:.1f} s")
     assert again == path
     assert any("rebuilding" in line and "tokenizer_config.json" in line for line in log)
     assert any("convert" in line for line in log)
+    assert any("ready at" in line for line in log)
     em.verify_embedded_model(path)
-    # The conversion is deterministic: the rebuilt file is the original one.
+    # Nothing but the model and its lock file is left in the cache root.
+    assert sorted(p.name for p in cache_root.iterdir()) == sorted([path.name, f".{path.name}.lock"])
+    # The conversion is deterministic: every file but the manifest (which records the conversion's
+    # time) is the session checkpoint's, converted by another process.
     assert victim.read_bytes() == original
+    names = {p.name for p in path.iterdir()} - {em.MANIFEST_NAME}
+    assert names == {p.name for p in session_checkpoint.iterdir()} - {em.MANIFEST_NAME}
+    for name in sorted(names):
+        assert (path / name).read_bytes() == (session_checkpoint / name).read_bytes(), name

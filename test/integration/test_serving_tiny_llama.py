@@ -2,7 +2,9 @@
 
 One memx server and one stock server (plugin filtered out with
 SGLANG_PLUGINS) serve the same tiny random Llama (GQA); every API surface is
-exercised on the memx server and greedy outputs are compared with stock.
+exercised on the memx server and greedy outputs are compared with stock. The model and
+arguments are test_elastic_kv.py's and test_governor.py's, so the stock server is the
+session's shared one (a test here only sends it requests).
 """
 
 from __future__ import annotations
@@ -28,15 +30,18 @@ PROMPTS = [
     "hello world what is the budget of the pool",
 ]
 MAX_TOTAL_TOKENS = 4096
+SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=5)
+COMMON = ["--chunked-prefill-size", "16", "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_root):
-    model = tiny_model(
-        TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16), tiny_model_root
-    )
-    memx = SGLangServer(model, name="tiny-llama-memx", max_total_tokens=MAX_TOTAL_TOKENS)
-    stock = SGLangServer(model, name="tiny-llama-stock", stock=True, max_total_tokens=MAX_TOTAL_TOKENS)
+def servers(tiny_model_root, shared_servers):
+    model = tiny_model(SPEC, tiny_model_root)
+    memx = SGLangServer(model, name="tiny-llama-memx", max_total_tokens=MAX_TOTAL_TOKENS, extra_args=COMMON)
+    stock = shared_servers.get(
+        SGLangServer(model, name="stock-llama-s5-f32", stock=True, max_total_tokens=MAX_TOTAL_TOKENS,
+                     extra_args=COMMON)
+    )  # fmt: skip
     start_all([memx, stock])
     yield memx, stock
     release_all((memx, stock))
@@ -165,10 +170,10 @@ def test_memx_status_reports_live_pool(servers):
     assert rank["dp_rank"] == 0
     pool = rank["kv_pool"]
     assert pool["capacity_tokens"] == MAX_TOTAL_TOKENS
-    assert pool["page_size"] == 1 and pool["dtype"] == "bfloat16" and pool["device"] == "cpu"
+    assert pool["page_size"] == 1 and pool["dtype"] == "float32" and pool["device"] == "cpu"
     assert pool["kind"] == "MHATokenToKVPool" and pool["layers"] == 2
-    # K and V, 2 layers, 2 KV heads x 16 dims, bf16, capacity (+ upstream's padding slots).
-    per_token = 2 * 2 * 2 * 16 * 2
+    # K and V, 2 layers, 2 KV heads x 16 dims, float32, capacity (+ upstream's padding slots).
+    per_token = 2 * 2 * 2 * 16 * 4
     assert MAX_TOTAL_TOKENS * per_token <= pool["bytes"] <= (MAX_TOTAL_TOKENS + 1024) * per_token
     assert pool["used_tokens"] + pool["available_tokens"] + pool["evictable_tokens"] == pool["capacity_tokens"]
     assert rank["pid"] != memx.proc.pid  # read from the scheduler process, not the HTTP one
