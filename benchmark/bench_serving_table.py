@@ -50,34 +50,49 @@ def _range(values: list[float]) -> str:
     return f"{sorted(values)[len(values) // 2]:.4g} [{min(values):.4g}, {max(values):.4g}]"
 
 
+def _intro(doc: dict, n: int) -> str:
+    features = f", memx flags `{doc['memx_features']}`" if "memx_features" in doc else ""
+    memx = ("`scripts/serve.sh --single` (one memx server" if doc.get("memx_serve") == "single"
+            else "`scripts/serve.sh` (memx: router + two engines, only the bf16 model loaded")  # fmt: skip
+    head = f"`{doc['command']}`, {n} interleaved rounds ({doc['time']}, {doc['machine']['cpus']} CPUs); "
+    if doc.get("mode") == "same_window":
+        variants = "".join(f"; `{s}`: memx flags `{v['memx_features']}`" for s, v in doc["setups"].items()
+                           if s not in ("stock", "memx"))  # fmt: skip
+        how = (f"every setup started once with `--sleep-on-idle` and kept up, the rounds alternating between them: "
+               f"{memx}{features}){variants}; stock: `scripts/serve.sh --memx-disable`. ")  # fmt: skip
+    else:
+        how = (f"each run on a freshly started {memx}{features}) or `scripts/serve.sh --memx-disable` "
+               "(stock). ")  # fmt: skip
+    return head + how + "Per setup: median [min, max] over the runs; ratio to stock: median [min, max] over the rounds."
+
+
 def render(doc: dict, begin: str = BEGIN, end: str = END) -> str:
     rounds = doc["rounds"]
-    n = len(rounds)
-    features = f", memx flags `{doc['memx_features']}`" if "memx_features" in doc else ""
+    setups = list(doc.get("setups", ("stock", "memx")))
+    others = [s for s in setups if s != "stock"]
+    by_setup = doc.get("ratios_by_setup", {"memx": doc["ratios"]})
+    claims = doc.get("claims_by_setup", {"memx": doc["claims"]})
     lines = [
         begin,
-        f"`{doc['command']}`, {n} interleaved pairs ({doc['time']}, {doc['machine']['cpus']} CPUs); each run on a "
-        f"freshly started `scripts/serve.sh` (memx: router + two engines, only the bf16 model loaded{features}) or "
-        "`scripts/serve.sh --memx-disable` (stock). Per setup: median [min, max] over the runs; ratio memx / stock: "
-        "median [min, max] over the pairs.",
+        _intro(doc, len(rounds)),
         "",
-        "| metric | stock | memx | memx / stock |",
-        "|---|---|---|---|",
+        "| metric | " + " | ".join(setups) + " | " + " | ".join(f"{s} / stock" for s in others) + " |",
+        "|---|" + "---|" * (len(setups) + len(others)),
     ]
-    served = {s: [r[s]["completed"] for r in rounds] for s in ("stock", "memx")}
-    lines.append(f"| requests answered per run | {', '.join(map(str, served['stock']))} | "
-                 f"{', '.join(map(str, served['memx']))} | |")  # fmt: skip
+    served = [", ".join(str(r[s]["completed"]) for r in rounds) for s in setups]
+    lines.append("| requests answered per run | " + " | ".join(served) + " |" + " |" * len(others))
     for key, label in _LABELS.items():
-        st = doc["ratios"][key]
         row = [label.format(tail=doc["tail"])]
-        row += [_range([r[s][key] for r in rounds]) for s in ("stock", "memx")]
-        row.append(f"{st['median']:.3g} [{st['min']:.3g}, {st['max']:.3g}]")
+        row += [_range([r[s][key] for r in rounds]) for s in setups]
+        for s in others:
+            st = by_setup[s][key]
+            row.append(f"{st['median']:.3g} [{st['min']:.3g}, {st['max']:.3g}]")
         lines.append("| " + " | ".join(row) + " |")
-    lines += [
-        "",
-        "Claims: " + "; ".join(f"{k} **{'yes' if v else 'no'}**" for k, v in doc["claims"].items()) + ".",
-        end,
-    ]
+    lines.append("")
+    for s in others:
+        prefix = "Claims" if others == ["memx"] else f"Claims ({s})"
+        lines.append(prefix + ": " + "; ".join(f"{k} **{'yes' if v else 'no'}**" for k, v in claims[s].items()) + ".")
+    lines.append(end)
     return "\n".join(lines)
 
 

@@ -12,10 +12,19 @@ rounds, the order alternating (``benchmark.pairs.run_rounds``); per pair the rat
 stock of request throughput, output throughput, TTFT p50 / p99 and TPOT p50. A p99 is
 reported only with at least 100 requests per run (``--num-prompts``), else p90.
 
-Claims (``claims`` in the JSON): every request served by memx in every run; memx's request
-throughput >= stock's and its TTFT p99 (p90) <= stock's in every pair.
+``--same-window``: this machine's speed drifts by ~10 % within minutes, so runs of servers
+started one after another compare the drift too. In this mode every setup is started once,
+each on its own port with ``--sleep-on-idle`` (an idle server takes no CPU), and all stay up
+while the rounds alternate between them. ``--single``: memx setups are one server
+(``scripts/serve.sh --single``) instead of the main job. ``--variant NAME=FLAGS`` adds a memx
+setup with other memx flags (repeatable); each is compared with stock like ``memx``.
+
+Claims (``claims`` in the JSON, and per setup in ``claims_by_setup``): every request served by
+memx in every run; memx's request throughput >= stock's and its TTFT p99 (p90) <= stock's in
+every pair.
 
     benchmark/e2e/bench_serving.py [--rounds 5] [--num-prompts 100] [--memx-features FLAGS]
+                                   [--same-window] [--single] [--variant NAME=FLAGS ...]
                                    [--out benchmark/results/e2e/bench_serving.json]
 """
 
@@ -41,7 +50,7 @@ from benchmark.pairs import plot_ratios, ratio_stats, run_rounds  # noqa: E402
 from benchmark.quiet_point import engines  # noqa: E402
 
 NAME = "SmolLM2-135M-Instruct"
-SETUPS = ("stock", "memx")
+STOCK = "stock"
 KEYS = ("request_throughput", "output_throughput", "median_ttft_ms", "tail_ttft_ms", "median_tpot_ms")
 
 
@@ -56,12 +65,13 @@ def _get(url: str, timeout: float = 5.0) -> int:
 class ServeScript:
     """``scripts/serve.sh`` in its own session, stopped with its whole group."""
 
-    def __init__(self, setup: str, port: int, log: Path, memx_features: str | None = None):
-        """``log``: serve.sh's own output; the engines' logs go beside it, ``logs-<log's stem>/``."""
-        args = ["--memx-disable"] if setup == "stock" else []
+    def __init__(self, args: list[str], port: int, log: Path, memx_features: str | None = None):
+        """``args``: serve.sh's (``--memx-disable`` for stock); ``memx_features``: its MEMX_FEATURES
+        (None: serve.sh's own default). ``log``: serve.sh's own output; the engines' logs go beside
+        it, ``logs-<log's stem>/``."""
         env = {**os.environ, "MEMX_PORT": str(port), "MEMX_LOG_DIR": str(log.parent / f"logs-{log.stem}")}
-        env.pop("MEMX_FEATURES", None)  # serve.sh's own default unless --memx-features says otherwise
-        if memx_features is not None and setup == "memx":
+        env.pop("MEMX_FEATURES", None)
+        if memx_features is not None:
             env["MEMX_FEATURES"] = memx_features
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log, "ab")
@@ -147,19 +157,33 @@ def bench(url: str, tokenizer: str, args, seed: int, out: Path) -> dict:
     }
 
 
-def claims(rounds: list[dict], ratios: dict, num_prompts: int) -> dict:
-    served = all(r["memx"]["completed"] == num_prompts for r in rounds)
+def claims(rounds: list[dict], ratios: dict, num_prompts: int, setup: str = "memx") -> dict:
+    """The issue's user check for ``setup`` against stock (``ratios``: ``setup`` / stock per key)."""
+    served = all(r[setup]["completed"] == num_prompts for r in rounds)
     thr = ratios["request_throughput"]["values"]
     ttft = ratios["tail_ttft_ms"]["values"]
     return {
         "memx_served_every_request": served,
-        "stock_served_every_request": all(r["stock"]["completed"] == num_prompts for r in rounds),
+        "stock_served_every_request": all(r[STOCK]["completed"] == num_prompts for r in rounds),
         "throughput_at_least_stock_every_pair": bool(thr) and all(v >= 1.0 for v in thr),
         "tail_ttft_at_most_stock_every_pair": bool(ttft) and all(v <= 1.0 for v in ttft),
     }
 
 
-def main() -> int:
+def parse_setups(args) -> dict[str, tuple[list[str], str | None]]:
+    """Setup name -> (serve.sh's arguments, its MEMX_FEATURES or None for serve.sh's default)."""
+    memx_args = ["--single"] if args.single else []
+    idle = ["--sleep-on-idle"] if args.same_window else []
+    setups = {STOCK: (["--memx-disable", *idle], None), "memx": ([*memx_args, *idle], args.memx_features)}
+    for spec in args.variant:
+        name, sep, flags = spec.partition("=")
+        if not sep or not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name in setups:
+            raise SystemExit(f"--variant: want NAME=FLAGS with a new lower-case NAME, got {spec!r}")
+        setups[name] = ([*memx_args, *idle], flags)
+    return setups
+
+
+def _args(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--num-prompts", type=int, default=100)
@@ -170,47 +194,80 @@ def main() -> int:
         default=None,
         help="the memx flags of the main job (serve.sh's MEMX_FEATURES); default: serve.sh's own",
     )
+    ap.add_argument("--same-window", action="store_true", help="every setup up at once, the rounds alternating")
+    ap.add_argument("--single", action="store_true", help="memx setups: scripts/serve.sh --single (one server)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS", help="another memx setup")
     ap.add_argument("--out", default=str(ROOT / "benchmark/results/e2e/bench_serving.json"))
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> int:
+    args = _args()
+    setups = parse_setups(args)
     out = Path(args.out)
-    work = out.parent / "bench_serving_runs"
+    work = out.parent / f"{out.stem}_runs"
     work.mkdir(parents=True, exist_ok=True)
     py = subprocess.run([str(ROOT / "scripts/env.sh")], capture_output=True, text=True, check=True).stdout.strip()
     tokenizer = subprocess.run([py, "-m", "sglang_memx.cli", "models", "prepare"], capture_output=True, text=True,
                                check=True).stdout.strip()  # fmt: skip
-    startups: dict[str, list[float]] = {s: [] for s in SETUPS}
+    startups: dict[str, list[float]] = {s: [] for s in setups}
+    live: dict[str, ServeScript] = {}
 
-    def run(setup: str, r: int) -> dict:
-        server = ServeScript(setup, args.port, work / f"serve-{setup}-{r}.log", args.memx_features)
+    def start(setup: str, port: int, tag: str) -> ServeScript:
+        serve_args, features = setups[setup]
+        server = ServeScript(serve_args, port, work / f"serve-{setup}-{tag}.log", features)
         try:
             startups[setup].append(server.wait_ready())
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def run(setup: str, r: int) -> dict:
+        server = live[setup] if args.same_window else start(setup, args.port, str(r))
+        try:
             result = bench(server.url, tokenizer, args, seed=r + 1, out=work / f"{setup}-{r}.jsonl")
-            if setup == "memx":
+            if setup != STOCK:  # counters since the server's start (in --same-window: every round so far)
                 result["engines"] = engine_states(server.url)
             return result
         finally:
-            server.stop()
+            if not args.same_window:
+                server.stop()
 
-    rounds = run_rounds(args.rounds, SETUPS, run)
-    ratios = {k: ratio_stats(rounds, k, "memx", "stock") for k in KEYS}
+    try:
+        if args.same_window:
+            for i, setup in enumerate(setups):
+                live[setup] = start(setup, args.port + 10 * i, "live")
+        rounds = run_rounds(args.rounds, list(setups), run)
+    finally:
+        for server in live.values():
+            server.stop()
+    others = [s for s in setups if s != STOCK]
+    by_setup = {s: {k: ratio_stats(rounds, k, s, STOCK) for k in KEYS} for s in others}
     doc = {
         "benchmark": "bench_serving",
         "command": "python -m sglang.bench_serving --backend sglang-oai --dataset-name random-ids "
         f"--random-input-len 256 --random-output-len 64 --random-range-ratio 0.5 --num-prompts {args.num_prompts} "
         f"--request-rate {args.request_rate} --seed <round>",
+        "mode": "same_window" if args.same_window else "fresh_starts",
+        "memx_serve": "single" if args.single else "main_job",
         "tail": "p99" if args.num_prompts >= 100 else "p90",
         "memx_features": args.memx_features if args.memx_features is not None else _serve_default_features(),
+        "setups": {s: {"serve_args": a, "memx_features": f} for s, (a, f) in setups.items()},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "rounds": rounds,
         "startup_s": startups,
-        "ratios": ratios,
-        "claims": claims(rounds, ratios, args.num_prompts),
+        "ratios": by_setup["memx"],
+        "ratios_by_setup": by_setup,
+        "claims": claims(rounds, by_setup["memx"], args.num_prompts),
+        "claims_by_setup": {s: claims(rounds, by_setup[s], args.num_prompts, s) for s in others},
     }
     out.write_text(json.dumps(doc, indent=1) + "\n")
     plot_ratios(doc, KEYS, out.with_suffix(".png"), "bench_serving vs scripts/serve.sh: memx / stock",
                 "memx/stock")  # fmt: skip
-    print(json.dumps({"ratios": {k: v["median"] for k, v in ratios.items()}, "claims": doc["claims"]}, indent=1))
+    print(json.dumps({"ratios": {s: {k: v["median"] for k, v in r.items()} for s, r in by_setup.items()},
+                      "claims": doc["claims_by_setup"]}, indent=1))  # fmt: skip
     return 0
 
 

@@ -78,3 +78,44 @@ def test_engine_states_reads_each_engines_status_through_the_router():
                         "requests": {"running": 0, "waiting": 0},
                         "governor": {"admission_verdicts": {"stock_first": 2}, "max_running_seen": 7}}  # fmt: skip
     assert set(got["b"]) == {"error"}
+
+
+def test_same_window_doc_renders_every_setup_against_stock():
+    """A ``--same-window`` run with a variant: one column per setup, one ratio column and one
+    claims line per memx setup, and the intro says the setups were up together."""
+    pairs = [(_run(1.0, 1000.0), _run(1.2, 800.0), _run(0.9, 1200.0))] * 5
+    rounds = [{"stock": s, "memx": m, "gov": g} for s, m, g in pairs]
+    by = {n: {k: bs.ratio_stats(rounds, k, n, "stock") for k in bs.KEYS} for n in ("memx", "gov")}
+    doc = {"command": "bench", "time": "t", "machine": {"cpus": 2}, "tail": "p99", "rounds": rounds,
+           "mode": "same_window", "memx_serve": "single", "memx_features": "--memx-elastic-kv",
+           "setups": {"stock": {"memx_features": None}, "memx": {"memx_features": None},
+                      "gov": {"memx_features": "--memx-elastic-kv --memx-governor"}},
+           "ratios": by["memx"], "ratios_by_setup": by, "claims": bs.claims(rounds, by["memx"], 100),
+           "claims_by_setup": {n: bs.claims(rounds, by[n], 100, n) for n in by}}  # fmt: skip
+    text = bt.render(doc)
+    assert "| metric | stock | memx | gov | memx / stock | gov / stock |" in text
+    assert (
+        "started once with `--sleep-on-idle`" in text
+        and "`gov`: memx flags `--memx-elastic-kv --memx-governor`" in text
+    )
+    assert (
+        "| request throughput (req/s) | 1 [1, 1] | 1.2 [1.2, 1.2] | 0.9 [0.9, 0.9] | 1.2 [1.2, 1.2] | 0.9 [0.9, 0.9] |"
+        in text
+    )
+    assert "Claims (memx): memx_served_every_request **yes**; stock_served_every_request **yes**; " \
+           "throughput_at_least_stock_every_pair **yes**" in text  # fmt: skip
+    assert "Claims (gov): " in text and doc["claims_by_setup"]["gov"]["throughput_at_least_stock_every_pair"] is False
+
+
+def test_variants_need_a_new_lower_case_name():
+    import pytest
+
+    args = bs._args(["--same-window", "--single", "--variant", "gov=--memx-elastic-kv --memx-governor"])
+    setups = bs.parse_setups(args)
+    assert setups["stock"] == (["--memx-disable", "--sleep-on-idle"], None)
+    assert setups["memx"] == (["--single", "--sleep-on-idle"], None)
+    assert setups["gov"] == (["--single", "--sleep-on-idle"], "--memx-elastic-kv --memx-governor")
+    assert bs.parse_setups(bs._args([]))["memx"] == ([], None)  # fresh starts, the main job
+    for bad in ("gov", "stock=--memx-elastic-kv", "Gov=x"):
+        with pytest.raises(SystemExit, match="--variant"):
+            bs.parse_setups(bs._args(["--variant", bad]))
