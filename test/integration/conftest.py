@@ -11,12 +11,13 @@ from support.server import join_released
 from support.shared_servers import SharedServers
 
 SOAK_TEST = "test_soak.py::test_one_minute_soak_keeps_every_invariant"
-FIRST_MODULE = "test_embedded_model_prepare.py"  # one core converting: the soak's start-up takes the other
+FIRST_MODULE = "test_embedded_model_prepare.py"  # no server: one core busy, the soak's start-up takes the other
 
 
 def pytest_collection_modifyitems(session, config, items):
     """Run ``FIRST_MODULE`` first among the integration tests (the rest keep their order): its
-    conversion computes on one core while the soak, begun with it, starts its engines."""
+    transformers generation and its one conversion (the rebuild) compute on one core while the
+    soak, begun with it, starts its engines."""
     start = next((i for i, item in enumerate(items) if "test/integration/" in item.nodeid), None)
     if start is None:
         return
