@@ -2,7 +2,9 @@
 ``benchmark/e2e/bench_serving.py``): ``docs/router.md``'s from ``bench_serving.json`` (serve.sh's
 default features) and ``docs/governor.md``'s from ``bench_serving_governor.json`` (the same with
 ``--memx-governor``) and ``bench_serving_governor_baseline.json`` (the default features again, run
-right after it on the same machine); the figures in the docs are the JSON's, never typed.
+right after it on the same machine), and ``docs/router.md``'s same-window block from
+``bench_serving_same_window.json`` (``--same-window``: stock, serve.sh's defaults and the same with
+``--memx-governor``, all up at once); the figures in the docs are the JSON's, never typed.
 
     python -m benchmark.bench_serving_table           # rewrite the blocks
     python -m benchmark.bench_serving_table --check   # exit 1 when the docs differ from the JSON
@@ -35,6 +37,9 @@ BLOCKS = (
     (DOC, RESULT.with_name("bench_serving_elastic_only.json"),
      "<!-- generated: python -m benchmark.bench_serving_table (elastic KV only) -->",
      "<!-- end generated: bench_serving (elastic KV only) -->"),
+    (DOC, RESULT.with_name("bench_serving_same_window.json"),
+     "<!-- generated: python -m benchmark.bench_serving_table (same window) -->",
+     "<!-- end generated: bench_serving (same window) -->"),
 )  # fmt: skip
 
 _LABELS = {
