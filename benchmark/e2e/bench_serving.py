@@ -249,6 +249,7 @@ def main() -> int:
         "command": "python -m sglang.bench_serving --backend sglang-oai --dataset-name random-ids "
         f"--random-input-len 256 --random-output-len 64 --random-range-ratio 0.5 --num-prompts {args.num_prompts} "
         f"--request-rate {args.request_rate} --seed <round>",
+        "driver": " ".join(["benchmark/e2e/bench_serving.py", *sys.argv[1:]]),
         "mode": "same_window" if args.same_window else "fresh_starts",
         "memx_serve": "single" if args.single else "main_job",
         "tail": "p99" if args.num_prompts >= 100 else "p90",
