@@ -4,8 +4,9 @@ A tiny 8-layer Llama (float32: a random tiny model's logits are flat enough for 
 rounding to flip an argmax between batch shapes). A static server streams every decoder layer
 from the host copy on every forward, the remap server (before any pressure) none; greedy
 outputs must equal stock's, through prefix-cache hits and chunked prefill. (Streaming a part
-of the layers, Select-N's interval, is what the remap server does under pressure below; the
-interval's placement of slots is unit-tested.) A remap server's budget holds the
+of the layers in a real server is test_families.py's: one of Gemma2's two layers through one
+slot; the interval's choice of layers and slots is unit-tested in test_interval_manager.py.)
+A remap server's budget holds the
 weights and only a few KV groups: a request whose KV does not fit beside the full weights
 makes the controller release layers, is admitted, answers as stock does, and once the
 pressure is gone the layers are restored.
