@@ -4,7 +4,9 @@ default features) and ``docs/governor.md``'s from ``bench_serving_governor.json`
 ``--memx-governor``) and ``bench_serving_governor_baseline.json`` (the default features again, run
 right after it on the same machine), and ``docs/router.md``'s same-window block from
 ``bench_serving_same_window.json`` (``--same-window``: stock, serve.sh's defaults and the same with
-``--memx-governor``, all up at once); the figures in the docs are the JSON's, never typed.
+``--memx-governor``, all up at once), and its step block from ``bench_serving_steps.json`` (the same
+window with ``--serve-args "--decode-log-interval 1"``: decode step time by batch size, from the
+engines' own logs); the figures in the docs are the JSON's, never typed.
 
     python -m benchmark.bench_serving_table           # rewrite the blocks
     python -m benchmark.bench_serving_table --check   # exit 1 when the docs differ from the JSON
@@ -19,6 +21,7 @@ import sys
 from pathlib import Path
 
 from benchmark.doc_blocks import check_args, write_or_check
+from benchmark.step_log import BINS, bin_key
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "router.md"
@@ -40,6 +43,9 @@ BLOCKS = (
     (DOC, RESULT.with_name("bench_serving_same_window.json"),
      "<!-- generated: python -m benchmark.bench_serving_table (same window) -->",
      "<!-- end generated: bench_serving (same window) -->"),
+    (DOC, RESULT.with_name("bench_serving_steps.json"),
+     "<!-- generated: python -m benchmark.bench_serving_table (steps) -->",
+     "<!-- end generated: bench_serving (steps) -->"),
 )  # fmt: skip
 
 _LABELS = {
@@ -97,8 +103,42 @@ def render(doc: dict, begin: str = BEGIN, end: str = END) -> str:
     for s in others:
         prefix = "Claims" if others == ["memx"] else f"Claims ({s})"
         lines.append(prefix + ": " + "; ".join(f"{k} **{'yes' if v else 'no'}**" for k, v in claims[s].items()) + ".")
+    if "step_ratios_by_setup" in doc:
+        lines += ["", *_step_table(doc, setups, others)]
     lines.append(end)
     return "\n".join(lines)
+
+
+def _step_table(doc: dict, setups: list[str], others: list[str]) -> list[str]:
+    """Decode step time by batch size (``benchmark.step_log``): per setup the median [min, max] over
+    the runs of each run's median step time in the bin (and the steps timed, summed), per other setup
+    its ratio to stock over the rounds where both timed >= 5 steps in the bin; then the prefill
+    forwards and the tokens they computed, per run."""
+    rounds = doc["rounds"]
+    lines = [
+        "Decode step time by batch size, from the engines' own per-step log lines (a decode line right after "
+        "another: one step). Per setup: each run's median step (ms), median [min, max] over the runs, and the "
+        "steps timed; ratio: per round, setup / stock, where both timed >= 5 steps in the bin.",
+        "",
+        "| running requests | " + " | ".join(setups) + " | " + " | ".join(f"{s} / stock" for s in others) + " |",
+        "|---|" + "---|" * (len(setups) + len(others)),
+    ]
+    ratios = doc["step_ratios_by_setup"]
+    bins = [k for k in (bin_key(lo, hi) for lo, hi in BINS) if any(k in ratios[s] for s in others)]
+    for key in bins:
+        row = [key]
+        for s in setups:
+            runs = [r[s]["steps"]["by_batch"][key] for r in rounds if key in r[s]["steps"]["by_batch"]]
+            row.append(f"{_range([x['step_ms_p50'] for x in runs])} ({sum(x['steps'] for x in runs)} steps)")
+        for s in others:
+            st = ratios[s].get(key)
+            row.append(f"{st['median']:.3g} [{st['min']:.3g}, {st['max']:.3g}] ({len(st['values'])} rounds)"
+                       if st else "-")  # fmt: skip
+        lines.append("| " + " | ".join(row) + " |")
+    for field, label in (("prefill_batches", "prefill forwards per run"), ("prefill_tokens", "prefill tokens per run")):
+        row = [label] + [_range([r[s]["steps"][field] for r in rounds]) for s in setups]
+        lines.append("| " + " | ".join(row) + " |" + " |" * len(others))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,11 @@ each on its own port with ``--sleep-on-idle`` (an idle server takes no CPU), and
 while the rounds alternate between them. ``--single``: memx setups are one server
 (``scripts/serve.sh --single``) instead of the main job. ``--variant NAME=FLAGS`` adds a memx
 setup with other memx flags (repeatable); each is compared with stock like ``memx``.
+``--serve-args FLAGS``: launch_server flags given to every setup, stock included (e.g.
+``--decode-log-interval 1``, a decode line per step in every engine log). With that flag each run
+also records, from what the engines' logs gained during it (``benchmark.step_log``), the decode
+step time by batch size and the prefill forwards (``steps``), and ``step_ratios_by_setup`` holds
+the per-round ratios of the median step time at equal batch size, setup / stock, per bin.
 
 Claims (``claims`` in the JSON, and per setup in ``claims_by_setup``): every request served by
 memx in every run; memx's request throughput >= stock's and its TTFT p99 (p90) <= stock's in
@@ -25,6 +30,7 @@ every pair.
 
     benchmark/e2e/bench_serving.py [--rounds 5] [--num-prompts 100] [--memx-features FLAGS]
                                    [--same-window] [--single] [--variant NAME=FLAGS ...]
+                                   [--serve-args FLAGS]
                                    [--out benchmark/results/e2e/bench_serving.json]
 """
 
@@ -35,7 +41,9 @@ import json
 import os
 import platform
 import re
+import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -48,6 +56,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "test")]
 from benchmark.e2e.router_proc import http_json  # noqa: E402
 from benchmark.pairs import plot_ratios, ratio_stats, run_rounds  # noqa: E402
 from benchmark.quiet_point import engines  # noqa: E402
+from benchmark.step_log import BINS, bin_key, read_from, summarize  # noqa: E402
 
 NAME = "SmolLM2-135M-Instruct"
 STOCK = "stock"
@@ -74,6 +83,7 @@ class ServeScript:
         if memx_features is not None:
             env["MEMX_FEATURES"] = memx_features
         self.url = f"http://127.0.0.1:{port}"
+        self.log_dir = log.parent / f"logs-{log.stem}"
         self._log = open(log, "ab")
         self.proc = subprocess.Popen([str(ROOT / "scripts" / "serve.sh"), *args], cwd=ROOT, env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
@@ -88,6 +98,12 @@ class ServeScript:
             time.sleep(1.0)
         raise RuntimeError(f"serve.sh not ready after {timeout_s:.0f} s; see {self._log.name}")
 
+    def log_sizes(self) -> dict[Path, int]:
+        """Every log this setup's engines write (serve.sh's own output, where a single server's
+        goes, and the main job's engine logs), with its size now."""
+        paths = [Path(self._log.name), *sorted(self.log_dir.glob("**/*.log"))]
+        return {p: p.stat().st_size for p in paths if p.is_file()}
+
     def stop(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -101,13 +117,14 @@ class ServeScript:
         self._log.close()
 
 
-def engine_states(url: str) -> dict:
+def engine_states(url: str, single: bool = False) -> dict:
     """After a memx run, before its stop: each engine's host buffer counters (parked, fetched,
     recomputed ...), its compute share (cores, changes, the lending trial), heap trims and, with
     the governor, its admission verdicts, from its ``/memx/status`` through the router's
-    ``/memx/serve``. For diagnosis; nothing is scored."""
+    ``/memx/serve`` (``single``: the one server at ``url``, key ``single``). For diagnosis; nothing
+    is scored."""
     try:
-        listed = engines(url)
+        listed = {"single": {"url": url}} if single else engines(url)
     except (OSError, ValueError, KeyError) as exc:
         return {"error": repr(exc)[:200]}
     out: dict = {}
@@ -154,6 +171,9 @@ def bench(url: str, tokenizer: str, args, seed: int, out: Path) -> dict:
         "median_ttft_ms": doc["median_ttft_ms"],
         "tail_ttft_ms": doc.get(tail, float("nan")),
         "median_tpot_ms": doc["median_tpot_ms"],
+        # inter-token latency: a parked request's wait for device room is one long gap (not scored)
+        "median_itl_ms": doc.get("median_itl_ms", float("nan")),
+        "tail_itl_ms": doc.get(tail.replace("ttft", "itl"), float("nan")),
     }
 
 
@@ -170,16 +190,43 @@ def claims(rounds: list[dict], ratios: dict, num_prompts: int, setup: str = "mem
     }
 
 
+def logs_every_step(serve_args: str) -> bool:
+    """Whether ``--serve-args`` makes upstream log every decode step (``--decode-log-interval 1``)."""
+    words = shlex.split(serve_args)
+    return "--decode-log-interval=1" in words or any(
+        a == "--decode-log-interval" and b == "1" for a, b in zip(words, words[1:])
+    )
+
+
+def step_ratios(rounds: list[dict], setup: str, min_steps: int = 5) -> dict:
+    """Per batch-size bin: the per-round ratios of the median decode step time, ``setup`` / stock,
+    over the rounds where both timed at least ``min_steps`` steps in that bin (``benchmark.step_log``);
+    median [min, max] and the rounds counted."""
+    out = {}
+    for lo, hi in BINS:
+        key = bin_key(lo, hi)
+        values = []
+        for r in rounds:
+            a, b = (r[s]["steps"]["by_batch"].get(key) for s in (setup, STOCK))
+            if a and b and min(a["steps"], b["steps"]) >= min_steps:
+                values.append(a["step_ms_p50"] / b["step_ms_p50"])
+        if values:
+            out[key] = {"values": values, "median": statistics.median(values), "min": min(values),
+                        "max": max(values)}  # fmt: skip
+    return out
+
+
 def parse_setups(args) -> dict[str, tuple[list[str], str | None]]:
     """Setup name -> (serve.sh's arguments, its MEMX_FEATURES or None for serve.sh's default)."""
     memx_args = ["--single"] if args.single else []
-    idle = ["--sleep-on-idle"] if args.same_window else []
-    setups = {STOCK: (["--memx-disable", *idle], None), "memx": ([*memx_args, *idle], args.memx_features)}
+    common = ["--sleep-on-idle"] if args.same_window else []
+    common += shlex.split(args.serve_args)  # every setup's, stock included
+    setups = {STOCK: (["--memx-disable", *common], None), "memx": ([*memx_args, *common], args.memx_features)}
     for spec in args.variant:
         name, sep, flags = spec.partition("=")
         if not sep or not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name in setups:
             raise SystemExit(f"--variant: want NAME=FLAGS with a new lower-case NAME, got {spec!r}")
-        setups[name] = ([*memx_args, *idle], flags)
+        setups[name] = ([*memx_args, *common], flags)
     return setups
 
 
@@ -197,6 +244,7 @@ def _args(argv: list[str] | None = None):
     ap.add_argument("--same-window", action="store_true", help="every setup up at once, the rounds alternating")
     ap.add_argument("--single", action="store_true", help="memx setups: scripts/serve.sh --single (one server)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS", help="another memx setup")
+    ap.add_argument("--serve-args", default="", metavar="FLAGS", help="launch_server flags for every setup")
     ap.add_argument("--out", default=str(ROOT / "benchmark/results/e2e/bench_serving.json"))
     return ap.parse_args(argv)
 
@@ -204,6 +252,7 @@ def _args(argv: list[str] | None = None):
 def main() -> int:
     args = _args()
     setups = parse_setups(args)
+    step_logs = logs_every_step(args.serve_args)
     out = Path(args.out)
     work = out.parent / f"{out.stem}_runs"
     work.mkdir(parents=True, exist_ok=True)
@@ -226,9 +275,12 @@ def main() -> int:
     def run(setup: str, r: int) -> dict:
         server = live[setup] if args.same_window else start(setup, args.port, str(r))
         try:
+            before = server.log_sizes()
             result = bench(server.url, tokenizer, args, seed=r + 1, out=work / f"{setup}-{r}.jsonl")
+            if step_logs:
+                result["steps"] = summarize([read_from(p, before.get(p, 0)) for p in server.log_sizes()])
             if setup != STOCK:  # counters since the server's start (in --same-window: every round so far)
-                result["engines"] = engine_states(server.url)
+                result["engines"] = engine_states(server.url, single=args.single)
             return result
         finally:
             if not args.same_window:
@@ -264,6 +316,8 @@ def main() -> int:
         "claims": claims(rounds, by_setup["memx"], args.num_prompts),
         "claims_by_setup": {s: claims(rounds, by_setup[s], args.num_prompts, s) for s in others},
     }
+    if step_logs:
+        doc["step_ratios_by_setup"] = {s: step_ratios(rounds, s) for s in others}
     out.write_text(json.dumps(doc, indent=1) + "\n")
     plot_ratios(doc, KEYS, out.with_suffix(".png"), "bench_serving vs scripts/serve.sh: memx / stock",
                 "memx/stock")  # fmt: skip

@@ -73,11 +73,13 @@ def test_engine_states_reads_each_engines_status_through_the_router():
 
     with serving(Handler) as url:
         got = bs.engine_states(url)
+        alone = bs.engine_states(url + "/a", single=True)  # --single: the server itself, no router
     assert got["a"] == {"host_buffer": {"parked": 3, "recomputed": {"not_fetched": 1}},
                         "compute_share": {"cores": [0, 1]}, "heap_trim": {"trims": 2},
                         "requests": {"running": 0, "waiting": 0},
                         "governor": {"admission_verdicts": {"stock_first": 2}, "max_running_seen": 7}}  # fmt: skip
     assert set(got["b"]) == {"error"}
+    assert alone == {"single": got["a"]}
 
 
 def test_same_window_doc_renders_every_setup_against_stock():
@@ -116,6 +118,35 @@ def test_variants_need_a_new_lower_case_name():
     assert setups["memx"] == (["--single", "--sleep-on-idle"], None)
     assert setups["gov"] == (["--single", "--sleep-on-idle"], "--memx-elastic-kv --memx-governor")
     assert bs.parse_setups(bs._args([]))["memx"] == ([], None)  # fresh starts, the main job
+    every = bs.parse_setups(bs._args(["--single", "--serve-args", "--decode-log-interval 1", "--variant", "g=x"]))
+    assert {name: serve for name, (serve, _) in every.items()} == {
+        "stock": ["--memx-disable", "--decode-log-interval", "1"],
+        "memx": ["--single", "--decode-log-interval", "1"],
+        "g": ["--single", "--decode-log-interval", "1"],
+    }
     for bad in ("gov", "stock=--memx-elastic-kv", "Gov=x"):
         with pytest.raises(SystemExit, match="--variant"):
             bs.parse_setups(bs._args(["--variant", bad]))
+
+
+def test_step_table_shows_each_bin_and_the_prefill_forwards():
+    """With ``steps`` in every run (``--serve-args "--decode-log-interval 1"``): one row per batch-size
+    bin with a ratio, each setup's median step over the runs and the steps timed, the ratio over the
+    rounds where both timed enough steps; then the prefill forwards and tokens per run."""
+
+    def run(ms, prefills):
+        steps = {"by_batch": {"49-64": {"steps": 6, "step_ms_p50": ms, "mean_batch": 60}},
+                 "prefill_batches": prefills, "prefill_tokens": 100 * prefills, "decode_steps": 6}  # fmt: skip
+        return {**_run(1.0, 1000.0), "steps": steps}
+
+    rounds = [{"stock": run(100.0, 10), "memx": run(ms, 12)} for ms in (95.0, 100.0, 105.0, 110.0, 90.0)]
+    by = {"memx": {k: bs.ratio_stats(rounds, k, "memx", "stock") for k in bs.KEYS}}
+    doc = {"command": "bench", "time": "t", "machine": {"cpus": 2}, "tail": "p99", "rounds": rounds,
+           "ratios": by["memx"], "ratios_by_setup": by, "claims": bs.claims(rounds, by["memx"], 100),
+           "step_ratios_by_setup": {"memx": bs.step_ratios(rounds, "memx")}}  # fmt: skip
+    text = bt.render(doc)
+    assert "| running requests | stock | memx | memx / stock |" in text
+    assert "| 49-64 | 100 [100, 100] (30 steps) | 100 [90, 110] (30 steps) | 1 [0.9, 1.1] (5 rounds) |" in text
+    assert "| prefill forwards per run | 10 [10, 10] | 12 [12, 12] |" in text
+    assert "| prefill tokens per run | 1000 [1000, 1000] | 1200 [1200, 1200] |" in text
+    assert "running requests" not in bt.render({k: v for k, v in doc.items() if k != "step_ratios_by_setup"})
