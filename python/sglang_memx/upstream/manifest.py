@@ -212,6 +212,8 @@ OBJECTS: dict[str, str] = {
     "sglang.srt.entrypoints.http_server.get_global_state": "function",
     "sglang.srt.utils.auth.add_api_key_middleware": "function",
     "sglang.srt.configs.model_config.is_hybrid_swa_model": "function",
+    # its process title, set before it loads plugins, tells the plugin where it is (upstream.process)
+    _M + "detokenizer_manager.run_detokenizer_process": "function",
 }
 
 _A = _C + "allocator."
