@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from benchmark.doc_blocks import check_args, write_or_check
-from benchmark.step_log import BINS, bin_key
+from benchmark.step_log import BINS, MIN_STEPS, bin_key
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "router.md"
@@ -111,14 +111,15 @@ def render(doc: dict, begin: str = BEGIN, end: str = END) -> str:
 
 def _step_table(doc: dict, setups: list[str], others: list[str]) -> list[str]:
     """Decode step time by batch size (``benchmark.step_log``): per setup the median [min, max] over
-    the runs of each run's median step time in the bin (and the steps timed, summed), per other setup
-    its ratio to stock over the rounds where both timed >= 5 steps in the bin; then the prefill
-    forwards and the tokens they computed, per run."""
+    the runs that timed >= ``MIN_STEPS`` steps in the bin of each one's median step time (and the
+    steps they timed, summed), per other setup its ratio to stock over the rounds where both did;
+    then the prefill forwards and the tokens they computed, per run."""
     rounds = doc["rounds"]
     lines = [
         "Decode step time by batch size, from the engines' own per-step log lines (a decode line right after "
-        "another: one step). Per setup: each run's median step (ms), median [min, max] over the runs, and the "
-        "steps timed; ratio: per round, setup / stock, where both timed >= 5 steps in the bin.",
+        "another: one step). Per setup: each run's median step (ms), median [min, max] over the runs that timed "
+        f">= {MIN_STEPS} steps in the bin, and the steps they timed; ratio: per round, setup / stock, where both "
+        f"timed >= {MIN_STEPS}.",
         "",
         "| running requests | " + " | ".join(setups) + " | " + " | ".join(f"{s} / stock" for s in others) + " |",
         "|---|" + "---|" * (len(setups) + len(others)),
@@ -128,7 +129,7 @@ def _step_table(doc: dict, setups: list[str], others: list[str]) -> list[str]:
     for key in bins:
         row = [key]
         for s in setups:
-            runs = [r[s]["steps"]["by_batch"][key] for r in rounds if key in r[s]["steps"]["by_batch"]]
+            runs = [x for r in rounds if (x := r[s]["steps"]["by_batch"].get(key)) and x["steps"] >= MIN_STEPS]
             row.append(f"{_range([x['step_ms_p50'] for x in runs])} ({sum(x['steps'] for x in runs)} steps)")
         for s in others:
             st = ratios[s].get(key)

@@ -13,6 +13,11 @@ log gained during it). The benchmark compares stock and memx bin by bin: equal s
 equal batch sizes mean memx does not slow a step down, and a throughput gap is then in what the
 batches hold (their sizes, the prefill forwards between them), not in the steps.
 
+One step's reading is an estimate: upstream counts a step's tokens when its result is processed
+(under its overlap scheduler, while the next step runs), so a single step can read short or long
+(a run with 4 steps at 65 running requests read 138 ms); bins are compared by their median over at
+least ``MIN_STEPS`` steps.
+
 Invariant: only a decode line whose predecessor (among decode and prefill lines) is a decode line
 gives a step; other lines of the log are ignored.
 """
@@ -23,8 +28,9 @@ import re
 import statistics
 from pathlib import Path
 
-__all__ = ["BINS", "bin_key", "summarize", "read_from"]
+__all__ = ["BINS", "MIN_STEPS", "bin_key", "summarize", "read_from"]
 
+MIN_STEPS = 5  # a run's median step in a bin is compared only when it timed at least this many there
 BINS = ((1, 8), (9, 16), (17, 32), (33, 48), (49, 64), (65, 96), (97, 10**6))
 _DECODE = re.compile(r"Decode batch\b.*?#running-req: (\d+)\b.*?gen throughput \(token/s\): ([0-9.]+)")
 _PREFILL = re.compile(r"Prefill batch\b.*?#new-seq: (\d+), #new-token: (\d+)")

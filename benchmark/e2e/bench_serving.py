@@ -56,7 +56,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "test")]
 from benchmark.e2e.router_proc import http_json  # noqa: E402
 from benchmark.pairs import plot_ratios, ratio_stats, run_rounds  # noqa: E402
 from benchmark.quiet_point import engines  # noqa: E402
-from benchmark.step_log import BINS, bin_key, read_from, summarize  # noqa: E402
+from benchmark.step_log import BINS, MIN_STEPS, bin_key, read_from, summarize  # noqa: E402
 
 NAME = "SmolLM2-135M-Instruct"
 STOCK = "stock"
@@ -198,7 +198,7 @@ def logs_every_step(serve_args: str) -> bool:
     )
 
 
-def step_ratios(rounds: list[dict], setup: str, min_steps: int = 5) -> dict:
+def step_ratios(rounds: list[dict], setup: str, min_steps: int = MIN_STEPS) -> dict:
     """Per batch-size bin: the per-round ratios of the median decode step time, ``setup`` / stock,
     over the rounds where both timed at least ``min_steps`` steps in that bin (``benchmark.step_log``);
     median [min, max] and the rounds counted."""
