@@ -17,7 +17,7 @@ Numbers in, one verdict out. Two questions:
   admission hook and the simulator's ``governed_ellm`` scheduler make: eLLM's verdict
   (``judge_prefill(ask)``), the harm prediction against the room the running requests may grow
   into (``room``, converted to pages) and the governed verdict below.
-* ``judge_with_governor(mechanism, harm, batch_admits)``: the mechanism's verdict
+* ``judge_with_governor(mechanism, harm, batch_admits, park_keeps_tpot)``: the mechanism's verdict
   (``prefill_admission``: ``ON_GPU`` / ``OFFLOAD`` / ``DEFER``), whether admitting the request on
   the device is predicted to preempt a running request (``harm``: ``peak_shortfall > 0``) and the
   governor's TPOT batch decision. In order (``REASONS``):
@@ -33,6 +33,11 @@ Numbers in, one verdict out. Two questions:
   6. ``NO_PREDICTED_GAIN``: the mechanism defers (its decode reserve, its activation cost, a
      parked request ahead) but nothing running is predicted to lose its KV: stock's own admission
      decides (a refusal stock would not make is allowed only with a predicted gain).
+  7. ``PARK_OVER_TPOT``: rule 2 or 5 would park, but with a TPOT SLO the parked request's own
+     predicted TPOT, its wait on the host for device room included, is over it
+     (``park_tpot.park_keeps_tpot``): parking would only trade its late first token for late
+     tokens after it, and cost the running requests a resume forward. Rule 2's parking becomes
+     a deferral, rule 5's stock's own admission without the buffer.
 
 Invariant: ``DEFER`` only with a predicted gain (a TPOT within SLO, a running request kept) or
 when the caller's stock admission refuses too; nothing is ever dropped (a deferred request waits).
@@ -44,12 +49,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._checks import check_int
+from .kv_growth import Running, peak_shortfall
+from .park_tpot import ParkTpot, park_keeps_tpot
 from .prefill_admission import DEFER, OFFLOAD, ON_GPU, PrefillAsk, PrefillVerdict, judge_prefill
 
 __all__ = [
     "STOCK",
     "STOCK_ELSE_PARK",
     "GovernedVerdict",
+    "ParkTpot",
     "Running",
     "REASONS",
     "govern_prefill",
@@ -67,18 +75,8 @@ PROTECTS_RUNNING = "protects_running"
 MECHANISM_ADMITS = "mechanism_admits"
 STOCK_FIRST = "stock_first"
 NO_PREDICTED_GAIN = "no_predicted_gain"
-REASONS = (OVER_SLO, PARK_PROTECTS, PROTECTS_RUNNING, MECHANISM_ADMITS, STOCK_FIRST, NO_PREDICTED_GAIN)
-
-
-@dataclass(frozen=True)
-class Running:
-    """One request that will hold KV: ``tokens`` it holds now (prompt + generated), ``remaining``
-    tokens it may still generate, ``frees`` pages it gives back when it finishes (its own, not
-    a shared prefix's)."""
-
-    tokens: int
-    remaining: int
-    frees: int
+PARK_OVER_TPOT = "park_over_tpot"
+REASONS = (OVER_SLO, PARK_PROTECTS, PROTECTS_RUNNING, MECHANISM_ADMITS, STOCK_FIRST, NO_PREDICTED_GAIN, PARK_OVER_TPOT)
 
 
 @dataclass(frozen=True)
@@ -96,74 +94,53 @@ class GovernedVerdict:
             raise ValueError(f"reason must be one of {REASONS}, got {self.reason!r}")
 
 
-def peak_shortfall(free_pages: int, running: Sequence[Running], page: int, now_pages: int = 0) -> int:
-    """Largest future demand beyond ``free_pages`` (module docstring); <= 0: no preemption predicted.
-    ``now_pages``: pages taken at once (a candidate's prompt, prefills under way)."""
-    check_int("free_pages", free_pages)
-    check_int("page", page, 1)
-    check_int("now_pages", now_pages)
-    reqs = sorted(running, key=lambda r: r.remaining)
-    for r in reqs:
-        check_int("tokens", r.tokens)
-        check_int("remaining", r.remaining)
-        check_int("frees", r.frees)
-    # slack[i]: free token slots in the last page; a request with slack o has added
-    # q + 1 - [o > s] pages after t steps, t - 1 = q * page + s (0 before its first step)
-    slack_count = [0] * page
-    for r in reqs:
-        slack_count[(-r.tokens) % page] += 1
-    alive = len(reqs)
-    freed = 0
-    peak = now_pages
-    i = 0
-    while i < len(reqs):
-        t = reqs[i].remaining  # the last step of every request with this remaining length
-        if t > 0:
-            q, s = divmod(t - 1, page)
-            grown = alive * (q + 1) - sum(slack_count[s + 1 :])
-            peak = max(peak, now_pages + grown - freed)
-        while i < len(reqs) and reqs[i].remaining == t:  # they finish: their pages come back
-            r = reqs[i]
-            freed += r.frees
-            slack_count[(-r.tokens) % page] -= 1
-            alive -= 1
-            i += 1
-    return peak - free_pages
-
-
-def judge_with_governor(mechanism: str, harm: bool, batch_admits: bool = True) -> GovernedVerdict:
-    """The mechanism's verdict passed through the governor (module docstring, rules 1-6)."""
+def judge_with_governor(mechanism: str, harm: bool, batch_admits: bool = True,
+                        park_keeps_tpot: bool = True) -> GovernedVerdict:  # fmt: skip
+    """The mechanism's verdict passed through the governor (module docstring, rules 1-6; with
+    ``park_keeps_tpot`` False, a parking in rules 2 and 5 becomes rule 7's)."""
     if mechanism not in (ON_GPU, OFFLOAD, DEFER):
         raise ValueError(f"mechanism must be {ON_GPU!r}, {OFFLOAD!r} or {DEFER!r}, got {mechanism!r}")
-    for name, v in (("harm", harm), ("batch_admits", batch_admits)):
+    for name, v in (("harm", harm), ("batch_admits", batch_admits), ("park_keeps_tpot", park_keeps_tpot)):
         if not isinstance(v, bool):
             raise ValueError(f"{name} must be a bool, got {v!r}")
     if not batch_admits:
         return GovernedVerdict(DEFER, OVER_SLO)
     if harm:
-        if mechanism == OFFLOAD:
-            return GovernedVerdict(OFFLOAD, PARK_PROTECTS)
-        return GovernedVerdict(DEFER, PROTECTS_RUNNING)
+        if mechanism != OFFLOAD:
+            return GovernedVerdict(DEFER, PROTECTS_RUNNING)
+        if not park_keeps_tpot:
+            return GovernedVerdict(DEFER, PARK_OVER_TPOT)
+        return GovernedVerdict(OFFLOAD, PARK_PROTECTS)
     if mechanism == ON_GPU:
         return GovernedVerdict(ON_GPU, MECHANISM_ADMITS)
     if mechanism == OFFLOAD:
+        if not park_keeps_tpot:
+            return GovernedVerdict(STOCK, PARK_OVER_TPOT)
         return GovernedVerdict(STOCK_ELSE_PARK, STOCK_FIRST)
     return GovernedVerdict(STOCK, NO_PREDICTED_GAIN)
 
 
 def govern_prefill(ask: PrefillAsk, running: Sequence[Running], page: int, now_pages: int,
-                   batch_admits: bool = True, ask_unit: int = 1,
-                   room: int | None = None) -> tuple[PrefillVerdict, GovernedVerdict]:  # fmt: skip
+                   batch_admits: bool = True, ask_unit: int = 1, room: int | None = None,
+                   park: ParkTpot | None = None) -> tuple[PrefillVerdict, GovernedVerdict]:  # fmt: skip
     """The mechanism's verdict for one prefill and that verdict passed through the governor
     (module docstring): ``running`` includes the candidate, ``now_pages`` its prompt's pages (and
     any prompt under way). ``room`` (ask units): what they may grow into; default the ask's
     budget less the batch's activation (the server, whose KV grows into idle activation and whose
     later batches wait for their activation instead of preempting); the simulator passes its free
     + evictable KV (its later iterations need the activation reserve back). ``ask_unit``: tokens
-    per ask unit (the server asks in tokens: 1; the simulator in blocks: ``page``)."""
+    per ask unit (the server asks in tokens: 1; the simulator in blocks: ``page``). ``park``: the
+    governor's step and TPOT SLO (``park_tpot``; None: no TPOT SLO or no prediction yet, parking
+    is judged as before); when parking the candidate (``running``'s last entry) would put its own
+    TPOT over the SLO, no branch parks it: rule 7, and an on-device verdict loses its buffer
+    fallback (``if_refused``)."""
     check_int("ask_unit", ask_unit, 1)
     if room is None:
         room = ask.budget - ask.act
     verdict = judge_prefill(ask)
-    harm = peak_shortfall(max(room, 0) * ask_unit // page, running, page, now_pages) > 0
-    return verdict, judge_with_governor(verdict.action, harm, batch_admits)
+    free_pages = max(room, 0) * ask_unit // page
+    harm = peak_shortfall(free_pages, running, page, now_pages) > 0
+    keeps = park is None or park_keeps_tpot(park, free_pages, running, page, now_pages)
+    if not keeps and verdict.if_refused == OFFLOAD:
+        verdict = PrefillVerdict(ON_GPU)
+    return verdict, judge_with_governor(verdict.action, harm, batch_admits, keeps)

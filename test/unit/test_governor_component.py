@@ -234,3 +234,14 @@ def test_a_prefill_the_running_requests_wait_through_is_a_stall():
     assert stalls.stalled_s == pytest.approx(0.040 * d + 0.006)
     doc = part.status()["governor"]
     assert doc["prefill_stalls"]["stalls"] == 2 and doc["measured_decode_step_ms"] == pytest.approx(14.0)
+
+
+def test_the_parking_question_gets_the_predicted_tpot_and_the_slo_only_when_both_exist():
+    """``park_tpot``: None without a TPOT SLO or while the step model learns (parking is judged as
+    before); else the predicted TPOT of the batch with the request (the step model's at one more
+    request) and the SLO."""
+    running, req = [FakeReq(prompt=10, outputs=2)] * 2, FakeReq(prompt=30)
+    assert GovernorPart(BatchGovernor(None, _trained())).park_tpot(running, req) is None  # --memx-governor alone
+    assert GovernorPart(BatchGovernor(0.05, StepTimeModel(min_samples=4))).park_tpot(running, req) is None  # learning
+    park = GovernorPart(BatchGovernor(0.05, _trained())).park_tpot(running, req)
+    assert park.slo_s == 0.05 and park.step_s == pytest.approx(0.010 + 0.002 * 3, rel=1e-3)

@@ -20,46 +20,61 @@ from memory_ext.policy.no_harm import (
 )
 from memory_ext.policy.prefill_admission import DEFER, OFFLOAD, ON_GPU
 
-# (mechanism's verdict, harm predicted, governor's batch decision) -> (action, reason)
+# (mechanism's verdict, harm predicted, governor's batch decision, parking keeps its TPOT) -> (action, reason)
 VERDICTS = [
     # do nothing: the mechanism admits, nothing is harmed, the batch may grow -> its admission stands
-    (ON_GPU, False, True, ON_GPU, "mechanism_admits"),
+    (ON_GPU, False, True, True, ON_GPU, "mechanism_admits"),
+    (ON_GPU, False, True, False, ON_GPU, "mechanism_admits"),  # no parking asked: the TPOT check is moot
     # the TPOT batch decision refuses first, whatever the mechanism says
-    (ON_GPU, False, False, DEFER, "over_slo"),
-    (OFFLOAD, False, False, DEFER, "over_slo"),
-    (DEFER, False, False, DEFER, "over_slo"),
-    (DEFER, True, False, DEFER, "over_slo"),
+    (ON_GPU, False, False, True, DEFER, "over_slo"),
+    (OFFLOAD, False, False, True, DEFER, "over_slo"),
+    (OFFLOAD, True, False, False, DEFER, "over_slo"),
+    (DEFER, False, False, True, DEFER, "over_slo"),
+    (DEFER, True, False, True, DEFER, "over_slo"),
     # admitting on the device would preempt a running request: defer, or park if the mechanism would
-    (ON_GPU, True, True, DEFER, "protects_running"),
-    (DEFER, True, True, DEFER, "protects_running"),
-    (OFFLOAD, True, True, OFFLOAD, "park_protects_running"),
+    (ON_GPU, True, True, True, DEFER, "protects_running"),
+    (ON_GPU, True, True, False, DEFER, "protects_running"),
+    (DEFER, True, True, True, DEFER, "protects_running"),
+    (DEFER, True, True, False, DEFER, "protects_running"),
+    (OFFLOAD, True, True, True, OFFLOAD, "park_protects_running"),
+    # ... unless its own wait for room puts its TPOT over the SLO: it waits instead
+    (OFFLOAD, True, True, False, DEFER, "park_over_tpot"),
     # no predicted harm: a refusal or a parking stock would not make goes to stock's own admission
-    (DEFER, False, True, STOCK, "no_predicted_gain"),
-    (OFFLOAD, False, True, STOCK_ELSE_PARK, "stock_first"),
+    (DEFER, False, True, True, STOCK, "no_predicted_gain"),
+    (DEFER, False, True, False, STOCK, "no_predicted_gain"),
+    (OFFLOAD, False, True, True, STOCK_ELSE_PARK, "stock_first"),
+    # ... without the buffer when parking would put its TPOT over the SLO
+    (OFFLOAD, False, True, False, STOCK, "park_over_tpot"),
 ]
 
 
-@pytest.mark.parametrize("mechanism,harm,batch,action,reason", VERDICTS)
-def test_judge_with_governor(mechanism, harm, batch, action, reason):
-    assert judge_with_governor(mechanism, harm, batch) == GovernedVerdict(action, reason)
+@pytest.mark.parametrize("mechanism,harm,batch,keeps,action,reason", VERDICTS)
+def test_judge_with_governor(mechanism, harm, batch, keeps, action, reason):
+    assert judge_with_governor(mechanism, harm, batch, keeps) == GovernedVerdict(action, reason)
 
 
 def test_the_table_covers_every_reason_and_every_input():
-    assert {row[4] for row in VERDICTS} == set(REASONS)
-    assert {row[:3] for row in VERDICTS} >= {(m, h, True) for m in (ON_GPU, OFFLOAD, DEFER) for h in (False, True)}
+    assert {row[5] for row in VERDICTS} == set(REASONS)
+    every = {(m, h, True, k) for m in (ON_GPU, OFFLOAD, DEFER) for h in (False, True) for k in (False, True)}
+    assert {row[:4] for row in VERDICTS} >= every
 
 
 def test_a_refusal_needs_a_predicted_gain():
     """``DEFER`` only with harm predicted or the batch refused (the module's invariant)."""
     for m in (ON_GPU, OFFLOAD, DEFER):
-        v = judge_with_governor(m, harm=False, batch_admits=True)
-        assert v.action != DEFER
+        for keeps in (True, False):
+            assert judge_with_governor(m, harm=False, batch_admits=True, park_keeps_tpot=keeps).action != DEFER
     assert judge_with_governor(DEFER, False).reason == NO_PREDICTED_GAIN
 
 
 @pytest.mark.parametrize(
     "args,field",
-    [(("maybe", False, True), "mechanism"), ((ON_GPU, 1, True), "harm"), ((ON_GPU, False, None), "batch_admits")],
+    [
+        (("maybe", False, True), "mechanism"),
+        ((ON_GPU, 1, True), "harm"),
+        ((ON_GPU, False, None), "batch_admits"),
+        ((OFFLOAD, False, True, "no"), "park_keeps_tpot"),
+    ],
 )
 def test_bad_verdict_input_names_the_field(args, field):
     with pytest.raises(ValueError, match=f"^{field}"):

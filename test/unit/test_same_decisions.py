@@ -416,6 +416,9 @@ class _Verdicts:
     def note_verdict(self, verdict):
         self.seen.append(verdict)
 
+    def park_tpot(self, running_reqs, req):
+        return None  # no TPOT SLO here: parking is judged without it, as in the simulator
+
 
 def _server_governed(available, reserve, running, queue):
     """The server path: memx's admission hook with the governor, over upstream's real prefill budget;
@@ -440,7 +443,8 @@ def _server_governed(available, reserve, running, queue):
 
     asked, governor = [], _Verdicts()
 
-    def govern(ask, running_reqs, page, now_pages, batch_admits=True):
+    def govern(ask, running_reqs, page, now_pages, batch_admits=True, park=None):
+        assert park is None  # the governor here has no TPOT SLO
         out = no_harm.govern_prefill(ask, running_reqs, page, now_pages, batch_admits)
         room = max(ask.budget - ask.act, 0)
         asked.append((no_harm.peak_shortfall(room // page, running_reqs, page, now_pages), out[0]))

@@ -9,7 +9,9 @@
   its predicted decode step too (``memory_ext.policy.prefill_stalls``: the predicted TPOT counts
   them); iterations with no batch (idle) count nothing;
 * admission asks it before a new request joins the running batch
-  (``elastic.admission.governor_refusal``, from ``hooks.scheduler.around_add_one_req``);
+  (``elastic.admission.governor_refusal``, from ``hooks.scheduler.around_add_one_req``), and for
+  the numbers of the parking question (``park_tpot``: with a TPOT SLO, a prefill is parked on the
+  host only if its own TPOT, its wait for device room included, stays within it);
 * its status (``/memx/status`` → ``elastic_kv.governor``): the SLOs in force and where each came
   from (``slos``: the TPOT SLO's flag, or the ``models.yaml`` field ``sglang-memx serve`` passed it
   from; the TTFT SLO when the host buffer has one), the batch cap and why, predicted vs measured
@@ -30,6 +32,7 @@ from typing import Any
 from memory_ext.policy.governor import BatchGovernor
 from memory_ext.policy.no_harm import REASONS as NO_HARM_REASONS
 from memory_ext.policy.no_harm import GovernedVerdict
+from memory_ext.policy.park_tpot import ParkTpot
 from sglang_memx.config import TPOT_SLO_FLAG
 from sglang_memx.coordinator.parts import Iteration, Source, Step, step
 from sglang_memx.upstream import request as up_req
@@ -101,6 +104,16 @@ class GovernorPart:
     def may_grow(self, running_reqs, req):
         """The decision for ``req`` joining ``running_reqs`` (counted by reason)."""
         return self.governor.may_grow(len(running_reqs), kv_tokens(running_reqs), kv_tokens((req,)))
+
+    def park_tpot(self, running_reqs, req) -> ParkTpot | None:
+        """The numbers for the parking question (``memory_ext.policy.park_tpot``): the predicted
+        TPOT of ``running_reqs`` with ``req`` and the TPOT SLO; None without an SLO or a prediction
+        yet (parking is then judged without it)."""
+        slo = self.governor.tpot_slo_s
+        if slo is None:
+            return None
+        step_s = self.governor.predict_tpot(len(running_reqs) + 1, kv_tokens(running_reqs) + kv_tokens((req,)))
+        return None if step_s is None else ParkTpot(step_s, slo)
 
     def would_admit(self, running_reqs, req) -> bool:
         """Whether ``req`` may join ``running_reqs`` now, asked ahead of admission (not counted):

@@ -32,8 +32,10 @@ makes: the verdict above passes the governor, which lets a refusal or a parking 
 predicted gain (``server_growth``: the running requests' peak KV demand with the request would
 exceed the budget, i.e. admitting it would preempt one, with each request's decode estimated as
 upstream's admission estimates it); otherwise the on-device branch runs and
-upstream's own admission decides, as it would without memx. Each governed verdict is counted by
-reason (``GovernorPart.note_verdict``, ``/memx/status``).
+upstream's own admission decides, as it would without memx. With a TPOT SLO, no branch parks a
+request whose own predicted TPOT, its wait on the host for device room included, is over it
+(``GovernorPart.park_tpot``, ``memory_ext.policy.park_tpot``; reason ``park_over_tpot``). Each
+governed verdict is counted by reason (``GovernorPart.note_verdict``, ``/memx/status``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from memory_ext.policy.no_harm import (
     Running,
     govern_prefill,
 )
+from memory_ext.policy.park_tpot import ParkTpot
 from memory_ext.policy.prefill_admission import DEFER, OFFLOAD, ON_GPU, PrefillAsk, PrefillVerdict, judge_prefill
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.elastic import demand, host_buffer
@@ -64,6 +67,8 @@ class AdmissionGovernor(Protocol):
     def may_grow(self, running_reqs, req): ...
 
     def note_verdict(self, verdict: GovernedVerdict) -> None: ...
+
+    def park_tpot(self, running_reqs, req) -> ParkTpot | None: ...
 
 
 def _decode_headroom(adder, steps: int = 1) -> int:
@@ -158,7 +163,8 @@ def add_one(original, adder, req, has_chunked_req, truncation_align_size, activa
         verdict = judge_prefill(ask)
     else:
         running, now_pages = server_growth(adder, req)
-        verdict, gv = govern_prefill(ask, running, up_sched.adder_page_size(adder), now_pages)
+        park = governor.park_tpot(up_sched.adder_batch_reqs(adder), req)
+        verdict, gv = govern_prefill(ask, running, up_sched.adder_page_size(adder), now_pages, park=park)
         governor.note_verdict(gv)
         verdict = _as_verdict(gv, verdict)
     if verdict.action == DEFER:

@@ -1,0 +1,88 @@
+"""Does parking a prefill on the host keep its own TPOT within the SLO?
+
+A request parked in the host buffer gets its first token at once, then waits, its KV on the
+host, until the device has room for it beside the running requests, then decodes. Its TPOT
+(time per output token after the first) therefore carries the wait. Measured on the issue's
+``bench_serving`` load (docs/router.md, "Step time at equal batch size"): the running requests'
+decode steps are not slower with parking, but the parked requests' inter-token p99 was 4.5-16 s
+against stock's 2.8-5.3 s, and each resume costs the running requests one more prefill forward.
+When the wait pushes the parked request's TPOT past the SLO, parking only turns a late first
+token into late tokens after it, at that cost to the others: no predicted gain.
+
+* ``wait_steps(free_pages, others, page, candidate, now_pages)``: the decode steps of the
+  running requests (``others``, ``kv_growth.Running``; ``now_pages``: prompts under way) until the
+  candidate's pages (``frees``: its KV back and its decode, all of it) fit beside the others'
+  peak demand from then on (``kv_growth.peak_shortfall`` <= 0: nobody preempted); 0: now, None:
+  never (every running request finishes and still too little is free). Counting the candidate
+  at its full size from the start makes this an upper bound on its wait (it grows into its
+  pages while the others finish), so the rule errs toward not parking, i.e. stock's behaviour.
+  That peak only falls when a request finishes (``kv_growth.finish_sweep``), so the first step
+  it fits is 0 or a finishing step: those are the ones tried.
+* ``ParkTpot(step_s, slo_s)``: the predicted decode step (seconds, the governor's TPOT of the
+  running batch with the request) and the TPOT SLO.
+* ``park_keeps_tpot(park, free_pages, running, page, now_pages)``: ``running``'s last entry is the
+  candidate (as ``no_harm.govern_prefill`` receives it). Predicted TPOT of the parked candidate:
+  ``step_s * (wait + remaining) / remaining`` (its ``remaining`` tokens after the first); within
+  the SLO (``<=``) or nothing left to decode: True. The prompts under way are ``now_pages`` less its
+  own prompt (it is among them when asked).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._checks import check_int, check_num
+from .kv_growth import Running, finish_sweep, peak_shortfall
+
+__all__ = ["ParkTpot", "park_keeps_tpot", "parked_tpot_s", "wait_steps"]
+
+
+@dataclass(frozen=True)
+class ParkTpot:
+    """The governor's numbers for the parking question: predicted decode step and TPOT SLO (s)."""
+
+    step_s: float
+    slo_s: float
+
+    def __post_init__(self):
+        check_num("step_s", self.step_s, 0.0)
+        check_num("slo_s", self.slo_s, 0.0, strict=True)
+
+
+def wait_steps(free_pages: int, others: Sequence[Running], page: int, candidate: Running,
+               now_pages: int = 0) -> int | None:  # fmt: skip
+    """Decode steps of ``others`` until ``candidate``'s pages fit beside their peak from then on
+    (module docstring); 0: now, None: never."""
+    check_int("free_pages", free_pages)
+    check_int("now_pages", now_pages)
+    starts = [(0, 0, 0)] + [(s.t, s.grown_after, s.freed_after) for s in finish_sweep(others, page)]
+    for t, grown, freed in starts:
+        free_then = free_pages - now_pages - grown + freed - candidate.frees
+        if free_then < 0:
+            continue
+        left = [Running(r.tokens + t, r.remaining - t, r.frees) for r in others if r.remaining > t]
+        if peak_shortfall(free_then, left, page) <= 0:
+            return t
+    return None
+
+
+def parked_tpot_s(step_s: float, wait: int, remaining: int) -> float:
+    """A parked request's TPOT: ``wait`` steps on the host, then ``remaining`` tokens at ``step_s``."""
+    check_int("wait", wait)
+    check_int("remaining", remaining, 1)
+    return step_s * (wait + remaining) / remaining
+
+
+def park_keeps_tpot(park: ParkTpot, free_pages: int, running: Sequence[Running], page: int,
+                    now_pages: int = 0) -> bool:  # fmt: skip
+    """Whether parking ``running[-1]`` keeps its predicted TPOT within ``park.slo_s`` (module docstring)."""
+    if not running:
+        raise ValueError("running must end with the candidate, got no request")
+    *others, candidate = running
+    if candidate.remaining == 0:
+        return True  # it finishes on its first token: nothing waits
+    own_prompt = math.ceil(candidate.tokens / page)
+    wait = wait_steps(free_pages, others, page, candidate, max(now_pages - own_prompt, 0))
+    return wait is not None and parked_tpot_s(park.step_s, wait, candidate.remaining) <= park.slo_s
