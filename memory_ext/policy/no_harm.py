@@ -3,16 +3,16 @@ effect on the running requests' SLOs is not worse than stock's.
 
 Numbers in, one verdict out. Two questions:
 
-* ``peak_shortfall(free_pages, running, page, now_pages)``: the running requests (each its KV
-  tokens now, the tokens it may still generate and the pages it frees when it finishes) and a
-  candidate's immediate pages, with no further admission: the largest number of pages they will
-  need beyond ``free_pages`` at any future decode step (<= 0: nobody is ever preempted). Exact
-  for known remaining lengths (the simulator's output lengths; the server passes upstream's own
-  estimate, the remaining ``max_new_tokens`` times its new-token ratio): at step ``t`` a request
-  holding ``c`` tokens has added ``ceil((c + t) / page) - ceil(c / page)`` pages while it runs,
-  and has freed its pages once it has produced its last token. The peak is at one of the steps
-  where a request produces its last token (in between, demand only grows), so it costs a sort
-  and one sweep.
+* ``peak_shortfall(free_pages, running, page, now_pages)`` (``kv_growth``'s, re-exported): the
+  running requests (each its KV tokens now, the tokens it may still generate and the pages it
+  frees when it finishes) and a candidate's immediate pages, with no further admission: the
+  largest number of pages they will need beyond ``free_pages`` at any future decode step (<= 0:
+  nobody is ever preempted). Exact for known remaining lengths (the simulator's output lengths;
+  the server passes upstream's own estimate, the remaining ``max_new_tokens`` times its
+  new-token ratio): at step ``t`` a request holding ``c`` tokens has added ``ceil((c + t) /
+  page) - ceil(c / page)`` pages while it runs, and has freed its pages once it has produced its
+  last token. The peak is at one of the steps where a request produces its last token (in
+  between, demand only grows), so it costs a sort and one sweep.
 * ``govern_prefill(ask, running, page, now_pages, batch_admits)``: the one call both the server's
   admission hook and the simulator's ``governed_ellm`` scheduler make: eLLM's verdict
   (``judge_prefill(ask)``), the harm prediction against the room the running requests may grow
@@ -140,7 +140,8 @@ def govern_prefill(ask: PrefillAsk, running: Sequence[Running], page: int, now_p
     verdict = judge_prefill(ask)
     free_pages = max(room, 0) * ask_unit // page
     harm = peak_shortfall(free_pages, running, page, now_pages) > 0
-    keeps = park is None or park_keeps_tpot(park, free_pages, running, page, now_pages)
+    parks = verdict.action == OFFLOAD or verdict.if_refused == OFFLOAD  # asked only where parking is at stake
+    keeps = park is None or not parks or park_keeps_tpot(park, free_pages, running, page, now_pages)
     if not keeps and verdict.if_refused == OFFLOAD:
         verdict = PrefillVerdict(ON_GPU)
     return verdict, judge_with_governor(verdict.action, harm, batch_admits, keeps)

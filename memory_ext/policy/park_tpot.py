@@ -12,7 +12,7 @@ token into late tokens after it, at that cost to the others: no predicted gain.
 * ``wait_steps(free_pages, others, page, candidate, now_pages)``: the decode steps of the
   running requests (``others``, ``kv_growth.Running``; ``now_pages``: prompts under way) until the
   candidate's pages (``frees``: its KV back and its decode, all of it) fit beside the others'
-  peak demand from then on (``kv_growth.peak_shortfall`` <= 0: nobody preempted); 0: now, None:
+  peak demand from then on (nobody preempted, as ``kv_growth.peak_shortfall`` asks); 0: now, None:
   never (every running request finishes and still too little is free). Counting the candidate
   at its full size from the start makes this an upper bound on its wait (it grows into its
   pages while the others finish), so the rule errs toward not parking, i.e. stock's behaviour.
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._checks import check_int, check_num
-from .kv_growth import Running, finish_sweep, peak_shortfall
+from .kv_growth import Running, finish_sweep
 
 __all__ = ["ParkTpot", "park_keeps_tpot", "parked_tpot_s", "wait_steps"]
 
@@ -54,17 +54,22 @@ class ParkTpot:
 def wait_steps(free_pages: int, others: Sequence[Running], page: int, candidate: Running,
                now_pages: int = 0) -> int | None:  # fmt: skip
     """Decode steps of ``others`` until ``candidate``'s pages fit beside their peak from then on
-    (module docstring); 0: now, None: never."""
+    (module docstring); 0: now, None: never. One sweep: the others' demand peaks just before a
+    request finishes, so the peak from a start on is a suffix maximum over the finishing steps."""
     check_int("free_pages", free_pages)
     check_int("now_pages", now_pages)
-    starts = [(0, 0, 0)] + [(s.t, s.grown_after, s.freed_after) for s in finish_sweep(others, page)]
-    for t, grown, freed in starts:
-        free_then = free_pages - now_pages - grown + freed - candidate.frees
-        if free_then < 0:
-            continue
-        left = [Running(r.tokens + t, r.remaining - t, r.frees) for r in others if r.remaining > t]
-        if peak_shortfall(free_then, left, page) <= 0:
-            return t
+    room = free_pages - now_pages - candidate.frees
+    steps = list(finish_sweep(others, page))
+    # later_peak[i]: the others' largest demand at or after finishing step i, just before it frees
+    later_peak = [0] * (len(steps) + 1)
+    later_peak[-1] = -(1 << 62)
+    for i in range(len(steps) - 1, -1, -1):
+        later_peak[i] = max(later_peak[i + 1], steps[i].grown - steps[i].freed_before)
+    if room >= max(0, later_peak[0]):
+        return 0
+    for i, step in enumerate(steps):  # started right after the requests finishing at this step
+        if room >= max(step.grown_after - step.freed_after, later_peak[i + 1]):
+            return step.t
     return None
 
 
