@@ -34,6 +34,12 @@ def ratio_stats(rounds: Sequence[dict], key: str, num: str, den: str) -> dict:
     for r in rounds:
         a, b = r[num][key], r[den][key]
         values.append(a / b if b else float("nan"))
+    return value_stats(values)
+
+
+def value_stats(values: Sequence[float]) -> dict:
+    """``values`` as given, and the median, min and max of the finite ones (NaN when none is)."""
+    values = list(values)
     finite = [v for v in values if v == v]
     return {
         "values": values,

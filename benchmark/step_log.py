@@ -4,7 +4,7 @@ With ``--decode-log-interval 1`` upstream's scheduler logs one ``Decode batch`` 
 step: ``#running-req: N`` and ``gen throughput (token/s): G``, the tokens generated since its
 previous decode line over the time since that line. When the line before it is also a decode line
 (no prefill forward ran in between), that time is one decode step: ``N / G`` seconds. Prefill
-lines (``Prefill batch, #new-seq: S, #new-token: T``) are counted: how many prefill forwards ran
+lines (``Prefill batch, ... #new-token: T``) are counted: how many prefill forwards ran
 and how many tokens they computed.
 
 ``summarize(texts)`` gives, per batch-size bin (``BINS``), the number of such steps, the median step
@@ -33,7 +33,7 @@ __all__ = ["BINS", "MIN_STEPS", "bin_key", "summarize", "read_from"]
 MIN_STEPS = 5  # a run's median step in a bin is compared only when it timed at least this many there
 BINS = ((1, 8), (9, 16), (17, 32), (33, 48), (49, 64), (65, 96), (97, 10**6))
 _DECODE = re.compile(r"Decode batch\b.*?#running-req: (\d+)\b.*?gen throughput \(token/s\): ([0-9.]+)")
-_PREFILL = re.compile(r"Prefill batch\b.*?#new-seq: (\d+), #new-token: (\d+)")
+_PREFILL = re.compile(r"Prefill batch\b.*?#new-token: (\d+)")
 
 
 def bin_key(lo: int, hi: int) -> str:
@@ -56,7 +56,7 @@ def _steps(text: str) -> tuple[list[tuple[int, float]], int, int]:
         found = _PREFILL.search(line)
         if found:
             prefills += 1
-            prefill_tokens += int(found.group(2))
+            prefill_tokens += int(found.group(1))
             previous_was_decode = False
     return steps, prefills, prefill_tokens
 

@@ -43,7 +43,6 @@ import platform
 import re
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -54,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "test")]
 
 from benchmark.e2e.router_proc import http_json  # noqa: E402
-from benchmark.pairs import plot_ratios, ratio_stats, run_rounds  # noqa: E402
+from benchmark.pairs import plot_ratios, ratio_stats, run_rounds, value_stats  # noqa: E402
 from benchmark.quiet_point import engines  # noqa: E402
 from benchmark.step_log import BINS, MIN_STEPS, bin_key, read_from, summarize  # noqa: E402
 
@@ -211,8 +210,7 @@ def step_ratios(rounds: list[dict], setup: str, min_steps: int = MIN_STEPS) -> d
             if a and b and min(a["steps"], b["steps"]) >= min_steps:
                 values.append(a["step_ms_p50"] / b["step_ms_p50"])
         if values:
-            out[key] = {"values": values, "median": statistics.median(values), "min": min(values),
-                        "max": max(values)}  # fmt: skip
+            out[key] = value_stats(values)
     return out
 
 
