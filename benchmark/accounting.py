@@ -289,20 +289,30 @@ class LeakReport:
 
 
 def _engine_growth(key: str, a: dict, b: dict, limit: int, report: LeakReport) -> None:
+    """Growth of one engine's KV between two quiet points; held chunks net of its peer donation."""
     group_bytes, cpg = b.get("group_bytes") or 1, b.get("chunks_per_group") or 1
     row = {"kv_groups": b["kv_groups"] - a["kv_groups"],
            "mapped_groups_by_bytes": (b["mapped_bytes"] - a["mapped_bytes"]) / group_bytes}  # fmt: skip
     if a.get("arbiter_held") is not None and b.get("arbiter_held") is not None:
-        row["held_groups"] = (b["arbiter_held"] - a["arbiter_held"]) / cpg
-    report.growth[key] = row
+        donated_a, donated_b = a.get("donated_chunks", 0), b.get("donated_chunks", 0)
+        row["held_groups"] = ((b["arbiter_held"] - donated_b) - (a["arbiter_held"] - donated_a)) / cpg
+        report.growth[key] = dict(row, donated_groups=(donated_b - donated_a) / cpg)
+    else:
+        report.growth[key] = row
     for what, grew in row.items():
         if grew >= limit + 1:
             report.violations.append(f"engine {key}: {what} grew by {grew:g} KV groups between quiet points "
-                                     f"(limit {limit})")  # fmt: skip
+                                     f"(limit {limit}); its chunks by owner {a.get('owners_chunks')} -> "
+                                     f"{b.get('owners_chunks')}")  # fmt: skip
 
 
 def _ledgers(label: str, snap: dict, report: LeakReport) -> None:
+    """The engine's and the arbiter's counts agree; a donation stays under the donor's cap."""
     for key, e in sorted(snap.get("engines", {}).items()):
+        cap = e.get("donation_cap_chunks")
+        if cap is not None and e.get("donated_chunks", 0) > cap:
+            report.violations.append(f"{label}: engine {key} donates {e['donated_chunks']} chunks to its peers, "
+                                     f"over its cap of {cap}")  # fmt: skip
         if e.get("arbiter_held") is not None and e.get("held_chunks") is not None:
             if e["arbiter_held"] != e["held_chunks"]:
                 report.violations.append(f"{label}: engine {key} holds {e['held_chunks']} chunks by its own "
@@ -311,10 +321,13 @@ def _ledgers(label: str, snap: dict, report: LeakReport) -> None:
 
 def leak_check(before: dict, after: dict, limits: LeakLimits) -> LeakReport:
     """Compare two quiet-point snapshots: ``{"engines": {key: {kv_groups, mapped_bytes, group_bytes,
-    chunks_per_group, held_chunks (the engine's count), arbiter_held}}, "pool_held": {pool: chunks},
-    "processes": {rss_bytes, fds, threads}}``. Violations: an engine's and the arbiter's ledgers
-    disagree at either point; an engine's KV (groups, bytes, held chunks) or a pool's held chunks
-    grew by a whole KV group beyond ``limits.kv_groups``; fds / threads / RSS beyond theirs."""
+    chunks_per_group, held_chunks (the engine's count), arbiter_held, donated_chunks,
+    donation_cap_chunks, owners_chunks}}, "pool_held": {pool: chunks}, "pool_donated": {pool:
+    chunks}, "processes": {rss_bytes, fds, threads}}`` (``quiet_point.snapshot``). Violations: an
+    engine's and the arbiter's ledgers disagree at either point, or a donation is over its cap;
+    an engine's KV (groups, bytes, held chunks net of its peer donation) or a pool's held chunks
+    (net of its donations) grew by a whole KV group beyond ``limits.kv_groups``; fds / threads /
+    RSS beyond theirs. A donation varies with the donor's idle time and is no leak."""
     report = LeakReport()
     _ledgers("first quiet point", before, report)
     _ledgers("second quiet point", after, report)
@@ -322,8 +335,10 @@ def leak_check(before: dict, after: dict, limits: LeakLimits) -> LeakReport:
     for key in sorted(set(engines_a) & set(engines_b)):
         _engine_growth(key, engines_a[key], engines_b[key], limits.kv_groups, report)
     cpg = min((e.get("chunks_per_group") or 1 for e in engines_b.values()), default=1)
+    donated_a, donated_b = before.get("pool_donated", {}), after.get("pool_donated", {})
     for pool, held in sorted(after.get("pool_held", {}).items()):
-        grew = (held - before.get("pool_held", {}).get(pool, held)) / cpg
+        held_a = before.get("pool_held", {}).get(pool, held) - donated_a.get(pool, 0)
+        grew = (held - donated_b.get(pool, 0) - held_a) / cpg
         report.growth[f"pool {pool}"] = {"held_groups": grew}
         if grew >= limits.kv_groups + 1:
             report.violations.append(f"pool {pool}: held chunks grew by {grew:g} KV groups (limit {limits.kv_groups})")

@@ -4,7 +4,9 @@ prefix cache flushed, idle connections expired; then one snapshot in the pool's 
 
 An idle engine maps only the KV groups its cached prefixes need (``coordinator/tick.py``: no spare
 groups when idle), so with the caches flushed two quiet points must show the same KV groups,
-mapped bytes and held chunks per engine: a group more is a leak.
+mapped bytes and held chunks per engine: a group more is a leak. A peer donor's donation is the
+one cache a flush does not empty (it holds other engines' evicted prefixes): its chunks are
+counted apart, and bounded by the donor's cap (``accounting.leak_check``).
 """
 
 from __future__ import annotations
@@ -58,18 +60,28 @@ def quiet(serve: Serve, settle_s: float, timeout: float = 300.0, flush: bool = T
 
 
 def engine_kv(e: dict, held_by_pid: dict[str, int]) -> dict:
-    """One engine's KV in pool units from its ``/memx/status`` (scheduler 0) and the arbiter's books."""
+    """One engine's KV in pool units from its ``/memx/status`` (scheduler 0) and the arbiter's books.
+
+    ``owners_chunks`` is the engine's own ledger (chunks per owner). A peer donor's donation
+    (``donated_chunks``, ``PEER_DONATION``) is held at the arbiter like KV but is a cache other
+    engines' evicted prefixes live in: it grows while the donor idles, shrinks when its requests
+    reclaim it, and stays under ``donation_cap_chunks`` (``--memx-peer-donate-max-gb``)."""
     sched = http_json(e["url"] + "/memx/status", timeout=10)["schedulers"][0]
     el = sched.get("elastic_kv") or {}
     lent = el.get("shared_pool") or {}
+    chunk = lent.get("chunk_bytes") or 1
+    owners = {o: n // chunk for o, n in (el.get("owners_bytes") or {}).items()}
+    donor = (sched.get("peer_kv") or {}).get("donor") or {}
     return {"pid": sched.get("pid"), "kv_groups": el.get("groups_mapped", 0), "mapped_bytes": el.get("mapped_bytes", 0),
             "group_bytes": el.get("group_bytes"), "chunks_per_group": el.get("chunks_per_group"),
             "held_chunks": lent.get("held_chunks"), "arbiter_held": held_by_pid.get(str(sched.get("pid"))),
+            "owners_chunks": owners, "donated_chunks": owners.get("peer_donation", 0),
+            "donation_cap_chunks": donor["cap_bytes"] // chunk if "cap_bytes" in donor else None,
             "cached_tokens": sched.get("kv_pool", {}).get("evictable_tokens")}  # fmt: skip
 
 
 def snapshot(url: str, pools: list[dict], processes: list[dict]) -> dict:
-    """``accounting.leak_check``'s snapshot: per engine KV, per pool held chunks, process totals.
+    """``accounting.leak_check``'s snapshot: per engine KV, per pool held and donated chunks, process totals.
     ``pools`` is ``soak.Checker.conservation()``'s, ``processes`` ``Checker.processes()``'s."""
     held_by_pid: dict[str, int] = {}
     for p in pools:
@@ -81,5 +93,7 @@ def snapshot(url: str, pools: list[dict], processes: list[dict]) -> dict:
             out["engines"][key] = engine_kv(e, held_by_pid)
         except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
             out["errors"][key] = f"{exc!r}"[:160]
+    out["pool_donated"] = {p["pool"]: sum(e.get("donated_chunks", 0) for e in out["engines"].values()
+                                          if str(e.get("pid")) in p.get("held_by_pid", {})) for p in pools}  # fmt: skip
     out["processes"] = {k: sum(p.get(k, 0) for p in processes) for k in ("rss_bytes", "fds", "threads", "memfd_fds")}
     return out

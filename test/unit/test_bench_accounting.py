@@ -197,6 +197,38 @@ def test_a_kv_group_held_at_the_arbiter_but_not_by_the_engine_is_a_leak():
     assert any("tiny-b holds 4 chunks by its own count, 6 by the arbiter's" in v for v in report.violations)
 
 
+def donating(snap: dict, chunks: int, cap: int = 8) -> dict:
+    """``snap`` with tiny-a donating ``chunks`` more to its peers (held at the arbiter as its own)."""
+    e = snap["engines"]["tiny-a"]
+    e["held_chunks"] += chunks
+    e["arbiter_held"] += chunks
+    e.update(donated_chunks=chunks, donation_cap_chunks=cap, owners_chunks={"kv": 4, "peer_donation": chunks})
+    snap["pool_held"]["cpu0"] += chunks
+    snap["pool_donated"] = {"cpu0": chunks}
+    return snap
+
+
+def test_a_peer_donation_that_grew_is_no_leak_but_a_group_beside_it_is():
+    before, after = donating(quiet_point(), 2), donating(quiet_point(), 6)  # the donor idled: 2 groups more
+    report = leak_check(before, after, LeakLimits())
+    assert report.violations == []
+    assert report.growth["tiny-a"] == {"kv_groups": 0, "mapped_groups_by_bytes": 0.0, "held_groups": 0.0,
+                                       "donated_groups": 2.0}  # fmt: skip
+    assert report.growth["pool cpu0"] == {"held_groups": 0.0}
+    leaked = donating(quiet_point(), 6)
+    leaked["engines"]["tiny-a"]["held_chunks"] = leaked["engines"]["tiny-a"]["arbiter_held"] = 12  # a FREE group kept
+    leaked["pool_held"]["cpu0"] += 2
+    violations = leak_check(before, leaked, LeakLimits()).violations
+    assert any(v.startswith("engine tiny-a: held_groups grew by 1 KV groups") and "'peer_donation': 6" in v
+               for v in violations), violations  # fmt: skip
+    assert any(v.startswith("pool cpu0: held chunks grew by 1") for v in violations)
+
+
+def test_a_donation_over_the_donors_cap_is_a_violation():
+    report = leak_check(donating(quiet_point(), 2), donating(quiet_point(), 10, cap=8), LeakLimits())
+    assert report.violations == ["second quiet point: engine tiny-a donates 10 chunks to its peers, over its cap of 8"]
+
+
 def test_less_than_a_group_and_process_limits():
     after = quiet_point()
     after["engines"]["tiny-a"]["arbiter_held"] = after["engines"]["tiny-a"]["held_chunks"] = 5  # half a group
