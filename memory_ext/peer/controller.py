@@ -6,7 +6,8 @@ from the leases holding most first, and returns the chunks handed back now (owne
 borrower's write fence, which reach their owner later (``PeerDonor(on_release=...)``): a reclaim
 happened even when nothing came back at once.
 
-``on_tick(now)`` donates what SCALEDOWN says, spread over the leases (fewest units first). Work
+``on_tick(now, supply)`` donates what SCALEDOWN says, spread over the leases (fewest units first),
+after ``supply`` has made the chunks it needs available (a shared pool borrows them then). Work
 moves in whole MEUs: ``region_units_per_meu`` region units each (the policy's unit is a whole
 number of every lease's region units: ``chunk_aligned_unit`` makes it whole chunks, and an exact
 region unit, lcm(block, chunk), divides it too). What the mechanism could not do
@@ -26,6 +27,7 @@ A pinned lease's units come back when its borrower leaves or dies (``lease_lost`
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from ..policy.swiftcache import DonationPolicy, KVGeometry
 from ..pool.ownership import Owner, PoolError
@@ -98,14 +100,19 @@ class DonorController:
         unit_bytes = self.donor.region(lid).unit_bytes
         return max(0, -(-want // unit_bytes) - units)
 
-    def on_tick(self, now: float) -> int:
-        """SCALEDOWN: donate; returns the chunks donated."""
+    def on_tick(self, now: float, supply: Callable[[int], object] | None = None) -> int:
+        """SCALEDOWN: donate; returns the chunks donated. ``supply(chunks)`` is called once the
+        policy has decided to donate, with the chunks it will ask of the pool (a shared pool's
+        server borrows them from the arbiter there): memory is fetched for a decision, never
+        before one."""
         leases = self._leases()
         if not leases:
             return 0  # nobody to lend to: decide nothing, so the policy's books stay true
         step = self.policy.on_tick(now)
         if not step.donate:
             return 0
+        if supply is not None:
+            supply(step.chunks)
         placed = 0
         for _ in range(step.decision.units):
             room = {lid: self._pinned_room(lid, u) for lid, u in leases.items()}

@@ -73,6 +73,28 @@ def test_donate_when_idle_reclaim_on_demand_and_books_follow(tmp_path):
         bvmm.close()
 
 
+def test_memory_is_supplied_only_for_a_decision_to_donate(tmp_path):
+    """``supply`` (a shared pool's borrow) is asked for the chunks of a decision to donate, after
+    it: not without a borrower, not while the last demand is in the window."""
+    vmm, bvmm, pool, policy, ctl, donor, path = make(tmp_path, capacity=32)
+    asked = []
+    try:
+        assert ctl.on_tick(0.0, supply=asked.append) == 0 and asked == []  # nobody borrows yet
+        tier = PeerKVTier(MASTER)
+        tier.connect(path, "b", bvmm)
+        donor.wait_for_lease()
+        assert ctl.on_tick(0.5, supply=asked.append) == 6 and asked == [6]
+        pool.release(Owner.KV, ctl.on_demand(1.0, 13 * 64, to=Owner.KV))  # 3 back, the demand in the window
+        assert ctl.on_tick(2.0, supply=asked.append) == 0 and asked == [6]  # no decision: nothing asked
+        assert ctl.on_tick(20.0, supply=asked.append) == 3 and asked == [6, 3]
+        tier.close()
+    finally:
+        donor.close()
+        pool.check_invariants()
+        vmm.close()
+        bvmm.close()
+
+
 def test_what_cannot_be_placed_stays_the_donors(tmp_path):
     vmm, bvmm, pool, policy, ctl, donor, path = make(tmp_path, capacity=4)
     try:

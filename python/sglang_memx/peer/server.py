@@ -154,14 +154,18 @@ class PeerKVServer:
         if now < self._next_donate or not self.donor.leases():
             return
         self._next_donate = now + DONATE_INTERVAL_S
-        room = self.cap_chunks - self.controller.policy.donated_chunks
-        pool = self.kv.buffers.pool
-        short = room - pool.available()
-        if room > 0 and short > 0:  # the donation's chunks come from the arbiter, like any KV chunk
-            self.lent.borrow(short, wait=BORROW_WAIT_S)
-        placed = self.controller.on_tick(now)
+        placed = self.controller.on_tick(now, supply=self._supply_donation)
         if placed:
             self.stats["donated_chunks"] += placed
+
+    def _supply_donation(self, chunks: int) -> None:
+        """The donation's chunks come from the arbiter, like any KV chunk: borrowed once the policy
+        has decided to donate them, at most up to the cap (a borrow before the decision held
+        chunks the policy then kept, until the next give-back: churn at every donation tick)."""
+        room = self.cap_chunks - self.controller.policy.donated_chunks + chunks  # the decision is booked
+        short = min(chunks, room) - self.kv.buffers.pool.available()
+        if short > 0:
+            self.lent.borrow(short, wait=BORROW_WAIT_S)
 
     def _discover(self) -> None:
         linked = {link.peer for link in self.tier.links()}
