@@ -15,16 +15,25 @@ SPECS = {
 PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three four"]
 
 
-@pytest.fixture(scope="module", params=sorted(SPECS))
-def servers(request, tiny_model_root):
-    model = tiny_model(SPECS[request.param], tiny_model_root)
-    memx = SGLangServer(
-        model, name=f"{request.param}-memx", max_total_tokens=2048, extra_args=["--memx-status-path", "/ops/memx"]
-    )
-    stock = SGLangServer(model, name=f"{request.param}-stock", stock=True, max_total_tokens=2048)
-    start_all([memx, stock])
-    yield request.param, memx, stock
-    release_all((memx, stock))
+@pytest.fixture(scope="module")
+def all_servers(tiny_model_root):
+    """Both models' memx and stock servers, started together (four starts share the cores)."""
+    pairs = {}
+    for name, spec in sorted(SPECS.items()):
+        model = tiny_model(spec, tiny_model_root)
+        memx = SGLangServer(model, name=f"{name}-memx", max_total_tokens=2048,
+                            extra_args=["--memx-status-path", "/ops/memx"])  # fmt: skip
+        pairs[name] = (memx, SGLangServer(model, name=f"{name}-stock", stock=True, max_total_tokens=2048))
+    everyone = [server for pair in pairs.values() for server in pair]
+    start_all(everyone)
+    yield pairs
+    release_all(everyone)
+
+
+@pytest.fixture(params=sorted(SPECS))
+def servers(request, all_servers):
+    memx, stock = all_servers[request.param]
+    return request.param, memx, stock
 
 
 def test_greedy_matches_stock(servers):
