@@ -23,8 +23,11 @@ token into late tokens after it, at that cost to the others: no predicted gain.
 * ``park_keeps_tpot(park, free_pages, running, page, now_pages)``: ``running``'s last entry is the
   candidate (as ``no_harm.govern_prefill`` receives it). Predicted TPOT of the parked candidate:
   ``step_s * (wait + remaining) / remaining`` (its ``remaining`` tokens after the first); within
-  the SLO (``<=``) or nothing left to decode: True. The prompts under way are ``now_pages`` less its
-  own prompt (it is among them when asked).
+  the SLO (``<=``) or nothing left to decode: True. Unparked, waiting in the queue, its TPOT would
+  be the step: when the step is already over the SLO, the request misses it either way and
+  parking costs no TPOT it would meet (True; as the batch cap, an SLO nothing meets does not
+  bind). Never room: False. The prompts under way are ``now_pages`` less its own prompt (it is
+  among them when asked).
 """
 
 from __future__ import annotations
@@ -90,4 +93,8 @@ def park_keeps_tpot(park: ParkTpot, free_pages: int, running: Sequence[Running],
         return True  # it finishes on its first token: nothing waits
     own_prompt = math.ceil(candidate.tokens / page)
     wait = wait_steps(free_pages, others, page, candidate, max(now_pages - own_prompt, 0))
-    return wait is not None and parked_tpot_s(park.step_s, wait, candidate.remaining) <= park.slo_s
+    if wait is None:
+        return False
+    if park.step_s > park.slo_s:
+        return True  # a miss unparked too (its TPOT is the step): parking costs no TPOT it would meet
+    return parked_tpot_s(park.step_s, wait, candidate.remaining) <= park.slo_s

@@ -101,6 +101,9 @@ def test_park_keeps_tpot_edges():
     assert park_keeps_tpot(park, 29, [*OTHERS, CANDIDATE], 1, now_pages=10)  # its own prompt is not counted twice
     assert not park_keeps_tpot(park, 28, [*OTHERS, CANDIDATE], 1)  # a page short: it waits the other's 9 steps
     assert not park_keeps_tpot(park, 0, [Running(0, 5, 5), CANDIDATE], 1)  # never room: it would wait forever
+    missed_anyway = ParkTpot(0.1, 0.09)  # the step alone is over the SLO: unparked, it misses too
+    assert park_keeps_tpot(missed_anyway, 0, [*OTHERS, CANDIDATE], 1)  # parked TPOT 0.19 s: no TPOT lost
+    assert not park_keeps_tpot(missed_anyway, 0, [Running(0, 5, 5), CANDIDATE], 1)  # never room still refuses
     with pytest.raises(ValueError, match="^running"):
         park_keeps_tpot(park, 0, [], 1)
 
