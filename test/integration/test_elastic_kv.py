@@ -22,6 +22,7 @@ SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, he
 # are so flat that bf16 rounding differences between batch shapes could flip an argmax.
 COMMON = ["--chunked-prefill-size", "16", "--dtype", "float32"]
 TIGHT_BUDGET_GB = "0.0004"  # 104 chunks of 4 KiB: a 16-token prefill's activation (12) + 23 KV groups of 32 tokens
+SLO_TPOT_MS = 200
 PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three four five", "Elastic memory for serving"]
 
 
@@ -71,7 +72,8 @@ def servers(tiny_model_root, shared_servers):
             "0.01",
         ],
     )
-    # ... with Alg. 2 sizing it: a TTFT SLO every request misses, a TPOT SLO none does
+    # ... with Alg. 2 sizing it: a TTFT SLO every request misses, a TPOT SLO (200 ms) the decode
+    # steps meet (a few ms each) and a parked request meets unless it would wait for hundreds of them
     slo = SGLangServer(
         model,
         name="ekv-slo",
@@ -88,7 +90,7 @@ def servers(tiny_model_root, shared_servers):
             "--memx-ttft-slo-ms",
             "1",
             "--memx-tpot-slo-ms",
-            "100000",
+            str(SLO_TPOT_MS),
         ],
     )
     everyone = [stock, tight, paged, parked, slo]
@@ -225,6 +227,41 @@ def test_slo_rule_grows_the_host_buffer_on_ttft_misses(servers):
     assert scaling["logical_units"] >= 4 and host["logical_bytes"] == scaling["logical_units"] * scaling["unit_bytes"]
     assert host["offload_no_room"] > 0  # refused while the buffer was small ...
     assert host["prefill_offloads"] > 0  # ... offloaded once it had grown
+    assert host["requests"] == host["used_bytes"] == host["pinned"] == host["offload_pending"] == 0, host
+
+
+def test_a_parking_that_would_put_its_own_tpot_over_the_slo_waits_instead(servers):
+    """The governor's parking rule (``memory_ext.policy.park_tpot``) in the real server. Four long
+    requests (300 tokens, reserved whole: ignore_eos) take the tight budget; the fourth and four
+    short ones (2 tokens: one after the first) arrive behind them. Parked, a short one's token
+    after the first would come only once a long one leaves room, up to ~300 decode steps of a few
+    ms later: its predicted TPOT is over the 200 ms SLO, so it is not parked (``park_over_tpot``)
+    and stock's admission decides; a long one parked would wait as long over 299 tokens, within
+    it. Every answer is stock's and the buffer ends empty."""
+    server = servers["slo"]
+    for i in range(12):  # the buffer grows on TTFT misses (Alg. 2), the step model learns
+        if _elastic(server)["host_buffer"]["slo_scaling"]["logical_units"] >= 4:
+            break
+        _gen(server, [f"grow {i} {j} " + " ".join(f"g{j}_{k}" for k in range(20)) for j in range(3)], 24)
+    host = _elastic(server)["host_buffer"]
+    assert host["slo_scaling"]["logical_units"] >= 4, host
+    before = _elastic(server)["governor"]
+    assert before["model"]["samples"] >= before["model"]["min_samples"], before
+    texts = [f"long {i} " + " ".join(f"l{i}_{j}" for j in range(20)) for i in range(4)]
+    texts += [f"short {i} " + " ".join(f"t{i}_{j}" for j in range(20)) for i in range(4)]
+    lengths = [300] * 4 + [2] * 4
+    payload = {"text": texts, "sampling_params": [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+                                                  for n in lengths]}  # fmt: skip
+    want = [r["output_ids"] for r in servers["stock"].request("/generate", payload)]
+    got = [r["output_ids"] for r in server.request("/generate", payload)]
+    assert got == want and [len(x) for x in got] == lengths
+    gov = _elastic(server)["governor"]
+    refused = gov["admission_verdicts"]["park_over_tpot"] - before["admission_verdicts"]["park_over_tpot"]
+    print(f"verdicts {before['admission_verdicts']} -> {gov['admission_verdicts']}, "
+          f"predicted TPOT {gov['predicted_tpot_ms']} ms, measured {gov['measured_tpot_ms']} ms")  # fmt: skip
+    assert refused > 0, (before["admission_verdicts"], gov["admission_verdicts"])
+    assert gov["predicted_tpot_ms"] < SLO_TPOT_MS  # a decode step meets the SLO: the rule, not infeasibility
+    host = _elastic(server)["host_buffer"]
     assert host["requests"] == host["used_bytes"] == host["pinned"] == host["offload_pending"] == 0, host
 
 
