@@ -243,8 +243,8 @@ def test_a_parking_that_would_put_its_own_tpot_over_the_slo_waits_instead(server
         if _elastic(server)["host_buffer"]["slo_scaling"]["logical_units"] >= 4:
             break
         _gen(server, [f"grow {i} {j} " + " ".join(f"g{j}_{k}" for k in range(20)) for j in range(3)], 24)
-    host = _elastic(server)["host_buffer"]
-    assert host["slo_scaling"]["logical_units"] >= 4, host
+    host_before = _elastic(server)["host_buffer"]
+    assert host_before["slo_scaling"]["logical_units"] >= 4, host_before
     before = _elastic(server)["governor"]
     assert before["model"]["samples"] >= before["model"]["min_samples"], before
     texts = [f"long {i} " + " ".join(f"l{i}_{j}" for j in range(20)) for i in range(4)]
@@ -262,6 +262,7 @@ def test_a_parking_that_would_put_its_own_tpot_over_the_slo_waits_instead(server
     assert refused > 0, (before["admission_verdicts"], gov["admission_verdicts"])
     assert gov["predicted_tpot_ms"] < SLO_TPOT_MS  # a decode step meets the SLO: the rule, not infeasibility
     host = _elastic(server)["host_buffer"]
+    assert host["prefill_offloads"] > host_before["prefill_offloads"], host  # a long one within it was parked
     assert host["requests"] == host["used_bytes"] == host["pinned"] == host["offload_pending"] == 0, host
 
 
