@@ -37,7 +37,9 @@ Numbers in, one verdict out. Two questions:
      predicted TPOT, its wait on the host for device room included, is over it
      (``park_tpot.park_keeps_tpot``): parking would only trade its late first token for late
      tokens after it, and cost the running requests a resume forward. Rule 2's parking becomes
-     a deferral, rule 5's stock's own admission without the buffer.
+     a deferral, rule 5's stock's own admission without the buffer; an on-device admission
+     whose fallback was the buffer keeps its action, loses the fallback and counts here
+     (``govern_prefill``).
 
 Invariant: ``DEFER`` only with a predicted gain (a TPOT within SLO, a running request kept) or
 when the caller's stock admission refuses too; nothing is ever dropped (a deferred request waits).
@@ -133,7 +135,8 @@ def govern_prefill(ask: PrefillAsk, running: Sequence[Running], page: int, now_p
     governor's step and TPOT SLO (``park_tpot``; None: no TPOT SLO or no prediction yet, parking
     is judged as before); when parking the candidate (``running``'s last entry) would put its own
     TPOT over the SLO, no branch parks it: rule 7, and an on-device verdict loses its buffer
-    fallback (``if_refused``)."""
+    fallback (``if_refused``; admitted on the device, the governed verdict is then ``ON_GPU`` with
+    reason ``PARK_OVER_TPOT``, so that the dropped fallback is counted)."""
     check_int("ask_unit", ask_unit, 1)
     if room is None:
         room = ask.budget - ask.act
@@ -142,6 +145,10 @@ def govern_prefill(ask: PrefillAsk, running: Sequence[Running], page: int, now_p
     harm = peak_shortfall(free_pages, running, page, now_pages) > 0
     parks = verdict.action == OFFLOAD or verdict.if_refused == OFFLOAD  # asked only where parking is at stake
     keeps = park is None or not parks or park_keeps_tpot(park, free_pages, running, page, now_pages)
-    if not keeps and verdict.if_refused == OFFLOAD:
+    dropped = not keeps and verdict.if_refused == OFFLOAD
+    if dropped:
         verdict = PrefillVerdict(ON_GPU)
-    return verdict, judge_with_governor(verdict.action, harm, batch_admits, keeps)
+    governed = judge_with_governor(verdict.action, harm, batch_admits, keeps)
+    if dropped and governed.action == ON_GPU:  # on the device, the fallback gone by rule 7: counted as its
+        governed = GovernedVerdict(ON_GPU, PARK_OVER_TPOT)
+    return verdict, governed

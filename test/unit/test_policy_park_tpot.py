@@ -140,7 +140,8 @@ def test_govern_prefill_drops_the_buffer_fallback_of_an_on_device_verdict():
     ask = PrefillAsk(budget=100, reserved=0, reserved_now=0, kv=10, kv_now=0, act=0, offload_kv=10, buffer_room=100)
     running = [Running(0, 50, 60), Running(10, 10, 30)]  # the candidate needs 30 pages; 100 - 60 grown: room now
     mech, gv = govern_prefill(ask, running, 1, 0, park=ParkTpot(0.1, 0.2))
-    assert (mech.action, mech.if_refused, gv.action) == (ON_GPU, OFFLOAD, ON_GPU)
+    assert (mech.action, mech.if_refused, gv.action, gv.reason) == (ON_GPU, OFFLOAD, ON_GPU, "mechanism_admits")
     tight = [Running(0, 80, 80), Running(10, 10, 30)]  # the other grows 80 of the 100: 80 steps on the host
     mech, gv = govern_prefill(ask, tight, 1, 0, park=ParkTpot(0.1, 0.2))
     assert (mech.action, mech.if_refused) == (ON_GPU, DEFER)
+    assert (gv.action, gv.reason) == (ON_GPU, "park_over_tpot")  # admitted; the dropped fallback is counted
