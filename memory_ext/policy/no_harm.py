@@ -149,6 +149,6 @@ def govern_prefill(ask: PrefillAsk, running: Sequence[Running], page: int, now_p
     if dropped:
         verdict = PrefillVerdict(ON_GPU)
     governed = judge_with_governor(verdict.action, harm, batch_admits, keeps)
-    if dropped and governed.action == ON_GPU:  # on the device, the fallback gone by rule 7: counted as its
+    if dropped and governed.action == ON_GPU:  # admitted on the device without its fallback: rule 7's count
         governed = GovernedVerdict(ON_GPU, PARK_OVER_TPOT)
     return verdict, governed
