@@ -58,7 +58,7 @@ GB = 1 << 30
 PAGE_TOKENS = 16  # tokens of one peer block (rounded up to a multiple of the KV page size)
 DONATE_INTERVAL_S = 0.5
 DISCOVER_INTERVAL_S = 1.0
-BORROW_WAIT_S = 0.2  # at most this long (every DONATE_INTERVAL_S, while under the cap) for the arbiter
+BORROW_WAIT_S = 0.2  # at most this long for the arbiter, once a donation is decided (``_supply_donation``)
 WINDOW_S = 60.0  # Alg. 1's demand window: memory a request needed is not lent again before it ends
 DEFAULT_DONATE_FRACTION = 0.5  # without --memx-peer-donate-max-gb: at most half of the KV capacity
 
