@@ -303,7 +303,8 @@ def _engine_growth(key: str, a: dict, b: dict, limit: int, report: LeakReport) -
         if grew >= limit + 1:
             report.violations.append(f"engine {key}: {what} grew by {grew:g} KV groups between quiet points "
                                      f"(limit {limit}); its chunks by owner {a.get('owners_chunks')} -> "
-                                     f"{b.get('owners_chunks')}")  # fmt: skip
+                                     f"{b.get('owners_chunks')}, its arbiter traffic {a.get('arbiter_traffic')} -> "
+                                     f"{b.get('arbiter_traffic')}")  # fmt: skip
 
 
 def _ledgers(label: str, snap: dict, report: LeakReport) -> None:

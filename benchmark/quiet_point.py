@@ -59,6 +59,10 @@ def quiet(serve: Serve, settle_s: float, timeout: float = 300.0, flush: bool = T
     raise TimeoutError("the router did not drain")
 
 
+# what the engine asked of the arbiter so far: a failed leak check says whether chunks were on the move
+ARBITER_TRAFFIC = ("borrowed_total", "returned_total", "denied_total", "late_grants", "outstanding", "pending_reclaim")
+
+
 def engine_kv(e: dict, held_by_pid: dict[str, int]) -> dict:
     """One engine's KV in pool units from its ``/memx/status`` (scheduler 0) and the arbiter's books.
 
@@ -77,6 +81,7 @@ def engine_kv(e: dict, held_by_pid: dict[str, int]) -> dict:
             "held_chunks": lent.get("held_chunks"), "arbiter_held": held_by_pid.get(str(sched.get("pid"))),
             "owners_chunks": owners, "donated_chunks": owners.get("peer_donation", 0),
             "donation_cap_chunks": donor["cap_bytes"] // chunk if "cap_bytes" in donor else None,
+            "arbiter_traffic": {k: lent.get(k) for k in ARBITER_TRAFFIC},
             "cached_tokens": sched.get("kv_pool", {}).get("evictable_tokens")}  # fmt: skip
 
 
