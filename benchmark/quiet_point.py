@@ -73,7 +73,7 @@ def engine_kv(e: dict, held_by_pid: dict[str, int]) -> dict:
     sched = http_json(e["url"] + "/memx/status", timeout=10)["schedulers"][0]
     el = sched.get("elastic_kv") or {}
     lent = el.get("shared_pool") or {}
-    chunk = lent.get("chunk_bytes") or 1
+    chunk = el.get("chunk_bytes") or lent.get("chunk_bytes") or 1  # the pool's chunk, shared or not
     owners = {o: n // chunk for o, n in (el.get("owners_bytes") or {}).items()}
     donor = (sched.get("peer_kv") or {}).get("donor") or {}
     return {"pid": sched.get("pid"), "kv_groups": el.get("groups_mapped", 0), "mapped_bytes": el.get("mapped_bytes", 0),
