@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-from support.server import LOG_DIR, SGLangServer, free_port
+from support.server import LOG_DIR, READY_POLL_S, SGLangServer, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -102,7 +102,7 @@ def serve(tmp_path_factory, tiny_model_root):
                 pass
             if time.monotonic() - t0 > 600:
                 raise TimeoutError("router not healthy after 600 s")
-            time.sleep(1)
+            time.sleep(READY_POLL_S)
         status = _http(url + "/memx/serve")
         for s in stock.values():
             s.wait_ready(600)

@@ -29,7 +29,7 @@ import pytest
 
 from sglang_memx.models.embedded import prepare_embedded_model
 from sglang_memx.serve.launcher import process_running
-from support.server import LOG_DIR, REPO, SGLangServer, free_port
+from support.server import LOG_DIR, READY_POLL_S, REPO, SGLangServer, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -79,7 +79,7 @@ def served(tmp_path_factory):
                 raise RuntimeError(f"scripts/serve.sh exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
             if time.monotonic() - t0 > 900:
                 raise TimeoutError(f"scripts/serve.sh printed no examples in 900 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
+            time.sleep(READY_POLL_S)
         up_s = time.monotonic() - t0
         stock.wait_ready(600)
         print(f"scripts/serve.sh printed its examples in {up_s:.1f} s; stock ready at {time.monotonic() - t0:.1f} s")
