@@ -3,7 +3,7 @@ real CPU server; a loose SLO on the same model does not; greedy outputs equal st
 
 On the embedded tiny models the decode step hardly grows with the batch (the noise is larger),
 so no fixed SLO caps reliably. This module's model reads a lot of KV per token: a tiny Llama with
-``LAYERS`` layers of 8 KV heads x 64, and prompts of ~1,000 tokens; upstream's
+``LAYERS`` layers of 8 KV heads x 64, and prompts of ~800 tokens; upstream's
 ``torch_native`` decode gathers each request's KV per layer, so a decode step of eight such requests
 costs several times one request's. The SLO is not a constant either: it is taken from this
 machine, now.
@@ -40,9 +40,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 LAYERS = 4
 SPEC = TinyModelSpec(arch="llama", num_layers=LAYERS, hidden_size=512, num_heads=8, num_kv_heads=8, head_dim=64,
                      intermediate_size=256, seed=11)  # fmt: skip
-PROMPT_WORDS = 140  # ~1,000 tokens with the tiny models' byte-level tokenizer
+PROMPT_WORDS = 110  # ~800 tokens with the tiny models' byte-level tokenizer
 BURST = 8
-NEW_TOKENS = 32
+NEW_TOKENS = 16
 # a chunk holds about one prompt: the burst is admitted within a few iterations, not spread
 # over dozens of 256-token chunks while the first requests already finish
 COMMON = ["--chunked-prefill-size", "1024", "--dtype", "float32"]
