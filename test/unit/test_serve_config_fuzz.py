@@ -75,7 +75,11 @@ def valid(base) -> dict:
 SPECIAL = [None, True, False, 0, -1, 1, 65536, 10**400, -(10**400), 2**63, 0.0, -0.0, 1e-300, 1e308, -1e308,
            math.nan, math.inf, -math.inf, "", " ", "auto", "cpu", "cuda", "a", "org/b", "cpu0", "\x00", "é" * 50,
            [], {}, [0, 0], [-1], ["a", 1], {"a": 1}]  # fmt: skip
-SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12) | st.sampled_from(SPECIAL)
+# a fresh copy per draw: SPECIAL's lists and dicts land in documents that later mutations change in
+# place ("unknown" adds keys to any mapping), and a changed SPECIAL made hypothesis see the same
+# choices give different documents (FlakyStrategyDefinition)
+SPECIAL_VALUES = st.sampled_from(SPECIAL).map(copy.deepcopy)
+SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12) | SPECIAL_VALUES
 VALUES = st.recursive(
     SCALARS,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
@@ -122,7 +126,7 @@ def mutated(draw, base) -> dict:
         if op == "drop":
             del container[key]
         elif op == "value":
-            container[key] = draw(st.sampled_from(SPECIAL) | VALUES)
+            container[key] = draw(SPECIAL_VALUES | VALUES)
         elif op == "unknown":
             maps = [v for _, _, v in ((c, k, c[k]) for c, k, _ in locs) if isinstance(v, dict)] + [doc]
             draw(st.sampled_from(maps))[draw(UNKNOWN_KEYS)] = draw(VALUES)
