@@ -176,11 +176,16 @@ class BatchGovernor:
         self.prefill = PrefillStalls(self.model.decay)  # the prefills running requests wait through
         self.counts: dict[str, int] = dict.fromkeys(REASONS, 0)
         self.last: BatchDecision | None = None
+        # the KV a decoding request held, exponential mean over the decode steps (weight 1 - decay):
+        # the status' cap and curve use it when nothing runs
+        self.recent_kv_per_request: float | None = None
 
     def observe(self, batch: int, kv_tokens: int, step_s: float) -> None:
         """One pure decode step: a sample of the step-time model, and token time."""
         self.model.observe(batch, kv_tokens, step_s)
         self.prefill.observe(batch, 0.0)
+        per, m = kv_tokens / batch, self.recent_kv_per_request
+        self.recent_kv_per_request = per if m is None else m + (1.0 - self.model.decay) * (per - m)
 
     def observe_iteration(self, seconds: float, decoded: int, kv_tokens: int, stalled: int, prefilled: bool) -> None:
         """Any busy iteration: ``decoded`` requests (holding ``kv_tokens``) got a token, ``stalled``
@@ -232,10 +237,11 @@ class BatchGovernor:
     def status(self, running: int, kv_tokens: int, measured_s: float | None) -> dict:
         """JSON-ready: the SLO in force, the batch cap and why, predicted vs measured TPOT (the
         decode step with the prefills running requests wait through; ``measured_s``: the measured
-        decode steps' mean)."""
+        decode steps' mean). The cap and the curve are for requests holding the running ones' mean
+        KV, or when nothing runs the recent decode steps' (``recent_kv_per_request``)."""
         slo, model = self.tpot_slo_s, self.model
         q = self.prefill.per_token()
-        kv_per = kv_tokens / running if running else 0.0
+        kv_per = kv_tokens / running if running else self.recent_kv_per_request or 0.0
         if slo is None:
             cap, why = None, NO_SLO
         elif model.coef is None:
@@ -250,7 +256,9 @@ class BatchGovernor:
             "batch_cap": cap,
             "batch_cap_reason": why,
             "running": running,
-            "predicted_tpot_ms": _ms(self.predict_tpot(max(running, 1), kv_tokens)),
+            "predicted_tpot_ms": _ms(self.predict_tpot(max(running, 1), kv_tokens if running else round(kv_per))),
+            "kv_tokens_per_request": round(kv_per, 1),
+            "predicted_tpot_ms_by_batch": self._curve(kv_per, cap, running),
             "measured_tpot_ms": _ms(self._with_stalls(measured_s, max(running, 1))),
             "measured_decode_step_ms": _ms(measured_s),
             "prefill_stalls": self.prefill.status(),
@@ -272,6 +280,15 @@ class BatchGovernor:
                 "slo_ms": _ms(self.last.slo_s),
             },  # fmt: skip
         }
+
+    def _curve(self, kv_per_request: float, cap: int | None, running: int) -> dict[str, float]:
+        """``{batch: predicted TPOT ms}`` for batches 1, 2, 4, ... of ``kv_per_request`` each, up to the
+        first power of two past the cap, the running batch and 8 (at most 1024); empty while learning."""
+        if self.model.coef is None:
+            return {}
+        top = min(1024, max(8, running, 0 if cap is None else cap + 1))
+        sizes = [1 << i for i in range(11) if (1 << i) < top] + [1 << max(0, (top - 1).bit_length())]
+        return {str(n): _ms(self.predict_tpot(n, round(n * kv_per_request))) for n in sizes}
 
 
 def _ms(seconds: float | None) -> float | None:

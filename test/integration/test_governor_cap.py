@@ -10,14 +10,15 @@ machine, now.
 
 * ``loose`` (memx, TPOT SLO 100 s) and stock start together, each on its own core. ``loose``
   decodes one request alone, then a burst (eight long prompts at once): its step-time model
-  (``/memx/status``: intercept, per request, per KV token, and the prefill stalls) is this
-  model's on one core.
+  (``/memx/status``: its predicted TPOT by batch size, prefill stalls counted) is this model's
+  on one core.
 * ``capped`` (memx) starts next, on the same core as ``loose``, with a TPOT SLO half-way (in
   log) between the predicted TPOT of one request and of the whole burst, so one request is
   comfortably within it and the burst comfortably over it. It learns its own model the same
   way, then takes the burst once more while the test polls its status.
 * Asserted: ``capped`` refused to grow (``over_slo`` decisions), the running batch it was seen
-  with never reached the burst, and every request was
+  with never reached the burst, its status' cap (idle: for requests holding the recent ones' KV)
+  is below the burst, and every request was
   served with stock's greedy output for the same prompt; ``loose`` ran the burst as one batch
   with no ``over_slo`` decision, its measured TPOT within its SLO, and the same outputs. On both,
   ``/memx/status`` names the SLO and its source and ``/memx/metrics`` agrees on SLO, cap, reason.
@@ -61,19 +62,12 @@ def _gen(server, texts, n=NEW_TOKENS):
     )
 
 
-def _teach(server, first: int) -> tuple[dict, int]:
+def _teach(server, first: int) -> dict:
     """One request alone, then a burst: samples at every batch size the burst passes through.
-    Returns the governor's status after and the prompt's length in tokens."""
-    prompt_tokens = _gen(server, _prompt(first))["meta_info"]["prompt_tokens"]
+    Returns the governor's status after."""
+    _gen(server, _prompt(first))
     _gen(server, [_prompt(first + 1 + i) for i in range(BURST)])
-    return governor(server), prompt_tokens
-
-
-def _predicted_tpot_s(gov: dict, batch: int, kv_per_request: float) -> float:
-    """The governor's prediction (its model plus the prefill stalls), from its status."""
-    m = gov["model"]
-    step_ms = m["intercept_ms"] + m["per_request_ms"] * batch + m["per_kv_token_ms"] * kv_per_request * batch
-    return (step_ms + batch * gov["prefill_stalls"]["ms_per_token"]) / 1e3
+    return governor(server)
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +79,10 @@ def servers(tiny_model_root):
     start_all([stock, loose])
     started = [stock, loose]
     try:
-        taught, prompt_tokens = _teach(loose, 1000)
-        kv = prompt_tokens + NEW_TOKENS / 2
-        alone, burst = _predicted_tpot_s(taught, 1, kv), _predicted_tpot_s(taught, BURST, kv)
+        taught = _teach(loose, 1000)
+        # the governor's own prediction, for requests holding the KV its recent decode steps held
+        curve = taught["predicted_tpot_ms_by_batch"]
+        alone, burst = curve["1"] / 1e3, curve[str(BURST)] / 1e3
         slo_s = math.sqrt(alone * burst)
         print(f"loose model {taught['model']}, stalls {taught['prefill_stalls']}: predicted TPOT alone "
               f"{alone * 1e3:.2f} ms, burst {burst * 1e3:.2f} ms -> capped SLO {slo_s * 1e3:.2f} ms")  # fmt: skip
@@ -138,8 +133,9 @@ def test_a_tight_tpot_slo_caps_the_batch_and_outputs_match_stock(servers):
           f"running {most}, model {after['model']}, measured step {after['measured_decode_step_ms']} ms")  # fmt: skip
     assert after["decisions"]["over_slo"] > before["decisions"]["over_slo"]  # growth refused in this burst
     assert 1 <= most < BURST  # the burst never ran as one batch
-    # (the status' cap is computed for the KV running now, none once the burst is done: not asserted)
-    assert after["batch_cap_reason"] == "predicted_tpot_within_slo"
+    # idle, the status' cap is for requests holding the KV the recent ones held: below the burst
+    assert after["batch_cap_reason"] == "predicted_tpot_within_slo" and 1 <= after["batch_cap"] < BURST
+    assert after["predicted_tpot_ms_by_batch"][str(BURST)] > after["tpot_slo_ms"]
     check_visible(servers["capped"], after)
 
 

@@ -191,3 +191,42 @@ def test_status_cap_and_why(slo, trained, running, kv, cap, why, predicted_ms):
 
 def test_every_cap_reason_is_exercised_by_the_table():
     assert {row[5] for row in CAPS} == set(CAP_REASONS)
+
+
+def _taught_governor(slo_s, a=0.010, b=0.001, c=1e-5, n=60):
+    """A governor taught through ``observe`` (as the server feeds it): exact steps of
+    t = a + b*batch + c*kv, requests holding 400, 500 or 600 KV tokens (mean 500)."""
+    gov = BatchGovernor(slo_s)
+    for i in range(n):
+        batch = 1 + i % 7
+        kv = (400 + 100 * (i % 3)) * batch
+        gov.observe(batch, kv, a + b * batch + c * kv)
+    return gov
+
+
+def test_idle_cap_counts_the_kv_of_recent_requests():
+    # 10 ms + (1 ms + ~500 KV * 0.01 ms = ~6 ms) per request: 40 ms fits 5 requests, whatever runs now
+    gov = _taught_governor(0.040)
+    recent = gov.recent_kv_per_request
+    assert 400 < recent < 600
+    idle = gov.status(running=0, kv_tokens=0, measured_s=None)
+    busy = gov.status(running=2, kv_tokens=round(2 * recent), measured_s=None)
+    assert idle["batch_cap"] == busy["batch_cap"] == gov.model.cap(0.040, recent) == 5
+    assert gov.model.cap(0.040, 0.0) >= 29  # what the idle cap was before it counted the KV (30 but the ridge)
+    assert idle["kv_tokens_per_request"] == round(recent, 1)
+    assert idle["predicted_tpot_ms"] == pytest.approx(gov.predict_tpot(1, round(recent)) * 1e3)
+    # while requests run, their own KV decides: twice the KV, a smaller cap
+    assert gov.status(running=2, kv_tokens=2000, measured_s=None)["batch_cap"] == 2
+
+
+def test_status_curve_is_the_prediction_by_batch_and_reaches_past_the_cap():
+    gov = _taught_governor(0.040)
+    doc = gov.status(running=0, kv_tokens=0, measured_s=None)
+    curve, per = doc["predicted_tpot_ms_by_batch"], gov.recent_kv_per_request
+    assert list(curve) == ["1", "2", "4", "8"]  # the first power of two past the cap (5) and 8
+    for n, ms in curve.items():
+        assert ms == pytest.approx(gov.predict_tpot(int(n), round(int(n) * per)) * 1e3, abs=1e-3)
+    assert curve["4"] <= 40.0 < curve["8"]
+    loose = _taught_governor(1.0).status(running=3, kv_tokens=1500, measured_s=None)
+    assert loose["batch_cap"] == 165 and list(loose["predicted_tpot_ms_by_batch"])[-1] == "256"
+    assert BatchGovernor(0.040).status(0, 0, None)["predicted_tpot_ms_by_batch"] == {}  # learning: no curve
