@@ -26,20 +26,22 @@ The trial (numbers in, decisions out; no clock, no I/O):
   again from ``hold_s``. A lent block whose median is already above ``bail`` x the own median
   ends the trial at once (a stall like the one above costs one block, not the whole trial).
 
-* While **every** sibling is idle there is nothing to try: the lent cores are then the whole
-  device, the configuration of one stock server alone on it (the baseline a user compares with),
-  so ``want_lent(now, every_sibling_idle=True)`` says lend, and the caller observes nothing. The
-  trial decides only while some sibling has work (then the own cores are the static split and the
-  lent ones must pay). Measured with a trial beside idle siblings too (upstream's
-  ``bench_serving`` against ``scripts/serve.sh``, one busy engine of two, 2026-12-03, a 2-core box
-  whose hypervisor took 31-37 % of its CPU time): the own-core blocks of every trial, and a
-  verdict on noisy pairs that kept the own cores for a back-off, left the busy scheduler computing
-  on 0.96-1.21 cores against stock's 1.68, TPOT p50 1784 and 2044 ms against stock's 888 (under the first rule, where
-  the lent cores always had to pay, it averaged 1.47 cores).
+* While **every** sibling is idle the lent cores are the whole device, the configuration of one
+  stock server alone on it, so lending is the default there (``prefer_lent``; the caller keeps a
+  second trial for it): the blocks start on the lent cores, a pair where the own cores are not
+  at least ``1 - gain`` faster ends the trial at once in favour of lending, and the own cores are
+  kept only when they were that much faster in **every** pair. A model too small to gain from a
+  second OpenMP thread is the case it catches (measured here, 2026-12-05: the matrix's ``tiny-a``,
+  a stock server on one thread against two on both cores, 5 alternations: solo TPOT 1.9-2.0 ms
+  against 2.5-3.1, a burst of 10 at 4.9-6.1 ms against 5.8-9.7). Before, the whole device was
+  taken with no trial: two earlier rules that trialled beside idle siblings with the own cores as
+  the default kept a busy SmolLM engine on 0.96-1.47 cores against stock's 1.68-2 (docs/router.md,
+  "Idle cores"); here noisy pairs lend, and a trial where the own cores lose costs one own block.
 
 Invariants: with no measurement and a busy sibling the engine computes on its own cores only
 (the static split's speed, never worse); with every sibling idle it computes on the whole device
-(stock's configuration); every decision has a reason, kept in ``status``.
+(stock's configuration) unless its own cores were measured faster in every pair; every decision
+has a reason, kept in ``status``.
 """
 
 from __future__ import annotations
@@ -47,9 +49,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-__all__ = ["LendingTrial", "LendingTrialError", "WHOLE_DEVICE_REASON"]
-
-WHOLE_DEVICE_REASON = "every sibling idle: the whole device, as one stock server computes on it (no trial)"
+__all__ = ["LendingTrial", "LendingTrialError"]
 
 
 class LendingTrialError(ValueError):
@@ -65,6 +65,7 @@ class LendingTrial:
     hold_s: float = 10.0
     max_hold_s: float = 160.0
     max_backoff_s: float = 120.0
+    prefer_lent: bool = False  # the lent cores are the whole device: lend unless own wins every pair
     # state
     phase: str = "trial"  # trial | lend | own
     until: float = 0.0  # end of the lend / own phase
@@ -76,7 +77,6 @@ class LendingTrial:
     paid: int = 0
     refused: int = 0
     reason: str = "no measurement yet: own cores"
-    whole_device: bool = False  # the last ``want_lent`` saw every sibling idle
 
     def __post_init__(self) -> None:
         for name in ("block", "pairs"):
@@ -88,18 +88,19 @@ class LendingTrial:
                 raise LendingTrialError(f"{name}: must be a positive number, got {v!r}")
         self.backoff_s = self.next_hold_s = self.hold_s
         self.trials = 1  # the first trial starts with the first busy iteration
+        if self.prefer_lent:
+            self.reason = "no measurement yet: the whole device, as one stock server computes on it"
 
     def _trial_side(self) -> bool:
-        """The side of the trial's current block: own first, then lent, alternating."""
+        """The side of the trial's current block: the default's side first (own, or lent with
+        ``prefer_lent``), then the other, alternating."""
         n_own, n_lent = len(self.own_costs), len(self.lent_costs)
+        if self.prefer_lent:
+            return n_lent < self.block * (n_own // self.block + 1)
         return n_own >= self.block * (n_lent // self.block + 1)
 
-    def want_lent(self, now: float, every_sibling_idle: bool = False) -> bool:
-        """Whether the next iteration computes on the lent cores (lending being possible);
-        ``every_sibling_idle``: the lent cores are the whole device, taken without a trial."""
-        self.whole_device = every_sibling_idle
-        if every_sibling_idle:
-            return True
+    def want_lent(self, now: float) -> bool:
+        """Whether the next iteration computes on the lent cores (lending being possible)."""
         if self.phase != "trial" and now >= self.until:
             self._start_trial()
         if self.phase == "lend":
@@ -119,6 +120,9 @@ class LendingTrial:
         (self.lent_costs if lent else self.own_costs).append(cost)
         if not self.own_costs or not self.lent_costs:
             return
+        if self.prefer_lent:
+            self._judge_own_side(now)
+            return
         own = statistics.median(self.own_costs)
         lent_med = statistics.median(self.lent_costs)
         if lent and len(self.lent_costs) % self.block == 0 and lent_med > self.bail * own:
@@ -132,6 +136,22 @@ class LendingTrial:
                                   f"{contradicting} of {self.pairs}")  # fmt: skip
             else:
                 self._refuse(now, f"lent cores {lent_med / own:.2f}x the own cost (needs <= {self.gain:g}x)")
+
+    def _judge_own_side(self, now: float) -> None:
+        """``prefer_lent``: after each complete pair, lend unless the own cores won it by the gain;
+        own cores once they won every pair."""
+        b, n = self.block, min(len(self.own_costs), len(self.lent_costs))
+        if n % b or len(self.own_costs) != len(self.lent_costs):
+            return
+        k = n // b - 1  # the pair just completed
+        own = statistics.median(self.own_costs[k * b : (k + 1) * b])
+        lent = statistics.median(self.lent_costs[k * b : (k + 1) * b])
+        if own > self.gain * lent:
+            self._lend(now, f"the whole device {_ratio(lent, own)} the own cost per request-iteration in pair {k + 1}")
+        elif k + 1 >= self.pairs:
+            ratio = _ratio(statistics.median(self.lent_costs), statistics.median(self.own_costs))
+            self._refuse(now, f"the whole device {ratio} the own cost per request-iteration, slower by more "
+                              f"than {1 - self.gain:.0%} in all {self.pairs} pairs")  # fmt: skip
 
     def _lend(self, now: float, why: str) -> None:
         self.phase, self.until, self.backoff_s = "lend", now + self.next_hold_s, self.hold_s
@@ -163,6 +183,9 @@ class LendingTrial:
         self.reason = "measuring: own and lent cores in alternating blocks"
 
     def status(self) -> dict:
-        reason = WHOLE_DEVICE_REASON if self.whole_device else self.reason
         return {"phase": self.phase, "until_monotonic_s": self.until, "trials": self.trials, "paid": self.paid,
-                "refused": self.refused, "reason": reason}  # fmt: skip
+                "refused": self.refused, "reason": self.reason}  # fmt: skip
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "inf x"

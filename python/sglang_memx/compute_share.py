@@ -12,17 +12,19 @@ waiting or running; the coordinator's tick asks) and asks ``memory_ext.policy.co
 may compute on; when idle siblings' cores are on offer, ``memory_ext.policy.lending_trial``
 decides from measured iteration times whether taking them pays (own and lent cores in
 alternating blocks, while a sibling has work: lent only when faster per decoding request in
-every pair). While every sibling is idle the engine computes on the whole device without a
-trial, as one stock server alone on the device computes on all of it. Only iterations
+every pair). While every sibling is idle the lent cores are the whole device, what one stock
+server alone on it computes on: a second trial (``whole``) takes them unless the own cores were
+measured faster in every pair (a model too small for a second OpenMP thread). Only iterations
 that ran a pure decode batch are measured: a prefill's cost would bias the blocks. When the answer changes, the
 scheduler process's threads are moved to those cores and torch's intra-op thread count follows
 (one OpenMP thread per core). Without the variables (one server alone, stock's command line)
 nothing here runs.
 
 Invariants: the decisions are the policies'; an engine with no work returns to its own share
-at its next iteration; without a measurement that lending pays the engine stays on its own
-share; a board that cannot be used is logged once and the engine keeps its own share (it serves
-as with a static split, never worse).
+at its next iteration; beside a busy sibling, without a measurement that lending pays the engine
+stays on its own share; beside idle siblings only, it leaves the whole device only for its own
+share measured faster in every pair; a board that cannot be used is logged once and the engine
+keeps its own share (it serves as with a static split, never worse).
 """
 
 from __future__ import annotations
@@ -65,32 +67,35 @@ class ComputeLender:
     slot: int
     table: ComputeShares
     apply: Callable[[tuple[int, ...]], None] = _apply_cores  # tests pass a recorder
-    trial: LendingTrial = field(default_factory=LendingTrial)
+    trial: LendingTrial = field(default_factory=LendingTrial)  # while some sibling has work
+    whole: LendingTrial = field(default_factory=lambda: LendingTrial(prefer_lent=True, hold_s=30.0, max_hold_s=480.0))
     cores: tuple[int, ...] = ()
     changes: int = 0
-    _last: tuple[float, bool] | None = None  # previous iteration: (start, lent) if the trial counts it
+    whole_device: bool = False  # the last step's offer was the whole device (every sibling idle)
+    _last: tuple[float, bool, bool] | None = None  # previous iteration: (start, lent, whole) if a trial counts it
 
     def step(self, busy: bool, now: float, decoded: int = 0) -> tuple[int, ...]:
         """Publish ``busy``, then move to the policies' cores if they changed; returns them.
         ``decoded``: requests of the pure decode batch the iteration that just ended ran (0: it ran
         a prefill or mixed batch, or nothing; then it is not measured)."""
         if self._last is not None and busy and decoded > 0:  # a decode step on unchanged cores: count it
-            start, lent = self._last
-            self.trial.observe(lent, now - start, decoded, now)
+            start, lent, whole = self._last
+            (self.whole if whole else self.trial).observe(lent, now - start, decoded, now)
         self.board.publish(self.slot, os.getpid(), busy, now)
         flags = self.board.busy_flags(own_slot=self.slot)  # our slot reads the ``busy`` just published
         own = self.table.shares[self.slot]
         offered = cores_for(self.slot, self.table, flags)
         siblings_idle = not any(b for i, b in enumerate(flags) if i != self.slot)
-        lending = offered != own and self.trial.want_lent(now, every_sibling_idle=siblings_idle)
+        self.whole_device = siblings_idle
+        lending = offered != own and (self.whole if siblings_idle else self.trial).want_lent(now)
         want = offered if lending else own
         changed = want != self.cores
         if changed:
             self.apply(want)
             self.cores = want
             self.changes += 1
-        trial_counts = busy and offered != own and not siblings_idle and not changed
-        self._last = (now, lending) if trial_counts else None
+        trial_counts = busy and offered != own and not changed
+        self._last = (now, lending, siblings_idle) if trial_counts else None
         return want
 
     def status(self) -> dict[str, Any]:
@@ -101,7 +106,9 @@ class ComputeLender:
             "shares": self.table.render(),
             "busy_slots": [i for i, b in enumerate(self.board.busy_flags()) if b],
             "changes": self.changes,
-            "lending": self.trial.status(),
+            "lending": (self.whole if self.whole_device else self.trial).status(),  # the trial in force
+            "lending_beside_busy_siblings": self.trial.status(),
+            "lending_whole_device": self.whole.status(),
         }
 
 

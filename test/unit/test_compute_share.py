@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from memory_ext.policy.compute_share import ComputeShareError, ComputeShares, cores_for
-from memory_ext.policy.lending_trial import WHOLE_DEVICE_REASON, LendingTrial
+from memory_ext.policy.lending_trial import LendingTrial
 from memory_ext.pool.compute_board import ComputeBoard, ComputeBoardError
 from sglang_memx import compute_share
 from sglang_memx.compute_share import ComputeLender, from_environment
@@ -239,28 +239,57 @@ def test_the_trial_verdict(own_s, lent_s, phase):
     assert _run_trial(own_s, lent_s).phase == phase
 
 
-@pytest.mark.parametrize("phase", ["trial", "own", "lend"])
-def test_with_every_sibling_idle_the_whole_device_is_taken_in_any_phase(phase):
-    """Every sibling idle: the lent cores are the whole device (one stock server's configuration),
-    taken without a trial, even during an own-core back-off; a busy sibling brings the trial back."""
-    trial = _run_trial(0.010, 0.012 if phase == "own" else 0.005) if phase != "trial" else LendingTrial()
-    assert trial.phase == phase
-    for now in (0.0, 1.0, 500.0):
-        assert trial.want_lent(now, every_sibling_idle=True) is True
-        assert trial.status()["reason"] == WHOLE_DEVICE_REASON
-    assert trial.want_lent(0.01) is (phase == "lend")  # a sibling has work again: the trial's own state
-    assert trial.status()["reason"] != WHOLE_DEVICE_REASON
+def _run_whole_device_trial(own_s: float, lent_s: float) -> tuple[LendingTrial, list[bool]]:
+    """A ``prefer_lent`` trial (every sibling idle) run to its verdict; returns it and its sides."""
+    trial, sides, now = LendingTrial(block=3, pairs=2, prefer_lent=True), [], 0.0
+    for _ in range(40):
+        if trial.phase != "trial":
+            break
+        lent = trial.want_lent(now)
+        sides.append(lent)
+        now += lent_s if lent else own_s
+        trial.observe(lent, lent_s if lent else own_s, 1, now)
+    return trial, sides
+
+
+@pytest.mark.parametrize(
+    "own_s,lent_s,phase,iterations",
+    [
+        (0.010, 0.005, "lend", 6),  # the whole device 2x faster: lends after the first pair
+        (0.010, 0.010, "lend", 6),  # equal: stock's configuration, after one pair
+        (0.010, 0.0105, "lend", 6),  # own 5 % faster: not the 10 % it takes to leave the default
+        (0.010, 0.012, "own", 12),  # own 17 % faster in both pairs: own cores (a model too small for 2 threads)
+        (0.010, 0.5, "own", 12),  # a stall on the whole device
+    ],
+)
+def test_the_whole_device_trial_lends_unless_own_cores_win_every_pair(own_s, lent_s, phase, iterations):
+    trial, sides = _run_whole_device_trial(own_s, lent_s)
+    assert trial.phase == phase and len(sides) == iterations
+    assert sides[:3] == [True] * 3 and sides[3:6] == [False] * 3  # the default's side (the whole device) first
+    assert ("slower by more than 10% in all 2 pairs" in trial.reason) is (phase == "own")
+
+
+def test_the_whole_device_trial_lends_as_soon_as_one_pair_does_not_favour_own():
+    """Own cores faster in the first pair, not in the second: the whole device (the default)."""
+    trial, now = LendingTrial(block=1, pairs=3, prefer_lent=True), 0.0
+    for lent, cost in ((True, 0.012), (False, 0.010), (True, 0.010), (False, 0.010)):
+        assert trial.want_lent(now) is lent
+        trial.observe(lent, cost, 1, now)
+    assert trial.phase == "lend" and "pair 2" in trial.reason and trial.paid == 1
+    assert LendingTrial(prefer_lent=True).reason.startswith("no measurement yet: the whole device")
 
 
 @pytest.mark.parametrize("third_busy", [False, True])
 def test_equal_costs_lend_the_whole_device_but_not_a_busy_siblings_neighbourhood(tmp_path, third_busy):
     """Same decode cost on own and lent cores: with every sibling idle the engine computes on the
-    whole device from its first iteration and measures nothing (stock's configuration); with a
-    sibling busy it tries both and keeps its own share (the static split)."""
+    whole device from its first iteration, tries its own core for one block and goes back
+    (stock's configuration); with a sibling busy it tries both and keeps its own share (the static split)."""
     path = tmp_path / "pool.compute"
     ComputeBoard.create(path, 3).close()
     ComputeBoard.open(path).publish(2, os.getpid(), third_busy, 0.0)
-    a = ComputeLender(ComputeBoard.open(path), 0, THREE, apply=lambda c: None, trial=LendingTrial(block=2, pairs=2))
+    whole = LendingTrial(block=2, pairs=2, prefer_lent=True)
+    a = ComputeLender(ComputeBoard.open(path), 0, THREE, apply=lambda c: None,
+                      trial=LendingTrial(block=2, pairs=2), whole=whole)  # fmt: skip
     t, cores = 0.0, []
     for _ in range(30):
         cores.append(a.step(True, t, decoded=2))
@@ -268,10 +297,27 @@ def test_equal_costs_lend_the_whole_device_but_not_a_busy_siblings_neighbourhood
     if third_busy:
         assert a.trial.phase == "own" and a.trial.paid == 0, a.status()["lending"]
         assert (0, 1) in cores and cores[-1] == (0,)  # tried its idle neighbour's core, kept its own
+        assert a.status()["lending"] == a.status()["lending_beside_busy_siblings"]
     else:
-        assert cores == [(0, 1, 2)] * 30 and a.changes == 1  # the whole device at once, never moved
-        assert a.trial.own_costs == a.trial.lent_costs == [] and a.trial.phase == "trial"
-        assert a.status()["lending"]["reason"] == WHOLE_DEVICE_REASON
+        assert cores[0] == (0, 1, 2) and cores[-1] == (0, 1, 2) and cores.count((0,)) <= 3  # one own block
+        assert whole.phase == "lend" and whole.paid == 1 and a.trial.own_costs == a.trial.lent_costs == []
+        assert a.status()["lending"] == a.status()["lending_whole_device"] and "whole device" in whole.reason
+
+
+def test_a_model_too_small_for_two_threads_keeps_its_own_core_beside_idle_siblings(tmp_path):
+    """Every sibling idle, but the whole device is 40 % slower per decode step (OpenMP barriers of
+    a tiny model): after two pairs the engine stays on its own core for the back-off."""
+    path = tmp_path / "pool.compute"
+    ComputeBoard.create(path, 2).close()
+    whole = LendingTrial(block=2, pairs=2, prefer_lent=True, hold_s=30.0)
+    a = ComputeLender(ComputeBoard.open(path), 0, TWO, apply=lambda c: None, whole=whole)
+    t, cores = 0.0, []
+    for _ in range(24):
+        cores.append(a.step(True, t, decoded=3))
+        t += 0.0020 if cores[-1] == (0,) else 0.0028
+    assert whole.phase == "own" and whole.refused == 1 and cores[-6:] == [(0,)] * 6
+    assert t < whole.until <= t + 30.0  # own cores for the 30 s back-off from the verdict
+    assert "1.40x" in a.status()["lending"]["reason"] and a.trial.trials == 1 and a.trial.own_costs == []
 
 
 def test_the_trial_backs_off_doubling_and_retries_then_a_paying_trial_resets_it():
