@@ -144,8 +144,7 @@ class LendingTrial:
         if n % b or len(self.own_costs) != len(self.lent_costs):
             return
         k = n // b - 1  # the pair just completed
-        own = statistics.median(self.own_costs[k * b : (k + 1) * b])
-        lent = statistics.median(self.lent_costs[k * b : (k + 1) * b])
+        own, lent = self._pair_medians(k)
         if own > self.gain * lent:
             self._lend(now, f"the whole device {_ratio(lent, own)} the own cost per request-iteration in pair {k + 1}")
         elif k + 1 >= self.pairs:
@@ -159,16 +158,16 @@ class LendingTrial:
         self.reason = f"{why}: lending for {self.next_hold_s:g} s"
         self.next_hold_s = min(self.max_hold_s, 2 * self.next_hold_s)
 
+    def _pair_medians(self, k: int) -> tuple[float, float]:
+        """(own, lent) median cost of pair ``k`` (0-based): its own block and its lent block."""
+        b = self.block
+        return (statistics.median(self.own_costs[k * b : (k + 1) * b]),
+                statistics.median(self.lent_costs[k * b : (k + 1) * b]))  # fmt: skip
+
     def _contradicting_pairs(self) -> list[int]:
         """The pairs (1-based) where the lent block's median exceeds its own block's."""
-        b = self.block
-        out = []
-        for k in range(self.pairs):
-            own_block, lent_block = self.own_costs[k * b : (k + 1) * b], self.lent_costs[k * b : (k + 1) * b]
-            own_med, lent_med = statistics.median(own_block), statistics.median(lent_block)
-            if lent_med > own_med:
-                out.append(k + 1)
-        return out
+        medians = [self._pair_medians(k) for k in range(self.pairs)]
+        return [k + 1 for k, (own, lent) in enumerate(medians) if lent > own]
 
     def _refuse(self, now: float, why: str) -> None:
         self.phase, self.until = "own", now + self.backoff_s
