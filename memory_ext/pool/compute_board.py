@@ -9,7 +9,8 @@ could die.
 
 Layout: an 8-byte magic, a little-endian u32 slot count, 4 bytes of padding, then one
 16-byte record per slot: i32 pid (0: never written), u8 busy, 3 bytes padding, f64 the
-writer's ``time.monotonic()`` (one clock for all processes of a host, shown in status only).
+writer's ``time.monotonic()`` when it last published itself busy (0: never; one clock for all
+processes of a host): how long a sibling has been idle, read by the lender's quiet rule.
 
 Invariants: a slot is written only by its own engine; a slot whose pid is not a live
 process (gone or a zombie) reads as idle (an engine that died, was SIGKILLed or restarted never holds cores it
@@ -89,7 +90,11 @@ class ComputeBoard:
         return _HEADER.size + slot * _SLOT.size
 
     def publish(self, slot: int, pid: int, busy: bool, now: float) -> None:
-        _SLOT.pack_into(self._view, self._offset(slot), pid, 1 if busy else 0, now)
+        """The slot's pid and flag; its stamp becomes ``now`` only when ``busy`` (else it keeps
+        the time the slot was last busy)."""
+        off = self._offset(slot)
+        stamp = now if busy else _SLOT.unpack_from(self._view, off)[2]
+        _SLOT.pack_into(self._view, off, pid, 1 if busy else 0, stamp)
 
     def read(self, slot: int) -> SlotState:
         pid, busy, stamp = _SLOT.unpack_from(self._view, self._offset(slot))

@@ -14,16 +14,16 @@ decides from measured iteration times whether taking them pays (own and lent cor
 alternating blocks, while a sibling has work: lent only when faster per decoding request in
 every pair). While every sibling is idle the lent cores are the whole device, what one stock
 server alone on it computes on: a second trial (``whole``) takes them unless the own cores were
-measured faster in every pair (a model too small for a second OpenMP thread). Only iterations
-that ran a pure decode batch are measured: a prefill's cost would bias the blocks. When the answer changes, the
-scheduler process's threads are moved to those cores and torch's intra-op thread count follows
-(one OpenMP thread per core). Without the variables (one server alone, stock's command line)
-nothing here runs.
+measured 5 % faster on the mean and in most of its 3 pairs (a model too small for a second
+OpenMP thread). Only iterations that ran a pure decode batch are measured: a prefill's cost
+would bias the blocks. When the answer changes, the scheduler process's threads are moved to
+those cores and torch's intra-op thread count follows (one OpenMP thread per core). Without
+the variables (one server alone, stock's command line) nothing here runs.
 
 Invariants: the decisions are the policies'; an engine with no work returns to its own share
 at its next iteration; beside a busy sibling, without a measurement that lending pays the engine
 stays on its own share; beside idle siblings only, it leaves the whole device only for its own
-share measured faster in every pair; a board that cannot be used is logged once and the engine
+share measured faster; a board that cannot be used is logged once and the engine
 keeps its own share (it serves as with a static split, never worse).
 """
 
@@ -68,7 +68,9 @@ class ComputeLender:
     table: ComputeShares
     apply: Callable[[tuple[int, ...]], None] = _apply_cores  # tests pass a recorder
     trial: LendingTrial = field(default_factory=LendingTrial)  # while some sibling has work
-    whole: LendingTrial = field(default_factory=lambda: LendingTrial(prefer_lent=True, hold_s=30.0, max_hold_s=480.0))
+    whole: LendingTrial = field(default_factory=lambda: LendingTrial(prefer_lent=True, pairs=3, gain=0.95, hold_s=30.0,
+                                                                     max_hold_s=480.0))  # fmt: skip
+    quiet_s: float = 2.0  # every sibling idle this long before the whole device is tried
     cores: tuple[int, ...] = ()
     changes: int = 0
     whole_device: bool = False  # the last step's offer was the whole device (every sibling idle)
@@ -87,6 +89,8 @@ class ComputeLender:
         offered = cores_for(self.slot, self.table, flags)
         siblings_idle = not any(b for i, b in enumerate(flags) if i != self.slot)
         self.whole_device = siblings_idle
+        if siblings_idle and not self._siblings_quiet(now):
+            offered = own  # a sibling busy moments ago: its next request would meet our threads on its cores
         lending = offered != own and (self.whole if siblings_idle else self.trial).want_lent(now)
         want = offered if lending else own
         changed = want != self.cores
@@ -98,6 +102,10 @@ class ComputeLender:
         self._last = (now, lending, siblings_idle) if trial_counts else None
         return want
 
+    def _siblings_quiet(self, now: float) -> bool:
+        """Every sibling idle for at least ``quiet_s`` (by the time each last published itself busy)."""
+        return all(now - self.board.read(i).stamp >= self.quiet_s for i in range(self.table.slots) if i != self.slot)
+
     def status(self) -> dict[str, Any]:
         return {
             "slot": self.slot,
@@ -106,6 +114,7 @@ class ComputeLender:
             "shares": self.table.render(),
             "busy_slots": [i for i, b in enumerate(self.board.busy_flags()) if b],
             "changes": self.changes,
+            "whole_device_after_idle_s": self.quiet_s,
             "lending": (self.whole if self.whole_device else self.trial).status(),  # the trial in force
             "lending_beside_busy_siblings": self.trial.status(),
             "lending_whole_device": self.whole.status(),
