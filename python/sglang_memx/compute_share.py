@@ -73,7 +73,8 @@ class ComputeLender:
     quiet_s: float = 2.0  # every sibling idle this long before the whole device is tried
     cores: tuple[int, ...] = ()
     changes: int = 0
-    whole_device: bool = False  # the last step's offer was the whole device (every sibling idle)
+    whole_device: bool = False  # at the last step every sibling was idle
+    quiet: bool = False  # ... and had been for quiet_s: the whole device was on offer
     _last: tuple[float, bool, bool] | None = None  # previous iteration: (start, lent, whole) if a trial counts it
 
     def step(self, busy: bool, now: float, decoded: int = 0) -> tuple[int, ...]:
@@ -89,7 +90,8 @@ class ComputeLender:
         offered = cores_for(self.slot, self.table, flags)
         siblings_idle = not any(b for i, b in enumerate(flags) if i != self.slot)
         self.whole_device = siblings_idle
-        if siblings_idle and not self._siblings_quiet(now):
+        self.quiet = siblings_idle and self._siblings_quiet(now)
+        if siblings_idle and not self.quiet:
             offered = own  # a sibling busy moments ago: its next request would meet our threads on its cores
         lending = offered != own and (self.whole if siblings_idle else self.trial).want_lent(now)
         want = offered if lending else own
@@ -115,6 +117,7 @@ class ComputeLender:
             "busy_slots": [i for i, b in enumerate(self.board.busy_flags()) if b],
             "changes": self.changes,
             "whole_device_after_idle_s": self.quiet_s,
+            "siblings_quiet": self.quiet,  # every sibling idle that long at the last step
             "lending": (self.whole if self.whole_device else self.trial).status(),  # the trial in force
             "lending_beside_busy_siblings": self.trial.status(),
             "lending_whole_device": self.whole.status(),

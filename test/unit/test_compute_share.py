@@ -143,7 +143,9 @@ def test_the_board_stamps_the_last_busy_iteration_and_the_whole_device_waits_for
     assert board.read(1) == SlotState(os.getpid(), False, 10.0)  # idle since its busy iteration at 10.0
     a = ComputeLender(ComputeBoard.open(path), 0, TWO, apply=lambda c: None, quiet_s=3.0)
     assert [a.step(True, t) for t in (11.0, 12.9)] == [(0,), (0,)]  # quiet for 1.0 s, 2.9 s: own core
+    assert a.status()["siblings_quiet"] is False
     assert a.step(True, 13.0) == (0, 1)  # 3 s: the whole device (its trial's first block)
+    assert a.status()["siblings_quiet"] is True
     board.publish(1, os.getpid(), True, 13.5)
     assert a.step(True, 13.6) == (0,)  # the sibling has work: its core back at once
     board.publish(1, os.getpid(), False, 13.7)
