@@ -13,7 +13,10 @@ Numbers in, decisions out (no I/O, no clock). Invariants:
 * a busy engine always has its own share, plus a near-equal part of the idle engines'
   cores (dealt round-robin in slot order, so every busy engine computes the same answer
   for every other);
-* the busy engines' cores never overlap, and with every engine busy each has its share.
+* the busy engines' cores never overlap, and with every engine busy each has its share;
+* the whole device (every sibling idle) is on offer only once every sibling has been idle for
+  ``quiet_s`` (``siblings_quiet``): a sibling busy moments ago is likely to get its next request
+  soon, which would meet the lender's threads on its cores.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ComputeShares", "ComputeShareError", "cores_for"]
+__all__ = ["ComputeShares", "ComputeShareError", "cores_for", "siblings_quiet"]
 
 
 class ComputeShareError(ValueError):
@@ -79,3 +82,11 @@ def cores_for(slot: int, table: ComputeShares, busy: Sequence[bool]) -> tuple[in
     spare = [c for c in spare if c not in taken]
     mine = spare[busy_slots.index(slot) :: len(busy_slots)]
     return tuple(sorted(set(own) | set(mine)))
+
+
+def siblings_quiet(slot: int, last_busy: Sequence[float], now: float, quiet_s: float) -> bool:
+    """Whether every engine but ``slot`` has been idle for at least ``quiet_s`` at ``now``;
+    ``last_busy[i]``: when engine ``i`` last had work (0: never)."""
+    if not quiet_s >= 0:
+        raise ComputeShareError(f"quiet_s: must be >= 0, got {quiet_s!r}")
+    return all(t <= 0 or now - t >= quiet_s for i, t in enumerate(last_busy) if i != slot)

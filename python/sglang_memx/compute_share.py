@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from memory_ext.policy.compute_share import ComputeShares, cores_for
+from memory_ext.policy.compute_share import ComputeShares, cores_for, siblings_quiet
 from memory_ext.policy.lending_trial import LendingTrial
 from memory_ext.pool.compute_board import ComputeBoard
 
@@ -90,7 +90,7 @@ class ComputeLender:
         offered = cores_for(self.slot, self.table, flags)
         siblings_idle = not any(b for i, b in enumerate(flags) if i != self.slot)
         self.whole_device = siblings_idle
-        self.quiet = siblings_idle and self._siblings_quiet(now)
+        self.quiet = siblings_idle and siblings_quiet(self.slot, self._last_busy(), now, self.quiet_s)
         if siblings_idle and not self.quiet:
             offered = own  # a sibling busy moments ago: its next request would meet our threads on its cores
         lending = offered != own and (self.whole if siblings_idle else self.trial).want_lent(now)
@@ -104,9 +104,9 @@ class ComputeLender:
         self._last = (now, lending, siblings_idle) if trial_counts else None
         return want
 
-    def _siblings_quiet(self, now: float) -> bool:
-        """Every sibling idle for at least ``quiet_s`` (by the time each last published itself busy)."""
-        return all(now - self.board.read(i).stamp >= self.quiet_s for i in range(self.table.slots) if i != self.slot)
+    def _last_busy(self) -> list[float]:
+        """When each slot last published itself busy (the board's stamps)."""
+        return [self.board.read(i).stamp for i in range(self.table.slots)]
 
     def status(self) -> dict[str, Any]:
         return {

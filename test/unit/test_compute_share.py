@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from memory_ext.policy.compute_share import ComputeShareError, ComputeShares, cores_for
+from memory_ext.policy.compute_share import ComputeShareError, ComputeShares, cores_for, siblings_quiet
 from memory_ext.policy.lending_trial import LendingTrial
 from memory_ext.pool.compute_board import ComputeBoard, ComputeBoardError, SlotState
 from sglang_memx import compute_share
@@ -107,6 +107,25 @@ def test_a_file_that_is_not_a_board_is_refused_naming_it(tmp_path):
     board = ComputeBoard.create(tmp_path / "ok.compute", 2)
     with pytest.raises(ComputeBoardError, match="slot 2 is not one of 2"):
         board.publish(2, 1, True, 0.0)
+
+
+@pytest.mark.parametrize(
+    "slot,last_busy,now,quiet",
+    [
+        (0, [5.0, 0.0], 1.0, True),  # the only sibling never busy
+        (0, [5.0, 9.0], 10.0, False),  # busy 1 s ago
+        (0, [5.0, 8.0], 10.0, True),  # exactly quiet_s ago
+        (1, [9.5, 0.0, 3.0], 10.0, False),  # one of two siblings busy moments ago
+        (1, [7.0, 0.0, 3.0], 10.0, True),
+    ],
+)
+def test_siblings_quiet(slot, last_busy, now, quiet):
+    assert siblings_quiet(slot, last_busy, now, 2.0) is quiet
+
+
+def test_siblings_quiet_refuses_a_bad_quiet_time():
+    with pytest.raises(ComputeShareError, match="quiet_s: must be >= 0"):
+        siblings_quiet(0, [0.0, 0.0], 1.0, -1.0)
 
 
 def test_two_lenders_lend_and_take_back_cores(tmp_path):
