@@ -35,7 +35,8 @@ The trial (numbers in, decisions out; no clock, no I/O):
   here, 2026-12-05, the matrix's ``tiny-a`` beside an idle sibling: per request-iteration the
   whole device's median was 2.86 ms against the own core's 2.35, its mean 3.46 (iterations up to
   58 ms) against 2.44; the earlier rule (lend unless the own cores were 10 % faster in every pair
-  of 4-iteration blocks, decided on medians) lent on noise, and the clients' TPOT rose 1.3-1.5x.
+  of 4-iteration blocks, decided on medians) lent on noise, and tiny-a's TPOT at its clients rose
+  1.3-1.4x (docs/router.md, "Idle cores"). The caller also waits for its siblings to be quiet.
   The own cores are kept when their mean is at most ``gain`` x the whole device's and they won
   the majority of the pairs (a pair's winner: the lower block mean); otherwise the engine lends.
 
