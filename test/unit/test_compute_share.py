@@ -325,15 +325,20 @@ def test_the_whole_device_trial_counts_the_stalls_a_median_hides():
     assert trial.phase == "own" and "2.00x" in trial.reason, trial.reason
 
 
-def test_the_whole_device_trial_lends_when_the_own_cores_win_on_the_mean_but_not_most_pairs():
-    """One own block far faster (a lucky block), the other two slower: the mean favours the own
-    cores, the pairs do not; the default (the whole device) stays."""
+def test_the_whole_device_trial_lends_when_the_own_cores_win_on_the_mean_but_not_every_pair():
+    """One own block far faster (a lucky block, or a batch that grew), the other two slower: the
+    mean favours the own cores, the pairs do not; the default (the whole device) stays. Two of
+    three is not enough either."""
     trial, now = LendingTrial(block=1, pairs=3, gain=0.95, prefer_lent=True), 0.0
     for lent, cost in ((True, 0.010), (False, 0.001), (True, 0.010), (False, 0.011), (True, 0.010), (False, 0.011)):
         assert trial.want_lent(now) is lent
         trial.observe(lent, cost, 1, now)
     assert trial.phase == "lend" and "own cores faster in 1 of 3 pairs" in trial.reason and trial.paid == 1
     assert LendingTrial(prefer_lent=True).reason.startswith("no measurement yet: the whole device")
+    trial, now = LendingTrial(block=1, pairs=3, gain=0.95, prefer_lent=True), 0.0
+    for lent, cost in ((True, 0.010), (False, 0.005), (True, 0.010), (False, 0.005), (True, 0.010), (False, 0.011)):
+        trial.observe(lent, cost, 1, now)
+    assert trial.phase == "lend" and "own cores faster in 2 of 3 pairs" in trial.reason
 
 
 @pytest.mark.parametrize("third_busy", [False, True])
