@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ComputeShares", "ComputeShareError", "cores_for", "siblings_quiet"]
+__all__ = ["ComputeShares", "ComputeShareError", "Offer", "cores_for", "offer", "siblings_quiet"]
 
 
 class ComputeShareError(ValueError):
@@ -90,3 +90,29 @@ def siblings_quiet(slot: int, last_busy: Sequence[float], now: float, quiet_s: f
     if not quiet_s >= 0:
         raise ComputeShareError(f"quiet_s: must be >= 0, got {quiet_s!r}")
     return all(t <= 0 or now - t >= quiet_s for i, t in enumerate(last_busy) if i != slot)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What engine ``slot`` may compute on now (``offer``): ``cores`` (its own share when nothing
+    more is on offer); ``whole_device``: every sibling is idle; ``quiet``: ... and has been for
+    ``quiet_s``, so the idle siblings' cores are on offer (else only the own share)."""
+
+    cores: tuple[int, ...]
+    whole_device: bool
+    quiet: bool
+
+
+def offer(slot: int, table: ComputeShares, busy: Sequence[bool], last_busy: Sequence[float], now: float,
+          quiet_s: float) -> Offer:  # fmt: skip
+    """``cores_for`` with the quiet rule: while every sibling is idle, their cores are on offer only
+    once each has been idle ``quiet_s`` (``siblings_quiet``); ``last_busy[i]``: when engine ``i``
+    last had work (0: never)."""
+    if len(last_busy) != table.slots:
+        raise ComputeShareError(f"last_busy: {len(last_busy)} stamps for {table.slots} engine slots")
+    cores = cores_for(slot, table, busy)
+    whole = not any(b for i, b in enumerate(busy) if i != slot)
+    quiet = whole and siblings_quiet(slot, last_busy, now, quiet_s)
+    if whole and not quiet:
+        cores = table.shares[slot]  # a sibling busy moments ago: its next request would meet our threads
+    return Offer(cores, whole, quiet)

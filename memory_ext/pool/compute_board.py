@@ -100,15 +100,20 @@ class ComputeBoard:
         pid, busy, stamp = _SLOT.unpack_from(self._view, self._offset(slot))
         return SlotState(pid, bool(busy), stamp)
 
-    def busy_flags(self, own_slot: int | None = None) -> list[bool]:
-        """Each slot's busy flag; a slot without a live writer is idle. ``own_slot``: the caller's
-        slot, whose writer is the caller (its liveness is not read from /proc: that read was
-        1-2 % of a tiny model's scheduler iteration)."""
+    def states(self, own_slot: int | None = None) -> list[SlotState]:
+        """Every slot, in one pass; a slot without a live writer reads as idle (its stamp kept).
+        ``own_slot``: the caller's slot, whose writer is the caller (its liveness is not read from
+        /proc: that read was 1-2 % of a tiny model's scheduler iteration)."""
         out = []
         for slot in range(self.slots):
             s = self.read(slot)
-            out.append(s.busy and (slot == own_slot or pid_alive(s.pid)))
+            live = s.busy and (slot == own_slot or pid_alive(s.pid))
+            out.append(s if live == s.busy else SlotState(s.pid, live, s.stamp))
         return out
+
+    def busy_flags(self, own_slot: int | None = None) -> list[bool]:
+        """Each slot's busy flag (``states``)."""
+        return [s.busy for s in self.states(own_slot)]
 
     def close(self) -> None:
         self._view.close()

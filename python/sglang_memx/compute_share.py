@@ -8,8 +8,9 @@
 * ``MEMX_COMPUTE_SHARES``: every slot's own cores, ``"0;1"`` (``ComputeShares.parse``).
 
 Once per scheduler iteration ``tick`` publishes whether this engine has work (requests
-waiting or running; the coordinator's tick asks) and asks ``memory_ext.policy.compute_share.cores_for`` which cores it
-may compute on; when idle siblings' cores are on offer, ``memory_ext.policy.lending_trial``
+waiting or running; the coordinator's tick asks) and asks ``memory_ext.policy.compute_share.offer``
+(one read of the board: flags and last-busy stamps) which cores it may compute on; when idle
+siblings' cores are on offer, ``memory_ext.policy.lending_trial``
 decides from measured iteration times whether taking them pays (own and lent cores in
 alternating blocks, while a sibling has work: lent only when faster per decoding request in
 every pair). While every sibling is idle the lent cores are the whole device, what one stock
@@ -36,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from memory_ext.policy.compute_share import ComputeShares, cores_for, siblings_quiet
+from memory_ext.policy.compute_share import ComputeShares, offer
 from memory_ext.policy.lending_trial import LendingTrial
 from memory_ext.pool.compute_board import ComputeBoard
 
@@ -85,14 +86,11 @@ class ComputeLender:
             start, lent, whole = self._last
             (self.whole if whole else self.trial).observe(lent, now - start, decoded, now)
         self.board.publish(self.slot, os.getpid(), busy, now)
-        flags = self.board.busy_flags(own_slot=self.slot)  # our slot reads the ``busy`` just published
+        slots = self.board.states(own_slot=self.slot)  # our slot reads the ``busy`` just published
         own = self.table.shares[self.slot]
-        offered = cores_for(self.slot, self.table, flags)
-        siblings_idle = not any(b for i, b in enumerate(flags) if i != self.slot)
-        self.whole_device = siblings_idle
-        self.quiet = siblings_idle and siblings_quiet(self.slot, self._last_busy(), now, self.quiet_s)
-        if siblings_idle and not self.quiet:
-            offered = own  # a sibling busy moments ago: its next request would meet our threads on its cores
+        on_offer = offer(self.slot, self.table, [s.busy for s in slots], [s.stamp for s in slots], now, self.quiet_s)
+        offered, siblings_idle = on_offer.cores, on_offer.whole_device
+        self.whole_device, self.quiet = siblings_idle, on_offer.quiet
         lending = offered != own and (self.whole if siblings_idle else self.trial).want_lent(now)
         want = offered if lending else own
         changed = want != self.cores
@@ -103,10 +101,6 @@ class ComputeLender:
         trial_counts = busy and offered != own and not changed
         self._last = (now, lending, siblings_idle) if trial_counts else None
         return want
-
-    def _last_busy(self) -> list[float]:
-        """When each slot last published itself busy (the board's stamps)."""
-        return [self.board.read(i).stamp for i in range(self.table.slots)]
 
     def status(self) -> dict[str, Any]:
         return {

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from memory_ext.policy.compute_share import ComputeShareError, ComputeShares, cores_for, siblings_quiet
+from memory_ext.policy.compute_share import ComputeShareError, ComputeShares, Offer, cores_for, offer, siblings_quiet
 from memory_ext.policy.lending_trial import LendingTrial
 from memory_ext.pool.compute_board import ComputeBoard, ComputeBoardError, SlotState
 from sglang_memx import compute_share
@@ -90,6 +90,8 @@ def test_board_is_shared_across_processes_and_a_dead_writer_reads_idle(tmp_path)
         child.wait(30)
         assert board.busy_flags() == [False, False]
         assert board.busy_flags(own_slot=1) == [False, True]  # the caller's own slot: its word, no pid read
+        dead = board.states()[1]  # read as idle, its pid and last-busy stamp kept
+        assert (dead.busy, dead.pid, dead.stamp) == (False, child.pid, 5.0)
     finally:
         child.kill()
         child.wait(30)
@@ -126,6 +128,28 @@ def test_siblings_quiet(slot, last_busy, now, quiet):
 def test_siblings_quiet_refuses_a_bad_quiet_time():
     with pytest.raises(ComputeShareError, match="quiet_s: must be >= 0"):
         siblings_quiet(0, [0.0, 0.0], 1.0, -1.0)
+
+
+_TWO = ComputeShares(((0,), (1,)))
+
+
+@pytest.mark.parametrize(
+    "busy,last_busy,now,want",
+    [
+        ([True, True], [9.0, 9.0], 10.0, Offer((0,), False, False)),  # a busy sibling keeps its core
+        ([True, False], [9.0, 9.5], 10.0, Offer((0,), True, False)),  # sibling idle 0.5 s: own core only
+        ([True, False], [9.0, 8.0], 10.0, Offer((0, 1), True, True)),  # idle 2 s: the whole device
+        ([True, False], [9.0, 0.0], 10.0, Offer((0, 1), True, True)),  # never busy
+        ([False, False], [9.0, 0.0], 10.0, Offer((0,), True, True)),  # an idle engine keeps its own
+    ],
+)
+def test_the_offer_folds_the_quiet_rule_into_the_cores(busy, last_busy, now, want):
+    assert offer(0, _TWO, busy, last_busy, now, 2.0) == want
+
+
+def test_the_offer_refuses_stamps_that_do_not_match_the_slots():
+    with pytest.raises(ComputeShareError, match="last_busy: 1 stamps for 2 engine slots"):
+        offer(0, _TWO, [True, False], [0.0], 1.0, 2.0)
 
 
 def test_two_lenders_lend_and_take_back_cores(tmp_path):
