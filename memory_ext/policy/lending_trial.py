@@ -37,11 +37,18 @@ The trial (numbers in, decisions out; no clock, no I/O):
   58 ms) against 2.44; the earlier rule (lend unless the own cores were 10 % faster in every pair
   of 4-iteration blocks, decided on medians) lent on noise, and tiny-a's TPOT at its clients rose
   1.3-1.4x (docs/router.md, "Idle cores"). The caller also waits for its siblings to be quiet.
-  The own cores are kept when their mean is at most ``gain`` x the whole device's and they won
-  **every** pair (a pair's winner: the lower block mean); otherwise the engine lends. Every pair,
-  not most: under upstream's ``bench_serving`` (SmolLM, arrivals changing the batch between
-  blocks) a majority rule kept the own core for a 30 s back-off in 3 of 5 runs while the whole
-  device measured 0.75-0.95x the own cost in every verdict that lent (2026-12-05).
+  The own cores are kept when they won **every** pair (a pair's winner: the lower block mean) and
+  their mean is at most ``gain`` x the whole device's, or when they won **most** pairs and their
+  mean is at most ``clear_gain`` x the whole device's (the whole device clearly slower);
+  otherwise the engine lends. Not "most pairs at 5 %": under upstream's ``bench_serving``
+  (SmolLM, arrivals changing the batch between blocks) that rule kept the own core for a 30 s
+  back-off in 3 of 5 runs while the whole device measured 0.75-0.95x the own cost in every
+  verdict that lent (2026-12-05). Not "every pair" alone either: in the matrix's ``bursty2``
+  (tiny models, a burst of 10 streams whose tokenizer and detokenizer work finds no free core)
+  the whole device measured 2.39x (``tiny-a``) and 1.34x / 1.20x (``tiny-c``) the own cost on
+  the means, the own cores faster in 2 of 3 pairs, and one noisy pair made it lend
+  (2026-12-05, the status polled during the runs; attainment at SLO x2: 0.16 lending against
+  0.31 on the own cores, 4 interleaved rounds, docs/router.md).
 
 Invariants: with no measurement and a busy sibling the engine computes on its own cores only
 (the static split's speed, never worse); with every sibling idle it computes on the whole device
@@ -66,6 +73,7 @@ class LendingTrial:
     block: int = 4
     pairs: int = 2
     gain: float = 0.9
+    clear_gain: float = 0.87  # prefer_lent: own cores kept on most pairs at a mean <= this x the lent mean
     bail: float = 2.0
     hold_s: float = 10.0
     max_hold_s: float = 160.0
@@ -87,7 +95,7 @@ class LendingTrial:
         for name in ("block", "pairs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise LendingTrialError(f"{name}: must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("gain", "bail", "hold_s", "max_hold_s", "max_backoff_s"):
+        for name in ("gain", "clear_gain", "bail", "hold_s", "max_hold_s", "max_backoff_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > 0 or v != v:
                 raise LendingTrialError(f"{name}: must be a positive number, got {v!r}")
@@ -143,15 +151,18 @@ class LendingTrial:
                 self._refuse(now, f"lent cores {lent_med / own:.2f}x the own cost (needs <= {self.gain:g}x)")
 
     def _judge_own_side(self, now: float) -> None:
-        """``prefer_lent``: once every pair is complete, own cores when their mean cost is at most
-        ``gain`` x the lent mean and they won every pair (lower block mean); else lend."""
+        """``prefer_lent``: once every pair is complete, own cores when they won every pair (lower
+        block mean) with a mean cost at most ``gain`` x the lent mean, or most pairs with at most
+        ``clear_gain`` x; else lend."""
         b, n = self.block, min(len(self.own_costs), len(self.lent_costs))
         if n < b * self.pairs or len(self.own_costs) != len(self.lent_costs):
             return
         own, lent = statistics.fmean(self.own_costs), statistics.fmean(self.lent_costs)
         won = sum(1 for own_k, lent_k in (self._pair(k, statistics.fmean) for k in range(self.pairs)) if own_k < lent_k)
         ratio = f"the whole device {_ratio(lent, own)} the own cost per request-iteration (means)"
-        if own <= self.gain * lent and won == self.pairs:
+        every = won == self.pairs and own <= self.gain * lent
+        clearly = 2 * won > self.pairs and own <= self.clear_gain * lent
+        if every or clearly:
             self._refuse(now, f"{ratio}, the own cores faster in {won} of {self.pairs} pairs")
         else:
             self._lend(now, f"{ratio}, the own cores faster in {won} of {self.pairs} pairs")

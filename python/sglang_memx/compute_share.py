@@ -15,8 +15,9 @@ decides from measured iteration times whether taking them pays (own and lent cor
 alternating blocks, while a sibling has work: lent only when faster per decoding request in
 every pair). While every sibling is idle the lent cores are the whole device, what one stock
 server alone on it computes on: a second trial (``whole``) takes them unless the own cores were
-measured 5 % faster on the mean and in every one of its 3 pairs (a model too small for a second
-OpenMP thread). Only iterations that ran a pure decode batch are measured: a prefill's cost
+measured 5 % cheaper on the mean and in every one of its 3 pairs, or 15 % cheaper on the mean
+and in 2 of them (a model too small for a second OpenMP thread, or whose helper processes find
+no free core). Only iterations that ran a pure decode batch are measured: a prefill's cost
 would bias the blocks. When the answer changes, the scheduler process's threads are moved to
 those cores and torch's intra-op thread count follows (one OpenMP thread per core). Without
 the variables (one server alone, stock's command line) nothing here runs.
