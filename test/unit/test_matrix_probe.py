@@ -1,0 +1,65 @@
+"""``benchmark/e2e/matrix_probe.py``, the matrix-cell diagnostic: its bookkeeping, without servers."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmark.e2e import matrix_probe as P  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "cmdline,role",
+    [
+        ("sglang::scheduler", "scheduler"),
+        ("sglang::detokenizer", "detokenizer"),
+        ("/x/python -m sglang_memx.cli serve --config a.yaml", "router"),
+        ("/x/python -m sglang.launch_server --model-path m", "tokenizer/http"),
+        ("python other.py", "other"),
+    ],
+)
+def test_role_of(cmdline, role):
+    assert P.role_of(cmdline) == role
+
+
+def test_usage_delta_sums_roles_and_counts_new_processes_from_zero():
+    before = {(1, "scheduler"): (2.0, 100), (2, "scheduler"): (1.0, 10)}
+    after = {(1, "scheduler"): (3.5, 150), (2, "scheduler"): (1.25, 10), (3, "router"): (0.5, 7)}
+    assert P.usage_delta(before, after) == {"router": {"cpu_s": 0.5, "minor_faults": 7},
+                                            "scheduler": {"cpu_s": 1.75, "minor_faults": 50}}  # fmt: skip
+
+
+def test_usage_reads_this_process():
+    got = P.usage([os.getpid()])
+    ((cpu, faults),) = [v for (pid, _), v in got.items() if pid == os.getpid()]
+    assert cpu > 0 and faults > 0
+
+
+def test_poll_sample_keeps_the_governor_and_the_lender_fields():
+    governor = {"running": 3, "batch_cap": 5, "batch_cap_reason": "x", "measured_decode_step_ms": 4.2}
+    share = {"cores": [0, 1], "lending_whole_device": {"phase": "own", "paid": 0}}
+    doc = {"schedulers": [{"elastic_kv": {"governor": governor}, "compute_share": share}]}
+    s = P.poll_sample(doc, "tiny-a", 1.0)
+    assert (s["running"], s["cap"], s["decode_step_ms"], s["cores"]) == (3, 5, 4.2, [0, 1])
+    assert s["whole_device"]["phase"] == "own" and s["whole_device"]["reason"] is None
+    bare = P.poll_sample({"schedulers": [{}]}, "tiny-a", 1.0)  # no governor, no board: fields are None
+    assert bare["running"] is None and bare["cores"] is None
+
+
+def test_per_model_counts_what_met_each_slo():
+    solo = {"a": {"ttft_s": 0.010, "tpot_s": 0.002}, "b": {"ttft_s": 0.010, "tpot_s": 0.002}}
+    reqs = [{"model": "a", "ttft": 0.015, "tpot": 0.003}, {"model": "a", "ttft": 0.025, "tpot": 0.005},
+            {"model": "a", "error": "HTTP 500"}]  # fmt: skip
+    got = P.per_model(reqs, solo, 2.0)
+    assert got["a"]["n"] == 2 and got["a"]["ttft_met"] == 1 and got["a"]["tpot_met"] == 1
+    assert got["b"] == {"n": 0}
+
+
+def test_bad_arguments_name_the_flag():
+    with pytest.raises(SystemExit):
+        P.parse_args(["--variants", "lend,fast"])
+    assert P.parse_args(["--routed", ""]).routed == []
