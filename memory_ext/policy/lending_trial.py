@@ -40,7 +40,10 @@ The trial (numbers in, decisions out; no clock, no I/O):
   The own cores are kept when they won **every** pair (a pair's winner: the lower block mean) and
   their mean is at most ``gain`` x the whole device's, or when they won **most** pairs and their
   mean is at most ``clear_gain`` x the whole device's (the whole device clearly slower);
-  otherwise the engine lends. Not "most pairs at 5 %": under upstream's ``bench_serving``
+  otherwise the engine lends. A pair whose 2 blocks ran one unchanged batch, the whole device's
+  block above ``bail`` x the own block's mean, ends the trial at once on the own cores (no
+  arrival explains that gap; the full trial's 12 lent iterations cost a short burst their share).
+  Not "most pairs at 5 %": under upstream's ``bench_serving``
   (SmolLM, arrivals changing the batch between blocks) that rule kept the own core for a 30 s
   back-off in 3 of 5 runs while the whole device measured 0.75-0.95x the own cost in every
   verdict that lent (2026-12-05). Not "every pair" alone either: in the matrix's ``bursty2``
@@ -86,6 +89,8 @@ class LendingTrial:
     next_hold_s: float = 0.0
     own_costs: list = field(default_factory=list)
     lent_costs: list = field(default_factory=list)
+    own_batches: list = field(default_factory=list)  # the decoding requests of each counted iteration
+    lent_batches: list = field(default_factory=list)
     trials: int = 0
     paid: int = 0
     refused: int = 0
@@ -131,10 +136,12 @@ class LendingTrial:
             return
         cost = seconds / max(1, running)
         (self.lent_costs if lent else self.own_costs).append(cost)
+        (self.lent_batches if lent else self.own_batches).append(running)
         if not self.own_costs or not self.lent_costs:
             return
         if self.prefer_lent:
-            self._judge_own_side(now)
+            if not self._bail_at_same_batch(now):
+                self._judge_own_side(now)
             return
         own = statistics.median(self.own_costs)
         lent_med = statistics.median(self.lent_costs)
@@ -167,6 +174,23 @@ class LendingTrial:
         else:
             self._lend(now, f"{ratio}, the own cores faster in {won} of {self.pairs} pairs")
 
+    def _bail_at_same_batch(self, now: float) -> bool:
+        """``prefer_lent``: a pair just completed whose every iteration ran the same batch, with the
+        lent block's mean above ``bail`` x the own block's, ends the trial on the own cores (an
+        unchanged batch leaves no arrival or departure to explain the gap: the whole device is
+        that much slower, and 2 more pairs on it would cost a burst their share)."""
+        b, n = self.block, len(self.own_costs)
+        if n != len(self.lent_costs) or n % b:
+            return False
+        k = n // b - 1
+        batches = set(self.own_batches[k * b :]) | set(self.lent_batches[k * b :])
+        own, lent = self._pair(k, statistics.fmean)
+        if len(batches) != 1 or not lent > self.bail * own:
+            return False
+        ratio = f"the whole device {_ratio(lent, own)} the own cost per request-iteration (means)"
+        self._refuse(now, f"{ratio} in pair {k + 1} at an unchanged batch of {batches.pop()}: bailed out")
+        return True
+
     def _lend(self, now: float, why: str) -> None:
         self.phase, self.until, self.backoff_s = "lend", now + self.next_hold_s, self.hold_s
         self.paid += 1
@@ -192,6 +216,7 @@ class LendingTrial:
 
     def _start_trial(self) -> None:
         self.phase, self.own_costs, self.lent_costs = "trial", [], []
+        self.own_batches, self.lent_batches = [], []
         self.trials += 1
         self.reason = "measuring: own and lent cores in alternating blocks"
 

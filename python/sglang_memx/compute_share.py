@@ -16,11 +16,11 @@ alternating blocks, while a sibling has work: lent only when faster per decoding
 every pair). While every sibling is idle the lent cores are the whole device, what one stock
 server alone on it computes on: a second trial (``whole``) takes them unless the own cores were
 measured 5 % cheaper on the mean and in every one of its 3 pairs, or 15 % cheaper on the mean
-and in 2 of them (a model too small for a second OpenMP thread, or whose helper processes find
-no free core). Only iterations that ran a pure decode batch are measured: a prefill's cost
-would bias the blocks. When the answer changes, the scheduler process's threads are moved to
-those cores and torch's intra-op thread count follows (one OpenMP thread per core). Without
-the variables (one server alone, stock's command line) nothing here runs.
+and in 2 of them, or over 2x cheaper in one pair at an unchanged batch (a model too small for a
+second OpenMP thread, or whose helper processes find no free core). Only iterations that ran a
+pure decode batch are measured: a prefill's cost would bias the blocks. When the answer changes,
+the scheduler process's threads are moved to those cores and torch's intra-op thread count
+follows (one OpenMP thread per core). Without the variables (one server alone, stock's command line) nothing here runs.
 
 Invariants: the decisions are the policies'; an engine with no work returns to its own share
 at its next iteration; beside a busy sibling, without a measurement that lending pays the engine

@@ -329,12 +329,14 @@ def _run_whole_device_trial(own_s: float, lent_s: float, stall_s: float = 0.0) -
         (0.010, 0.010, "lend"),  # equal: stock's configuration
         (0.010, 0.0103, "lend"),  # own 3 % faster: not the 5 % it takes to leave the default
         (0.010, 0.012, "own"),  # own 17 % faster in every pair: own cores (a model too small for 2 threads)
-        (0.010, 0.5, "own"),  # a stall on the whole device
+        (0.010, 0.5, "own"),  # a stall on the whole device: > 2x at one batch, the first pair decides
     ],
 )
 def test_the_whole_device_trial_weighs_every_pair_then_lends_unless_own_cores_are_faster(own_s, lent_s, phase):
     trial, sides = _run_whole_device_trial(own_s, lent_s)
-    assert trial.phase == phase and len(sides) == 18  # no verdict before the 3 pairs of 3
+    bailed = lent_s > 2 * own_s
+    assert trial.phase == phase and len(sides) == (6 if bailed else 18)  # else no verdict before the 3 pairs of 3
+    assert ("bailed out" in trial.reason) is bailed
     assert sides[:3] == [True] * 3 and sides[3:6] == [False] * 3  # the default's side (the whole device) first
     assert ("own cores for 10 s" in trial.reason) is (phase == "own")
     assert "(means)" in trial.reason
@@ -354,15 +356,40 @@ def test_the_whole_device_trial_lends_when_the_own_cores_win_on_the_mean_but_not
     mean favours the own cores, the pairs do not; the default (the whole device) stays. Two of
     three is not enough either while the own cores are less than clearly (``clear_gain``) cheaper."""
     trial, now = LendingTrial(block=1, pairs=3, gain=0.95, prefer_lent=True), 0.0
-    for lent, cost in ((True, 0.010), (False, 0.001), (True, 0.010), (False, 0.011), (True, 0.010), (False, 0.011)):
+    for lent, cost, running in ((True, 0.010, 1), (False, 0.002, 5), (True, 0.010, 5), (False, 0.011, 5),
+                                (True, 0.010, 5), (False, 0.011, 5)):  # fmt: skip
         assert trial.want_lent(now) is lent
-        trial.observe(lent, cost, 1, now)
+        trial.observe(lent, cost * running, running, now)  # the first pair: the batch grew between its blocks
     assert trial.phase == "lend" and "own cores faster in 1 of 3 pairs" in trial.reason and trial.paid == 1
     assert LendingTrial(prefer_lent=True).reason.startswith("no measurement yet: the whole device")
     trial, now = LendingTrial(block=1, pairs=3, gain=0.95, prefer_lent=True), 0.0
     for lent, cost in ((True, 0.010), (False, 0.009), (True, 0.010), (False, 0.009), (True, 0.010), (False, 0.0111)):
         trial.observe(lent, cost, 1, now)
     assert trial.phase == "lend" and "own cores faster in 2 of 3 pairs" in trial.reason  # own mean 0.94x
+
+
+@pytest.mark.parametrize(
+    "first_pair,phase",
+    [
+        (((0.0070, 6), (0.0030, 6)), "own"),  # 2.33x at an unchanged batch of 6: bailed out after one pair
+        (((0.0070, 6), (0.0030, 9)), "trial"),  # the batch changed between the blocks: no verdict yet
+        (((0.0050, 6), (0.0030, 6)), "trial"),  # 1.67x: within bail, the trial goes on
+    ],
+)
+def test_the_whole_device_trial_bails_after_one_pair_clearly_slower_at_one_batch(first_pair, phase):
+    """bursty2's tiny-a (2026-12-05): the whole device measured 2.39-5.45x the own cost in a burst,
+    whose batch holds still for many iterations; 12 lent iterations of a 3-pair trial cost a burst
+    of about 40 their share."""
+    trial = LendingTrial(block=2, pairs=3, gain=0.95, prefer_lent=True)
+    (lent_cost, lent_batch), (own_cost, own_batch) = first_pair
+    for lent, cost, batch in ((True, lent_cost, lent_batch), (False, own_cost, own_batch)):
+        for _ in range(2):
+            assert trial.want_lent(0.0) is lent
+            trial.observe(lent, cost * batch, batch, 0.0)
+    assert trial.phase == phase, trial.reason
+    if phase == "own":
+        assert "at an unchanged batch of 6: bailed out: own cores for 10 s" in trial.reason
+        assert trial.refused == 1 and not trial.want_lent(5.0) and trial.want_lent(10.0)  # back-off, then a new trial
 
 
 @pytest.mark.parametrize(
