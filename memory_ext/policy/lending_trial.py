@@ -25,8 +25,9 @@ The trial (numbers in, decisions out; no clock, no I/O):
   (``hold_s``, doubled after each failed trial up to ``max_backoff_s``), and the hold starts
   again from ``hold_s``. A lent block whose median is already above ``bail`` x the own median
   ends the trial at once (a stall like the one above costs one block, not the whole trial).
-  A verdict holds for the load it was measured at: a decoding batch outside ``load_factor`` of the
-  trial's mean batch ends the hold or back-off and starts a new trial (not a failure).
+  A lending verdict holds for the load it was measured at: a decoding batch outside
+  ``load_factor`` of the trial's mean batch ends the hold and starts a new trial (not a failure);
+  a back-off on the own cores runs its course.
 
 * While **every** sibling is idle the lent cores are the whole device, the configuration of one
   stock server alone on it, so lending is the default there (``prefer_lent``; the caller keeps a
@@ -197,12 +198,14 @@ class LendingTrial:
         return True
 
     def _retry_if_the_load_moved(self, running: int) -> None:
-        """During a hold or back-off: a decoding batch outside ``load_factor`` of the one the verdict
-        was measured at starts a new trial (a verdict at a batch of 1 says little about a burst of
-        10, whose tokenizer and detokenizer work competes for the lent cores). Not counted as a
-        failure; this iteration is not measured (it ran on the hold's cores)."""
+        """While lending: a decoding batch outside ``load_factor`` of the one the verdict was measured
+        at starts a new trial (a verdict at a batch of 1 says little about a burst of 10, whose
+        tokenizer and detokenizer work competes for the lent cores). Not counted as a failure; this
+        iteration is not measured (it ran on the lent cores). A back-off on the own cores (the
+        static split's place) runs its course: a new trial at every change of load would put each
+        burst on the slower cores for a block or more (measured on ``bursty2``: 9 trials in 3 rounds)."""
         was, f = self.verdict_batch, self.load_factor
-        if was <= 0 or was / f <= running <= was * f:
+        if self.phase != "lend" or was <= 0 or was / f <= running <= was * f:
             return
         self._start_trial()
         self.reason = f"the decoding batch moved from {was:.3g} to {running} since the last verdict: measuring again"
