@@ -94,8 +94,8 @@ class LendingTrial:
     own_costs: list = field(default_factory=list)
     lent_costs: list = field(default_factory=list)
     own_batches: list = field(default_factory=list)  # the decoding requests of each counted iteration
-    verdict_batch: float = 0.0  # the last verdict's trial: its mean decoding batch (0: none yet)
     lent_batches: list = field(default_factory=list)
+    verdict_batch: float = 0.0  # the last verdict's trial: its mean decoding batch (0: none yet)
     trials: int = 0
     paid: int = 0
     refused: int = 0
