@@ -25,9 +25,6 @@ The trial (numbers in, decisions out; no clock, no I/O):
   (``hold_s``, doubled after each failed trial up to ``max_backoff_s``), and the hold starts
   again from ``hold_s``. A lent block whose median is already above ``bail`` x the own median
   ends the trial at once (a stall like the one above costs one block, not the whole trial).
-  A lending verdict holds for the load it was measured at: a decoding batch outside
-  ``load_factor`` of the trial's mean batch ends the hold and starts a new trial (not a failure);
-  a back-off on the own cores runs its course.
 
 * While **every** sibling is idle the lent cores are the whole device, the configuration of one
   stock server alone on it, so lending is the default there (``prefer_lent``; the caller keeps a
@@ -81,7 +78,6 @@ class LendingTrial:
     gain: float = 0.9
     clear_gain: float = 0.87  # prefer_lent: own cores kept on most pairs at a mean <= this x the lent mean
     bail: float = 2.0
-    load_factor: float = 2.0  # a verdict holds while the decoding batch stays within this factor of its trial's
     hold_s: float = 10.0
     max_hold_s: float = 160.0
     max_backoff_s: float = 120.0
@@ -95,7 +91,6 @@ class LendingTrial:
     lent_costs: list = field(default_factory=list)
     own_batches: list = field(default_factory=list)  # the decoding requests of each counted iteration
     lent_batches: list = field(default_factory=list)
-    verdict_batch: float = 0.0  # the last verdict's trial: its mean decoding batch (0: none yet)
     trials: int = 0
     paid: int = 0
     refused: int = 0
@@ -105,7 +100,7 @@ class LendingTrial:
         for name in ("block", "pairs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise LendingTrialError(f"{name}: must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("gain", "clear_gain", "bail", "load_factor", "hold_s", "max_hold_s", "max_backoff_s"):
+        for name in ("gain", "clear_gain", "bail", "hold_s", "max_hold_s", "max_backoff_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > 0 or v != v:
                 raise LendingTrialError(f"{name}: must be a positive number, got {v!r}")
@@ -138,7 +133,6 @@ class LendingTrial:
         if not seconds >= 0 or seconds != seconds:
             raise LendingTrialError(f"seconds: must be >= 0, got {seconds!r}")
         if self.phase != "trial":
-            self._retry_if_the_load_moved(running)
             return
         cost = seconds / max(1, running)
         (self.lent_costs if lent else self.own_costs).append(cost)
@@ -197,25 +191,7 @@ class LendingTrial:
         self._refuse(now, f"{ratio} in pair {k + 1} at an unchanged batch of {batches.pop()}: bailed out")
         return True
 
-    def _retry_if_the_load_moved(self, running: int) -> None:
-        """While lending: a decoding batch outside ``load_factor`` of the one the verdict was measured
-        at starts a new trial (a verdict at a batch of 1 says little about a burst of 10, whose
-        tokenizer and detokenizer work competes for the lent cores). Not counted as a failure; this
-        iteration is not measured (it ran on the lent cores). A back-off on the own cores (the
-        static split's place) runs its course: a new trial at every change of load would put each
-        burst on the slower cores for a block or more (measured on ``bursty2``: 9 trials in 3 rounds)."""
-        was, f = self.verdict_batch, self.load_factor
-        if self.phase != "lend" or was <= 0 or was / f <= running <= was * f:
-            return
-        self._start_trial()
-        self.reason = f"the decoding batch moved from {was:.3g} to {running} since the last verdict: measuring again"
-
-    def _verdict(self) -> None:
-        batches = self.own_batches + self.lent_batches
-        self.verdict_batch = statistics.fmean(batches) if batches else 0.0
-
     def _lend(self, now: float, why: str) -> None:
-        self._verdict()
         self.phase, self.until, self.backoff_s = "lend", now + self.next_hold_s, self.hold_s
         self.paid += 1
         self.reason = f"{why}: lending for {self.next_hold_s:g} s"
@@ -232,7 +208,6 @@ class LendingTrial:
         return [k + 1 for k, (own, lent) in enumerate(medians) if lent > own]
 
     def _refuse(self, now: float, why: str) -> None:
-        self._verdict()
         self.phase, self.until = "own", now + self.backoff_s
         self.reason = f"{why}: own cores for {self.backoff_s:g} s"
         self.backoff_s = min(self.max_backoff_s, 2 * self.backoff_s)
@@ -247,8 +222,7 @@ class LendingTrial:
 
     def status(self) -> dict:
         return {"phase": self.phase, "until_monotonic_s": self.until, "trials": self.trials, "paid": self.paid,
-                "refused": self.refused, "verdict_batch": round(self.verdict_batch, 2),
-                "reason": self.reason}  # fmt: skip
+                "refused": self.refused, "reason": self.reason}  # fmt: skip
 
 
 def _ratio(a: float, b: float) -> str:

@@ -481,42 +481,12 @@ def test_the_trial_backs_off_doubling_and_retries_then_a_paying_trial_resets_it(
     assert trial.phase == "own" and trial.next_hold_s == 10.0
 
 
-def _whole_verdict_at(batch: int, own_s: float, lent_s: float) -> LendingTrial:
-    """A whole-device trial (block 1, 3 pairs) run to its verdict at one decoding batch."""
-    trial = LendingTrial(block=1, pairs=3, gain=0.95, prefer_lent=True)
-    while trial.phase == "trial":
-        lent = trial.want_lent(0.0)
-        trial.observe(lent, (lent_s if lent else own_s) * batch, batch, 0.0)
-    return trial
-
-
-def test_a_verdict_holds_for_the_load_it_was_measured_at():
-    """bursty2 (2026-12-05): verdicts taken on the steady trickle between bursts (a batch of 1,
-    the whole device 0.73-1.11x) held for 60-120 s and lent through bursts of 7-10, where the
-    whole device cost 2-5x. A batch outside 2x the lending verdict's starts a new trial, not a
-    failure; a back-off on the own cores is not cut short."""
-    trial = _whole_verdict_at(1, own_s=0.010, lent_s=0.009)
-    assert trial.phase == "lend" and trial.verdict_batch == 1 and trial.status()["verdict_batch"] == 1
-    refused, backoff, hold = trial.refused, trial.backoff_s, trial.next_hold_s
-    trial.observe(True, 0.009, 2, 1.0)  # within 2x: the hold goes on
-    assert trial.phase == "lend"
-    trial.observe(True, 0.070, 7, 1.0)  # a burst
-    assert trial.phase == "trial" and "moved from 1 to 7" in trial.reason and trial.trials == 2
-    assert (trial.refused, trial.backoff_s, trial.next_hold_s) == (refused, backoff, hold)
-    assert trial.want_lent(1.0) and not trial.own_costs and not trial.lent_costs  # the moving iteration is not counted
-
-    trial = _whole_verdict_at(8, own_s=0.002, lent_s=0.005)  # refused at a batch of 8 (bailed after one pair)
-    assert trial.phase == "own" and trial.verdict_batch == 8
-    trial.observe(False, 0.004, 1, 1.0)  # the own cores are the static split's: the back-off runs its course
-    assert trial.phase == "own" and not trial.want_lent(5.0) and trial.want_lent(10.0)
-
-
 def test_bad_trial_parameters_name_the_field():
     from memory_ext.policy.lending_trial import LendingTrialError
 
     for kwargs, field in (({"block": 0}, "block"), ({"pairs": 1.5}, "pairs"), ({"gain": 0}, "gain"),
                           ({"hold_s": float("nan")}, "hold_s"), ({"bail": -1}, "bail"),
-                          ({"load_factor": 0}, "load_factor"), ({"clear_gain": -0.5}, "clear_gain")):  # fmt: skip
+                          ({"clear_gain": -0.5}, "clear_gain")):  # fmt: skip
         with pytest.raises(LendingTrialError, match=f"^{field}:"):
             LendingTrial(**kwargs)
     with pytest.raises(LendingTrialError, match="^seconds:"):
