@@ -166,7 +166,7 @@ class LendingTrial:
             return
         own, lent = statistics.fmean(self.own_costs), statistics.fmean(self.lent_costs)
         won = sum(1 for own_k, lent_k in (self._pair(k, statistics.fmean) for k in range(self.pairs)) if own_k < lent_k)
-        ratio = f"the whole device {_ratio(lent, own)} the own cost per request-iteration (means)"
+        ratio = _whole_device_ratio(lent, own)
         every = won == self.pairs and own <= self.gain * lent
         clearly = 2 * won > self.pairs and own <= self.clear_gain * lent
         if every or clearly:
@@ -187,7 +187,7 @@ class LendingTrial:
         own, lent = self._pair(k, statistics.fmean)
         if len(batches) != 1 or not lent > self.bail * own:
             return False
-        ratio = f"the whole device {_ratio(lent, own)} the own cost per request-iteration (means)"
+        ratio = _whole_device_ratio(lent, own)
         self._refuse(now, f"{ratio} in pair {k + 1} at an unchanged batch of {batches.pop()}: bailed out")
         return True
 
@@ -223,6 +223,10 @@ class LendingTrial:
     def status(self) -> dict:
         return {"phase": self.phase, "until_monotonic_s": self.until, "trials": self.trials, "paid": self.paid,
                 "refused": self.refused, "reason": self.reason}  # fmt: skip
+
+
+def _whole_device_ratio(lent: float, own: float) -> str:
+    return f"the whole device {_ratio(lent, own)} the own cost per request-iteration (means)"
 
 
 def _ratio(a: float, b: float) -> str:
