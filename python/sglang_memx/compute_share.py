@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from memory_ext.policy.compute_share import ComputeShares, offer
+from memory_ext.policy.compute_share import ComputeShares, Offer, offer
 from memory_ext.policy.lending_trial import LendingTrial
 from memory_ext.pool.compute_board import ComputeBoard
 
@@ -75,8 +75,7 @@ class ComputeLender:
     quiet_s: float = 2.0  # every sibling idle this long before the whole device is tried
     cores: tuple[int, ...] = ()
     changes: int = 0
-    whole_device: bool = False  # at the last step every sibling was idle
-    quiet: bool = False  # ... and had been for quiet_s: the whole device was on offer
+    last_offer: Offer = Offer((), False, False)  # the policy's answer at the last step (status); none yet
     _last: tuple[float, bool, bool] | None = None  # previous iteration: (start, lent, whole) if a trial counts it
 
     def step(self, busy: bool, now: float, decoded: int = 0) -> tuple[int, ...]:
@@ -91,7 +90,7 @@ class ComputeLender:
         own = self.table.shares[self.slot]
         on_offer = offer(self.slot, self.table, [s.busy for s in slots], [s.stamp for s in slots], now, self.quiet_s)
         offered, siblings_idle = on_offer.cores, on_offer.whole_device
-        self.whole_device, self.quiet = siblings_idle, on_offer.quiet
+        self.last_offer = on_offer
         lending = offered != own and (self.whole if siblings_idle else self.trial).want_lent(now)
         want = offered if lending else own
         changed = want != self.cores
@@ -104,6 +103,7 @@ class ComputeLender:
         return want
 
     def status(self) -> dict[str, Any]:
+        last = self.last_offer
         return {
             "slot": self.slot,
             "own_cores": list(self.table.shares[self.slot]),
@@ -112,8 +112,8 @@ class ComputeLender:
             "busy_slots": [i for i, b in enumerate(self.board.busy_flags()) if b],
             "changes": self.changes,
             "whole_device_after_idle_s": self.quiet_s,
-            "siblings_quiet": self.quiet,  # every sibling idle that long at the last step
-            "lending": (self.whole if self.whole_device else self.trial).status(),  # the trial in force
+            "siblings_quiet": last.quiet,  # every sibling idle that long at the last step
+            "lending": (self.whole if last.whole_device else self.trial).status(),  # in force
             "lending_beside_busy_siblings": self.trial.status(),
             "lending_whole_device": self.whole.status(),
         }
