@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from sglang_memx.serve.config import ServeConfigError, parse_config
-from sglang_memx.serve.engine_specs import _split_cores, engine_specs
+from sglang_memx.serve.engine_specs import _split_cores, engine_specs, passive_omp_wait
 from sglang_memx.serve.placement import GIB, plan_placement
 from support.fake_checkpoint import fake_model
 
@@ -57,6 +57,37 @@ def test_models_on_one_device_share_its_pool_and_split_its_cores(tmp_path):
                          base_dir=tmp_path)  # fmt: skip
     (spec,) = engine_specs(alone, plan_placement(alone), run_id="9", python="py", log_dir=str(tmp_path))
     assert "MEMX_COMPUTE_BOARD" not in spec.env  # one engine on the device: nothing to lend
+
+
+@pytest.mark.parametrize("environ,expected", [
+    ({}, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, {}),  # the user's choice stands
+    ({"GOMP_SPINCOUNT": "10000"}, {}),
+    ({"OMP_NUM_THREADS": "2"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
+])  # fmt: skip
+def test_passive_omp_wait_unless_the_user_set_it(environ, expected):
+    assert passive_omp_wait(environ) == expected
+
+
+def test_only_engines_that_may_borrow_cores_wait_passively(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    for n in "ab":
+        fake_model(tmp_path, n, weight_bytes=1 << 20)
+    doc = {"models": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}],
+           "devices": [{"name": "cpu0", "memory_gb": 0.5, "cores": [0, 1]}]}  # fmt: skip
+    lending = engine_specs(parse_config(doc, base_dir=tmp_path), plan_placement(parse_config(doc, base_dir=tmp_path)),
+                           run_id="1", python="py", log_dir=str(tmp_path))  # fmt: skip
+    assert [s.env.get("OMP_WAIT_POLICY") for s in lending] == ["PASSIVE", "PASSIVE"]
+    doc["devices"][0]["lend_idle_cores"] = False
+    static = parse_config(doc, base_dir=tmp_path)
+    specs = engine_specs(static, plan_placement(static), run_id="2", python="py", log_dir=str(tmp_path))
+    assert all("OMP_WAIT_POLICY" not in s.env for s in specs)  # stock's behaviour on its own cores
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    doc["devices"][0]["lend_idle_cores"] = True
+    cfg = parse_config(doc, base_dir=tmp_path)
+    specs = engine_specs(cfg, plan_placement(cfg), run_id="3", python="py", log_dir=str(tmp_path))
+    assert all("OMP_WAIT_POLICY" not in s.env for s in specs)  # inherited from the user's environment instead
 
 
 def test_split_cores():

@@ -12,7 +12,9 @@ Invariants:
   slower); with ``devices[].lend_idle_cores`` (default) and several engines on the device,
   each also gets the device's compute board (``MEMX_COMPUTE_*``): an engine with work
   computes on its idle siblings' cores too, and gives them back when they have work
-  (``sglang_memx.compute_share``). CUDA devices: ``CUDA_VISIBLE_DEVICES`` is the device's ordinal.
+  (``sglang_memx.compute_share``); its idle OpenMP threads wait passively
+  (``passive_omp_wait``: a spinning one keeps a lent core busy) unless the user set how.
+  CUDA devices: ``CUDA_VISIBLE_DEVICES`` is the device's ordinal.
 * A model whose entry sets ``tpot_slo_ms``: its engines get ``--memx-tpot-slo-ms`` (the governor
   caps their running batch, docs/governor.md) and ``TPOT_SLO_SOURCE_ENV`` naming the field; a
   model without one gets neither (no governor: the batch grows as stock's). When such an engine
@@ -100,6 +102,17 @@ def _config_name(config: ServeConfig) -> str:
     return name if name and len(name) <= 100 and name.isprintable() else "models.yaml"
 
 
+OMP_WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # how an idle OpenMP thread waits (libgomp reads both)
+
+
+def passive_omp_wait(environ) -> dict[str, str]:
+    """``OMP_WAIT_POLICY=PASSIVE`` for an engine that may compute on its siblings' cores, unless the
+    user's environment already says how OpenMP threads wait. libgomp's default spins a waiting
+    thread, so between parallel regions it keeps the lent core busy, from the engine's own tokenizer
+    and detokenizer and from the sibling that wakes (measured: docs/router.md, "Idle cores")."""
+    return {} if any(k in environ for k in OMP_WAIT_ENV) else {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def compute_board_path(pool: str, pool_dir: str) -> str:
     """The compute board of a CPU device's engines (``sglang_memx.compute_share``), beside its pool."""
     return str(Path(pool_dir) / f"{pool}.compute")
@@ -163,6 +176,7 @@ def engine_specs(
                 env[compute_share.BOARD_ENV] = compute_board_path(pool, pool_dir)
                 env[compute_share.SLOT_ENV] = str(residents.index(inst))
                 env[compute_share.SHARES_ENV] = ComputeShares(tuple(tuple(shares[r]) for r in residents)).render()
+                env.update(passive_omp_wait(os.environ))
         else:
             env["CUDA_VISIBLE_DEVICES"] = str(cuda_index[dev.name])
         if not _has(m.server_args, "--sleep-on-idle"):  # co-located engines share the host's cores:
