@@ -91,16 +91,19 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
 @dataclass
 class StepTimeModel:
     """Decode step time by batch size and KV tokens in flight (module docstring).
-    Invariant: ``coef`` is None until ``samples >= min_samples``; then both slopes are >= 0."""
+    Invariant: ``coef`` is None until ``samples >= min_samples``; then both slopes are >= 0.
+    The fit is solved when ``coef`` is read after new samples, not at each sample: a decode step
+    is observed every iteration, a prediction is asked only when a request waits (or for status)."""
 
     decay: float = 0.98  # weight kept by the older samples at each new one (half-life ~34 samples)
     min_samples: int = 8
     use_kv: bool = True  # False: t = a + b * batch
     samples: int = 0
-    coef: tuple[float, float, float] | None = None  # (a, b, c) in seconds, per request, per KV token
     _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
     _xt: list[float] = field(default_factory=lambda: [0.0] * 3)
     _w: float = 0.0
+    _coef: tuple[float, float, float] | None = None  # the last fit (valid unless ``_stale``)
+    _stale: bool = False
 
     def __post_init__(self):
         check_num("decay", self.decay, 0.0, strict=True)
@@ -121,8 +124,16 @@ class StepTimeModel:
                 self._xx[i][j] = d * self._xx[i][j] + x[i] * x[j]
         self._w = d * self._w + 1.0
         self.samples += 1
-        if self.samples >= self.min_samples:
-            self.coef = self._fit()
+        self._stale = True
+
+    @property
+    def coef(self) -> tuple[float, float, float] | None:
+        """(a, b, c) in seconds, per request, per KV token; None while learning."""
+        if self.samples < self.min_samples:
+            return None
+        if self._stale:
+            self._coef, self._stale = self._fit(), False
+        return self._coef
 
     def _fit(self) -> tuple[float, float, float]:
         active = [0, 1, 2] if self.use_kv else [0, 1]
