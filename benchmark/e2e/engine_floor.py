@@ -53,9 +53,14 @@ SETUPS = ("stock", "memx-lend", "memx-own", "memx-own-hold0")
 
 
 def solo(urls: dict[str, str], requests: int, new_tokens: int) -> dict:
-    """Median TTFT / TPOT (ms) of ``requests`` solo streamed requests per model, after one warm-up."""
+    """Median TTFT / TPOT (ms) of ``requests`` solo streamed requests per model, after one warm-up,
+    from an empty prefix cache (``/flush_cache`` first: the prompts repeat across runs, and a
+    server that had seen them would skip their prefill; before 2026-12-05 only the stock servers,
+    which live across the rounds, and memx's second pass through the router had)."""
     out = {}
     for name, url in urls.items():
+        with urllib.request.urlopen(url + "/flush_cache", timeout=60) as r:
+            r.read()
         stream_one(url, "warm up", 4)
         runs = [stream_one(url, prompt(99, i, WORKLOAD.prompt_words), new_tokens) for i in range(requests)]
         bad = [r for r in runs if "error" in r]
