@@ -8,9 +8,7 @@ Setups, one run each per round, the order rotating (``benchmark/pairs.py``):
 * ``memx-lend``: a fresh ``serve`` of the same two models (``--memx-host-buffer-gb 1``, every
   model's SLOs at 10x stock's solo latency, as the matrix writes them), idle-core lending on
   (the default; ``memory_ext/policy/lending_trial.py`` decides);
-* ``memx-own``: the same with ``lend_idle_cores: false`` (each engine on its own core, as stock);
-* ``memx-own-hold0``: ``memx-own`` with ``--memx-spare-hold-s 0`` (spare chunks go back to the
-  arbiter at the first idle iteration, the rule before the hold: docs/elastic-kv.md).
+* ``memx-own``: the same with ``lend_idle_cores: false`` (each engine on its own core, as stock).
 
 Each run sends ``--requests`` solo requests (one at a time, ``--new-tokens`` greedy tokens) to each
 model and records the median TTFT and TPOT; a memx run does it on the engine's own port and then
@@ -49,7 +47,7 @@ from support.server import free_port  # noqa: E402
 RESULTS = REPO / "benchmark" / "results" / "e2e"
 WORKLOAD = WORKLOADS["bursty2"]
 SLO_SCALE = 10.0
-SETUPS = ("stock", "memx-lend", "memx-own", "memx-own-hold0")
+SETUPS = ("stock", "memx-lend", "memx-own")
 
 
 def solo(urls: dict[str, str], requests: int, new_tokens: int) -> dict:
@@ -82,10 +80,10 @@ class MemxRun:
     def __init__(self, paths, plan, slo, args, tmp: Path):
         self.paths, self.plan, self.slo, self.args, self.tmp = paths, plan, slo, args, tmp
 
-    def __call__(self, lend: bool, extra: tuple[str, ...] = ()) -> dict:
+    def __call__(self, lend: bool) -> dict:
         port = free_port()
-        cfg = serve_config(WORKLOAD, self.paths, self.plan, self.slo, SLO_SCALE,
-                           ["--memx-host-buffer-gb", "1", *extra], port, self.tmp)  # fmt: skip
+        cfg = serve_config(WORKLOAD, self.paths, self.plan, self.slo, SLO_SCALE, ["--memx-host-buffer-gb", "1"],
+                           port, self.tmp)  # fmt: skip
         doc = json.loads(cfg.read_text())
         doc["devices"][0]["lend_idle_cores"] = lend
         cfg.write_text(json.dumps(doc, indent=1))
@@ -151,7 +149,7 @@ def main(argv=None) -> int:
         def run(setup: str, r: int) -> dict:
             if setup == "stock":
                 return solo(urls, args.requests, args.new_tokens)
-            return memx(setup == "memx-lend", ("--memx-spare-hold-s", "0") if setup.endswith("-hold0") else ())
+            return memx(setup == "memx-lend")
 
         t0 = time.time()
         rounds = run_rounds(args.rounds, SETUPS, run)

@@ -115,7 +115,6 @@ class MemxConfig:
     elastic_kv: bool = False
     pool: str | None = None
     pool_budget_gb: float | None = None
-    spare_hold_s: float = 1.0
     pool_dir: str | None = None
     chunk_kb: int = 64
     torch_activations: bool = False
@@ -175,11 +174,6 @@ class MemxConfig:
                 raise MemxConfigError("--memx-pool-budget-gb", f"must be a positive number of GB, got {b!r}")
         if self.pool_dir is not None and (not isinstance(self.pool_dir, str) or not self.pool_dir.strip()):
             raise MemxConfigError("--memx-pool-dir", f"must be a directory path, got {self.pool_dir!r}")
-        h = self.spare_hold_s
-        if isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h) or h < 0:
-            raise MemxConfigError("--memx-spare-hold-s", f"must be a number of seconds >= 0, got {h!r}")
-        if h != 1.0 and self.pool is None:
-            raise MemxConfigError("--memx-spare-hold-s", "needs --memx-pool (the chunks go back to its arbiter)")
         c = self.chunk_kb
         if isinstance(c, bool) or not isinstance(c, int) or c < 4 or c & (c - 1):
             raise MemxConfigError("--memx-chunk-kb", f"must be a power of two >= 4, got {c!r}")

@@ -89,16 +89,6 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         help="Directory of the shared pools' sockets (default: $XDG_RUNTIME_DIR/sglang-memx or /tmp/sglang-memx-$UID).",
     ),
     MemxFlag(
-        "--memx-spare-hold-s",
-        "spare_hold_s",
-        type=float,
-        default=1.0,
-        metavar="S",
-        help="With --memx-pool: chunks this server holds beyond its running requests' need go back "
-        "to the device's arbiter only once it has had no request for S seconds (default 1; 0: at "
-        "its first idle iteration). Held chunks stay reclaimable by peers.",
-    ),
-    MemxFlag(
         "--memx-chunk-kb",
         "chunk_kb",
         type=int,

@@ -236,39 +236,3 @@ def test_a_chunked_prefill_keeps_its_next_chunks_activation_from_going_back(monk
     scheduler.chunked_req = None
     assert demand.admitted_activation_chunks(kv.activation, scheduler, None) == 1
     assert shared_pool.spare_free_chunks(kv, alloc, scheduler, activation) == 4
-
-
-def test_spare_chunks_stay_while_busy_and_for_the_hold_then_go_back(monkeypatch):
-    """Spare FREE chunks (nothing runs that needs them) are not given back while the server has
-    work, nor until it has been idle for the hold (``memory_ext.policy.spare_hold``): the next
-    arrival would borrow them again, a round trip on its first token's path."""
-    from memory_ext.policy.spare_hold import SpareHold
-    from sglang_memx.coordinator import components
-    from sglang_memx.coordinator.parts import Iteration
-    from sglang_memx.elastic import demand
-
-    clock = [100.0]
-    monkeypatch.setattr(components.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(demand, "queue_demand_tokens", lambda scheduler: 0)
-    monkeypatch.setattr(demand, "running_demand_tokens", lambda scheduler: 0)
-    scheduler = types.SimpleNamespace(waiting_queue=[], chunked_req=None, last_batch=None)
-    with _shared_pool(128, 12) as lent:
-        kv, alloc = _elastic(lent.pool, 512, lent)
-        coordinator = device.of(alloc)
-        monkeypatch.setattr(coordinator.activation_side(), "next_step_chunks", lambda scheduler: 0)
-        part = components.SharedPoolLender(kv, lent, SpareHold(1.0))
-        spare = lent.pool.available()  # what creating KV did not map
-        assert spare > 0
-
-        def iteration(busy: bool, at: float) -> int:
-            clock[0] = at
-            part._balance(Iteration(scheduler, alloc, kv, None, coordinator, busy))
-            return lent.pool.available()
-
-        assert iteration(True, 100.0) == spare  # requests run (nothing waits): kept
-        assert iteration(False, 100.5) == spare  # idle for less than the hold: kept
-        assert iteration(True, 100.9) == spare  # work again: the hold restarts
-        assert iteration(False, 101.8) == spare
-        assert iteration(False, 101.9) == 0  # idle for the hold: every spare chunk went back
-        assert lent.returned_total == spare
-        assert part.status()["shared_pool"]["spare_hold"] == {"hold_s": 1.0, "held_iterations": 4}

@@ -96,17 +96,14 @@ def test_elastic_kv_flags_parse_and_turn_features_on():
             "/tmp/p",
             "--memx-chunk-kb",
             "2048",
-            "--memx-spare-hold-s",
-            "0.25",
         ]
     )
-    assert (cfg.elastic_kv, cfg.pool, cfg.pool_budget_gb, cfg.pool_dir, cfg.chunk_kb, cfg.spare_hold_s) == (
+    assert (cfg.elastic_kv, cfg.pool, cfg.pool_budget_gb, cfg.pool_dir, cfg.chunk_kb) == (
         True,
         "gpu0",
         1.5,
         "/tmp/p",
         2048,
-        0.25,
     )
     assert cfg.features == {
         "status_endpoint": True,
@@ -132,9 +129,6 @@ def test_elastic_kv_flags_parse_and_turn_features_on():
         (["--memx-elastic-kv", "--memx-pool-budget-gb", "0"], "--memx-pool-budget-gb", "positive"),
         (["--memx-elastic-kv", "--memx-pool-budget-gb", "nan"], "--memx-pool-budget-gb", "positive"),
         (["--memx-elastic-kv", "--memx-chunk-kb", "6"], "--memx-chunk-kb", "power of two"),
-        (["--memx-elastic-kv", "--memx-spare-hold-s", "0"], "--memx-spare-hold-s", "needs --memx-pool"),
-        (["--memx-elastic-kv", "--memx-pool", "p", "--memx-spare-hold-s", "-1"], "--memx-spare-hold-s", ">= 0"),
-        (["--memx-elastic-kv", "--memx-pool", "p", "--memx-spare-hold-s", "inf"], "--memx-spare-hold-s", ">= 0"),
         (["--memx-elastic-kv", "--memx-chunk-kb", "2"], "--memx-chunk-kb", "power of two"),
         (["--memx-disable", "--memx-elastic-kv"], "--memx-disable", "--memx-elastic-kv"),
         (["--memx-host-buffer-gb", "1"], "--memx-host-buffer-gb", "needs --memx-elastic-kv"),

@@ -7,8 +7,7 @@ in the two orders (``parts.ITERATION_RANKS``, ``parts.SOURCE_RANKS``).
 * ``KVCore``: the KV space itself (always present): request-length cap, deflation, premap;
   source: map groups from the local pool.
 * ``SharedPoolLender``: a shared pool's arbiter link (``--memx-pool``): wake-ups, reclaims,
-  give back (once idle for ``SpareHold.hold_s``) / borrow, report; source: an urgent borrow of
-  the shortfall.
+  give back / borrow, report; source: an urgent borrow of the shortfall.
 * ``ActivationBalloonPart``: activations sharing the pool (ballooning): the iteration's end,
   the head's prefill activation held; source: map over live activation chunks when they only
   count torch's allocations. Where another mechanism asks an activation's numbers and there is
@@ -23,11 +22,9 @@ The governor's component (``--memx-tpot-slo-ms``) is in ``coordinator.governor``
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from memory_ext.policy.spare_hold import SpareHold
 from memory_ext.pool.activation_balloon import ActivationBalloon
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.coordinator.governor import GovernorPart
@@ -88,7 +85,6 @@ class SharedPoolLender:
 
     kv: ElasticKV
     lent: LentPool
-    hold: SpareHold = field(default_factory=SpareHold)  # when spare chunks go back to the arbiter
     name: str = "shared-pool lender"
 
     def steps(self) -> tuple[Step, ...]:
@@ -103,8 +99,7 @@ class SharedPoolLender:
         return (source("borrow from the shared pool", self._borrow_shortfall),)
 
     def status(self) -> dict[str, Any] | None:
-        return {"shared_pool": dict(self.lent.status(), chunk_bytes=self.kv.buffers.pool.chunk_bytes,
-                                    spare_hold=self.hold.status())}  # fmt: skip
+        return {"shared_pool": dict(self.lent.status(), chunk_bytes=self.kv.buffers.pool.chunk_bytes)}
 
     def _borrow_shortfall(self, allocator, pages: int) -> None:
         """Memory that looked growable when a chunked prefill was admitted may have gone back to the
@@ -121,9 +116,8 @@ class SharedPoolLender:
 
     def _balance(self, it: Iteration) -> None:
         activation = it.coordinator.activation_side()
-        give_back = self.hold.observe(it.busy, time.monotonic())
         shared_pool.balance(it.kv, self.lent, it.allocator, it.tree, it.scheduler,
-                            activation.head_prefill_chunks(it.scheduler), activation, give_back)  # fmt: skip
+                            activation.head_prefill_chunks(it.scheduler), activation)  # fmt: skip
 
     def _report(self, it: Iteration) -> None:
         weights = it.coordinator.part(WeightLender)

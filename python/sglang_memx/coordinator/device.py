@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from typing import Any, TypeVar
 
-from memory_ext.policy.spare_hold import SpareHold
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.coordinator.components import (
     ActivationBalloonPart,
@@ -170,9 +169,8 @@ class Coordinator:
 
 
 def components_of(
-    kv: ElasticKV, *, lent: LentPool | None = None, host: HostBufferState | None = None,
-    spare_hold: SpareHold | None = None,
-) -> tuple[Component, ...]:  # fmt: skip
+    kv: ElasticKV, *, lent: LentPool | None = None, host: HostBufferState | None = None
+) -> tuple[Component, ...]:
     """The components of the parts a KV space was built with: its activation balloon (the build
     sets it on the space), the shared pool's link and the host buffer. The pool build adds the
     layer stream cache and the peer tier (``pool_build.finish``); the weights come later, once the
@@ -180,7 +178,7 @@ def components_of(
     found: list[Component] = []
     balloon = kv.activation
     if lent is not None:
-        found.append(SharedPoolLender(kv, lent, spare_hold or SpareHold()))
+        found.append(SharedPoolLender(kv, lent))
     if balloon is not None:
         found.append(ActivationBalloonPart(kv, balloon, host))
     if host is not None:
@@ -189,12 +187,10 @@ def components_of(
 
 
 def attach(allocator, kv: ElasticKV, extra: tuple[Component, ...] = (), *, lent: LentPool | None = None,
-           host: HostBufferState | None = None, spare_hold: SpareHold | None = None) -> Coordinator:  # fmt: skip
-    """Make the coordinator of ``kv`` (its components from its parts, ``lent`` (with ``spare_hold``,
-    default ``SpareHold()``) and ``host``, then ``extra``) and tie it to upstream's allocator, where
-    ``of`` finds it."""
-    parts = components_of(kv, lent=lent, host=host, spare_hold=spare_hold)
-    return tie(allocator, Coordinator(kv, parts + tuple(extra)))
+           host: HostBufferState | None = None) -> Coordinator:  # fmt: skip
+    """Make the coordinator of ``kv`` (its components from its parts, ``lent`` and ``host``, then ``extra``)
+    and tie it to upstream's allocator, where ``of`` finds it."""
+    return tie(allocator, Coordinator(kv, components_of(kv, lent=lent, host=host) + tuple(extra)))
 
 
 def tie(allocator, coordinator: Coordinator) -> Coordinator:

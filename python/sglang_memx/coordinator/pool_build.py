@@ -16,7 +16,6 @@ import threading
 from dataclasses import dataclass
 
 from memory_ext.policy.governor import BatchGovernor
-from memory_ext.policy.spare_hold import SpareHold
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.config import MemxConfig, MemxConfigError, tpot_slo_source, ttft_slo_source
 from sglang_memx.coordinator import device
@@ -156,5 +155,4 @@ def finish(build: Build, result) -> None:
         tpot, ttft = build.config.tpot_slo_ms, build.config.ttft_slo_ms
         extra.append(GovernorPart(BatchGovernor(None if tpot is None else tpot / 1e3), tpot_source=tpot_slo_source(),
                                   ttft=None if ttft is None else SloInForce(ttft, ttft_slo_source())))  # fmt: skip
-    device.attach(allocator, kv, tuple(extra), lent=build.lent, host=host,
-                  spare_hold=SpareHold(build.config.spare_hold_s))  # fmt: skip
+    device.attach(allocator, kv, tuple(extra), lent=build.lent, host=host)

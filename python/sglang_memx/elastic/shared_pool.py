@@ -284,12 +284,10 @@ def report(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation
 
 
 def balance(
-    kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation_chunks: int, activation: ActivationSide,
-    give_back: bool = True,
-) -> None:  # fmt: skip
-    """Give unused chunks back when nothing waits and ``give_back`` (the caller's hold rule,
-    ``memory_ext.policy.spare_hold``, says the spare chunks may go), borrow the queue's shortfall
-    (the coordinator reports right after: ``report``).
+    kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation_chunks: int, activation: ActivationSide
+) -> None:
+    """Give unused chunks back when nothing waits, borrow the queue's shortfall (the coordinator
+    reports right after: ``report``).
 
     The shortfall is counted in chunks: the KV groups the queue's demand needs beyond the mapped
     free pages and the evictable cache (at most the groups KV can still map), plus the head's
@@ -305,7 +303,7 @@ def balance(
     (``answer_reclaim``); the report counts them as idle. When the arbiter had nothing free,
     the next such borrow waits ``CACHE_KEEP_RETRY_S`` (each costs the arbiter a STATUS).
     """
-    if give_back and not up_sched.waiting(scheduler):  # nothing waits: unused chunks go back
+    if not up_sched.waiting(scheduler):  # nothing waits: unused chunks go back
         activation.release_idle(keep=activation.next_step_chunks(scheduler))  # keep their next step's
         lent.give_back(spare_free_chunks(kv, allocator, scheduler, activation))
     mapped_free = up_kv.free_page_count(allocator) * kv.page_size
