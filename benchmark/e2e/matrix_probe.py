@@ -5,7 +5,8 @@ played in interleaved rounds (the order rotating, ``benchmark/pairs.py``'s rule)
 
 * ``stock``: the matrix's stock servers of one candidate split (``--split``, default ``need``);
 * one ``sglang-memx serve`` per variant (``--variants``): ``lend`` (the defaults: idle-core
-  lending on) and ``nolend`` (``lend_idle_cores: false``), each with the matrix's ``models.yaml``
+  lending on) and ``nolend`` (``lend_idle_cores: false``), and either with ``-nocap`` (no
+  ``tpot_slo_ms``: the governor caps no batch), each with the matrix's ``models.yaml``
   at the scale (``--memx-host-buffer-gb 1``, every model's SLOs); its engines are reached at
   their own ports, and through the router too for the variants in ``--routed``.
 
@@ -47,6 +48,7 @@ from sglang_memx.models.tiny import tiny_model  # noqa: E402
 
 MODELS_ROOT = Path("/tmp/sglang-memx-bench-models")
 WHOLE_FIELDS = ("phase", "reason", "paid", "refused", "trials")
+VARIANTS = ("lend", "nolend", "lend-nocap", "nolend-nocap")  # -nocap: the models' TPOT SLOs left out
 
 
 def role_of(cmdline: str) -> str:
@@ -131,12 +133,20 @@ def _poll(urls: dict[str, str], every_s: float, stop: threading.Event, out: list
                 out.append({"t": time.monotonic(), "model": model, "error": str(e)})
 
 
+def variant_config(doc: dict, variant: str) -> dict:
+    """The matrix's ``serve`` config ``doc`` for one of ``VARIANTS`` (edited in place, returned)."""
+    doc["devices"][0]["lend_idle_cores"] = variant.split("-")[0] == "lend"
+    if variant.endswith("-nocap"):  # no TPOT SLO reaches the engines: the governor caps no batch
+        for m in doc["models"]:
+            m.pop("tpot_slo_ms", None)
+    doc["launch"]["log_dir"] += f"-probe-{variant}"
+    return doc
+
+
 def _serve(w, paths, plan, solo, scale: float, variant: str, tmp: Path) -> Serve:
     port = M.free_port()
     cfg = M.serve_config(w, paths, plan, solo, scale, ["--memx-host-buffer-gb", "1"], port, tmp)
-    doc = json.loads(cfg.read_text())
-    doc["devices"][0]["lend_idle_cores"] = variant == "lend"
-    doc["launch"]["log_dir"] += f"-probe-{variant}"
+    doc = variant_config(json.loads(cfg.read_text()), variant)
     cfg = cfg.with_name(f"probe-{variant}.yaml")
     cfg.write_text(json.dumps(doc))
     return Serve(cfg, port, f"matrix-probe-{variant}")
@@ -211,9 +221,9 @@ def parse_args(argv=None):
     ap.add_argument("--poll-s", type=float, default=0.5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    bad = [v for v in args.variants if v not in ("lend", "nolend")]
+    bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
-        ap.error(f"--variants: {bad[0]!r} is not lend or nolend")
+        ap.error(f"--variants: {bad[0]!r} is not one of {', '.join(VARIANTS)}")
     if args.rounds < 1 or args.scale <= 0 or args.poll_s < 0:
         ap.error("--rounds must be >= 1, --scale > 0 and --poll-s >= 0")
     return args

@@ -63,3 +63,15 @@ def test_bad_arguments_name_the_flag():
     with pytest.raises(SystemExit):
         P.parse_args(["--variants", "lend,fast"])
     assert P.parse_args(["--routed", ""]).routed == []
+
+
+def test_variants_set_lending_and_drop_the_tpot_slo_for_nocap():
+    def doc():
+        return {"devices": [{"name": "cpu0"}], "launch": {"log_dir": "/l"},
+                "models": [{"name": "a", "ttft_slo_ms": 20.0, "tpot_slo_ms": 3.0}]}  # fmt: skip
+
+    lend, nocap = P.variant_config(doc(), "lend"), P.variant_config(doc(), "nolend-nocap")
+    assert lend["devices"][0]["lend_idle_cores"] is True and lend["models"][0]["tpot_slo_ms"] == 3.0
+    assert nocap["devices"][0]["lend_idle_cores"] is False and "tpot_slo_ms" not in nocap["models"][0]
+    assert nocap["models"][0]["ttft_slo_ms"] == 20.0 and nocap["launch"]["log_dir"] == "/l-probe-nolend-nocap"
+    assert P.parse_args(["--variants", "lend-nocap,nolend"]).variants == ["lend-nocap", "nolend"]
