@@ -34,6 +34,23 @@ def test_model_learns_an_exact_linear_step_time():
     assert (a, b, c) == pytest.approx((0.010, 0.002, 1e-6), rel=1e-2, abs=1e-7)
 
 
+def test_model_solves_its_fit_when_read_not_at_every_sample(monkeypatch):
+    """The fit is solved once per read after new samples (a decode step is observed every
+    iteration, a prediction asked only when a request waits), and reads see every sample."""
+    m, fits = _trained(n=40), []
+    solve = StepTimeModel._fit
+    monkeypatch.setattr(StepTimeModel, "_fit", lambda self: fits.append(1) or solve(self))
+    for i in range(30):
+        m.observe(1 + i % 3, 100, 0.5)  # the step got much slower
+    assert fits == []
+    first = m.predict(2, 100)
+    assert m.predict(2, 100) == first and m.coef is not None and len(fits) == 1
+    assert first > 0.1  # the new samples are in the fit that was read
+    m.observe(1, 100, 0.5)
+    m.predict(1, 100)
+    assert len(fits) == 2
+
+
 def test_model_predicts_nothing_before_enough_samples():
     m = StepTimeModel(min_samples=5)
     for i in range(4):
