@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -133,6 +134,18 @@ def _poll(urls: dict[str, str], every_s: float, stop: threading.Event, out: list
                 out.append({"t": time.monotonic(), "model": model, "error": str(e)})
 
 
+def _code_version() -> str:
+    """The repository's commit the probe ran (``+dirty`` with local changes), or ``unknown``."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def variant_config(doc: dict, variant: str) -> dict:
     """The matrix's ``serve`` config ``doc`` for one of ``VARIANTS`` (edited in place, returned)."""
     doc["devices"][0]["lend_idle_cores"] = variant.split("-")[0] == "lend"
@@ -161,6 +174,7 @@ def run(args) -> dict:
     split = next(s for s in candidate_splits(w, plan) if s.name == args.split)
     tmp = Path("/tmp/sglang-memx-matrix-probe")
     tmp.mkdir(exist_ok=True)
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     stock, serves = M.stock_servers(w, split, paths, plan), {}
     try:
         for s in stock.values():
@@ -200,7 +214,8 @@ def run(args) -> dict:
                            "usage": used, "polls": samples, "requests": out["requests"]}  # fmt: skip
                 runs[name].append(run_doc)
                 print(r, name, round(att, 3), json.dumps(run_doc["models"]), json.dumps(used), flush=True)
-        return {"command": " ".join(sys.argv), "workload": w.name, "scale": args.scale, "split": split.name,
+        return {"command": " ".join(sys.argv), "when": when, "code": _code_version(),
+                "workload": w.name, "scale": args.scale, "split": split.name,
                 "solo": solo, "runs": runs,
                 "attainment": {k: statistics.median(x["attainment"] for x in v) for k, v in runs.items()}}  # fmt: skip
     finally:

@@ -75,3 +75,9 @@ def test_variants_set_lending_and_drop_the_tpot_slo_for_nocap():
     assert nocap["devices"][0]["lend_idle_cores"] is False and "tpot_slo_ms" not in nocap["models"][0]
     assert nocap["models"][0]["ttft_slo_ms"] == 20.0 and nocap["launch"]["log_dir"] == "/l-probe-nolend-nocap"
     assert P.parse_args(["--variants", "lend-nocap,nolend"]).variants == ["lend-nocap", "nolend"]
+
+
+def test_the_probe_records_the_code_it_ran(tmp_path, monkeypatch):
+    assert P._code_version() != "" and P._code_version() != "unknown"  # this checkout
+    monkeypatch.setattr(P, "REPO", tmp_path)  # not a repository
+    assert P._code_version() == "unknown"
