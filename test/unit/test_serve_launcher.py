@@ -59,14 +59,15 @@ def test_models_on_one_device_share_its_pool_and_split_its_cores(tmp_path):
     assert "MEMX_COMPUTE_BOARD" not in spec.env  # one engine on the device: nothing to lend
 
 
-@pytest.mark.parametrize("environ,expected", [
-    ({}, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, {}),  # the user's choice stands
-    ({"GOMP_SPINCOUNT": "10000"}, {}),
-    ({"OMP_NUM_THREADS": "2"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
+@pytest.mark.parametrize("environ,own_cores,expected", [
+    ({}, 1, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, 1, {}),  # the user's choice stands
+    ({"GOMP_SPINCOUNT": "10000"}, 1, {}),
+    ({"OMP_NUM_THREADS": "2"}, 1, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ({}, 2, {}),  # a team on its own cores waits as stock's would
 ])  # fmt: skip
-def test_passive_omp_wait_unless_the_user_set_it(environ, expected):
-    assert passive_omp_wait(environ) == expected
+def test_passive_omp_wait_on_one_own_core_unless_the_user_set_it(environ, own_cores, expected):
+    assert passive_omp_wait(environ, own_cores) == expected
 
 
 def test_only_engines_that_may_borrow_cores_wait_passively(tmp_path, monkeypatch):
@@ -88,6 +89,12 @@ def test_only_engines_that_may_borrow_cores_wait_passively(tmp_path, monkeypatch
     cfg = parse_config(doc, base_dir=tmp_path)
     specs = engine_specs(cfg, plan_placement(cfg), run_id="3", python="py", log_dir=str(tmp_path))
     assert all("OMP_WAIT_POLICY" not in s.env for s in specs)  # inherited from the user's environment instead
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    doc["devices"][0]["cores"] = [0, 1, 2, 3]
+    cfg = parse_config(doc, base_dir=tmp_path)
+    specs = engine_specs(cfg, plan_placement(cfg), run_id="4", python="py", log_dir=str(tmp_path))
+    assert [s.env["OMP_NUM_THREADS"] for s in specs] == ["2", "2"]
+    assert all("OMP_WAIT_POLICY" not in s.env for s in specs)  # two own cores each: libgomp's default
 
 
 def test_split_cores():

@@ -12,7 +12,7 @@ Invariants:
   slower); with ``devices[].lend_idle_cores`` (default) and several engines on the device,
   each also gets the device's compute board (``MEMX_COMPUTE_*``): an engine with work
   computes on its idle siblings' cores too, and gives them back when they have work
-  (``sglang_memx.compute_share``); its idle OpenMP threads wait passively
+  (``sglang_memx.compute_share``); on one own core its idle OpenMP threads wait passively
   (``passive_omp_wait``: a spinning one keeps a lent core busy) unless the user set how.
   CUDA devices: ``CUDA_VISIBLE_DEVICES`` is the device's ordinal.
 * A model whose entry sets ``tpot_slo_ms``: its engines get ``--memx-tpot-slo-ms`` (the governor
@@ -105,12 +105,18 @@ def _config_name(config: ServeConfig) -> str:
 OMP_WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # how an idle OpenMP thread waits (libgomp reads both)
 
 
-def passive_omp_wait(environ) -> dict[str, str]:
-    """``OMP_WAIT_POLICY=PASSIVE`` for an engine that may compute on its siblings' cores, unless the
-    user's environment already says how OpenMP threads wait. libgomp's default spins a waiting
-    thread, so between parallel regions it keeps the lent core busy, from the engine's own tokenizer
-    and detokenizer and from the sibling that wakes (measured: docs/router.md, "Idle cores")."""
-    return {} if any(k in environ for k in OMP_WAIT_ENV) else {"OMP_WAIT_POLICY": "PASSIVE"}
+def passive_omp_wait(environ, own_cores: int) -> dict[str, str]:
+    """``OMP_WAIT_POLICY=PASSIVE`` for an engine that may compute on its siblings' cores and owns one
+    core, unless the user's environment already says how OpenMP threads wait. libgomp's default
+    spins a waiting thread, so between parallel regions it keeps the lent core busy, from the
+    engine's own tokenizer and detokenizer and from the sibling that wakes (measured: docs/router.md,
+    "Idle cores"). On one own core the policy changes nothing there (a team of one has no waiter);
+    an engine owning several keeps libgomp's default, as a stock server on them would, since a
+    passive team pays a wake-up per parallel region on its own cores too (not measured here: this
+    box has two cores)."""
+    if own_cores != 1 or any(k in environ for k in OMP_WAIT_ENV):
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def compute_board_path(pool: str, pool_dir: str) -> str:
@@ -176,7 +182,7 @@ def engine_specs(
                 env[compute_share.BOARD_ENV] = compute_board_path(pool, pool_dir)
                 env[compute_share.SLOT_ENV] = str(residents.index(inst))
                 env[compute_share.SHARES_ENV] = ComputeShares(tuple(tuple(shares[r]) for r in residents)).render()
-                env.update(passive_omp_wait(os.environ))
+                env.update(passive_omp_wait(os.environ, len(mine)))
         else:
             env["CUDA_VISIBLE_DEVICES"] = str(cuda_index[dev.name])
         if not _has(m.server_args, "--sleep-on-idle"):  # co-located engines share the host's cores:
