@@ -77,24 +77,22 @@ def test_only_engines_that_may_borrow_cores_wait_passively(tmp_path, monkeypatch
         fake_model(tmp_path, n, weight_bytes=1 << 20)
     doc = {"models": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}],
            "devices": [{"name": "cpu0", "memory_gb": 0.5, "cores": [0, 1]}]}  # fmt: skip
-    lending = engine_specs(parse_config(doc, base_dir=tmp_path), plan_placement(parse_config(doc, base_dir=tmp_path)),
-                           run_id="1", python="py", log_dir=str(tmp_path))  # fmt: skip
-    assert [s.env.get("OMP_WAIT_POLICY") for s in lending] == ["PASSIVE", "PASSIVE"]
+
+    def specs(run_id: str):
+        cfg = parse_config(doc, base_dir=tmp_path)
+        return engine_specs(cfg, plan_placement(cfg), run_id=run_id, python="py", log_dir=str(tmp_path))
+
+    assert [s.env.get("OMP_WAIT_POLICY") for s in specs("1")] == ["PASSIVE", "PASSIVE"]
     doc["devices"][0]["lend_idle_cores"] = False
-    static = parse_config(doc, base_dir=tmp_path)
-    specs = engine_specs(static, plan_placement(static), run_id="2", python="py", log_dir=str(tmp_path))
-    assert all("OMP_WAIT_POLICY" not in s.env for s in specs)  # stock's behaviour on its own cores
+    assert all("OMP_WAIT_POLICY" not in s.env for s in specs("2"))  # stock's behaviour on its own cores
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     doc["devices"][0]["lend_idle_cores"] = True
-    cfg = parse_config(doc, base_dir=tmp_path)
-    specs = engine_specs(cfg, plan_placement(cfg), run_id="3", python="py", log_dir=str(tmp_path))
-    assert all("OMP_WAIT_POLICY" not in s.env for s in specs)  # inherited from the user's environment instead
+    assert all("OMP_WAIT_POLICY" not in s.env for s in specs("3"))  # inherited from the user's environment instead
     monkeypatch.delenv("OMP_WAIT_POLICY")
     doc["devices"][0]["cores"] = [0, 1, 2, 3]
-    cfg = parse_config(doc, base_dir=tmp_path)
-    specs = engine_specs(cfg, plan_placement(cfg), run_id="4", python="py", log_dir=str(tmp_path))
-    assert [s.env["OMP_NUM_THREADS"] for s in specs] == ["2", "2"]
-    assert all("OMP_WAIT_POLICY" not in s.env for s in specs)  # two own cores each: libgomp's default
+    two_each = specs("4")
+    assert [s.env["OMP_NUM_THREADS"] for s in two_each] == ["2", "2"]
+    assert all("OMP_WAIT_POLICY" not in s.env for s in two_each)  # two own cores each: libgomp's default
 
 
 def test_split_cores():
