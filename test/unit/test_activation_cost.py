@@ -23,6 +23,10 @@ from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
 
 CHUNK = 4096
+# What balance's borrows wait for the arbiter's grant here. The server waits 20 ms and takes a
+# later grant at its next iteration; these tests check what is asked, so a grant delayed by a
+# loaded machine (CI: 29 of 32 chunks, the late grant not landed yet) must not count as refused.
+GRANT_WAIT_S = 10.0
 ROW = 64  # a group is 64 tokens in 4 chunks (4 buffers x 64 B x 64 rows = 16 KiB)
 
 
@@ -162,6 +166,7 @@ def test_balance_borrows_what_kv_and_the_activation_need_together(monkeypatch):
         assert kv.num_groups - kv.buffers.num_mapped == 8 and kv.affordable_groups() == 8
         monkeypatch.setattr(demand, "queue_demand_tokens", lambda scheduler: 512)  # the head: all 8 groups
         monkeypatch.setattr(shared_pool, "report", lambda *a: None)
+        monkeypatch.setattr(shared_pool, "QUEUE_WAIT_S", GRANT_WAIT_S)
         scheduler = types.SimpleNamespace(waiting_queue=[object()])
         shared_pool.balance(kv, lent, alloc, None, scheduler, 3, device.of(alloc).activation_side())
         # 8 groups (32 chunks) + 3 activation chunks against 29 FREE + 3 held: 3 borrowed
@@ -177,6 +182,7 @@ def test_balance_keeps_cached_prefixes_with_what_the_arbiter_has_free(monkeypatc
 
     monkeypatch.setattr(demand, "queue_demand_tokens", lambda scheduler: 60)
     monkeypatch.setattr(shared_pool, "report", lambda *a: None)
+    monkeypatch.setattr(shared_pool, "QUEUE_WAIT_S", GRANT_WAIT_S)
     scheduler = types.SimpleNamespace(waiting_queue=[object()])
     tree = types.SimpleNamespace(evictable_size=lambda: 63)
     for budget, kept in ((128, 4), (4, 0)):
