@@ -3,18 +3,24 @@
 Numbers in, decisions out; no clock, no I/O (the server and the simulator time the steps and
 feed them here, ``observe``).
 
-* ``StepTimeModel``: decode step time learned online, ``t = a + b * batch + c * kv_tokens``
-  (seconds; ``kv_tokens`` in thousands inside the fit), an exponentially weighted least-squares
-  fit (each new sample multiplies the older ones' weights by ``decay``). A slope the data
-  makes negative (noise) is dropped from the fit (fixed at 0): growth never looks free.
-  Before ``min_samples`` samples it predicts nothing (the prior is "unknown", and the governor
-  then admits as stock would); with one batch size only, a small ridge term keeps the slopes
-  near 0 (the step is taken as a fixed cost until the batch varies).
-* ``BatchGovernor.may_grow(running, kv_tokens, add_kv_tokens)``: FineServe's batch-aware idea
-  (Alg. 2) and the TPOT side of eLLM's Alg. 2: admit while the predicted step time of the
-  running batch with the request stays within the TPOT SLO (``<=``: exactly at the SLO admits).
-  The step counts the prefills a running request waits through (``prefill_stalls``: a batch of
-  ``b`` predicts ``step(b) + b * q``, ``q`` the stalled seconds per decoded token measured).
+* ``StepTimeModel`` (``step_time``): decode step time learned online,
+  ``t = a + b * batch + c * kv_tokens``. Before ``min_samples`` samples it predicts nothing (the
+  prior is "unknown", and the governor then admits as stock would).
+* ``BatchGovernor.may_grow(running, kv_tokens, add_kv_tokens, paces=..., pass_tokens=...,
+  add_tokens=...)``: FineServe's batch-aware idea (Alg. 2) and the TPOT side of eLLM's Alg. 2:
+  admit while no running request is predicted past the TPOT SLO with the newcomer (``<=``:
+  exactly at the SLO admits). Two rules, the decision says which (``rule``):
+
+  - ``per_request`` (``request_pace``), when the caller gives the running requests' paces and
+    the prefill-time model has learned: each running request on time without the newcomer keeps
+    its predicted TPOT (so far, plus this pass's prefill with the newcomer's prompt, plus its
+    remaining tokens at the step of the larger batch) within the SLO, and the newcomer's own
+    step is within it. Prefills admitted in one pass share one iteration: the second costs its
+    tokens, not another intercept.
+  - ``batch``, otherwise: the predicted step of the running batch with the request plus the
+    prefills a running request waits through in steady state (``prefill_stalls``: a batch of
+    ``b`` predicts ``step(b) + b * q``, ``q`` the stalled seconds per decoded token measured).
+
   No SLO: always admit (stock behaviour). An empty batch always admits (nothing starves).
   An SLO no batch can meet (one request decoding alone, the lighter of the newcomer and an
   average running one, is predicted over it) admits as stock would: a cap would only queue
@@ -28,17 +34,21 @@ Every decision carries a reason code (``REASONS``) and the predicted vs SLO numb
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from memory_ext.policy._checks import check_int, check_num
 from memory_ext.policy.prefill_stalls import PrefillStalls
+from memory_ext.policy.request_pace import PrefillTimeModel, RunningPace, worst_tpot
+from memory_ext.policy.step_time import StepTimeModel
 
 __all__ = [
     "ADMIT_REASONS",
     "BatchDecision",
     "CAP_REASONS",
     "BatchGovernor",
+    "BATCH",
+    "PER_REQUEST",
     "REASONS",
     "SLO_INFEASIBLE",
     "StepTimeModel",
@@ -57,9 +67,8 @@ REASONS = (*ADMIT_REASONS, OVER_SLO)
 # meets the SLO, else the largest batch predicted within the SLO
 CAP_WITHIN_SLO = "predicted_tpot_within_slo"
 CAP_REASONS = (NO_SLO, LEARNING, SLO_INFEASIBLE, CAP_WITHIN_SLO)
-
-KV_UNIT = 1000.0  # kv tokens per fit unit (keeps the normal equations well scaled)
-RIDGE = 1e-6  # per unit of total weight, on the slopes only
+PER_REQUEST = "per_request"  # the decision judged each running request's TPOT (``request_pace``)
+BATCH = "batch"  # ... the batch's steady-state TPOT (no paces given, or the prefill time still learning)
 
 
 def check_tpot_slo(name: str, value) -> float | None:
@@ -69,113 +78,14 @@ def check_tpot_slo(name: str, value) -> float | None:
     return check_num(name, value, 0.0, strict=True)
 
 
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None if singular."""
-    n = len(v)
-    a = [row[:] + [v[i]] for i, row in enumerate(m)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[piv][col]) < 1e-300:
-            return None
-        a[col], a[piv] = a[piv], a[col]
-        for r in range(col + 1, n):
-            f = a[r][col] / a[col][col]
-            for k in range(col, n + 1):
-                a[r][k] -= f * a[col][k]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))) / a[r][r]
-    return x
-
-
-@dataclass
-class StepTimeModel:
-    """Decode step time by batch size and KV tokens in flight (module docstring).
-    Invariant: ``coef`` is None until ``samples >= min_samples``; then both slopes are >= 0.
-    The fit is solved when ``coef`` is read after new samples, not at each sample: a decode step
-    is observed every iteration, a prediction is asked only when a request waits (or for status)."""
-
-    decay: float = 0.98  # weight kept by the older samples at each new one (half-life ~34 samples)
-    min_samples: int = 8
-    use_kv: bool = True  # False: t = a + b * batch
-    samples: int = 0
-    _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
-    _xt: list[float] = field(default_factory=lambda: [0.0] * 3)
-    _w: float = 0.0
-    _coef: tuple[float, float, float] | None = None  # the last fit (valid unless ``_stale``)
-    _stale: bool = False
-
-    def __post_init__(self):
-        check_num("decay", self.decay, 0.0, strict=True)
-        if self.decay > 1:
-            raise ValueError(f"decay must be <= 1, got {self.decay}")
-        check_int("min_samples", self.min_samples, 1)
-
-    def observe(self, batch: int, kv_tokens: int, step_s: float) -> None:
-        """One decode step of ``batch`` requests holding ``kv_tokens`` took ``step_s`` seconds."""
-        check_int("batch", batch, 1)
-        check_int("kv_tokens", kv_tokens, 0)
-        check_num("step_s", step_s, 0.0)
-        x = (1.0, float(batch), kv_tokens / KV_UNIT if self.use_kv else 0.0)
-        d = self.decay
-        for i in range(3):
-            self._xt[i] = d * self._xt[i] + x[i] * step_s
-            for j in range(3):
-                self._xx[i][j] = d * self._xx[i][j] + x[i] * x[j]
-        self._w = d * self._w + 1.0
-        self.samples += 1
-        self._stale = True
-
-    @property
-    def coef(self) -> tuple[float, float, float] | None:
-        """(a, b, c) in seconds, per request, per KV token; None while learning."""
-        if self.samples < self.min_samples:
-            return None
-        if self._stale:
-            self._coef, self._stale = self._fit(), False
-        return self._coef
-
-    def _fit(self) -> tuple[float, float, float]:
-        active = [0, 1, 2] if self.use_kv else [0, 1]
-        while True:
-            m = [[self._xx[i][j] + (RIDGE * self._w if i == j and i else 0.0) for j in active] for i in active]
-            sol = _solve(m, [self._xt[i] for i in active])
-            if sol is None:  # cannot happen with the ridge term; fall back to the weighted mean
-                sol = [self._xt[0] / self._w] + [0.0] * (len(active) - 1)
-            coef = dict(zip(active, sol))
-            negative = [i for i in active[1:] if coef[i] < 0]
-            if not negative:
-                return (coef[0], coef.get(1, 0.0), coef.get(2, 0.0) / KV_UNIT)
-            active.remove(min(negative, key=lambda i: coef[i]))
-
-    def predict(self, batch: int, kv_tokens: int) -> float | None:
-        """Predicted step time (s) of ``batch`` requests holding ``kv_tokens``; None while learning."""
-        if self.coef is None:
-            return None
-        a, b, c = self.coef
-        return max(0.0, a + b * batch + c * kv_tokens)
-
-    def cap(
-        self, slo_s: float, kv_per_request: float, limit: int = 1 << 16, extra_per_request: float = 0.0
-    ) -> int | None:
-        """The largest batch (>= 1) predicted within ``slo_s`` at ``kv_per_request`` each, each request
-        adding ``extra_per_request`` seconds beside the fit's (the prefill stalls); None while learning."""
-        if self.coef is None:
-            return None
-        a, b, c = self.coef
-        per = b + c * kv_per_request + extra_per_request
-        if per <= 0:
-            return limit if a <= slo_s else 1
-        return max(1, min(limit, math.floor((slo_s - a) / per + 1e-9)))
-
-
 @dataclass(frozen=True)
 class BatchDecision:
     admit: bool
     reason: str  # one of REASONS
     running: int  # requests running before this one
-    predicted_s: float | None  # predicted step time with the request (None: no prediction)
+    predicted_s: float | None  # the highest predicted TPOT with the request (None: no prediction)
     slo_s: float | None
+    rule: str = BATCH  # PER_REQUEST or BATCH: how ``predicted_s`` was predicted
 
 
 class BatchGovernor:
@@ -185,6 +95,7 @@ class BatchGovernor:
         self.tpot_slo_s = check_tpot_slo("tpot_slo_s", tpot_slo_s)
         self.model = model if model is not None else StepTimeModel()
         self.prefill = PrefillStalls(self.model.decay)  # the prefills running requests wait through
+        self.prefill_time = PrefillTimeModel(self.model.decay)  # seconds of a prefill by its tokens
         self.counts: dict[str, int] = dict.fromkeys(REASONS, 0)
         self.last: BatchDecision | None = None
         # the KV a decoding request held, exponential mean over the decode steps (weight 1 - decay):
@@ -198,15 +109,19 @@ class BatchGovernor:
         per, m = kv_tokens / batch, self.recent_kv_per_request
         self.recent_kv_per_request = per if m is None else m + (1.0 - self.model.decay) * (per - m)
 
-    def observe_iteration(self, seconds: float, decoded: int, kv_tokens: int, stalled: int, prefilled: bool) -> None:
+    def observe_iteration(self, seconds: float, decoded: int, kv_tokens: int, stalled: int, prefilled: bool,
+                          prefill_tokens: int = 0) -> None:  # fmt: skip
         """Any busy iteration: ``decoded`` requests (holding ``kv_tokens``) got a token, ``stalled``
-        running requests waited, ``prefilled``: it computed some prefill. A pure decode step is a
-        sample (``observe``); prefill and mixed iterations feed the stalled share."""
+        running requests waited, ``prefilled``: it computed some prefill, ``prefill_tokens`` of it.
+        A pure decode step is a sample (``observe``); prefill and mixed iterations feed the stalled
+        share, and the prefill-time model (the time beyond the predicted decode step)."""
         if not prefilled and decoded:
             self.observe(decoded, kv_tokens, seconds)
             return
         step = self.model.predict(decoded, kv_tokens) if decoded else None
         self.prefill.observe_iteration(seconds, decoded, stalled, prefilled, step)
+        if prefilled and prefill_tokens > 0 and (step is not None or not decoded):
+            self.prefill_time.observe(prefill_tokens, max(0.0, seconds - (step or 0.0)))
 
     def predict_tpot(self, batch: int, kv_tokens: int) -> float | None:
         """The TPOT a running request of a ``batch``-request batch sees: the predicted decode step
@@ -217,13 +132,22 @@ class BatchGovernor:
         """A decode step of ``batch`` requests plus their share of the prefill stalls (None stays None)."""
         return None if step_s is None else step_s + batch * self.prefill.per_token()
 
-    def decide(self, running: int, kv_tokens: int, add_kv_tokens: int) -> BatchDecision:
-        """The decision without counting it (``may_grow`` counts)."""
+    def decide(self, running: int, kv_tokens: int, add_kv_tokens: int, *, paces: Sequence[RunningPace] | None = None,
+               pass_tokens: int = 0, add_tokens: int = 0) -> BatchDecision:  # fmt: skip
+        """The decision without counting it (``may_grow`` counts). ``running``: requests decoding
+        after this pass without the newcomer (those admitted earlier in the pass included), holding
+        ``kv_tokens``; ``paces``: the decoding ones' (``request_pace.RunningPace``); ``pass_tokens``:
+        prompt tokens this pass prefills already, ``add_tokens`` the newcomer's."""
         check_int("running", running, 0)
         check_int("kv_tokens", kv_tokens, 0)
         check_int("add_kv_tokens", add_kv_tokens, 0)
+        check_int("pass_tokens", pass_tokens, 0)
+        check_int("add_tokens", add_tokens, 0)
         slo = self.tpot_slo_s
-        predicted = self.predict_tpot(running + 1, kv_tokens + add_kv_tokens)
+        rule, predicted = BATCH, self.predict_tpot(running + 1, kv_tokens + add_kv_tokens)
+        if slo is not None and running and paces is not None and self.prefill_time.coef is not None:
+            rule, predicted = PER_REQUEST, self._worst_pace(running, kv_tokens, add_kv_tokens, paces, slo,
+                                                             pass_tokens, add_tokens)  # fmt: skip
         if slo is None:
             reason = NO_SLO
         elif running == 0:
@@ -234,13 +158,28 @@ class BatchGovernor:
             reason = WITHIN_SLO
         else:
             # the smallest batch: one request, the lighter of the newcomer and a running one on average
-            alone = self.predict_tpot(1, min(add_kv_tokens, kv_tokens // running))
+            light = min(add_kv_tokens, kv_tokens // running)
+            alone = self.model.predict(1, light) if rule == PER_REQUEST else self.predict_tpot(1, light)
             reason = SLO_INFEASIBLE if alone > slo else OVER_SLO
-        return BatchDecision(reason != OVER_SLO, reason, running, predicted, slo)
+        return BatchDecision(reason != OVER_SLO, reason, running, predicted, slo, rule)
 
-    def may_grow(self, running: int, kv_tokens: int, add_kv_tokens: int) -> BatchDecision:
-        """May a request holding ``add_kv_tokens`` join ``running`` requests holding ``kv_tokens``?"""
-        d = self.decide(running, kv_tokens, add_kv_tokens)
+    def _worst_pace(self, running: int, kv_tokens: int, add_kv_tokens: int, paces: Sequence[RunningPace],
+                    slo: float, pass_tokens: int, add_tokens: int) -> float | None:  # fmt: skip
+        """The per-request rule's prediction: the newcomer's own step, or the highest TPOT it leaves
+        a running request on time without it (``request_pace.worst_tpot``); None while learning."""
+        step_with = self.model.predict(running + 1, kv_tokens + add_kv_tokens)
+        if step_with is None:
+            return None
+        step_without = self.model.predict(running, kv_tokens)
+        stall_without = self.prefill_time.predict(pass_tokens)
+        stall_with = self.prefill_time.predict(pass_tokens + add_tokens)
+        worst = worst_tpot(paces, slo, stall_without, stall_with, step_without, step_with)
+        return step_with if worst is None else max(step_with, worst)
+
+    def may_grow(self, running: int, kv_tokens: int, add_kv_tokens: int, **pace) -> BatchDecision:
+        """May a request holding ``add_kv_tokens`` join ``running`` requests holding ``kv_tokens``?
+        ``pace``: ``decide``'s keyword arguments (the per-request rule's numbers)."""
+        d = self.decide(running, kv_tokens, add_kv_tokens, **pace)
         self.counts[d.reason] += 1
         self.last = d
         return d
@@ -273,6 +212,7 @@ class BatchGovernor:
             "measured_tpot_ms": _ms(self._with_stalls(measured_s, max(running, 1))),
             "measured_decode_step_ms": _ms(measured_s),
             "prefill_stalls": self.prefill.status(),
+            "prefill_time": self._prefill_time_status(),
             "model": {
                 "samples": model.samples,
                 "min_samples": model.min_samples,
@@ -289,8 +229,16 @@ class BatchGovernor:
                 "running": self.last.running,
                 "predicted_ms": _ms(self.last.predicted_s),
                 "slo_ms": _ms(self.last.slo_s),
+                "rule": self.last.rule,
             },  # fmt: skip
         }
+
+    def _prefill_time_status(self) -> dict:
+        """The prefill-time model the per-request rule uses: samples, and its fit while learned."""
+        coef = self.prefill_time.coef
+        return {"samples": self.prefill_time.samples,
+                "intercept_ms": None if coef is None else _ms(coef[0]),
+                "per_1k_tokens_ms": None if coef is None else _ms(coef[1] * 1000)}  # fmt: skip
 
     def _curve(self, kv_per_request: float, cap: int | None, running: int) -> dict[str, float]:
         """``{batch: predicted TPOT ms}`` for batches 1, 2, 4, ... of ``kv_per_request`` each, up to the

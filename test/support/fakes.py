@@ -61,8 +61,9 @@ class FakeReq:
 
 
 class FakeBatch:
-    def __init__(self, reqs=(), decode=True, allocator=None, mixed=False):
+    def __init__(self, reqs=(), decode=True, allocator=None, mixed=False, extend_tokens=None):
         self.reqs = list(reqs)
+        self.extend_num_tokens = extend_tokens
         self.forward_mode = FakeMode(decode, mixed)
         self.token_to_kv_pool_allocator = allocator
         self.req_to_token_pool = None
@@ -76,13 +77,13 @@ class FakeBatch:
 class FakeScheduler:
     def __init__(self, waiting=(), running=(), decode=True, last=None, allocator=None, tree=None, page_size=1,
                  chunked_prefill_size=None, ratio=0.7, max_running=1 << 20,
-                 max_prefill_tokens=16384):  # fmt: skip
+                 max_prefill_tokens=16384, prefill_tokens=None):  # fmt: skip
         self.waiting_queue = list(waiting)
         self.max_running = max_running
         self.running_batch = FakeBatch(running, decode=True, allocator=allocator)
         self.last_batch = self.running_batch if last is None else last
         if last is None and not decode:
-            self.last_batch = FakeBatch(running, decode=False, allocator=allocator)
+            self.last_batch = FakeBatch(running, decode=False, allocator=allocator, extend_tokens=prefill_tokens)
         self.chunked_req = None
         self.page_size = page_size
         self.chunked_prefill_size = chunked_prefill_size

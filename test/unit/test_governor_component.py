@@ -18,6 +18,9 @@ from sglang_memx.upstream import scheduler as up_sched
 from support.fakes import FakeBatch, FakeReq, FakeScheduler
 
 
+IDLE = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=bool, is_mixed=bool, is_extend=bool))  # neither
+
+
 class Clock:
     def __init__(self):
         self.t = 100.0
@@ -245,3 +248,56 @@ def test_the_parking_question_gets_the_predicted_tpot_and_the_slo_only_when_both
     assert GovernorPart(BatchGovernor(0.05, StepTimeModel(min_samples=4))).park_tpot(running, req) is None  # learning
     park = GovernorPart(BatchGovernor(0.05, _trained())).park_tpot(running, req)
     assert park.slo_s == 0.05 and park.step_s == pytest.approx(0.010 + 0.002 * 3, rel=1e-3)
+
+
+def test_prefill_iterations_teach_the_prefill_time_by_the_tokens_they_computed():
+    """A prefill batch's interval, with or without requests running, is a sample of the prefill-time
+    model at its extend tokens; a mixed batch's time beyond its predicted step at its prompt tokens."""
+    clock = Clock()
+    part = GovernorPart(BatchGovernor(0.05, _trained(a=0.010, b=0.002)), clock=clock)
+    sched = FakeScheduler(running=[])
+    _run_step(part, sched)
+    for tokens, seconds in ((100, 0.030), (300, 0.050), (500, 0.070)):
+        sched.last_batch = FakeBatch([FakeReq(prompt=tokens)], decode=False, extend_tokens=tokens)
+        clock.t += seconds
+        _run_step(part, sched)
+    running = [FakeReq(prompt=10, outputs=2), FakeReq(prompt=20, outputs=3)]
+    mixed = FakeScheduler(running=running)
+    mixed.last_batch = IDLE  # the tick sees the 2 running requests, no sample
+    _run_step(part, mixed)
+    mixed.last_batch = FakeBatch(running + [FakeReq(prompt=200)], mixed=True, extend_tokens=200 + 2)
+    clock.t += 0.014 + 0.040  # a step of 2 (14 ms) and 200 prompt tokens (40 ms)
+    _run_step(part, mixed)
+    model = part.governor.prefill_time
+    assert model.samples == 4 and model.coef == pytest.approx((0.020, 0.0001), rel=1e-6)
+    assert part.status()["governor"]["prefill_time"]["samples"] == 4
+
+
+def test_admission_judges_each_running_request_from_the_tick_that_saw_its_first_token():
+    """The requests' paces count from the first tick that saw a token: one that has waited long for
+    its tokens refuses a newcomer that fresh requests would take; this pass's admissions count in
+    the batch and their prompts in the pass's prefill."""
+    clock = Clock()
+    part = GovernorPart(BatchGovernor(0.030, _trained(a=0.010, b=0.002)), clock=clock)
+    for tokens in (64, 128, 256, 512):
+        part.governor.prefill_time.observe(tokens, 0.020 + 0.0001 * tokens)
+    slow, fresh = FakeReq(prompt=10, outputs=1, max_new=51), FakeReq(prompt=10, outputs=1, max_new=51)
+    _run_step(part, FakeScheduler(running=[slow], last=IDLE))  # slow's first token seen now
+    clock.t += 1.33
+    slow.output_ids = [0] * 41  # 40 tokens in 1.33 s, 10 to go
+    _run_step(part, FakeScheduler(running=[slow, fresh], last=IDLE))  # fresh's first token seen now
+    assert [p.decoded for p in part.paces([slow, fresh])] == [40, 0]
+    coordinator, adder = _adder([slow, fresh])
+    coordinator.register(part)
+    calls: list = []
+    newcomer = FakeReq(prompt=200)
+    assert hooks.around_add_one_req(_original(calls), adder, newcomer, False, None) == up_sched.add_result("OTHER")
+    d = part.governor.last
+    assert (d.reason, d.rule, d.running) == ("over_slo", "per_request", 2)
+    assert d.predicted_s == pytest.approx((1.33 + 0.040 + 10 * 0.016) / 50)
+    coordinator, adder = _adder([fresh], admitted=[FakeReq(prompt=100)])
+    coordinator.register(part)
+    assert hooks.around_add_one_req(_original(calls), adder, newcomer, False, None) == up_sched.add_result("CONTINUE")
+    d = part.governor.last  # fresh: one 50 ms iteration for both prompts, then 50 steps of 3
+    assert (d.reason, d.running) == ("within_slo", 2)
+    assert d.predicted_s == pytest.approx((0.050 + 50 * 0.016) / 50)

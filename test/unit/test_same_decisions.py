@@ -34,6 +34,7 @@ from sglang_memx.config import MemxConfig
 from sglang_memx.coordinator import device
 from sglang_memx.elastic import admission
 from sglang_memx.elastic.host_buffer import build_host_buffer
+from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 from support.fakes import FakeBatch, FakeReq, fake_admission_pool
 
@@ -276,20 +277,26 @@ def test_same_host_buffer_rule():
 # ------------------------------------------------------------------ governor (batch under the TPOT SLO)
 # decode steps: (running requests as (prompt, generated), step seconds); then admission rounds:
 # (running requests, waiting queue), both as (prompt, generated)
-# (running, seconds, prefilled): decode steps of growing batches; after every third one a prefill
-# iteration the same running batch waits through (its stall counts in the predicted TPOT)
+# (running, seconds, prefill tokens): decode steps of growing batches (0 tokens); after every third
+# one a prefill iteration of 40 tokens per running request the same running batch waits through
+# (its stall counts in the predicted TPOT; its tokens and seconds teach the prefill-time model)
 GOVERNOR_STEPS = [
     step
     for n in range(1, 9)
-    for step in [([(100, 1)] * n + [(300, 5)] * (n % 3), 0.010 + 0.002 * n + 0.0004 * (n % 3), False)]
-    + ([([(100, 1)] * n + [(300, 5)] * (n % 3), 0.004 * n, True)] if n % 3 == 0 else [])
+    for step in [([(100, 1)] * n + [(300, 5)] * (n % 3), 0.010 + 0.002 * n + 0.0004 * (n % 3), 0)]
+    + ([([(100, 1)] * n + [(300, 5)] * (n % 3), 0.004 * n, 40 * n)] if n % 3 == 0 else [])
 ] * 2
+# admission rounds: running requests as (prompt, generated, seconds since their first token; each
+# may decode MAX_NEW tokens), the waiting queue as (prompt, generated)
 GOVERNOR_ROUNDS = [
     ([], [(100, 0), (100, 0)]),  # empty batch: one always joins
-    ([(100, 1)] * 3, [(100, 0), (100, 0), (2000, 0)]),
-    ([(100, 1)] * 5, [(100, 0), (100, 0)]),
-    ([(100, 1)] * 4 + [(300, 5)], [(50, 0), (4000, 0), (10, 0)]),
+    ([(100, 1, 0.0)] * 3, [(100, 0), (100, 0), (2000, 0)]),
+    ([(100, 1, 0.0)] * 5, [(100, 0), (100, 0)]),
+    ([(100, 1, 0.0)] * 4 + [(300, 5, 0.08)], [(50, 0), (4000, 0), (10, 0)]),
+    ([(100, 12, 0.25)] * 2 + [(100, 3, 0.02)], [(100, 0), (100, 0), (500, 0)]),  # one far behind, one on time
 ]
+MAX_NEW = 16
+NOW = 100.0
 
 
 class _Clock:
@@ -315,7 +322,9 @@ def _server_governor_decisions(slo_s, steps, rounds):
     for running, step_s, prefilled in steps:  # each tick sees the batch that ran since the previous tick
         clock.t += step_s
         reqs = [FakeReq(prompt=p, outputs=o) for p, o in running]
-        measure.run(Iteration(FakeScheduler(running=reqs, decode=not prefilled), None, None, None, None))
+        fake = FakeScheduler(running=reqs, decode=not prefilled, prefill_tokens=prefilled or None)
+        measure.run(Iteration(fake, None, None, None, None))
+    clock.t = NOW
     alloc = types.SimpleNamespace()
     device.tie(alloc, device.Coordinator(types.SimpleNamespace())).register(part)
     out = []
@@ -325,7 +334,7 @@ def _server_governor_decisions(slo_s, steps, rounds):
         return up_sched.add_result("CONTINUE")
 
     for running, queue in rounds:
-        batch = FakeBatch([FakeReq(prompt=p, outputs=o) for p, o in running])
+        batch = FakeBatch([_decoding(FakeReq(prompt=p, outputs=o, max_new=MAX_NEW), NOW - t) for p, o, t in running])
         adder = types.SimpleNamespace(token_to_kv_pool_allocator=alloc, can_run_list=[], running_batch=batch)
         for p, o in queue:
             result = hooks.around_add_one_req(original, adder, FakeReq(prompt=p, outputs=o), False, None)
@@ -333,6 +342,12 @@ def _server_governor_decisions(slo_s, steps, rounds):
             if result != up_sched.add_result("CONTINUE"):
                 break
     return out, part.governor
+
+
+def _decoding(req, since: float):
+    """``req`` as the governor's tick saw it first with one token, at ``since``."""
+    up_req.memx_state(req).decoding_since = (since, 1)
+    return req
 
 
 def _sim_governor_decisions(slo_s, steps, rounds):
@@ -344,9 +359,11 @@ def _sim_governor_decisions(slo_s, steps, rounds):
 
     def reqs(pairs):
         out = []
-        for i, (p, o) in enumerate(pairs):
-            r = Request(i, 0, 0.0, p, max(o, 1) + 1)
+        for i, (p, o, *since) in enumerate(pairs):
+            r = Request(i, 0, 0.0, p, MAX_NEW if since else max(o, 1) + 1)
             r.generated = o
+            if since:
+                r.first_token_t = NOW - since[0]
             out.append(r)
         return out
 
@@ -356,8 +373,8 @@ def _sim_governor_decisions(slo_s, steps, rounds):
         inst.running = reqs(running)
         for r in inst.running:
             r.decoding = True
-        newcomer = Request(len(running), 0, 0.0, 100, 2)
-        plan = BatchPlan(prefills=[(newcomer, 100)]) if prefilled else BatchPlan(decodes=list(inst.running))
+        newcomer = Request(len(running), 0, 0.0, max(prefilled, 1), 2)
+        plan = BatchPlan(prefills=[(newcomer, prefilled)]) if prefilled else BatchPlan(decodes=list(inst.running))
         sched.note_plan(inst, plan)
         inst.iterations += 1
         inst.last_duration = step_s
@@ -365,12 +382,16 @@ def _sim_governor_decisions(slo_s, steps, rounds):
     out = []
     for running, queue in rounds:
         inst.running = reqs(running)
+        for r in inst.running:
+            r.decoding = True
+        plan = BatchPlan()
         for r in reqs(queue):
-            admit = sched.may_admit(inst, r)
+            admit = sched.may_admit(inst, r, NOW, plan)
             out.append(sched.governor.last)
             if not admit:
                 break
             inst.running.append(r)
+            plan.prefills.append((r, r.target))
     return out, sched.governor
 
 

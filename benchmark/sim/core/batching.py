@@ -114,7 +114,7 @@ class ContinuousBatchingScheduler:
         waiting = inst.waiting
         while budget > 0 and waiting and len(inst.running) < cfg.max_running:
             r = waiting[0]
-            if not self.may_admit(inst, r):
+            if not self.may_admit(inst, r, now, plan):
                 break
             waiting.popleft()
             inst.admit(r, now)
@@ -126,9 +126,10 @@ class ContinuousBatchingScheduler:
             budget -= chunk
         return plan
 
-    def may_admit(self, inst: InstanceView, r: Request) -> bool:
-        """Whether ``r`` may join the running batch before its memory is checked (stock: always;
-        ``mechanisms.governor.GovernedScheduler``: the governor's batch decision)."""
+    def may_admit(self, inst: InstanceView, r: Request, now: float, plan: BatchPlan) -> bool:
+        """Whether ``r`` may join the running batch at ``now`` (``plan``: the iteration so far) before
+        its memory is checked (stock: always; ``mechanisms.governor.GovernedScheduler``: the
+        governor's batch decision)."""
         return True
 
 

@@ -51,7 +51,7 @@ from ..core.plan import BatchPlan, InstanceView
 from ..core.request import Request
 from ..core.stats import mechanism_stats
 from .ellm import DEFAULT_NEW_TOKEN_RATIO, EllmScheduler, decode_reserve_blocks
-from .governor import GovernedScheduler, kv_tokens
+from .governor import GovernedScheduler, kv_tokens, pace_numbers
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..core.engine import InstanceConfig
@@ -173,7 +173,8 @@ class GovernedEllmScheduler(GovernedScheduler):
         e.max_reserved = max(e.max_reserved, ratio_reserve)
         while budget > 0 and inst.waiting and len(inst.running) < cfg.max_running:
             r = inst.waiting[0]
-            batch = self.governor.may_grow(len(inst.running), kv_tokens(inst.running), r.prompt_len + r.generated)
+            batch = self.governor.may_grow(len(inst.running), kv_tokens(inst.running), r.prompt_len + r.generated,
+                                           **pace_numbers(inst.running, r, now, plan))  # fmt: skip
             inst.waiting.popleft()
             inst.admit(r, now)  # its prefix hit decides what its prompt takes (``unadmit`` undoes it)
             chunk = min(r.target - r.ctx, budget)

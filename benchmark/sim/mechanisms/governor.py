@@ -19,18 +19,29 @@ from __future__ import annotations
 import math
 
 from memory_ext.policy.governor import BatchGovernor, StepTimeModel
+from memory_ext.policy.request_pace import RunningPace
 
 from ..core.batching import ContinuousBatchingScheduler, OptionError
 from ..core.plan import BatchPlan, InstanceView
 from ..core.request import Request
 from ..core.stats import mechanism_stats
 
-__all__ = ["GovernedScheduler", "kv_tokens"]
+__all__ = ["GovernedScheduler", "kv_tokens", "pace_numbers"]
 
 
 def kv_tokens(reqs) -> int:
     """KV tokens the requests hold at their next step (prompt + generated), as the server counts them."""
     return sum(r.prompt_len + r.generated for r in reqs)
+
+
+def pace_numbers(running, r: Request, now: float, plan: BatchPlan) -> dict:
+    """The per-request rule's numbers for ``r`` joining ``running`` at ``now`` (``BatchGovernor.decide``'s
+    keywords), as the server counts them: each decoding request's time and tokens since its first
+    token and its tokens left; the prompt tokens ``plan`` prefills already and ``r``'s own."""
+    paces = [RunningPace(max(0.0, now - x.first_token_t), max(0, x.generated - 1), max(0, x.output_len - x.generated))
+             for x in running if x.decoding and x.first_token_t is not None]  # fmt: skip
+    return {"paces": paces, "pass_tokens": sum(chunk for _, chunk in plan.prefills),
+            "add_tokens": max(1, r.target - r.ctx)}  # fmt: skip
 
 
 class GovernedScheduler(ContinuousBatchingScheduler):
@@ -49,8 +60,9 @@ class GovernedScheduler(ContinuousBatchingScheduler):
         slo = getattr(cfg, "tpot_slo_s", math.inf)
         self.governor = BatchGovernor(None if slo is None or math.isinf(slo) else slo, model)
         self.instance_name = str(getattr(cfg, "name", "") or "instance")
-        # the last plan: (iteration count, decodes, whether it prefilled, decoding requests it left out)
-        self._pending: tuple[int, list[Request], bool, int] | None = None
+        # the last plan: (iteration count, decodes, whether it prefilled, decoding requests it left out,
+        # prompt tokens it prefilled)
+        self._pending: tuple[int, list[Request], bool, int, int] | None = None
         self.max_running_seen = 0
 
     def observe(self, inst: InstanceView) -> None:
@@ -59,18 +71,20 @@ class GovernedScheduler(ContinuousBatchingScheduler):
         pending, self._pending = self._pending, None
         if pending is None or inst.iterations != pending[0] + 1:
             return
-        _, decodes, prefilled, stalled = pending
-        if decodes or stalled:
-            self.governor.observe_iteration(inst.last_duration, len(decodes), kv_tokens(decodes), stalled, prefilled)
+        _, decodes, prefilled, stalled, tokens = pending
+        if decodes or stalled or tokens:
+            self.governor.observe_iteration(inst.last_duration, len(decodes), kv_tokens(decodes), stalled, prefilled,
+                                            prefill_tokens=tokens)  # fmt: skip
 
     def note_plan(self, inst: InstanceView, plan: BatchPlan) -> None:
         """Remember a plan that decodes or prefills: once it has run, ``observe`` feeds it to the governor."""
         if plan.prefills:
             chosen = {id(r) for r in plan.decodes}
             stalled = sum(1 for r in inst.running if r.decoding and id(r) not in chosen)
-            self._pending = (inst.iterations, list(plan.decodes), True, stalled)
+            tokens = sum(chunk for _, chunk in plan.prefills)
+            self._pending = (inst.iterations, list(plan.decodes), True, stalled, tokens)
         elif plan.decodes:
-            self._pending = (inst.iterations, list(plan.decodes), False, 0)
+            self._pending = (inst.iterations, list(plan.decodes), False, 0, 0)
         self.max_running_seen = max(self.max_running_seen, len(inst.running))
 
     def plan(self, inst: InstanceView, now: float) -> BatchPlan:
@@ -79,8 +93,9 @@ class GovernedScheduler(ContinuousBatchingScheduler):
         self.note_plan(inst, plan)
         return plan
 
-    def may_admit(self, inst: InstanceView, r: Request) -> bool:
-        return self.governor.may_grow(len(inst.running), kv_tokens(inst.running), kv_tokens((r,))).admit
+    def may_admit(self, inst: InstanceView, r: Request, now: float, plan: BatchPlan) -> bool:
+        return self.governor.may_grow(len(inst.running), kv_tokens(inst.running), kv_tokens((r,)),
+                                      **pace_numbers(inst.running, r, now, plan)).admit  # fmt: skip
 
     def stats(self) -> dict:
         g, m = self.governor, self.governor.model

@@ -33,6 +33,7 @@ from memory_ext.policy.governor import BatchGovernor
 from memory_ext.policy.no_harm import REASONS as NO_HARM_REASONS
 from memory_ext.policy.no_harm import GovernedVerdict
 from memory_ext.policy.park_tpot import ParkTpot
+from memory_ext.policy.request_pace import RunningPace
 from sglang_memx.config import TPOT_SLO_FLAG
 from sglang_memx.coordinator.parts import Iteration, Source, Step, step
 from sglang_memx.upstream import request as up_req
@@ -101,9 +102,23 @@ class GovernorPart:
         """Count one admission verdict the governor passed (``memory_ext.policy.no_harm``), by reason."""
         self.verdicts[verdict.reason] += 1
 
-    def may_grow(self, running_reqs, req):
-        """The decision for ``req`` joining ``running_reqs`` (counted by reason)."""
-        return self.governor.may_grow(len(running_reqs), kv_tokens(running_reqs), kv_tokens((req,)))
+    def may_grow(self, running_reqs, admitted_reqs, req):
+        """The decision for ``req`` joining the decoding ``running_reqs`` and the ``admitted_reqs``
+        this pass let in before it (counted by reason)."""
+        joining = [*running_reqs, *admitted_reqs]
+        pace = {"paces": self.paces(running_reqs), "pass_tokens": sum(map(prefill_tokens, admitted_reqs)),
+                "add_tokens": prefill_tokens(req)}  # fmt: skip
+        return self.governor.may_grow(len(joining), kv_tokens(joining), kv_tokens((req,)), **pace)
+
+    def paces(self, running_reqs) -> list[RunningPace]:
+        """The running requests' paces (``memory_ext.policy.request_pace``): time and tokens since
+        the first tick that saw their first token (none yet: just now), ``max_new_tokens`` left."""
+        now, out = self.clock(), []
+        for r in running_reqs:
+            seen = up_req.memx_state(r).decoding_since
+            elapsed, decoded = (0.0, 0) if seen is None else (max(0.0, now - seen[0]), up_req.output_len(r) - seen[1])
+            out.append(RunningPace(elapsed, max(0, decoded), up_req.remaining_new_tokens(r)))
+        return out
 
     def park_tpot(self, running_reqs, req) -> ParkTpot | None:
         """The numbers for the parking question (``memory_ext.policy.park_tpot``): the predicted
@@ -118,7 +133,8 @@ class GovernorPart:
     def would_admit(self, running_reqs, req) -> bool:
         """Whether ``req`` may join ``running_reqs`` now, asked ahead of admission (not counted):
         the host buffer fetches a parked request's KV back only if it will be let in."""
-        return self.governor.decide(len(running_reqs), kv_tokens(running_reqs), kv_tokens((req,))).admit
+        pace = {"paces": self.paces(running_reqs), "add_tokens": 1}  # its KV comes back, one token to compute
+        return self.governor.decide(len(running_reqs), kv_tokens(running_reqs), kv_tokens((req,)), **pace).admit
 
     def _measure(self, it: Iteration) -> None:
         now = self.clock()
@@ -127,6 +143,8 @@ class GovernorPart:
         self._last_tick = now
         running = up_sched.running_reqs(it.scheduler)
         self.running, self.running_kv_tokens = len(running), kv_tokens(running)
+        _note_first_tokens(running, now)
+        _note_first_tokens(up_sched.batch_reqs(up_sched.unmerged_prefill_batch(it.scheduler)), now)
         self.max_running_seen = max(self.max_running_seen, self.running)
 
     def _count_iteration(self, scheduler, seconds: float) -> None:
@@ -139,6 +157,22 @@ class GovernorPart:
                 self.observe(len(reqs), kv_tokens(reqs), seconds)
         elif mode is not None:
             mixed = mode == "mixed"
+            tokens = up_sched.last_batch_prefill_tokens(scheduler, self.running if mixed else 0)
             self.governor.observe_iteration(seconds, self.running if mixed else 0,
                                             self.running_kv_tokens if mixed else 0,
-                                            0 if mixed else self.running, prefilled=True)  # fmt: skip
+                                            0 if mixed else self.running, prefilled=True,
+                                            prefill_tokens=tokens)  # fmt: skip
+
+
+def prefill_tokens(req) -> int:
+    """Prompt tokens ``req``'s prefill computes: those its prefix match did not find cached (at
+    least one: a fully cached prompt still computes its last token)."""
+    return max(1, up_req.fill_len(req) - up_req.cached_prefix_len(req))
+
+
+def _note_first_tokens(reqs, now: float) -> None:
+    """Mark the first tick that sees each request with a token (its pace counts from there)."""
+    for r in reqs:
+        state = up_req.memx_state(r)
+        if state.decoding_since is None and up_req.output_len(r) >= 1:
+            state.decoding_since = (now, up_req.output_len(r))

@@ -64,7 +64,7 @@ class AdmissionGovernor(Protocol):
     """What admission asks of the device's governor (``coordinator.governor.GovernorPart``); a
     protocol because this package never imports the coordinator above it."""
 
-    def may_grow(self, running_reqs, req): ...
+    def may_grow(self, running_reqs, admitted_reqs, req): ...
 
     def note_verdict(self, verdict: GovernedVerdict) -> None: ...
 
@@ -211,7 +211,7 @@ def governor_refusal(governor: AdmissionGovernor, adder, req):
     the predicted TPOT of the running requests with it within the SLO). None: go on to admission;
     else upstream's own "stop adding" result (``OTHER``: the pass ends, the request stays waiting
     and is offered again next iteration, as when upstream refuses it; nothing is dropped)."""
-    if governor.may_grow(up_sched.adder_batch_reqs(adder), req).admit:
+    if governor.may_grow(up_sched.adder_running_reqs(adder), up_sched.adder_admitted_list(adder), req).admit:
         return None
     return up_sched.add_result("OTHER")
 

@@ -15,10 +15,12 @@ STATE_ATTR = "_memx"
 
 
 def memx_state(req) -> types.SimpleNamespace:
-    """memx's per-request fields (created on first use): offload bytes, pending abort, SLO timestamps."""
+    """memx's per-request fields (created on first use): offload bytes, pending abort, SLO timestamps,
+    ``decoding_since`` (the governor's: clock and output length when a tick first saw a token)."""
     state = vars(req).get(STATE_ATTR)
     if state is None:
-        state = types.SimpleNamespace(offload_bytes=0, pending_abort=None, seen_at=None, ttft_done=False, last_out=None)
+        state = types.SimpleNamespace(offload_bytes=0, pending_abort=None, seen_at=None, ttft_done=False, last_out=None,
+                                      decoding_since=None)  # fmt: skip
         setattr(req, STATE_ATTR, state)
     return state
 

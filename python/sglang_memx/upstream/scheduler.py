@@ -64,6 +64,14 @@ def last_decode_batch(scheduler):
     return last
 
 
+def last_batch_prefill_tokens(scheduler, decoded: int = 0) -> int:
+    """Prompt tokens the last iteration's extend batch computed (``decoded``: the decode tokens a
+    mixed batch counts among them); 0 without one."""
+    last = scheduler.last_batch
+    tokens = 0 if last is None else last.extend_num_tokens or 0
+    return max(0, int(tokens) - decoded)
+
+
 def last_batch_mode(scheduler) -> str | None:
     """What the last iteration ran: ``"decode"`` (a pure decode batch), ``"prefill"`` (an extend
     batch: the running requests got no token from it), ``"mixed"`` (prefill chunks beside their
