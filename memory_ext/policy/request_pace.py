@@ -23,8 +23,9 @@ Numbers in, numbers out; no clock. Invariant: predictions are >= 0 or None while
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from memory_ext.policy._checks import check_int, check_num
 from memory_ext.policy.step_time import StepTimeModel
@@ -32,19 +33,24 @@ from memory_ext.policy.step_time import StepTimeModel
 __all__ = ["PrefillTimeModel", "RunningPace", "worst_tpot"]
 
 
-@dataclass(frozen=True)
-class RunningPace:
+class RunningPace(NamedTuple("_Pace", [("elapsed_s", float), ("decoded", int), ("remaining", int)])):
     """One running request: ``elapsed_s`` since its first token, ``decoded`` tokens since it,
-    ``remaining`` tokens it may still decode."""
+    ``remaining`` tokens it may still decode. A tuple, not a dataclass: the simulator builds one
+    per running request at every admission question."""
 
-    elapsed_s: float
-    decoded: int
-    remaining: int
+    __slots__ = ()
 
-    def __post_init__(self):
-        check_num("elapsed_s", self.elapsed_s, 0.0)
-        check_int("decoded", self.decoded, 0)
-        check_int("remaining", self.remaining, 0)
+    def __new__(cls, elapsed_s: float, decoded: int, remaining: int):
+        try:
+            valid = 0.0 <= elapsed_s < math.inf and type(decoded) is int and type(remaining) is int
+            valid = valid and decoded >= 0 and remaining >= 0
+        except TypeError:
+            valid = False
+        if not valid:  # the checks name the field (and accept what only the fast test refused)
+            check_num("elapsed_s", elapsed_s, 0.0)
+            check_int("decoded", decoded, 0)
+            check_int("remaining", remaining, 0)
+        return tuple.__new__(cls, (elapsed_s, decoded, remaining))
 
     def tpot(self, stall_s: float, step_s: float) -> float | None:
         """Its TPOT if it waits ``stall_s`` more and each remaining token takes ``step_s``; None
