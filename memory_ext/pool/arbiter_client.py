@@ -30,24 +30,11 @@ from collections.abc import Callable, Sequence
 from ..vmm.base import PhysicalChunk, VmmBackend
 from ..vmm.ipc import MAX_FDS, connect_unix, recv_chunks
 from . import arbiter_protocol as proto
+from .arbiter_status import ArbiterDenied, ArbiterError, query_arbiter_status
+
+__all__ = ["ArbiterClient", "ArbiterDenied", "ArbiterError", "query_arbiter_status"]  # the last three re-exported
 
 log = logging.getLogger(__name__)
-
-
-class ArbiterError(RuntimeError):
-    """The arbiter answered with ERROR (``field`` names the culprit) or went away."""
-
-    def __init__(self, message: str, field: str | None = None):
-        self.field = field
-        super().__init__(message)
-
-
-class ArbiterDenied(ArbiterError):
-    """A BORROW was refused; ``available`` is what the arbiter could have given."""
-
-    def __init__(self, reason: str, available: int):
-        self.reason, self.available = reason, available
-        super().__init__(f"borrow denied: {reason} (available {available})")
 
 
 DELIVERY_GRACE_S = 5.0  # the reader sets a waiter's event right after taking it from the table
@@ -87,6 +74,7 @@ class ArbiterClient:
         self._next_req = 1
         self._waiters: dict[int, _Waiter] = {}
         self._held: dict[int, PhysicalChunk] = {}  # arbiter chunk id -> local import
+        self._returning: dict[int, list[PhysicalChunk]] = {}  # req_id -> chunks of a RETURN not waited for
         self._closed = False
         self._dead: str | None = None
         self._refused: dict | None = None  # an ERROR answering no request (e.g. peer_uid), then EOF
@@ -147,8 +135,15 @@ class ArbiterClient:
             raise
         return got
 
-    def give_back(self, chunks: Sequence[PhysicalChunk]) -> int:
-        """Return borrowed chunks (they must be mapped nowhere); returns how many."""
+    def give_back(self, chunks: Sequence[PhysicalChunk], *, wait: bool = True) -> int:
+        """Return borrowed chunks (they must be mapped nowhere); returns how many.
+
+        ``wait=False`` does not wait for the arbiter's ACK (a scheduler giving back spare chunks
+        between steps: the round trip costs it the arbiter's scheduling latency, on a loaded host
+        milliseconds): the chunks leave this client's books at once and are destroyed when the
+        ACK comes (or the connection ends). The arbiter reads one connection in order, so a
+        later BORROW or STATUS from this client sees them returned. A refusal (an ERROR naming a
+        field) puts them back on the books and is logged, as ``wait=True`` would raise it."""
         chunks = list(chunks)
         if not chunks:
             return 0
@@ -165,6 +160,11 @@ class ArbiterClient:
                 raise ValueError("chunks: the same chunk is listed twice")
             for sid in ids:
                 del self._held[sid]
+        if not wait:
+            for start in range(0, len(ids), proto.MAX_RETURN_IDS):
+                stop = start + proto.MAX_RETURN_IDS
+                self._send_return(ids[start:stop], chunks[start:stop])
+            return len(chunks)
         try:
             for start in range(0, len(ids), proto.MAX_RETURN_IDS):
                 self._request({"type": "RETURN", "chunks": ids[start : start + proto.MAX_RETURN_IDS]})
@@ -177,6 +177,43 @@ class ArbiterClient:
         for c in chunks:  # gone from the arbiter's view (ACKed, or the connection died)
             self.backend.destroy_chunk(c)
         return len(chunks)
+
+    def _send_return(self, ids: list[int], chunks: list[PhysicalChunk]) -> None:
+        """Send one RETURN without waiting; ``_deliver`` settles it when the ACK comes. Not sent
+        (the connection is gone): the arbiter's books went with it, the chunks are destroyed."""
+        with self._lock:
+            sent = self._dead is None and not self._closed
+            if sent:
+                req_id = self._next_req
+                self._next_req += 1
+                self._returning[req_id] = chunks
+                try:
+                    self._sock.send(proto.encode({"type": "RETURN", "chunks": ids, "req_id": req_id}))
+                except OSError as exc:
+                    del self._returning[req_id]
+                    sent = False
+                    log.debug("arbiter client: RETURN not sent: %s", exc)
+        if not sent:
+            for c in chunks:
+                self.backend.destroy_chunk(c)
+
+    def _settle_return(self, msg: dict, chunks: list[PhysicalChunk]) -> None:
+        """The arbiter's answer to a RETURN not waited for: ACK destroys the chunks; an ERROR
+        naming a field puts them back on the books (the arbiter still counts them ours)."""
+        if msg["type"] == "ERROR" and msg.get("field") is not None:
+            log.error("arbiter client: RETURN refused: %s: %s", msg["field"], msg.get("message"))
+            with self._lock:
+                for c in chunks:
+                    self._held[c.source_id] = c
+            return
+        for c in chunks:
+            self.backend.destroy_chunk(c)
+
+    @property
+    def returns_in_flight(self) -> int:
+        """Chunks given back without waiting whose ACK has not come yet."""
+        with self._lock:
+            return sum(len(c) for c in self._returning.values())
 
     def report(self, idle: int, headroom: int, busy: bool) -> None:
         """Tell the arbiter's policy what this client could give back (no reply; a malformed
@@ -389,8 +426,12 @@ class ArbiterClient:
                     why = f"{why} after ERROR {self._refused['field']}: {self._refused['message']}"
                 self._dead = why
                 waiters, self._waiters = self._waiters, {}
+                returning, self._returning = self._returning, {}
             for w in waiters.values():
                 w.event.set()  # reply None: connection lost
+            for chunks in returning.values():  # the arbiter's books went with the connection
+                for c in chunks:
+                    self.backend.destroy_chunk(c)
             if self.on_lost is not None and not self._closed:
                 try:
                     self.on_lost()
@@ -398,6 +439,11 @@ class ArbiterClient:
                     log.exception("arbiter client: on_lost failed")
 
     def _deliver(self, msg: dict, chunks: list[PhysicalChunk]) -> None:
+        with self._lock:
+            returned = self._returning.pop(msg["req_id"], None)
+        if returned is not None:
+            self._settle_return(msg, returned)
+            return
         with self._lock:
             w = self._waiters.pop(msg["req_id"], None)
             for c in chunks:
@@ -440,33 +486,3 @@ class ArbiterClient:
                     self.give_back(picked)
             except Exception:
                 log.exception("arbiter client: on_reclaim(%d) failed", n)
-
-
-def query_arbiter_status(socket_path, timeout: float = 2.0, name: str = "status-probe") -> dict:
-    """One STATUS round trip without borrowing anything (no backend needed): for monitors.
-
-    Returns the STATUS fields plus ``granularity`` from the WELCOME. Raises
-    ``ArbiterError`` if the arbiter does not answer or answers out of protocol.
-    """
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    sock.settimeout(timeout)
-    try:
-        try:
-            sock.connect(os.fspath(socket_path))
-            sock.send(
-                proto.encode(
-                    {"type": "HELLO", "version": proto.PROTOCOL_VERSION, "name": name, "pid": os.getpid(), "req_id": 1}
-                )
-            )
-            welcome = proto.decode_server(sock.recv(proto.MAX_MESSAGE_BYTES + 1))
-            sock.send(proto.encode({"type": "STATUS", "req_id": 2}))
-            reply = proto.decode_server(sock.recv(proto.MAX_MESSAGE_BYTES + 1))
-        except (OSError, proto.ProtocolError) as exc:
-            raise ArbiterError(f"arbiter at {socket_path} did not answer STATUS: {exc}") from None
-        if welcome["type"] != "WELCOME" or reply["type"] != "STATUS":
-            raise ArbiterError(f"arbiter at {socket_path} answered {welcome['type']}/{reply['type']}")
-        out = {k: v for k, v in reply.items() if k not in ("type", "req_id")}
-        out["granularity"] = welcome["granularity"]
-        return out
-    finally:
-        sock.close()

@@ -296,10 +296,11 @@ class LentPool:
         self._wake()
         return True
 
-    def give_back(self, max_chunks: int | None = None) -> int:
+    def give_back(self, max_chunks: int | None = None, *, wait: bool = True) -> int:
         """Return up to ``max_chunks`` (default: all) FREE chunks to the arbiter; return how many.
         Kept chunks (module docstring) are destroyed here instead; while the arbiter is lost,
-        nothing goes (0)."""
+        nothing goes (0). ``wait=False``: the arbiter's ACK is not waited for
+        (``ArbiterClient.give_back``)."""
         if self._check_lost():
             return 0
         chunks = self.pool.disown(max_chunks)
@@ -322,7 +323,7 @@ class LentPool:
         kept_ids = {id(c) for c in kept}
         lent = [c for c in chunks if id(c) not in kept_ids]
         if lent:
-            self.client.give_back(lent)
+            self.client.give_back(lent, wait=wait)
         with self._lock:
             self.returned_total += len(chunks)
         return len(chunks)

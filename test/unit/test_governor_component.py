@@ -17,7 +17,6 @@ from sglang_memx.hooks import scheduler as hooks
 from sglang_memx.upstream import scheduler as up_sched
 from support.fakes import FakeBatch, FakeReq, FakeScheduler
 
-
 IDLE = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=bool, is_mixed=bool, is_extend=bool))  # neither
 
 

@@ -305,7 +305,7 @@ def balance(
     """
     if not up_sched.waiting(scheduler):  # nothing waits: unused chunks go back
         activation.release_idle(keep=activation.next_step_chunks(scheduler))  # keep their next step's
-        lent.give_back(spare_free_chunks(kv, allocator, scheduler, activation))
+        lent.give_back(spare_free_chunks(kv, allocator, scheduler, activation), wait=False)  # no round trip
     mapped_free = up_kv.free_page_count(allocator) * kv.page_size
     beyond_free = demand.queue_demand_tokens(scheduler) - mapped_free
     kv_short = beyond_free - up_radix.evictable_tokens(tree)
