@@ -8,8 +8,12 @@
   time the requests running at the tick before it waited through, and a mixed batch's time beyond
   its predicted decode step too (``memory_ext.policy.prefill_stalls``: the predicted TPOT counts
   them); iterations with no batch (idle) count nothing;
+* its tick also notes, per request, the first tick that saw a token of it
+  (``memx_state.decoding_since``): the per-request rule's paces count from there;
 * admission asks it before a new request joins the running batch
-  (``elastic.admission.governor_refusal``, from ``hooks.scheduler.around_add_one_req``), and for
+  (``elastic.admission.governor_refusal``, from ``hooks.scheduler.around_add_one_req``) with the
+  running requests' paces and the prompt tokens of this pass's prefills
+  (``memory_ext.policy.request_pace``), and for
   the numbers of the parking question (``park_tpot``: with a TPOT SLO, a prefill is parked on the
   host only if its own TPOT, its wait for device room included, stays within it);
 * its status (``/memx/status`` → ``elastic_kv.governor``): the SLOs in force and where each came
