@@ -123,6 +123,12 @@ class BatchGovernor:
         if prefilled and prefill_tokens > 0 and (step is not None or not decoded):
             self.prefill_time.observe(prefill_tokens, max(0.0, seconds - (step or 0.0)))
 
+    @property
+    def judges_paces(self) -> bool:
+        """Whether ``decide`` can use the per-request numbers (a TPOT SLO is set): callers skip
+        building them otherwise (an admission question is asked at every iteration a request waits)."""
+        return self.tpot_slo_s is not None
+
     def predict_tpot(self, batch: int, kv_tokens: int) -> float | None:
         """The TPOT a running request of a ``batch``-request batch sees: the predicted decode step
         plus the prefills it waits through, ``batch * q`` (None while learning)."""

@@ -300,3 +300,14 @@ def test_admission_judges_each_running_request_from_the_tick_that_saw_its_first_
     d = part.governor.last  # fresh: one 50 ms iteration for both prompts, then 50 steps of 3
     assert (d.reason, d.running) == ("within_slo", 2)
     assert d.predicted_s == pytest.approx((0.050 + 50 * 0.016) / 50)
+
+
+def test_without_a_tpot_slo_no_paces_are_built(monkeypatch):
+    """``--memx-governor`` alone: the admission question is asked at every iteration a request
+    waits, and nothing would judge the paces, so none are built (the decision is ``no_slo``)."""
+    part = GovernorPart(BatchGovernor(None, _trained()))
+    monkeypatch.setattr(part, "paces", lambda reqs: pytest.fail("paces built without an SLO"))
+    d = part.may_grow([FakeReq(), FakeReq()], [FakeReq()], FakeReq())
+    assert (d.admit, d.reason, d.running) == (True, "no_slo", 3)
+    assert part.would_admit([FakeReq()], FakeReq())
+    assert GovernorPart(BatchGovernor(0.03, _trained())).governor.judges_paces

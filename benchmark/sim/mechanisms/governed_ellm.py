@@ -174,7 +174,7 @@ class GovernedEllmScheduler(GovernedScheduler):
         while budget > 0 and inst.waiting and len(inst.running) < cfg.max_running:
             r = inst.waiting[0]
             batch = self.governor.may_grow(len(inst.running), kv_tokens(inst.running), r.prompt_len + r.generated,
-                                           **pace_numbers(inst.running, r, now, plan))  # fmt: skip
+                                           **pace_numbers(self.governor, inst.running, r, now, plan))  # fmt: skip
             inst.waiting.popleft()
             inst.admit(r, now)  # its prefix hit decides what its prompt takes (``unadmit`` undoes it)
             chunk = min(r.target - r.ctx, budget)

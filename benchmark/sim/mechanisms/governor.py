@@ -34,10 +34,13 @@ def kv_tokens(reqs) -> int:
     return sum(r.prompt_len + r.generated for r in reqs)
 
 
-def pace_numbers(running, r: Request, now: float, plan: BatchPlan) -> dict:
+def pace_numbers(governor: BatchGovernor, running, r: Request, now: float, plan: BatchPlan) -> dict:
     """The per-request rule's numbers for ``r`` joining ``running`` at ``now`` (``BatchGovernor.decide``'s
     keywords), as the server counts them: each decoding request's time and tokens since its first
-    token and its tokens left; the prompt tokens ``plan`` prefills already and ``r``'s own."""
+    token and its tokens left; the prompt tokens ``plan`` prefills already and ``r``'s own. None
+    (an empty dict) when ``governor`` has no SLO to judge them by."""
+    if not governor.judges_paces:
+        return {}
     paces = [RunningPace(max(0.0, now - x.first_token_t), max(0, x.generated - 1), max(0, x.output_len - x.generated))
              for x in running if x.decoding and x.first_token_t is not None]  # fmt: skip
     return {"paces": paces, "pass_tokens": sum(chunk for _, chunk in plan.prefills),
@@ -95,7 +98,7 @@ class GovernedScheduler(ContinuousBatchingScheduler):
 
     def may_admit(self, inst: InstanceView, r: Request, now: float, plan: BatchPlan) -> bool:
         return self.governor.may_grow(len(inst.running), kv_tokens(inst.running), kv_tokens((r,)),
-                                      **pace_numbers(inst.running, r, now, plan)).admit  # fmt: skip
+                                      **pace_numbers(self.governor, inst.running, r, now, plan)).admit  # fmt: skip
 
     def stats(self) -> dict:
         g, m = self.governor, self.governor.model

@@ -110,8 +110,10 @@ class GovernorPart:
         """The decision for ``req`` joining the decoding ``running_reqs`` and the ``admitted_reqs``
         this pass let in before it (counted by reason)."""
         joining = [*running_reqs, *admitted_reqs]
-        pace = {"paces": self.paces(running_reqs), "pass_tokens": sum(map(prefill_tokens, admitted_reqs)),
-                "add_tokens": prefill_tokens(req)}  # fmt: skip
+        pace = {}
+        if self.governor.judges_paces:
+            pace = {"paces": self.paces(running_reqs), "pass_tokens": sum(map(prefill_tokens, admitted_reqs)),
+                    "add_tokens": prefill_tokens(req)}  # fmt: skip
         return self.governor.may_grow(len(joining), kv_tokens(joining), kv_tokens((req,)), **pace)
 
     def paces(self, running_reqs) -> list[RunningPace]:
@@ -137,7 +139,8 @@ class GovernorPart:
     def would_admit(self, running_reqs, req) -> bool:
         """Whether ``req`` may join ``running_reqs`` now, asked ahead of admission (not counted):
         the host buffer fetches a parked request's KV back only if it will be let in."""
-        pace = {"paces": self.paces(running_reqs), "add_tokens": 1}  # its KV comes back, one token to compute
+        # a parked request's KV comes back: one token to compute
+        pace = {"paces": self.paces(running_reqs), "add_tokens": 1} if self.governor.judges_paces else {}
         return self.governor.decide(len(running_reqs), kv_tokens(running_reqs), kv_tokens((req,)), **pace).admit
 
     def _measure(self, it: Iteration) -> None:
