@@ -170,12 +170,9 @@ class ArbiterClient:
                 self._request({"type": "RETURN", "chunks": ids[start : start + proto.MAX_RETURN_IDS]})
         except ArbiterError as exc:
             if exc.field is not None:  # the arbiter refused: we still hold them
-                with self._lock:
-                    for c in chunks:
-                        self._held[c.source_id] = c
+                self._rehold(chunks)
                 raise
-        for c in chunks:  # gone from the arbiter's view (ACKed, or the connection died)
-            self.backend.destroy_chunk(c)
+        self._destroy(chunks)  # gone from the arbiter's view (ACKed, or the connection died)
         return len(chunks)
 
     def _send_return(self, ids: list[int], chunks: list[PhysicalChunk]) -> None:
@@ -194,18 +191,25 @@ class ArbiterClient:
                     sent = False
                     log.debug("arbiter client: RETURN not sent: %s", exc)
         if not sent:
-            for c in chunks:
-                self.backend.destroy_chunk(c)
+            self._destroy(chunks)
 
     def _settle_return(self, msg: dict, chunks: list[PhysicalChunk]) -> None:
         """The arbiter's answer to a RETURN not waited for: ACK destroys the chunks; an ERROR
         naming a field puts them back on the books (the arbiter still counts them ours)."""
         if msg["type"] == "ERROR" and msg.get("field") is not None:
             log.error("arbiter client: RETURN refused: %s: %s", msg["field"], msg.get("message"))
-            with self._lock:
-                for c in chunks:
-                    self._held[c.source_id] = c
+            self._rehold(chunks)
             return
+        self._destroy(chunks)
+
+    def _rehold(self, chunks: list[PhysicalChunk]) -> None:
+        """Put returned chunks back on the books (the arbiter refused their RETURN)."""
+        with self._lock:
+            for c in chunks:
+                self._held[c.source_id] = c
+
+    def _destroy(self, chunks: list[PhysicalChunk]) -> None:
+        """Close the local imports of chunks the arbiter no longer counts ours (mapped nowhere)."""
         for c in chunks:
             self.backend.destroy_chunk(c)
 
@@ -389,8 +393,7 @@ class ArbiterClient:
                     raise proto.ProtocolError("chunks", "ids differ from the fds' header")
             except proto.ProtocolError as exc:
                 log.error("arbiter client: bad GRANT: %s", exc)
-                for c in chunks:
-                    self.backend.destroy_chunk(c)
+                self._destroy(chunks)
                 return
             self._deliver(msg, chunks)
 
@@ -430,8 +433,7 @@ class ArbiterClient:
             for w in waiters.values():
                 w.event.set()  # reply None: connection lost
             for chunks in returning.values():  # the arbiter's books went with the connection
-                for c in chunks:
-                    self.backend.destroy_chunk(c)
+                self._destroy(chunks)
             if self.on_lost is not None and not self._closed:
                 try:
                     self.on_lost()
