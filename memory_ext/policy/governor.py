@@ -150,10 +150,11 @@ class BatchGovernor:
         check_int("pass_tokens", pass_tokens, 0)
         check_int("add_tokens", add_tokens, 0)
         slo = self.tpot_slo_s
-        rule, predicted = BATCH, self.predict_tpot(running + 1, kv_tokens + add_kv_tokens)
         if slo is not None and running and paces is not None and self.prefill_time.coef is not None:
             rule, predicted = PER_REQUEST, self._worst_pace(running, kv_tokens, add_kv_tokens, paces, slo,
                                                              pass_tokens, add_tokens)  # fmt: skip
+        else:
+            rule, predicted = BATCH, self.predict_tpot(running + 1, kv_tokens + add_kv_tokens)
         if slo is None:
             reason = NO_SLO
         elif running == 0:

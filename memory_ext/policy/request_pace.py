@@ -55,15 +55,14 @@ class RunningPace(NamedTuple("_Pace", [("elapsed_s", float), ("decoded", int), (
     def tpot(self, stall_s: float, step_s: float) -> float | None:
         """Its TPOT if it waits ``stall_s`` more and each remaining token takes ``step_s``; None
         when it decodes nothing (a request about to finish, or one with no token yet to come)."""
-        tokens = self.decoded + self.remaining
-        if tokens <= 0 or self.remaining <= 0:
+        if self.remaining <= 0:
             return None
-        return (self.elapsed_s + stall_s + self.remaining * step_s) / tokens
+        return (self.elapsed_s + stall_s + self.remaining * step_s) / (self.decoded + self.remaining)
 
 
 class PrefillTimeModel:
     """Seconds of a prefill iteration by the prompt tokens it computes, ``t = a + b * tokens``: an
-    exponentially weighted least-squares fit (``governor.StepTimeModel``'s, the batch axis counting
+    exponentially weighted least-squares fit (``step_time.StepTimeModel``'s, the batch axis counting
     tokens; slopes kept >= 0). None while fewer than ``min_samples`` samples."""
 
     def __init__(self, decay: float = 0.98, min_samples: int = 4):

@@ -150,8 +150,9 @@ class GovernorPart:
         self._last_tick = now
         running = up_sched.running_reqs(it.scheduler)
         self.running, self.running_kv_tokens = len(running), kv_tokens(running)
-        _note_first_tokens(running, now)
-        _note_first_tokens(up_sched.batch_reqs(up_sched.unmerged_prefill_batch(it.scheduler)), now)
+        if self.governor.judges_paces:  # only the per-request rule reads them
+            _note_first_tokens(running, now)
+            _note_first_tokens(up_sched.batch_reqs(up_sched.unmerged_prefill_batch(it.scheduler)), now)
         self.max_running_seen = max(self.max_running_seen, self.running)
 
     def _count_iteration(self, scheduler, seconds: float) -> None:
