@@ -81,6 +81,16 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         "logical capacity; required to start a shared pool).",
     ),
     MemxFlag(
+        "--memx-pool-keep-warm-s",
+        "pool_keep_warm_s",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="With --memx-pool: memory this server used within the last S seconds is not given back "
+        "to the shared pool unasked (a peer that needs it still gets it through a reclaim), so a "
+        "request after a short pause borrows nothing (default 2; 0: give spare memory back at once).",
+    ),
+    MemxFlag(
         "--memx-pool-dir",
         "pool_dir",
         type=str,
