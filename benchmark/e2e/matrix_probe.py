@@ -22,7 +22,10 @@ Nothing is scored against a claim; memx's serves live across the rounds (the mat
 fresh one per run), so lending's trials and back-offs carry over.
 
     python benchmark/e2e/matrix_probe.py [--workload bursty2] [--scale 2] [--rounds 4]
-        [--variants lend,nolend] [--routed lend] [--poll-s 0.5] [--out /tmp/probe.json]
+        [--variants lend,nolend] [--routed lend] [--poll-s 0.5] [--out PATH]
+
+The JSON goes to ``benchmark/results/e2e/probes/<workload>_x<scale>_<variants>_<code>.json``
+unless ``--out`` says otherwise; ``benchmark/probe_table.py`` renders the docs' figures from it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from benchmark.matrix_workloads import WORKLOADS, candidate_splits, memory_plan,
 from sglang_memx.models.tiny import tiny_model  # noqa: E402
 
 MODELS_ROOT = Path("/tmp/sglang-memx-bench-models")
+PROBES = REPO / "benchmark" / "results" / "e2e" / "probes"
 WHOLE_FIELDS = ("phase", "reason", "paid", "refused", "trials")
 VARIANTS = ("lend", "nolend", "lend-nocap", "nolend-nocap", "lend-cold", "nolend-cold", "lend-nocap-cold")
 # -nocap: the models' TPOT SLOs left out; -cold: spare memory goes back to the pool at once
@@ -239,7 +243,12 @@ def parse_args(argv=None):
     ap.add_argument("--variants", type=lambda s: s.split(","), default=["lend", "nolend"])
     ap.add_argument("--routed", type=lambda s: [x for x in s.split(",") if x], default=["lend"])
     ap.add_argument("--poll-s", type=float, default=0.5)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where to write the JSON (default: benchmark/results/e2e/probes/, named by default_out)",
+    )
     args = ap.parse_args(argv)
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
@@ -249,13 +258,19 @@ def parse_args(argv=None):
     return args
 
 
+def default_out(args, code: str) -> Path:
+    """``probes/<workload>_x<scale>_<variants>_<code>.json``: where the docs' renderer
+    (``benchmark/probe_table.py``) reads a probe, under the name the script gives it."""
+    return PROBES / f"{args.workload}_x{args.scale:g}_{'+'.join(args.variants)}_{code}.json"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     doc = run(args)
     print(json.dumps(doc["attainment"]))
-    if args.out is not None:
-        args.out.write_text(json.dumps(doc))
-        print(f"wrote {args.out}")
+    out = args.out if args.out is not None else default_out(args, doc["code"])
+    out.write_text(json.dumps(doc))
+    print(f"wrote {out}")
     return 0
 
 

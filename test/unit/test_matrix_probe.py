@@ -85,3 +85,9 @@ def test_the_probe_records_the_code_it_ran(tmp_path, monkeypatch):
     assert P._code_version() != "" and P._code_version() != "unknown"  # this checkout
     monkeypatch.setattr(P, "REPO", tmp_path)  # not a repository
     assert P._code_version() == "unknown"
+
+
+def test_the_json_goes_under_probes_named_by_the_script():
+    args = P.parse_args(["--workload", "steady2", "--scale", "2", "--variants", "lend,lend-cold"])
+    out = P.default_out(args, "abc1234")
+    assert out == P.REPO / "benchmark/results/e2e/probes/steady2_x2_lend+lend-cold_abc1234.json"

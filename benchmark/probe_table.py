@@ -1,0 +1,103 @@
+"""Render the figures of the no-harm matrix's probes (``benchmark/e2e/matrix_probe.py``) into the
+docs from their JSON in ``benchmark/results/e2e/probes/``: the docs quote the JSON, never typed.
+
+One block per probe named in ``BLOCKS``: the command (its ``--out`` left out), the code it ran, the
+SLOs in force (the scale times each model's solo latency), then one row per setup: attainment
+median [min, max] over the rounds and, per model, the span of the runs' TTFT / TPOT medians and of
+the requests meeting each SLO; then the ratios named for that probe, per round (a pair), as
+median [min, max].
+
+    python -m benchmark.probe_table           # rewrite the blocks
+    python -m benchmark.probe_table --check   # exit 1 when the docs differ from the JSON
+
+``test/unit/test_probe_table.py`` runs the check.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+from benchmark.doc_blocks import check_args, write_or_check
+
+REPO = Path(__file__).resolve().parents[1]
+PROBES = REPO / "benchmark" / "results" / "e2e" / "probes"
+COMMAND = "python -m benchmark.probe_table"
+
+# (probe JSON stem, doc, ratios: (numerator setup, denominator setup) per round)
+BLOCKS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
+    ("steady2_x2_nopoll_48760a6", "governor.md", (("lend", "stock"), ("nolend", "stock"))),
+    ("steady2_x2_warm_e307683", "governor.md", (("lend", "stock"), ("lend", "lend-cold"))),
+    ("steady2_x2_warm_e307683", "elastic-kv.md", (("lend", "lend-cold"),)),
+)
+
+
+def markers(stem: str) -> tuple[str, str]:
+    return f"<!-- generated: {COMMAND} ({stem}) -->", f"<!-- end generated: probe {stem} -->"
+
+
+def _med(values: list[float], fmt: str = ".2f") -> str:
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
+
+
+def _span(values: list[float], fmt: str) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:{fmt}}" if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"{lo:{fmt}}–{hi:{fmt}}"
+
+
+def command_without_out(command: str) -> str:
+    """The probe's command line as run, without where it wrote its JSON (an empty argument, two
+    spaces in the recorded line, shown as ``''``)."""
+    return re.sub(r" --out\s+\S+", "", command).strip().replace("  ", " '' ")
+
+
+def render(stem: str, doc: dict, ratios: tuple[tuple[str, str], ...]) -> str:
+    """The block of probe ``stem`` (its JSON ``doc``)."""
+    models, scale, runs = sorted(doc["solo"]), doc["scale"], doc["runs"]
+    slos = ", ".join(f"`{m}` TTFT {scale * doc['solo'][m]['ttft_s'] * 1e3:.1f} ms / TPOT "
+                     f"{scale * doc['solo'][m]['tpot_s'] * 1e3:.2f} ms" for m in models)  # fmt: skip
+    head = ["| setup | attainment |"] + [f" `{m}` TTFT ms | TPOT ms | met TTFT / TPOT |" for m in models]
+    rows = ["".join(head), "|---|---|" + "---|---|---|" * len(models)]
+    for setup, per_run in runs.items():
+        cells = [f"| {setup} | {_med([r['attainment'] for r in per_run])} |"]
+        for m in models:
+            got = [r["models"][m] for r in per_run]
+
+            def span(key: str, fmt: str, got=got) -> str:
+                return _span([g[key] for g in got], fmt)
+
+            cells.append(f" {span('ttft_ms', '.1f')} | {span('tpot_ms', '.2f')} | {span('ttft_met', 'd')} / "
+                         f"{span('tpot_met', 'd')} of {span('n', 'd')} |")  # fmt: skip
+        rows.append("".join(cells))
+    lines = [f"`{PROBES.relative_to(REPO) / (stem + '.json')}`: `{command_without_out(doc['command'])}`, code "
+             f"{doc['code']}, {doc['when']}, {len(next(iter(runs.values())))} rounds; SLOs {slos}. Per setup: "
+             "attainment median [min, max] over the rounds; per model the span of the runs' medians and of the "
+             "requests meeting each SLO.", "", *rows]  # fmt: skip
+    for num, den in ratios:
+        pairs = [a["attainment"] / b["attainment"] for a, b in zip(runs[num], runs[den]) if b["attainment"] > 0]
+        lines += ["", f"Attainment {num} / {den} per round: {_med(pairs)} ({len(pairs)} pairs)."]
+    begin, end = markers(stem)
+    return "\n".join([begin, *lines, end])
+
+
+def blocks_by_doc() -> dict[Path, list[tuple[str, str, str]]]:
+    out: dict[Path, list[tuple[str, str, str]]] = {}
+    for stem, doc_name, ratios in BLOCKS:
+        block = render(stem, json.loads((PROBES / f"{stem}.json").read_text()), ratios)
+        out.setdefault(REPO / "docs" / doc_name, []).append((*markers(stem), block))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    check = check_args(argv, __doc__)
+    worst = 0
+    for doc, blocks in blocks_by_doc().items():
+        worst = max(worst, write_or_check(doc, blocks, check, COMMAND))
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main())
