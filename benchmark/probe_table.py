@@ -29,9 +29,11 @@ COMMAND = "python -m benchmark.probe_table"
 
 # (probe JSON stem, doc, ratios: (numerator setup, denominator setup) per round)
 BLOCKS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
-    ("steady2_x2_nopoll_48760a6", "governor.md", (("lend", "stock"), ("nolend", "stock"))),
-    ("steady2_x2_warm_e307683", "governor.md", (("lend", "stock"), ("lend", "lend-cold"))),
-    ("steady2_x2_warm_e307683", "elastic-kv.md", (("lend", "lend-cold"),)),
+    ("steady2_x2_lend+nolend_48760a6", "governor.md", (("lend", "stock"), ("nolend", "stock"))),
+    ("steady2_x2_lend+lend-cold_e307683", "governor.md", (("lend", "stock"), ("lend", "lend-cold"))),
+    ("steady2_x2_lend+lend-cold_e307683", "elastic-kv.md", (("lend", "lend-cold"),)),
+    ("bursty2_x2_lend+lend-cold_e307683", "elastic-kv.md", (("lend", "lend-cold"), ("lend", "stock"))),
+    ("bursty2_x2_lend+lend-cold_e307683", "governor.md", (("lend", "stock"),)),
 )
 
 
