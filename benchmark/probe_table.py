@@ -29,6 +29,8 @@ COMMAND = "python -m benchmark.probe_table"
 
 # (probe JSON stem, doc, ratios: (numerator setup, denominator setup) per round)
 BLOCKS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
+    ("bursty2_x2_perreq_b3b53a5", "governor.md", (("lend", "stock"), ("lend-nocap", "lend"))),
+    ("steady2_x2_perreq_0dddaba", "governor.md", (("lend", "stock"), ("lend", "lend-nocap"))),
     ("steady2_x2_lend+nolend_48760a6", "governor.md", (("lend", "stock"), ("nolend", "stock"))),
     ("steady2_x2_lend+lend-cold_e307683", "governor.md", (("lend", "stock"), ("lend", "lend-cold"))),
     ("steady2_x2_lend+lend-cold_e307683", "elastic-kv.md", (("lend", "lend-cold"),)),
@@ -74,8 +76,9 @@ def render(stem: str, doc: dict, ratios: tuple[tuple[str, str], ...]) -> str:
             cells.append(f" {span('ttft_ms', '.1f')} | {span('tpot_ms', '.2f')} | {span('ttft_met', 'd')} / "
                          f"{span('tpot_met', 'd')} of {span('n', 'd')} |")  # fmt: skip
         rows.append("".join(cells))
-    lines = [f"`{PROBES.relative_to(REPO) / (stem + '.json')}`: `{command_without_out(doc['command'])}`, code "
-             f"{doc['code']}, {doc['when']}, {len(next(iter(runs.values())))} rounds; SLOs {slos}. Per setup: "
+    when = f"code {doc['code']}, {doc['when']}" if doc.get("code") else "code and time not recorded"
+    lines = [f"`{PROBES.relative_to(REPO) / (stem + '.json')}`: `{command_without_out(doc['command'])}`, "
+             f"{when}, {len(next(iter(runs.values())))} rounds; SLOs {slos}. Per setup: "
              "attainment median [min, max] over the rounds; per model the span of the runs' medians and of the "
              "requests meeting each SLO.", "", *rows]  # fmt: skip
     for num, den in ratios:

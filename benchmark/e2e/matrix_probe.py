@@ -12,7 +12,9 @@ played in interleaved rounds (the order rotating, ``benchmark/pairs.py``'s rule)
   either (``lend-cold``, ``lend-nocap-cold``) gives spare memory back to the pool at once
   (``--memx-pool-keep-warm-s 0``, the rule before keep-warm).
 
-Per run it records every model's median TTFT / TPOT and how many requests met each SLO, the CPU
+Per run it records every model's median TTFT / TPOT and how many requests met each SLO, each memx
+engine's counters after the run (``engines``: the governor's decisions by reason, the shared pool's
+borrowed / returned / denied / reclaims, totals since the engine started), the CPU
 seconds and minor page faults of each process role over the run (scheduler, detokenizer,
 tokenizer / HTTP, the router), and, for memx, each engine's ``/memx/status`` polled every
 ``--poll-s`` (0: not polled; polling costs the engines a little): the running batch, the
@@ -118,6 +120,15 @@ def poll_sample(doc: dict, model: str, now: float) -> dict:
             "cores": share.get("cores"), "whole_device": {k: whole.get(k) for k in WHOLE_FIELDS}}  # fmt: skip
 
 
+def engine_counters(doc: dict) -> dict:
+    """Counters of one engine's ``/memx/status`` read once after a run (totals since it started):
+    the governor's decisions by reason and the shared pool's traffic."""
+    kv = doc["schedulers"][0].get("elastic_kv") or {}
+    pool = kv.get("shared_pool") or {}
+    traffic = ("borrowed_total", "returned_total", "denied_total", "reclaim_requests")
+    return {"decisions": (kv.get("governor") or {}).get("decisions"), "pool": {k: pool.get(k) for k in traffic}}
+
+
 def per_model(requests: list[dict], solo: dict, scale: float) -> dict:
     out = {}
     for m in solo:
@@ -219,8 +230,10 @@ def run(args) -> dict:
                 if poller.is_alive():
                     poller.join()
                 att = score_run(out["requests"], solo, args.scale, out["wall_s"])["attainment"]
+                counters = {m: engine_counters(http_json(u + "/memx/status")) for m, u in status_urls.items()}
                 run_doc = {"attainment": att, "models": per_model(out["requests"], solo, args.scale),
-                           "usage": used, "polls": samples, "requests": out["requests"]}  # fmt: skip
+                           "usage": used, "polls": samples, "engines": counters,
+                           "requests": out["requests"]}  # fmt: skip
                 runs[name].append(run_doc)
                 print(r, name, round(att, 3), json.dumps(run_doc["models"]), json.dumps(used), flush=True)
         return {"command": " ".join(sys.argv), "when": when, "code": _code_version(),

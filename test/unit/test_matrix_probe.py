@@ -91,3 +91,15 @@ def test_the_json_goes_under_probes_named_by_the_script():
     args = P.parse_args(["--workload", "steady2", "--scale", "2", "--variants", "lend,lend-cold"])
     out = P.default_out(args, "abc1234")
     assert out == P.REPO / "benchmark/results/e2e/probes/steady2_x2_lend+lend-cold_abc1234.json"
+
+
+def test_engine_counters_keep_the_governors_decisions_and_the_pools_traffic():
+    status = {"schedulers": [{"elastic_kv": {
+        "governor": {"decisions": {"over_slo": 2, "within_slo": 5}},
+        "shared_pool": {"borrowed_total": 21, "returned_total": 9, "denied_total": 0, "reclaim_requests": 1,
+                        "held_chunks": 12}}}]}  # fmt: skip
+    assert P.engine_counters(status) == {"decisions": {"over_slo": 2, "within_slo": 5},
+                                         "pool": {"borrowed_total": 21, "returned_total": 9, "denied_total": 0,
+                                                  "reclaim_requests": 1}}  # fmt: skip
+    assert P.engine_counters({"schedulers": [{}]}) == {"decisions": None, "pool": dict.fromkeys(
+        ("borrowed_total", "returned_total", "denied_total", "reclaim_requests"))}  # fmt: skip
