@@ -22,13 +22,15 @@ from collections import deque
 
 from memory_ext.policy._checks import check_int, check_num
 
-__all__ = ["KeepWarm", "WarmSpares"]
+__all__ = ["DEFAULT_WINDOW_S", "KeepWarm", "WarmSpares"]
+
+DEFAULT_WINDOW_S = 2.0  # ``--memx-pool-keep-warm-s``'s default
 
 
 class KeepWarm:
     """The recent peak of a server's chunks in use, over a sliding window (module docstring)."""
 
-    def __init__(self, window_s: float = 2.0):
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S):
         self.window_s = check_num("window_s", window_s, 0.0)
         self._peaks: deque[tuple[float, int]] = deque()  # (time, chunks), chunks strictly decreasing
         self._last_now = -float("inf")
@@ -62,7 +64,7 @@ class WarmSpares:
     """A server's two kinds of spare, each kept by its own ``KeepWarm``: KV chunks (mapped groups;
     what deflation unmapped turns FREE) and activation chunks (what each forward used)."""
 
-    def __init__(self, window_s: float = 2.0):
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S):
         self.kv = KeepWarm(window_s)
         self.activation = KeepWarm(window_s)
 

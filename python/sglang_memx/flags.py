@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from memory_ext.policy.keep_warm import DEFAULT_WINDOW_S as DEFAULT_KEEP_WARM_S
+
 
 @dataclasses.dataclass(frozen=True)
 class MemxFlag:
@@ -84,7 +86,7 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         "--memx-pool-keep-warm-s",
         "pool_keep_warm_s",
         type=float,
-        default=2.0,
+        default=DEFAULT_KEEP_WARM_S,
         metavar="S",
         help="With --memx-pool: memory this server used within the last S seconds is not given back "
         "to the shared pool unasked (a peer that needs it still gets it through a reclaim), so a "

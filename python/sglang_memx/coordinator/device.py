@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any, TypeVar
 
-from memory_ext.policy.keep_warm import WarmSpares
+from memory_ext.policy.keep_warm import DEFAULT_WINDOW_S, WarmSpares
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.coordinator.components import (
     ActivationBalloonPart,
@@ -169,9 +169,8 @@ class Coordinator:
         return doc
 
 
-def components_of(
-    kv: ElasticKV, *, lent: LentPool | None = None, host: HostBufferState | None = None, keep_warm_s: float = 2.0
-) -> tuple[Component, ...]:
+def components_of(kv: ElasticKV, *, lent: LentPool | None = None, host: HostBufferState | None = None,
+                  keep_warm_s: float = DEFAULT_WINDOW_S) -> tuple[Component, ...]:  # fmt: skip
     """The components of the parts a KV space was built with: its activation balloon (the build
     sets it on the space), the shared pool's link and the host buffer. The pool build adds the
     layer stream cache and the peer tier (``pool_build.finish``); the weights come later, once the
@@ -188,7 +187,7 @@ def components_of(
 
 
 def attach(allocator, kv: ElasticKV, extra: tuple[Component, ...] = (), *, lent: LentPool | None = None,
-           host: HostBufferState | None = None, keep_warm_s: float = 2.0) -> Coordinator:  # fmt: skip
+           host: HostBufferState | None = None, keep_warm_s: float = DEFAULT_WINDOW_S) -> Coordinator:  # fmt: skip
     """Make the coordinator of ``kv`` (its components from its parts, ``lent`` and ``host``, then ``extra``)
     and tie it to upstream's allocator, where ``of`` finds it. ``keep_warm_s``: ``--memx-pool-keep-warm-s``."""
     components = components_of(kv, lent=lent, host=host, keep_warm_s=keep_warm_s)
