@@ -84,8 +84,25 @@ def render(stem: str, doc: dict, ratios: tuple[tuple[str, str], ...]) -> str:
     for num, den in ratios:
         pairs = [a["attainment"] / b["attainment"] for a, b in zip(runs[num], runs[den]) if b["attainment"] > 0]
         lines += ["", f"Attainment {num} / {den} per round: {_med(pairs)} ({len(pairs)} pairs)."]
+    refusals = refusal_line(runs)
+    if refusals:
+        lines += ["", refusals]
     begin, end = markers(stem)
     return "\n".join([begin, *lines, end])
+
+
+def refusal_line(runs: dict) -> str | None:
+    """The batch cap's refusals by the last round (``decisions.over_slo``, each memx engine's total
+    since it started), for the setups whose runs recorded their engines' counters; None if none did."""
+    parts = []
+    for setup, per_run in runs.items():
+        engines = per_run[-1].get("engines") or {}
+        counts = [f"`{m}` {(c.get('decisions') or {}).get('over_slo', 'n/a')}" for m, c in sorted(engines.items())]
+        if counts:
+            parts.append(f"{setup}: {', '.join(counts)}")
+    if not parts:
+        return None
+    return "Batch-cap refusals by the last round (`decisions.over_slo`, each engine's total): " + "; ".join(parts) + "."
 
 
 def blocks_by_doc() -> dict[Path, list[tuple[str, str, str]]]:

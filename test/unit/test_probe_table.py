@@ -52,3 +52,11 @@ def test_every_named_probe_exists_and_has_its_setups():
         assert (REPO / "docs" / doc).is_file(), doc
         runs = __import__("json").loads((pt.PROBES / f"{stem}.json").read_text())["runs"]
         assert all(a in runs and b in runs for a, b in ratios), (stem, ratios)
+
+
+def test_refusals_are_quoted_when_the_runs_kept_their_engines_counters():
+    probe = _probe()
+    assert "refusals" not in pt.render("p", probe, ())
+    probe["runs"]["lend"][-1]["engines"] = {"m": {"decisions": {"over_slo": 3}, "pool": {}}}
+    text = pt.render("p", probe, ())
+    assert "Batch-cap refusals by the last round (`decisions.over_slo`, each engine's total): lend: `m` 3." in text
