@@ -8,9 +8,7 @@ played in interleaved rounds (the order rotating, ``benchmark/pairs.py``'s rule)
   lending on) and ``nolend`` (``lend_idle_cores: false``), and either with ``-nocap`` (no
   ``tpot_slo_ms``: the governor caps no batch), each with the matrix's ``models.yaml``
   at the scale (``--memx-host-buffer-gb 1``, every model's SLOs); its engines are reached at
-  their own ports, and through the router too for the variants in ``--routed``; ``-cold`` after
-  either (``lend-cold``, ``lend-nocap-cold``) gives spare memory back to the pool at once
-  (``--memx-pool-keep-warm-s 0``, the rule before keep-warm).
+  their own ports, and through the router too for the variants in ``--routed``.
 
 Per run it records every model's median TTFT / TPOT and how many requests met each SLO, each memx
 engine's counters after the run (``engines``: the governor's decisions by reason, the shared pool's
@@ -57,8 +55,7 @@ from sglang_memx.models.tiny import tiny_model  # noqa: E402
 MODELS_ROOT = Path("/tmp/sglang-memx-bench-models")
 PROBES = REPO / "benchmark" / "results" / "e2e" / "probes"
 WHOLE_FIELDS = ("phase", "reason", "paid", "refused", "trials")
-VARIANTS = ("lend", "nolend", "lend-nocap", "nolend-nocap", "lend-cold", "nolend-cold", "lend-nocap-cold")
-# -nocap: the models' TPOT SLOs left out; -cold: spare memory goes back to the pool at once
+VARIANTS = ("lend", "nolend", "lend-nocap", "nolend-nocap")  # -nocap: the models' TPOT SLOs left out
 
 
 def role_of(cmdline: str) -> str:
@@ -167,11 +164,9 @@ def _code_version() -> str:
 def variant_config(doc: dict, variant: str) -> dict:
     """The matrix's ``serve`` config ``doc`` for one of ``VARIANTS`` (edited in place, returned)."""
     doc["devices"][0]["lend_idle_cores"] = variant.split("-")[0] == "lend"
-    if "-nocap" in variant:  # no TPOT SLO reaches the engines: the governor caps no batch
+    if variant.endswith("-nocap"):  # no TPOT SLO reaches the engines: the governor caps no batch
         for m in doc["models"]:
             m.pop("tpot_slo_ms", None)
-    if variant.endswith("-cold"):
-        doc["launch"]["memx_args"] = [*doc["launch"]["memx_args"], "--memx-pool-keep-warm-s", "0"]
     doc["launch"]["log_dir"] += f"-probe-{variant}"
     return doc
 

@@ -50,7 +50,6 @@ class ActivationBalloon:
         self.max_batch_tokens = max_batch_tokens  # the largest prefill batch (chunked-prefill size)
         self.chunks: list = []
         self.live = 0
-        self.last_live = 0  # ``live`` of the iteration ``end_iteration`` ended: what the last forward used
         self.stats = {
             "reserves": 0,
             "refused": 0,
@@ -150,7 +149,7 @@ class ActivationBalloon:
         self._measuring = False
 
     def end_iteration(self) -> None:
-        self.last_live, self.live = self.live, 0
+        self.live = 0
 
     def status(self) -> dict:
         p = self.profile

@@ -17,7 +17,6 @@ import os
 import re
 from typing import Any
 
-from memory_ext.policy.keep_warm import DEFAULT_WINDOW_S as DEFAULT_KEEP_WARM_S
 from sglang_memx.flags import MEMX_FLAGS
 
 GROUP_TITLE = "sglang-memx (integrated memory subsystem)"
@@ -117,7 +116,6 @@ class MemxConfig:
     pool: str | None = None
     pool_budget_gb: float | None = None
     pool_dir: str | None = None
-    pool_keep_warm_s: float = DEFAULT_KEEP_WARM_S
     chunk_kb: int = 64
     torch_activations: bool = False
     host_buffer_gb: float | None = None
@@ -176,11 +174,6 @@ class MemxConfig:
                 raise MemxConfigError("--memx-pool-budget-gb", f"must be a positive number of GB, got {b!r}")
         if self.pool_dir is not None and (not isinstance(self.pool_dir, str) or not self.pool_dir.strip()):
             raise MemxConfigError("--memx-pool-dir", f"must be a directory path, got {self.pool_dir!r}")
-        w = self.pool_keep_warm_s
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-            raise MemxConfigError("--memx-pool-keep-warm-s", f"must be a number of seconds >= 0, got {w!r}")
-        if self.pool is None and w != DEFAULT_KEEP_WARM_S:
-            raise MemxConfigError("--memx-pool-keep-warm-s", "needs --memx-pool (it keeps memory from the shared pool)")
         c = self.chunk_kb
         if isinstance(c, bool) or not isinstance(c, int) or c < 4 or c & (c - 1):
             raise MemxConfigError("--memx-chunk-kb", f"must be a power of two >= 4, got {c!r}")

@@ -10,8 +10,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from memory_ext.policy.keep_warm import DEFAULT_WINDOW_S as DEFAULT_KEEP_WARM_S
-
 
 @dataclasses.dataclass(frozen=True)
 class MemxFlag:
@@ -81,16 +79,6 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         help="Physical memory budget of the KV pool in GB: of this server alone, or of "
         "the shared pool when --memx-pool starts its arbiter (default: the KV "
         "logical capacity; required to start a shared pool).",
-    ),
-    MemxFlag(
-        "--memx-pool-keep-warm-s",
-        "pool_keep_warm_s",
-        type=float,
-        default=DEFAULT_KEEP_WARM_S,
-        metavar="S",
-        help="With --memx-pool: memory this server used within the last S seconds is not given back "
-        "to the shared pool unasked (a peer that needs it still gets it through a reclaim), so a "
-        "request after a short pause borrows nothing (default 2; 0: give spare memory back at once).",
     ),
     MemxFlag(
         "--memx-pool-dir",

@@ -9,14 +9,11 @@ FREE and idle activation chunks covered it.
 
 import contextlib
 import random
-import time
 import types
 
-import pytest
 import torch
 
 from memory_ext.policy.activation import ActivationProfile
-from memory_ext.policy.keep_warm import WarmSpares
 from memory_ext.pool import ChunkPool, LayeredKVBuffers, Owner
 from memory_ext.pool.activation_balloon import ActivationBalloon
 from memory_ext.vmm import host_backend
@@ -171,7 +168,7 @@ def test_balance_borrows_what_kv_and_the_activation_need_together(monkeypatch):
         monkeypatch.setattr(shared_pool, "report", lambda *a: None)
         monkeypatch.setattr(shared_pool, "QUEUE_WAIT_S", GRANT_WAIT_S)
         scheduler = types.SimpleNamespace(waiting_queue=[object()])
-        shared_pool.balance(kv, lent, alloc, None, scheduler, 3, device.of(alloc).activation_side(), WarmSpares())
+        shared_pool.balance(kv, lent, alloc, None, scheduler, 3, device.of(alloc).activation_side())
         # 8 groups (32 chunks) + 3 activation chunks against 29 FREE + 3 held: 3 borrowed
         assert lent.pool.available() == 29 + 3
 
@@ -193,11 +190,11 @@ def test_balance_keeps_cached_prefixes_with_what_the_arbiter_has_free(monkeypatc
             kv, alloc = _elastic(lent.pool, 512, lent)
             pages = alloc.alloc(63)  # the cache's pages, say: nothing mapped is free
             assert pages is not None and up_kv.free_page_count(alloc) == 0 and lent.pool.available() == 0
-            shared_pool.balance(kv, lent, alloc, tree, scheduler, 0, device.of(alloc).activation_side(), WarmSpares())
+            shared_pool.balance(kv, lent, alloc, tree, scheduler, 0, device.of(alloc).activation_side())
             assert lent.pool.available() == kept
             asked = []
             monkeypatch.setattr(lent, "available_now", lambda asked=asked: asked.append(1) or 0)
-            shared_pool.balance(kv, lent, alloc, tree, scheduler, 0, device.of(alloc).activation_side(), WarmSpares())
+            shared_pool.balance(kv, lent, alloc, tree, scheduler, 0, device.of(alloc).activation_side())
             assert lent.pool.available() == kept and lent.client.status()["pending"] == 0
             # covered now: nothing more asked; found nothing free: not asked again within the second
             assert asked == []
@@ -245,27 +242,3 @@ def test_a_chunked_prefill_keeps_its_next_chunks_activation_from_going_back(monk
     scheduler.chunked_req = None
     assert demand.admitted_activation_chunks(kv.activation, scheduler, None) == 1
     assert shared_pool.spare_free_chunks(kv, alloc, scheduler, activation) == 4
-
-
-@pytest.mark.parametrize("window_s", [0.0, 0.2])
-def test_an_idle_server_keeps_what_it_used_a_moment_ago_for_the_window(monkeypatch, window_s):
-    """Steady traffic borrowed a prefill's activation chunks at every request and gave them back
-    right after (docs/elastic-kv.md, "Keeping memory warm"): now the last forward's activation stays
-    held for ``--memx-pool-keep-warm-s``, then goes back; with 0 it goes back at once."""
-    from sglang_memx.elastic import demand, shared_pool
-
-    monkeypatch.setattr(demand, "queue_demand_tokens", lambda scheduler: 0)
-    monkeypatch.setattr(demand, "running_demand_tokens", lambda scheduler: 0)
-    monkeypatch.setattr(demand, "admitted_activation_chunks", lambda *a: 0)
-    idle = types.SimpleNamespace(waiting_queue=[])
-    with _shared_pool(128, 4 + 3) as lent:  # group 0, 3 chunks for a prefill's activation
-        kv, alloc = _elastic(lent.pool, 512, lent)
-        _hold(kv, 3)  # the last forward used 3 activation chunks
-        warm, side = WarmSpares(window_s), device.of(alloc).activation_side()
-        shared_pool.balance(kv, lent, alloc, None, idle, 0, side, warm)
-        held = lent.status()["held_chunks"]
-        assert held == (4 if window_s == 0 else 7)
-        time.sleep(window_s + 0.05)
-        kv.activation.end_iteration()  # an idle iteration: its forward used nothing
-        shared_pool.balance(kv, lent, alloc, None, idle, 0, side, warm)
-        assert lent.status()["held_chunks"] == 4 and kv.activation.held == 0  # group 0 stays mapped

@@ -67,7 +67,7 @@ def test_bad_arguments_name_the_flag():
 
 def test_variants_set_lending_and_drop_the_tpot_slo_for_nocap():
     def doc():
-        return {"devices": [{"name": "cpu0"}], "launch": {"log_dir": "/l", "memx_args": ["--x", "1"]},
+        return {"devices": [{"name": "cpu0"}], "launch": {"log_dir": "/l"},
                 "models": [{"name": "a", "ttft_slo_ms": 20.0, "tpot_slo_ms": 3.0}]}  # fmt: skip
 
     lend, nocap = P.variant_config(doc(), "lend"), P.variant_config(doc(), "nolend-nocap")
@@ -75,10 +75,6 @@ def test_variants_set_lending_and_drop_the_tpot_slo_for_nocap():
     assert nocap["devices"][0]["lend_idle_cores"] is False and "tpot_slo_ms" not in nocap["models"][0]
     assert nocap["models"][0]["ttft_slo_ms"] == 20.0 and nocap["launch"]["log_dir"] == "/l-probe-nolend-nocap"
     assert P.parse_args(["--variants", "lend-nocap,nolend"]).variants == ["lend-nocap", "nolend"]
-    assert lend["launch"]["memx_args"] == ["--x", "1"]  # spare memory kept warm (the default)
-    cold = P.variant_config(doc(), "lend-nocap-cold")
-    assert cold["launch"]["memx_args"] == ["--x", "1", "--memx-pool-keep-warm-s", "0"]
-    assert "tpot_slo_ms" not in cold["models"][0] and cold["devices"][0]["lend_idle_cores"] is True
 
 
 def test_the_probe_records_the_code_it_ran(tmp_path, monkeypatch):
@@ -88,9 +84,9 @@ def test_the_probe_records_the_code_it_ran(tmp_path, monkeypatch):
 
 
 def test_the_json_goes_under_probes_named_by_the_script():
-    args = P.parse_args(["--workload", "steady2", "--scale", "2", "--variants", "lend,lend-cold"])
+    args = P.parse_args(["--workload", "steady2", "--scale", "2", "--variants", "lend,lend-nocap"])
     out = P.default_out(args, "abc1234")
-    assert out == P.REPO / "benchmark/results/e2e/probes/steady2_x2_lend+lend-cold_abc1234.json"
+    assert out == P.REPO / "benchmark/results/e2e/probes/steady2_x2_lend+lend-nocap_abc1234.json"
 
 
 def test_engine_counters_keep_the_governors_decisions_and_the_pools_traffic():

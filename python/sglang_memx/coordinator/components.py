@@ -22,11 +22,9 @@ The governor's component (``--memx-tpot-slo-ms``) is in ``coordinator.governor``
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from memory_ext.policy.keep_warm import WarmSpares
 from memory_ext.pool.activation_balloon import ActivationBalloon
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.coordinator.governor import GovernorPart
@@ -87,7 +85,6 @@ class SharedPoolLender:
 
     kv: ElasticKV
     lent: LentPool
-    warm: WarmSpares = field(default_factory=WarmSpares)  # spares kept from the arbiter a while (``keep_warm``)
     name: str = "shared-pool lender"
 
     def steps(self) -> tuple[Step, ...]:
@@ -102,8 +99,7 @@ class SharedPoolLender:
         return (source("borrow from the shared pool", self._borrow_shortfall),)
 
     def status(self) -> dict[str, Any] | None:
-        return {"shared_pool": dict(self.lent.status(), chunk_bytes=self.kv.buffers.pool.chunk_bytes,
-                                    keep_warm=self.warm.status(time.monotonic()))}  # fmt: skip
+        return {"shared_pool": dict(self.lent.status(), chunk_bytes=self.kv.buffers.pool.chunk_bytes)}
 
     def _borrow_shortfall(self, allocator, pages: int) -> None:
         """Memory that looked growable when a chunked prefill was admitted may have gone back to the
@@ -121,7 +117,7 @@ class SharedPoolLender:
     def _balance(self, it: Iteration) -> None:
         activation = it.coordinator.activation_side()
         shared_pool.balance(it.kv, self.lent, it.allocator, it.tree, it.scheduler,
-                            activation.head_prefill_chunks(it.scheduler), activation, self.warm)  # fmt: skip
+                            activation.head_prefill_chunks(it.scheduler), activation)  # fmt: skip
 
     def _report(self, it: Iteration) -> None:
         weights = it.coordinator.part(WeightLender)
@@ -182,9 +178,6 @@ class ActivationBalloonPart:
     def live_chunks(self) -> int:
         return self.balloon.live
 
-    def last_step_chunks(self) -> int:
-        return self.balloon.last_live
-
     def set_live_chunks(self, chunks: int) -> None:
         self.balloon.live = chunks
 
@@ -219,9 +212,6 @@ class NoActivation:
         return True  # nothing to hold: every batch fits as far as activations go
 
     def live_chunks(self) -> int:
-        return 0
-
-    def last_step_chunks(self) -> int:
         return 0
 
     def set_live_chunks(self, chunks: int) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from typing import Any, TypeVar
 
-from memory_ext.policy.keep_warm import DEFAULT_WINDOW_S, WarmSpares
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.coordinator.components import (
     ActivationBalloonPart,
@@ -169,8 +168,9 @@ class Coordinator:
         return doc
 
 
-def components_of(kv: ElasticKV, *, lent: LentPool | None = None, host: HostBufferState | None = None,
-                  keep_warm_s: float = DEFAULT_WINDOW_S) -> tuple[Component, ...]:  # fmt: skip
+def components_of(
+    kv: ElasticKV, *, lent: LentPool | None = None, host: HostBufferState | None = None
+) -> tuple[Component, ...]:
     """The components of the parts a KV space was built with: its activation balloon (the build
     sets it on the space), the shared pool's link and the host buffer. The pool build adds the
     layer stream cache and the peer tier (``pool_build.finish``); the weights come later, once the
@@ -178,7 +178,7 @@ def components_of(kv: ElasticKV, *, lent: LentPool | None = None, host: HostBuff
     found: list[Component] = []
     balloon = kv.activation
     if lent is not None:
-        found.append(SharedPoolLender(kv, lent, WarmSpares(keep_warm_s)))
+        found.append(SharedPoolLender(kv, lent))
     if balloon is not None:
         found.append(ActivationBalloonPart(kv, balloon, host))
     if host is not None:
@@ -187,11 +187,10 @@ def components_of(kv: ElasticKV, *, lent: LentPool | None = None, host: HostBuff
 
 
 def attach(allocator, kv: ElasticKV, extra: tuple[Component, ...] = (), *, lent: LentPool | None = None,
-           host: HostBufferState | None = None, keep_warm_s: float = DEFAULT_WINDOW_S) -> Coordinator:  # fmt: skip
+           host: HostBufferState | None = None) -> Coordinator:  # fmt: skip
     """Make the coordinator of ``kv`` (its components from its parts, ``lent`` and ``host``, then ``extra``)
-    and tie it to upstream's allocator, where ``of`` finds it. ``keep_warm_s``: ``--memx-pool-keep-warm-s``."""
-    components = components_of(kv, lent=lent, host=host, keep_warm_s=keep_warm_s)
-    return tie(allocator, Coordinator(kv, components + tuple(extra)))
+    and tie it to upstream's allocator, where ``of`` finds it."""
+    return tie(allocator, Coordinator(kv, components_of(kv, lent=lent, host=host) + tuple(extra)))
 
 
 def tie(allocator, coordinator: Coordinator) -> Coordinator:

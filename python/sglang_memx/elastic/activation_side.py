@@ -32,9 +32,6 @@ class ActivationSide(Protocol):
 
     def live_chunks(self) -> int: ...
 
-    def last_step_chunks(self) -> int:
-        """Chunks the last forward's activation used (what keeping it warm keeps, ``keep_warm``)."""
-
     def set_live_chunks(self, chunks: int) -> None:
         """Give a refused request's share back to idle (admission's undo)."""
 

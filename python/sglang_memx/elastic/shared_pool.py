@@ -31,7 +31,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from memory_ext.policy.keep_warm import WarmSpares
 from memory_ext.pool import Owner
 from memory_ext.pool.arbiter_client import ArbiterError
 from memory_ext.pool.lent_pool import LentPool
@@ -284,15 +283,11 @@ def report(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation
     lent.report(idle, headroom, busy)
 
 
-def balance(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation_chunks: int,
-            activation: ActivationSide, warm: WarmSpares) -> None:  # fmt: skip
+def balance(
+    kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation_chunks: int, activation: ActivationSide
+) -> None:
     """Give unused chunks back when nothing waits, borrow the queue's shortfall (the coordinator
     reports right after: ``report``).
-
-    What the server used within the last ``warm``'s window stays (``policy.keep_warm``): KV chunks
-    up to its recent peak of mapped groups, activation chunks up to the largest recent forward's;
-    the next request then borrows nothing it had a moment ago. They still count as idle in the
-    report, and a reclaim (``answer_reclaim``) takes them.
 
     The shortfall is counted in chunks: the KV groups the queue's demand needs beyond the mapped
     free pages and the evictable cache (at most the groups KV can still map), plus the head's
@@ -308,14 +303,9 @@ def balance(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activatio
     (``answer_reclaim``); the report counts them as idle. When the arbiter had nothing free,
     the next such borrow waits ``CACHE_KEEP_RETRY_S`` (each costs the arbiter a STATUS).
     """
-    now = time.monotonic()
-    kv_chunks = kv.buffers.num_mapped * kv.buffers.chunks_per_group
-    warm.observe(now, kv_chunks, activation.last_step_chunks())
-    if not up_sched.waiting(scheduler):  # nothing waits: unused chunks go back, but the recent peak's
-        activation.release_idle(keep=max(activation.next_step_chunks(scheduler), warm.activation_keep(now)))
-        spare = spare_free_chunks(kv, allocator, scheduler, activation) - warm.kv_keep(now, kv_chunks)
-        if spare > 0:
-            lent.give_back(spare, wait=False)  # no round trip
+    if not up_sched.waiting(scheduler):  # nothing waits: unused chunks go back
+        activation.release_idle(keep=activation.next_step_chunks(scheduler))  # keep their next step's
+        lent.give_back(spare_free_chunks(kv, allocator, scheduler, activation), wait=False)  # no round trip
     mapped_free = up_kv.free_page_count(allocator) * kv.page_size
     beyond_free = demand.queue_demand_tokens(scheduler) - mapped_free
     kv_short = beyond_free - up_radix.evictable_tokens(tree)
