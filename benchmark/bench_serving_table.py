@@ -65,7 +65,9 @@ def _intro(doc: dict, n: int) -> str:
     features = f", memx flags `{doc['memx_features']}`" if "memx_features" in doc else ""
     memx = ("`scripts/serve.sh --single` (one memx server" if doc.get("memx_serve") == "single"
             else "`scripts/serve.sh` (memx: router + two engines, only the bf16 model loaded")  # fmt: skip
-    head = f"`{doc['command']}`, {n} interleaved rounds ({doc['time']}, {doc['machine']['cpus']} CPUs); "
+    env = " ".join(f"{k}={v}" for k, v in (doc.get("environment") or {}).items())
+    env = f", every setup started with `{env}` in its environment" if env else ""
+    head = f"`{doc['command']}`, {n} interleaved rounds ({doc['time']}, {doc['machine']['cpus']} CPUs{env}); "
     if doc.get("mode") == "same_window":
         variants = "".join(f"; `{s}`: memx flags `{v['memx_features']}`" for s, v in doc["setups"].items()
                            if s not in ("stock", "memx"))  # fmt: skip

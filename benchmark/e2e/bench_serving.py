@@ -56,6 +56,7 @@ from benchmark.e2e.router_proc import http_json  # noqa: E402
 from benchmark.pairs import plot_ratios, ratio_stats, run_rounds, value_stats  # noqa: E402
 from benchmark.quiet_point import engines  # noqa: E402
 from benchmark.step_log import BINS, MIN_STEPS, bin_key, read_from, summarize  # noqa: E402
+from sglang_memx.serve.engine_specs import OMP_WAIT_ENV  # noqa: E402
 
 NAME = "SmolLM2-135M-Instruct"
 STOCK = "stock"
@@ -306,6 +307,8 @@ def main() -> int:
         "memx_features": args.memx_features if args.memx_features is not None else _serve_default_features(),
         "setups": {s: {"serve_args": a, "memx_features": f} for s, (a, f) in setups.items()},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        # the OpenMP wait settings every setup inherited (the launcher leaves them alone when set)
+        "environment": {k: os.environ[k] for k in OMP_WAIT_ENV if k in os.environ},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "rounds": rounds,
         "startup_s": startups,

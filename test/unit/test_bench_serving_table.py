@@ -150,3 +150,10 @@ def test_step_table_shows_each_bin_and_the_prefill_forwards():
     assert "| prefill forwards per run | 10 [10, 10] | 12 [12, 12] |" in text
     assert "| prefill tokens per run | 1000 [1000, 1000] | 1200 [1200, 1200] |" in text
     assert "running requests" not in bt.render({k: v for k, v in doc.items() if k != "step_ratios_by_setup"})
+
+
+def test_the_intro_names_the_openmp_wait_settings_the_setups_inherited():
+    doc = _doc([(_run(1.0, 1000.0), _run(1.2, 800.0))] * 5)
+    assert "environment" not in bt.render(doc)
+    doc["environment"] = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert "(t, 2 CPUs, every setup started with `OMP_WAIT_POLICY=ACTIVE` in its environment)" in bt.render(doc)
