@@ -6,7 +6,9 @@ right after it on the same machine), and ``docs/router.md``'s same-window block 
 ``bench_serving_same_window.json`` (``--same-window``: stock, serve.sh's defaults and the same with
 ``--memx-governor``, all up at once), and its step block from ``bench_serving_steps.json`` (the same
 window with ``--serve-args "--decode-log-interval 1"``: decode step time by batch size, from the
-engines' own logs); the figures in the docs are the JSON's, never typed.
+engines' own logs), and the block after the main one from ``bench_serving_default_spin.json`` (the main
+run's setups with ``GOMP_SPINCOUNT=300000``, libgomp's default, in every setup's environment: the
+launcher then leaves OpenMP's wait policy alone); the figures in the docs are the JSON's, never typed.
 
     python -m benchmark.bench_serving_table           # rewrite the blocks
     python -m benchmark.bench_serving_table --check   # exit 1 when the docs differ from the JSON
@@ -46,6 +48,9 @@ BLOCKS = (
     (DOC, RESULT.with_name("bench_serving_steps.json"),
      "<!-- generated: python -m benchmark.bench_serving_table (steps) -->",
      "<!-- end generated: bench_serving (steps) -->"),
+    (DOC, RESULT.with_name("bench_serving_default_spin.json"),
+     "<!-- generated: python -m benchmark.bench_serving_table (default spin) -->",
+     "<!-- end generated: bench_serving (default spin) -->"),
 )  # fmt: skip
 
 _LABELS = {
