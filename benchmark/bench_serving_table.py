@@ -8,7 +8,8 @@ right after it on the same machine), and ``docs/router.md``'s same-window block 
 window with ``--serve-args "--decode-log-interval 1"``: decode step time by batch size, from the
 engines' own logs), and the block after the main one from ``bench_serving_default_spin.json`` (the main
 run's setups with ``GOMP_SPINCOUNT=300000``, libgomp's default, in every setup's environment: the
-launcher then leaves OpenMP's wait policy alone); the figures in the docs are the JSON's, never typed.
+launcher then leaves OpenMP's wait policy alone) and ``bench_serving_spin10k.json`` (the same with
+``GOMP_SPINCOUNT=10000``); the figures in the docs are the JSON's, never typed.
 
     python -m benchmark.bench_serving_table           # rewrite the blocks
     python -m benchmark.bench_serving_table --check   # exit 1 when the docs differ from the JSON
@@ -51,6 +52,9 @@ BLOCKS = (
     (DOC, RESULT.with_name("bench_serving_default_spin.json"),
      "<!-- generated: python -m benchmark.bench_serving_table (default spin) -->",
      "<!-- end generated: bench_serving (default spin) -->"),
+    (DOC, RESULT.with_name("bench_serving_spin10k.json"),
+     "<!-- generated: python -m benchmark.bench_serving_table (spin 10k) -->",
+     "<!-- end generated: bench_serving (spin 10k) -->"),
 )  # fmt: skip
 
 _LABELS = {
