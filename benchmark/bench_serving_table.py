@@ -31,31 +31,27 @@ DOC = REPO / "docs" / "router.md"
 RESULT = REPO / "benchmark" / "results" / "e2e" / "bench_serving.json"
 BEGIN = "<!-- generated: python -m benchmark.bench_serving_table -->"
 END = "<!-- end generated: bench_serving -->"
+
+
+def _labelled(doc: Path, result: str, label: str) -> tuple[Path, Path, str, str]:
+    """A block after the main one: ``result`` (a JSON beside ``RESULT``) rendered into ``doc``
+    between the markers named by ``label``."""
+    return (doc, RESULT.with_name(result), f"<!-- generated: python -m benchmark.bench_serving_table ({label}) -->",
+            f"<!-- end generated: bench_serving ({label}) -->")  # fmt: skip
+
+
+GOVERNOR_DOC = REPO / "docs" / "governor.md"
 # (doc, result, begin marker, end marker) for each rendered block
 BLOCKS = (
     (DOC, RESULT, BEGIN, END),
-    (REPO / "docs" / "governor.md", RESULT.with_name("bench_serving_governor.json"),
-     "<!-- generated: python -m benchmark.bench_serving_table (governor) -->",
-     "<!-- end generated: bench_serving (governor) -->"),
-    (REPO / "docs" / "governor.md", RESULT.with_name("bench_serving_governor_baseline.json"),
-     "<!-- generated: python -m benchmark.bench_serving_table (governor baseline) -->",
-     "<!-- end generated: bench_serving (governor baseline) -->"),
-    (DOC, RESULT.with_name("bench_serving_elastic_only.json"),
-     "<!-- generated: python -m benchmark.bench_serving_table (elastic KV only) -->",
-     "<!-- end generated: bench_serving (elastic KV only) -->"),
-    (DOC, RESULT.with_name("bench_serving_same_window.json"),
-     "<!-- generated: python -m benchmark.bench_serving_table (same window) -->",
-     "<!-- end generated: bench_serving (same window) -->"),
-    (DOC, RESULT.with_name("bench_serving_steps.json"),
-     "<!-- generated: python -m benchmark.bench_serving_table (steps) -->",
-     "<!-- end generated: bench_serving (steps) -->"),
-    (DOC, RESULT.with_name("bench_serving_default_spin.json"),
-     "<!-- generated: python -m benchmark.bench_serving_table (default spin) -->",
-     "<!-- end generated: bench_serving (default spin) -->"),
-    (DOC, RESULT.with_name("bench_serving_spin10k.json"),
-     "<!-- generated: python -m benchmark.bench_serving_table (spin 10k) -->",
-     "<!-- end generated: bench_serving (spin 10k) -->"),
-)  # fmt: skip
+    _labelled(GOVERNOR_DOC, "bench_serving_governor.json", "governor"),
+    _labelled(GOVERNOR_DOC, "bench_serving_governor_baseline.json", "governor baseline"),
+    _labelled(DOC, "bench_serving_elastic_only.json", "elastic KV only"),
+    _labelled(DOC, "bench_serving_same_window.json", "same window"),
+    _labelled(DOC, "bench_serving_steps.json", "steps"),
+    _labelled(DOC, "bench_serving_default_spin.json", "default spin"),
+    _labelled(DOC, "bench_serving_spin10k.json", "spin 10k"),
+)
 
 _LABELS = {
     "request_throughput": "request throughput (req/s)",
