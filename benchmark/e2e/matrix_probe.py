@@ -6,7 +6,9 @@ played in interleaved rounds (the order rotating, ``benchmark/pairs.py``'s rule)
 * ``stock``: the matrix's stock servers of one candidate split (``--split``, default ``need``);
 * one ``sglang-memx serve`` per variant (``--variants``): ``lend`` (the defaults: idle-core
   lending on) and ``nolend`` (``lend_idle_cores: false``), and either with ``-nocap`` (no
-  ``tpot_slo_ms``: the governor caps no batch), each with the matrix's ``models.yaml``
+  ``tpot_slo_ms``: the governor caps no batch) and then ``-passive``, ``-spin10k`` or ``-spin``
+  (the engines' OpenMP wait set in ``serve``'s environment: ``OMP_WAIT_POLICY=PASSIVE``,
+  ``GOMP_SPINCOUNT=10000`` or libgomp's default 300000), each with the matrix's ``models.yaml``
   at the scale (``--memx-host-buffer-gb 1``, every model's SLOs); its engines are reached at
   their own ports, and through the router too for the variants in ``--routed``.
 
@@ -55,7 +57,12 @@ from sglang_memx.models.tiny import tiny_model  # noqa: E402
 MODELS_ROOT = Path("/tmp/sglang-memx-bench-models")
 PROBES = REPO / "benchmark" / "results" / "e2e" / "probes"
 WHOLE_FIELDS = ("phase", "reason", "paid", "refused", "trials")
-VARIANTS = ("lend", "nolend", "lend-nocap", "nolend-nocap")  # -nocap: the models' TPOT SLOs left out
+# A variant: ``lend`` or ``nolend``, then optionally ``-nocap`` (the models' TPOT SLOs left out),
+# then optionally an OpenMP wait for the engines (the ``serve`` process's environment, which the
+# launcher leaves alone when it says how OpenMP threads wait: ``engine_specs``).
+OMP_WAITS = {"": {}, "-passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "-spin10k": {"GOMP_SPINCOUNT": "10000"},
+             "-spin": {"GOMP_SPINCOUNT": "300000"}}  # fmt: skip
+VARIANTS = tuple(f"{lend}{cap}{omp}" for lend in ("lend", "nolend") for cap in ("", "-nocap") for omp in OMP_WAITS)
 
 
 def role_of(cmdline: str) -> str:
@@ -164,11 +171,16 @@ def _code_version() -> str:
 def variant_config(doc: dict, variant: str) -> dict:
     """The matrix's ``serve`` config ``doc`` for one of ``VARIANTS`` (edited in place, returned)."""
     doc["devices"][0]["lend_idle_cores"] = variant.split("-")[0] == "lend"
-    if variant.endswith("-nocap"):  # no TPOT SLO reaches the engines: the governor caps no batch
+    if "-nocap" in variant:  # no TPOT SLO reaches the engines: the governor caps no batch
         for m in doc["models"]:
             m.pop("tpot_slo_ms", None)
     doc["launch"]["log_dir"] += f"-probe-{variant}"
     return doc
+
+
+def variant_env(variant: str) -> dict[str, str]:
+    """The OpenMP wait variables a variant adds to its ``serve`` process's environment."""
+    return next((env for suffix, env in OMP_WAITS.items() if suffix and variant.endswith(suffix)), {})
 
 
 def _serve(w, paths, plan, solo, scale: float, variant: str, tmp: Path) -> Serve:
@@ -177,7 +189,7 @@ def _serve(w, paths, plan, solo, scale: float, variant: str, tmp: Path) -> Serve
     doc = variant_config(json.loads(cfg.read_text()), variant)
     cfg = cfg.with_name(f"probe-{variant}.yaml")
     cfg.write_text(json.dumps(doc))
-    return Serve(cfg, port, f"matrix-probe-{variant}")
+    return Serve(cfg, port, f"matrix-probe-{variant}", env=variant_env(variant))
 
 
 def run(args) -> dict:

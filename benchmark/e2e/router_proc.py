@@ -35,15 +35,17 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 30.0, head
 
 class Serve:
     """``sglang-memx serve --config`` in its own session; ``stop`` (SIGTERM to the session, then
-    SIGKILL after 90 s) leaves no engine behind. Its output goes to ``test-logs/<name>.log``."""
+    SIGKILL after 90 s) leaves no engine behind. Its output goes to ``test-logs/<name>.log``;
+    ``env``: variables added to this process's environment for it."""
 
-    def __init__(self, config: Path, port: int, name: str):
+    def __init__(self, config: Path, port: int, name: str, env: dict[str, str] | None = None):
         self.url = f"http://127.0.0.1:{port}"
         LOG_DIR.mkdir(exist_ok=True)
         self.log_path = LOG_DIR / f"{name}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "sglang_memx.cli", "serve", "--config", str(config)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})  # fmt: skip
 
     def wait_ready(self, timeout: float = 900.0) -> None:
         """Until the router's ``/health`` says every engine is up; raises if serve exits first."""

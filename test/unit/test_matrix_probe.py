@@ -77,6 +77,19 @@ def test_variants_set_lending_and_drop_the_tpot_slo_for_nocap():
     assert P.parse_args(["--variants", "lend-nocap,nolend"]).variants == ["lend-nocap", "nolend"]
 
 
+def test_omp_wait_suffixes_go_to_the_serve_environment_and_keep_the_config():
+    assert P.variant_env("lend") == {} and P.variant_env("nolend-nocap") == {}
+    assert P.variant_env("lend-spin10k") == {"GOMP_SPINCOUNT": "10000"}
+    assert P.variant_env("lend-nocap-passive") == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert P.variant_env("lend-spin") == {"GOMP_SPINCOUNT": "300000"}
+    doc = {"devices": [{"name": "cpu0"}], "launch": {"log_dir": "/l"}, "models": [{"name": "a", "tpot_slo_ms": 3.0}]}
+    got = P.variant_config(doc, "nolend-nocap-spin10k")
+    assert got["devices"][0]["lend_idle_cores"] is False and "tpot_slo_ms" not in got["models"][0]
+    assert P.parse_args(["--variants", "lend,lend-spin10k"]).variants == ["lend", "lend-spin10k"]
+    with pytest.raises(SystemExit):
+        P.parse_args(["--variants", "lend-spin10k-nocap"])  # the cap's suffix comes first
+
+
 def test_the_probe_records_the_code_it_ran(tmp_path, monkeypatch):
     assert P._code_version() != "" and P._code_version() != "unknown"  # this checkout
     monkeypatch.setattr(P, "REPO", tmp_path)  # not a repository
