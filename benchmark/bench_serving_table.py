@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from benchmark.doc_blocks import check_args, write_or_check
+from benchmark.figures import median_range
 from benchmark.step_log import BINS, MIN_STEPS, bin_key
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,10 +63,6 @@ _LABELS = {
 }
 
 
-def _range(values: list[float]) -> str:
-    return f"{sorted(values)[len(values) // 2]:.4g} [{min(values):.4g}, {max(values):.4g}]"
-
-
 def _intro(doc: dict, n: int) -> str:
     features = f", memx flags `{doc['memx_features']}`" if "memx_features" in doc else ""
     memx = ("`scripts/serve.sh --single` (one memx server" if doc.get("memx_serve") == "single"
@@ -101,7 +98,7 @@ def render(doc: dict, begin: str = BEGIN, end: str = END) -> str:
     lines.append("| requests answered per run | " + " | ".join(served) + " |" + " |" * len(others))
     for key, label in _LABELS.items():
         row = [label.format(tail=doc["tail"])]
-        row += [_range([r[s][key] for r in rounds]) for s in setups]
+        row += [median_range([r[s][key] for r in rounds], ".4g") for s in setups]
         for s in others:
             st = by_setup[s][key]
             row.append(f"{st['median']:.3g} [{st['min']:.3g}, {st['max']:.3g}]")
@@ -137,14 +134,15 @@ def _step_table(doc: dict, setups: list[str], others: list[str]) -> list[str]:
         row = [key]
         for s in setups:
             runs = [x for r in rounds if (x := r[s]["steps"]["by_batch"].get(key)) and x["steps"] >= MIN_STEPS]
-            row.append(f"{_range([x['step_ms_p50'] for x in runs])} ({sum(x['steps'] for x in runs)} steps)")
+            p50s = [x["step_ms_p50"] for x in runs]
+            row.append(f"{median_range(p50s, '.4g')} ({sum(x['steps'] for x in runs)} steps)")
         for s in others:
             st = ratios[s].get(key)
             row.append(f"{st['median']:.3g} [{st['min']:.3g}, {st['max']:.3g}] ({len(st['values'])} rounds)"
                        if st else "-")  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     for field, label in (("prefill_batches", "prefill forwards per run"), ("prefill_tokens", "prefill tokens per run")):
-        row = [label] + [_range([r[s]["steps"][field] for r in rounds]) for s in setups]
+        row = [label] + [median_range([r[s]["steps"][field] for r in rounds], ".4g") for s in setups]
         lines.append("| " + " | ".join(row) + " |" + " |" * len(others))
     return lines
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from benchmark.doc_blocks import check_args, write_or_check
+from benchmark.figures import span
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "elastic-kv.md"
@@ -34,10 +35,6 @@ def _rel(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else path.name
 
 
-def _span(values: list[int]) -> str:
-    return f"{min(values):,}–{max(values):,}" if min(values) != max(values) else f"{values[0]:,}"
-
-
 def render_colocated(doc: dict) -> str:
     """Map calls of the memx servers in every round: per server and run, and per decode step."""
     servers = [e for r in doc["rounds"] for e in r["memx"]["elastic_kv"]]
@@ -46,11 +43,11 @@ def render_colocated(doc: dict) -> str:
     begin, end = markers("colocated")
     text = (
         f"* **Map calls** (`{_rel(COLOCATED)}`, {per_run} memx servers, {len(doc['rounds'])} runs): "
-        f"{_span([e['decode_map_calls'] for e in servers])} groups mapped on the request path during decode "
-        f"per server and run, in {_span([e['decode_steps'] for e in servers])} decode steps "
+        f"{span([e['decode_map_calls'] for e in servers], ',')} groups mapped on the request path during decode "
+        f"per server and run, in {span([e['decode_steps'] for e in servers], ',')} decode steps "
         f"({per_step[len(per_step) // 2]:.4f} [{per_step[0]:.4f}, {per_step[-1]:.4f}] per step over the rounds); "
-        f"{_span([e['map_calls_request'] for e in servers])} request-path maps in all (prefill too) and "
-        f"{_span([e['map_calls_premap'] for e in servers])} premapped off the path."
+        f"{span([e['map_calls_request'] for e in servers], ',')} request-path maps in all (prefill too) and "
+        f"{span([e['map_calls_premap'] for e in servers], ',')} premapped off the path."
     )
     return "\n".join([begin, text, end])
 

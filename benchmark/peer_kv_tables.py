@@ -13,11 +13,11 @@ peer tier in the soak and the fault suite (``benchmark/results/soak/soak.json``,
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
 from benchmark.doc_blocks import check_args, write_or_check
+from benchmark.figures import stat_range
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "peer-kv.md"
@@ -32,13 +32,6 @@ COMMAND = "python -m benchmark.peer_kv_tables"
 def markers(name: str) -> tuple[str, str]:
     """The begin and end markers of block ``name`` (``maxctx``, ``prefix``, ``soak``)."""
     return f"<!-- generated: {COMMAND} ({name}) -->", f"<!-- end generated: peer_kv {name} -->"
-
-
-def _range(st: dict, fmt: str = ".3f") -> str:
-    """``median [min, max]`` of a ``{median, min, max}`` figure; ``–`` when it is not a number."""
-    if any(isinstance(st[k], float) and math.isnan(st[k]) for k in ("median", "min", "max")):
-        return "–"
-    return f"{st['median']:{fmt}} [{st['min']:{fmt}}, {st['max']:{fmt}}]"
 
 
 def _rel(path: Path) -> str:
@@ -107,8 +100,8 @@ def render_prefix_run(doc: dict, path: Path) -> list[str]:
             lines.append(f"| {setup} | not run: `{doc['not_run'][setup].split(': ', 1)[-1].split('. ')[0]}` | | | |")
             continue
         f = fig[setup]
-        cells = [setup, _range(f["ttft_p50_s"]), _range(f["ttft_p99_s"]), _range(f["hit_rate"], ".2f"),
-                 _range(f["peer_hit_rate"], ".2f")]  # fmt: skip
+        cells = [setup, stat_range(f["ttft_p50_s"]), stat_range(f["ttft_p99_s"]), stat_range(f["hit_rate"], ".2f"),
+                 stat_range(f["peer_hit_rate"], ".2f")]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     mm = doc["mismatches"]["memx"]
     failed = {s: sum(r[s]["failed"] for r in rounds) for s in ("stock", "memx")}
@@ -120,11 +113,11 @@ def render_prefix_run(doc: dict, path: Path) -> list[str]:
     t = doc["peer_totals"]
     lines += [
         "",
-        f"Per-round ratios memx / stock: TTFT P50 {_range(ratio['ttft_p50_s'], '.2f')}, "
+        f"Per-round ratios memx / stock: TTFT P50 {stat_range(ratio['ttft_p50_s'], '.2f')}, "
         f"win {_claim(ratio['ttft_p50_s'])}; "
-        f"TTFT P99 {_range(ratio['ttft_p99_s'], '.2f')}, win {_claim(ratio['ttft_p99_s'])} "
-        f"(all turns, turn 1 included: {_range(ratio['ttft_all_p50_s'], '.2f')} and "
-        f"{_range(ratio['ttft_all_p99_s'], '.2f')}). Greedy outputs of the memx borrower equal stock's on "
+        f"TTFT P99 {stat_range(ratio['ttft_p99_s'], '.2f')}, win {_claim(ratio['ttft_p99_s'])} "
+        f"(all turns, turn 1 included: {stat_range(ratio['ttft_all_p50_s'], '.2f')} and "
+        f"{stat_range(ratio['ttft_all_p99_s'], '.2f')}). Greedy outputs of the memx borrower equal stock's on "
         f"{mm['compared'] - mm['mismatched']} of {mm['compared']} turns. Failed requests: stock {failed['stock']}, "
         f"memx {failed['memx']}; donor sides {min(d['requests'] for d in donor)}–{max(d['requests'] for d in donor)} "
         f"requests a round, {sum(d['failed'] for d in donor)} failed.",

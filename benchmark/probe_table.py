@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import re
-import statistics
 import sys
 from pathlib import Path
 
 from benchmark.doc_blocks import check_args, write_or_check
+from benchmark.figures import median_range, span
 
 REPO = Path(__file__).resolve().parents[1]
 PROBES = REPO / "benchmark" / "results" / "e2e" / "probes"
@@ -43,15 +43,6 @@ def markers(stem: str) -> tuple[str, str]:
     return f"<!-- generated: {COMMAND} ({stem}) -->", f"<!-- end generated: probe {stem} -->"
 
 
-def _med(values: list[float], fmt: str = ".2f") -> str:
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
-
-
-def _span(values: list[float], fmt: str) -> str:
-    lo, hi = min(values), max(values)
-    return f"{lo:{fmt}}" if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"{lo:{fmt}}–{hi:{fmt}}"
-
-
 def command_without_out(command: str) -> str:
     """The probe's command line as run, without where it wrote its JSON (an empty argument, two
     spaces in the recorded line, shown as ``''``)."""
@@ -66,15 +57,15 @@ def render(stem: str, doc: dict, ratios: tuple[tuple[str, str], ...]) -> str:
     head = ["| setup | attainment |"] + [f" `{m}` TTFT ms | TPOT ms | met TTFT / TPOT |" for m in models]
     rows = ["".join(head), "|---|---|" + "---|---|---|" * len(models)]
     for setup, per_run in runs.items():
-        cells = [f"| {setup} | {_med([r['attainment'] for r in per_run])} |"]
+        cells = [f"| {setup} | {median_range([r['attainment'] for r in per_run])} |"]
         for m in models:
             got = [r["models"][m] for r in per_run]
 
-            def span(key: str, fmt: str, got=got) -> str:
-                return _span([g[key] for g in got], fmt)
+            def cell(key: str, fmt: str, got=got) -> str:
+                return span([g[key] for g in got], fmt)
 
-            cells.append(f" {span('ttft_ms', '.1f')} | {span('tpot_ms', '.2f')} | {span('ttft_met', 'd')} / "
-                         f"{span('tpot_met', 'd')} of {span('n', 'd')} |")  # fmt: skip
+            cells.append(f" {cell('ttft_ms', '.1f')} | {cell('tpot_ms', '.2f')} | {cell('ttft_met', 'd')} / "
+                         f"{cell('tpot_met', 'd')} of {cell('n', 'd')} |")  # fmt: skip
         rows.append("".join(cells))
     when = f"code {doc['code']}, {doc['when']}" if doc.get("code") else "code and time not recorded"
     lines = [f"`{PROBES.relative_to(REPO) / (stem + '.json')}`: `{command_without_out(doc['command'])}`, "
@@ -83,7 +74,7 @@ def render(stem: str, doc: dict, ratios: tuple[tuple[str, str], ...]) -> str:
              "requests meeting each SLO.", "", *rows]  # fmt: skip
     for num, den in ratios:
         pairs = [a["attainment"] / b["attainment"] for a, b in zip(runs[num], runs[den]) if b["attainment"] > 0]
-        lines += ["", f"Attainment {num} / {den} per round: {_med(pairs)} ({len(pairs)} pairs)."]
+        lines += ["", f"Attainment {num} / {den} per round: {median_range(pairs)} ({len(pairs)} pairs)."]
     refusals = refusal_line(runs)
     if refusals:
         lines += ["", refusals]
