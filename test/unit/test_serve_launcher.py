@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from sglang_memx.serve.config import ServeConfigError, parse_config
-from sglang_memx.serve.engine_specs import _split_cores, engine_specs, passive_omp_wait
+from sglang_memx.serve.engine_specs import _split_cores, engine_specs, lending_omp_wait
 from sglang_memx.serve.placement import GIB, plan_placement
 from support.fake_checkpoint import fake_model
 
@@ -59,22 +59,26 @@ def test_models_on_one_device_share_its_pool_and_split_its_cores(tmp_path):
     assert "MEMX_COMPUTE_BOARD" not in spec.env  # one engine on the device: nothing to lend
 
 
-@pytest.mark.parametrize("environ,own_cores,expected", [
-    ({}, 1, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, 1, {}),  # the user's choice stands
-    ({"GOMP_SPINCOUNT": "10000"}, 1, {}),
-    ({"OMP_NUM_THREADS": "2"}, 1, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    ({}, 2, {}),  # a team on its own cores waits as stock's would
+@pytest.mark.parametrize("environ,own_cores,hidden,expected", [
+    ({}, 1, 32, {"OMP_WAIT_POLICY": "PASSIVE"}),  # ops too small to split: the second thread sleeps
+    ({}, 1, 0, {"OMP_WAIT_POLICY": "PASSIVE"}),  # width unknown: as the narrow models
+    ({}, 1, 255, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ({}, 1, 256, {"GOMP_SPINCOUNT": "10000"}),  # a short spin, no futex wake-up per parallel region
+    ({}, 1, 576, {"GOMP_SPINCOUNT": "10000"}),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, 1, 32, {}),  # the user's choice stands
+    ({"GOMP_SPINCOUNT": "300000"}, 1, 576, {}),
+    ({"OMP_NUM_THREADS": "2"}, 1, 32, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ({}, 2, 576, {}),  # a team on its own cores waits as stock's would
 ])  # fmt: skip
-def test_passive_omp_wait_on_one_own_core_unless_the_user_set_it(environ, own_cores, expected):
-    assert passive_omp_wait(environ, own_cores) == expected
+def test_lending_omp_wait_by_width_on_one_own_core_unless_the_user_set_it(environ, own_cores, hidden, expected):
+    assert lending_omp_wait(environ, own_cores, hidden) == expected
 
 
-def test_only_engines_that_may_borrow_cores_wait_passively(tmp_path, monkeypatch):
+def test_only_engines_that_may_borrow_cores_get_a_lending_omp_wait_by_their_width(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    for n in "ab":
-        fake_model(tmp_path, n, weight_bytes=1 << 20)
+    fake_model(tmp_path, "a", weight_bytes=1 << 20, hidden=64)
+    fake_model(tmp_path, "b", weight_bytes=1 << 20, hidden=576)
     doc = {"models": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}],
            "devices": [{"name": "cpu0", "memory_gb": 0.5, "cores": [0, 1]}]}  # fmt: skip
 
@@ -82,17 +86,19 @@ def test_only_engines_that_may_borrow_cores_wait_passively(tmp_path, monkeypatch
         cfg = parse_config(doc, base_dir=tmp_path)
         return engine_specs(cfg, plan_placement(cfg), run_id=run_id, python="py", log_dir=str(tmp_path))
 
-    assert [s.env.get("OMP_WAIT_POLICY") for s in specs("1")] == ["PASSIVE", "PASSIVE"]
+    narrow, wide = specs("1")
+    assert narrow.env.get("OMP_WAIT_POLICY") == "PASSIVE" and "GOMP_SPINCOUNT" not in narrow.env
+    assert wide.env.get("GOMP_SPINCOUNT") == "10000" and "OMP_WAIT_POLICY" not in wide.env
     doc["devices"][0]["lend_idle_cores"] = False
-    assert all("OMP_WAIT_POLICY" not in s.env for s in specs("2"))  # stock's behaviour on its own cores
+    assert all(not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(s.env) for s in specs("2"))  # stock's own cores
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     doc["devices"][0]["lend_idle_cores"] = True
-    assert all("OMP_WAIT_POLICY" not in s.env for s in specs("3"))  # inherited from the user's environment instead
+    assert all(not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(s.env) for s in specs("3"))  # the user's instead
     monkeypatch.delenv("OMP_WAIT_POLICY")
     doc["devices"][0]["cores"] = [0, 1, 2, 3]
     two_each = specs("4")
     assert [s.env["OMP_NUM_THREADS"] for s in two_each] == ["2", "2"]
-    assert all("OMP_WAIT_POLICY" not in s.env for s in two_each)  # two own cores each: libgomp's default
+    assert all(not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(s.env) for s in two_each)  # libgomp's default
 
 
 def test_split_cores():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from memory_ext.policy.placement import GpuCandidate, ModelDemand, place_models
@@ -18,6 +20,15 @@ def test_sizes_from_checkpoint_rescaled_to_serving_dtype(tmp_path):
     assert f32.weight_bytes == 8000 and f32.kv_bytes_per_token == 3 * 2 * 32 * 2 * 4
     fp8 = read_model_size(d, "float32", "fp8_e4m3")
     assert fp8.kv_bytes_per_token == 3 * 2 * 32 * 2 * 1
+
+
+def test_the_models_width_is_read_and_zero_when_the_config_lacks_it(tmp_path):
+    assert read_model_size(fake_model(tmp_path, "w", hidden=576)).hidden_size == 576
+    d = fake_model(tmp_path, "n")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["hidden_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert read_model_size(d).hidden_size == 0
 
 
 def test_no_weights_or_geometry_is_an_error(tmp_path):

@@ -12,8 +12,8 @@ Invariants:
   slower); with ``devices[].lend_idle_cores`` (default) and several engines on the device,
   each also gets the device's compute board (``MEMX_COMPUTE_*``): an engine with work
   computes on its idle siblings' cores too, and gives them back when they have work
-  (``sglang_memx.compute_share``); on one own core its idle OpenMP threads wait passively
-  (``passive_omp_wait``: a spinning one keeps a lent core busy) unless the user set how.
+  (``sglang_memx.compute_share``); on one own core its idle OpenMP threads wait passively or
+  spin briefly, by the model's width (``lending_omp_wait``), unless the user set how.
   CUDA devices: ``CUDA_VISIBLE_DEVICES`` is the device's ordinal.
 * A model whose entry sets ``tpot_slo_ms``: its engines get ``--memx-tpot-slo-ms`` (the governor
   caps their running batch, docs/governor.md) and ``TPOT_SLO_SOURCE_ENV`` naming the field; a
@@ -105,18 +105,32 @@ def _config_name(config: ServeConfig) -> str:
 OMP_WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # how an idle OpenMP thread waits (libgomp reads both)
 
 
-def passive_omp_wait(environ, own_cores: int) -> dict[str, str]:
-    """``OMP_WAIT_POLICY=PASSIVE`` for an engine that may compute on its siblings' cores and owns one
-    core, unless the user's environment already says how OpenMP threads wait. libgomp's default
-    spins a waiting thread, so between parallel regions it keeps the lent core busy, from the
-    engine's own tokenizer and detokenizer and from the sibling that wakes (measured: docs/router.md,
-    "Idle cores"). On one own core the policy changes nothing there (a team of one has no waiter);
-    an engine owning several keeps libgomp's default, as a stock server on them would, since a
-    passive team pays a wake-up per parallel region on its own cores too (not measured here: this
-    box has two cores)."""
+SPIN_FROM_HIDDEN = 256  # a lending engine's OpenMP threads spin briefly from this model width up (below)
+SHORT_SPIN = {"GOMP_SPINCOUNT": "10000"}  # libgomp's default is 300000 spins before a thread sleeps
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def lending_omp_wait(environ, own_cores: int, hidden_size: int) -> dict[str, str]:
+    """How the idle OpenMP threads of an engine that may compute on its siblings' cores wait, when it
+    owns one core and the user's environment does not say (``OMP_WAIT_ENV``); ``{}`` otherwise.
+
+    * Models narrower than ``SPIN_FROM_HIDDEN``: ``OMP_WAIT_POLICY=PASSIVE``. Their ops are too small
+      for torch to split (it parallelizes an op of at least 32,768 elements: a decode batch of 64 at
+      width 32 has 2,048), so a second thread mostly waits; spinning, it takes the lent core from the
+      engine's own tokenizer and detokenizer and from a sibling that wakes. Measured on the matrix's
+      width-32 models (``bursty2``, docs/router.md "Idle cores"): passive kept the most requests, and
+      10,000 spins gave worse TTFTs than passive in 4 rounds of 5.
+    * From ``SPIN_FROM_HIDDEN`` up: ``GOMP_SPINCOUNT=10000``, a short spin, then sleep. A passive team
+      pays a futex wake-up per parallel region; on the README's 135M model (width 576) that made the
+      whole device cost 1.84-2.12x the own core in the lending trial, which then refused in every run
+      of ``bench_serving``; with 10,000 spins it lent in every run (0.86-0.92x).
+    Widths between 32 and 576 are not measured; 256 is where a decode batch of 128 reaches torch's
+    grain. On one own core the choice changes nothing while the engine does not lend (a team of one
+    has no waiter); an engine owning several cores keeps libgomp's default, as stock's would.
+    """
     if own_cores != 1 or any(k in environ for k in OMP_WAIT_ENV):
         return {}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return dict(SHORT_SPIN if hidden_size >= SPIN_FROM_HIDDEN else PASSIVE)
 
 
 def compute_board_path(pool: str, pool_dir: str) -> str:
@@ -182,7 +196,7 @@ def engine_specs(
                 env[compute_share.BOARD_ENV] = compute_board_path(pool, pool_dir)
                 env[compute_share.SLOT_ENV] = str(residents.index(inst))
                 env[compute_share.SHARES_ENV] = ComputeShares(tuple(tuple(shares[r]) for r in residents)).render()
-                env.update(passive_omp_wait(os.environ, len(mine)))
+                env.update(lending_omp_wait(os.environ, len(mine), placed.size.hidden_size))
         else:
             env["CUDA_VISIBLE_DEVICES"] = str(cuda_index[dev.name])
         if not _has(m.server_args, "--sleep-on-idle"):  # co-located engines share the host's cores:

@@ -68,6 +68,7 @@ class ModelSize:
     num_kv_heads: int
     head_dim: int
     kv_elem_bytes: int
+    hidden_size: int = 0  # the model's width (``config.json``); 0 when it does not say
 
 
 def _hf_text_config(cfg: dict) -> dict:
@@ -105,7 +106,9 @@ def read_model_size(path: str | Path, dtype: str = "auto", kv_cache_dtype: str =
         raise ValueError(f"{root}/config.json: no KV geometry ({exc!r} missing or not a number)") from None
     kv_elem = serve_bytes if kv_cache_dtype == "auto" else _DTYPE_BYTES[kv_cache_dtype]
     layout = KVLayout(layers, kv_heads, head_dim, precision=KVPrecision(f"b{kv_elem}", kv_elem))
-    return ModelSize(weights, token_kv_bytes(layout, per_layer=False), layers, kv_heads, head_dim, kv_elem)
+    hidden = cfg.get("hidden_size")
+    width = int(hidden) if isinstance(hidden, int | float) and hidden > 0 else 0
+    return ModelSize(weights, token_kv_bytes(layout, per_layer=False), layers, kv_heads, head_dim, kv_elem, width)
 
 
 def instance_name(model: str, replica: int) -> str:
