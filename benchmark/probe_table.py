@@ -36,6 +36,7 @@ BLOCKS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     ("steady2_x2_lend+lend-cold_e307683", "elastic-kv.md", (("lend", "lend-cold"),)),
     ("bursty2_x2_lend+lend-cold_e307683", "elastic-kv.md", (("lend", "lend-cold"), ("lend", "stock"))),
     ("bursty2_x2_lend+lend-cold_e307683", "governor.md", (("lend", "stock"),)),
+    ("bursty2_x2_lend+lend-spin10k_cc1ed80", "router.md", (("lend-spin10k", "lend"), ("lend", "stock"))),
 )
 
 
@@ -73,13 +74,26 @@ def render(stem: str, doc: dict, ratios: tuple[tuple[str, str], ...]) -> str:
              "attainment median [min, max] over the rounds; per model the span of the runs' medians and of the "
              "requests meeting each SLO.", "", *rows]  # fmt: skip
     for num, den in ratios:
-        pairs = [a["attainment"] / b["attainment"] for a, b in zip(runs[num], runs[den]) if b["attainment"] > 0]
-        lines += ["", f"Attainment {num} / {den} per round: {median_range(pairs)} ({len(pairs)} pairs)."]
+        lines += ["", ratio_line(runs, num, den, models)]
     refusals = refusal_line(runs)
     if refusals:
         lines += ["", refusals]
     begin, end = markers(stem)
     return "\n".join([begin, *lines, end])
+
+
+def ratio_line(runs: dict, num: str, den: str, models: list[str]) -> str:
+    """Per round (a pair): attainment ``num`` / ``den`` where ``den`` met some SLO, and each model's
+    median TTFT ``num`` / ``den``; median [min, max] over the pairs."""
+    pairs = [a["attainment"] / b["attainment"] for a, b in zip(runs[num], runs[den]) if b["attainment"] > 0]
+    att = f"{median_range(pairs)} ({len(pairs)} pairs)" if pairs else f"no pair ({den} met no SLO in any round)"
+    ttft = []
+    for m in models:
+        got = [a["models"][m]["ttft_ms"] / b["models"][m]["ttft_ms"] for a, b in zip(runs[num], runs[den])
+               if a["models"][m].get("n") and b["models"][m].get("n")]  # fmt: skip
+        if got:
+            ttft.append(f"`{m}` {median_range(got)}, above 1 in {sum(x > 1 for x in got)} of {len(got)}")
+    return f"Attainment {num} / {den} per round: {att}. Median TTFT {num} / {den} per round: {'; '.join(ttft)}."
 
 
 def refusal_line(runs: dict) -> str | None:

@@ -46,6 +46,16 @@ def test_a_round_where_the_denominator_attains_nothing_is_no_pair():
     assert "(2 pairs)" in pt.render("p", probe, (("lend", "stock"),))
 
 
+def test_no_round_with_an_attaining_denominator_says_so_and_ttfts_are_still_compared():
+    probe = _probe()
+    for run in probe["runs"]["stock"]:
+        run["attainment"] = 0.0
+    text = pt.render("p", probe, (("lend", "stock"),))
+    assert "Attainment lend / stock per round: no pair (stock met no SLO in any round)." in text
+    # TTFT per round: 25 / 20, 24 / 22, 26 / 21
+    assert "Median TTFT lend / stock per round: `m` 1.24 [1.09, 1.25], above 1 in 3 of 3." in text
+
+
 def test_every_named_probe_exists_and_has_its_setups():
     for stem, doc, ratios in pt.BLOCKS:
         assert (pt.PROBES / f"{stem}.json").is_file(), stem
