@@ -37,6 +37,9 @@ BLOCKS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     ("bursty2_x2_lend+lend-cold_e307683", "elastic-kv.md", (("lend", "lend-cold"), ("lend", "stock"))),
     ("bursty2_x2_lend+lend-cold_e307683", "governor.md", (("lend", "stock"),)),
     ("bursty2_x2_lend+lend-spin10k_cc1ed80", "router.md", (("lend-spin10k", "lend"), ("lend", "stock"))),
+    ("bursty2_x2_passive_51a006c", "router.md", (("lend", "nolend"), ("lend", "stock"))),
+    ("bursty2_x2_passive_0edbb5b", "router.md", (("lend", "nolend"), ("lend", "stock"))),
+    ("bursty2_x2_nocap_9eea8ae", "governor.md", (("lend-nocap", "lend"), ("lend", "stock"))),
 )
 
 

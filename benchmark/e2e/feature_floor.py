@@ -1,0 +1,138 @@
+"""Which memx feature costs the per-request floor (issue 26): solo requests to single servers of
+one tiny model, one per feature set, all up at once and measured in interleaved rounds.
+
+``engine_floor.py`` measured memx's engine under ``sglang-memx serve`` at 1.2-1.3x stock's solo
+TTFT and 1.1x its TPOT on the matrix's ``tiny-a``; this script splits that by feature. Setups
+(``--setups``, every one a plain ``launch_server`` with the same model, arguments and core):
+
+* ``stock``: the memx plugin filtered out;
+* ``plugin``: the plugin loaded, no feature flag (its wrappers, the status endpoint);
+* ``ekv``: ``--memx-elastic-kv`` (own pool);
+* ``ekv-pool``: elastic KV on a shared pool (``--memx-pool``: the arbiter, alone in it);
+* ``ekv-hb``: elastic KV and ``--memx-host-buffer-gb 1`` (``scripts/serve.sh``'s features);
+* ``ekv-gov``: elastic KV and a TPOT SLO (``--memx-tpot-slo-ms``: the governor).
+
+Every run sends ``--requests`` solo requests (one at a time, ``--new-tokens`` greedy tokens, from an
+empty prefix cache) and records the median TTFT and TPOT and the scheduler's CPU seconds per request.
+Ratios to stock per round: median [min, max]. A diagnostic of where the floor goes, not a claim.
+
+    python benchmark/e2e/feature_floor.py [--rounds 5] [--requests 20] [--setups stock,plugin,ekv]
+
+Writes ``benchmark/results/e2e/feature_floor.json``. Run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "test"))
+sys.path.insert(0, str(REPO))
+
+from benchmark.e2e.load import stream_one  # noqa: E402
+from benchmark.matrix_workloads import WORKLOADS, prompt  # noqa: E402
+from benchmark.pairs import ratio_stats, run_rounds  # noqa: E402
+from support.server import SGLangServer, start_all, stop_all  # noqa: E402
+
+RESULTS = REPO / "benchmark" / "results" / "e2e"
+MODELS_ROOT = Path("/tmp/sglang-memx-bench-models")
+COMMON = ["--dtype", "float32", "--chunked-prefill-size", "64"]
+CORE = "1"  # every server computes on this one core, as the matrix's stock split pins each server
+FEATURES = {
+    "stock": [],
+    "plugin": [],
+    "ekv": ["--memx-elastic-kv"],
+    "ekv-pool": ["--memx-elastic-kv", "--memx-pool", "floor", "--memx-pool-budget-gb", "0.25"],
+    "ekv-hb": ["--memx-elastic-kv", "--memx-host-buffer-gb", "1"],
+    "ekv-gov": ["--memx-elastic-kv", "--memx-tpot-slo-ms", "1000"],
+}
+
+
+def server(setup: str, model: Path, pool_dir: Path) -> SGLangServer:
+    extra = list(FEATURES[setup])
+    if "--memx-pool" in extra:
+        extra += ["--memx-pool-dir", str(pool_dir)]
+    env = {"SGLANG_CPU_OMP_THREADS_BIND": CORE, "OMP_NUM_THREADS": "1"}
+    return SGLangServer(model, name=f"floor-{setup}", stock=setup == "stock", extra_args=COMMON + extra, env=env)
+
+
+def scheduler_cpu_s(root_pid: int) -> float:
+    """CPU seconds of the server's scheduler process (upstream's ``sglang::scheduler`` title)."""
+    total = 0.0
+    for p in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if "sglang::scheduler" in " ".join(p.cmdline()):
+                t = p.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def measure(srv: SGLangServer, requests: int, new_tokens: int, words: int) -> dict:
+    with urllib.request.urlopen(srv.url + "/flush_cache", timeout=60) as r:
+        r.read()
+    stream_one(srv.url, "warm up", 4)
+    cpu0 = scheduler_cpu_s(srv.proc.pid)
+    runs = [stream_one(srv.url, prompt(98, i, words), new_tokens) for i in range(requests)]
+    cpu = scheduler_cpu_s(srv.proc.pid) - cpu0
+    bad = [r for r in runs if "error" in r]
+    if bad:
+        raise RuntimeError(f"{srv.name}: {bad[0]['error']}")
+    return {"ttft_ms": statistics.median(r["ttft"] for r in runs) * 1e3,
+            "tpot_ms": statistics.median(r["tpot"] for r in runs) * 1e3,
+            "sched_cpu_ms_per_request": cpu / requests * 1e3}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    from benchmark.e2e.consolidation import model_specs
+    from sglang_memx.models.tiny import tiny_model
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--model", default="tiny-a", choices=sorted(model_specs()))
+    ap.add_argument("--setups", type=lambda s: s.split(","), default=list(FEATURES))
+    ap.add_argument("--out", type=Path, default=RESULTS / "feature_floor.json")
+    args = ap.parse_args(argv)
+    bad = [s for s in args.setups if s not in FEATURES]
+    if bad or "stock" not in args.setups:
+        ap.error(f"--setups: {bad[0]!r} is not one of {', '.join(FEATURES)}" if bad else "--setups: needs stock")
+    if args.rounds < 1 or args.requests < 1 or args.new_tokens < 2:
+        ap.error("--rounds and --requests must be >= 1, --new-tokens >= 2")
+    model = tiny_model(model_specs()[args.model], MODELS_ROOT)
+    pool_dir = Path("/tmp/sglang-memx-feature-floor")
+    pool_dir.mkdir(exist_ok=True)
+    servers = {s: server(s, model, pool_dir) for s in args.setups}
+    words = WORKLOADS["bursty2"].prompt_words
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    try:
+        start_all(list(servers.values()))
+        rounds = run_rounds(args.rounds, args.setups,
+                            lambda s, _r: measure(servers[s], args.requests, args.new_tokens, words))  # fmt: skip
+    finally:
+        stop_all(list(servers.values()))
+    keys = ("ttft_ms", "tpot_ms", "sched_cpu_ms_per_request")
+    ratios = {f"{s}/stock {k}": ratio_stats(rounds, k, s, "stock") for s in args.setups[1:] for k in keys}
+    doc = {"benchmark": "feature_floor", "command": " ".join(sys.argv), "when": when, "model": args.model,
+           "machine": {"cpus": psutil.cpu_count(), "platform": platform.platform()},
+           "setups": {s: FEATURES[s] for s in args.setups}, "rounds": rounds, "ratios": ratios}  # fmt: skip
+    args.out.write_text(json.dumps(doc, indent=1))
+    for k, st in ratios.items():
+        print(f"{k}: {st['median']:.3f} [{st['min']:.3f}, {st['max']:.3f}]")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
