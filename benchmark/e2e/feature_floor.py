@@ -93,9 +93,8 @@ def measure(srv: SGLangServer, requests: int, new_tokens: int, words: int) -> di
             "sched_cpu_ms_per_request": cpu / requests * 1e3}  # fmt: skip
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     from benchmark.e2e.consolidation import model_specs
-    from sglang_memx.models.tiny import tiny_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -110,6 +109,14 @@ def main(argv=None) -> int:
         ap.error(f"--setups: {bad[0]!r} is not one of {', '.join(FEATURES)}" if bad else "--setups: needs stock")
     if args.rounds < 1 or args.requests < 1 or args.new_tokens < 2:
         ap.error("--rounds and --requests must be >= 1, --new-tokens >= 2")
+    return args
+
+
+def main(argv=None) -> int:
+    from benchmark.e2e.consolidation import model_specs
+    from sglang_memx.models.tiny import tiny_model
+
+    args = parse_args(argv)
     model = tiny_model(model_specs()[args.model], MODELS_ROOT)
     pool_dir = Path("/tmp/sglang-memx-feature-floor")
     pool_dir.mkdir(exist_ok=True)
