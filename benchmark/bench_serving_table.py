@@ -52,6 +52,7 @@ BLOCKS = (
     _labelled(DOC, "bench_serving_steps.json", "steps"),
     _labelled(DOC, "bench_serving_default_spin.json", "default spin"),
     _labelled(DOC, "bench_serving_spin10k.json", "spin 10k"),
+    _labelled(DOC, "bench_serving_passive.json", "passive"),
 )
 
 _LABELS = {
