@@ -13,7 +13,8 @@ TTFT and 1.1x its TPOT on the matrix's ``tiny-a``; this script splits that by fe
 * ``ekv-gov``: elastic KV and a TPOT SLO (``--memx-tpot-slo-ms``: the governor).
 
 Every run sends ``--requests`` solo requests (one at a time, ``--new-tokens`` greedy tokens, from an
-empty prefix cache) and records the median TTFT and TPOT and the scheduler's CPU seconds per request.
+empty prefix cache) and records the median TTFT and TPOT, the scheduler's CPU seconds per request and,
+for the setups with elastic KV, the coordinator's time per step per request (its ``/memx/status``).
 Ratios to stock per round: median [min, max]. A diagnostic of where the floor goes, not a claim.
 
     python benchmark/e2e/feature_floor.py [--rounds 5] [--requests 20] [--setups stock,plugin,ekv]
@@ -78,19 +79,33 @@ def scheduler_cpu_s(root_pid: int) -> float:
     return total
 
 
+def coordinator_time(srv: SGLangServer) -> dict[str, float]:
+    """Seconds the coordinator spent per step / source since the server started (``/memx/status``'s
+    ``coordinator.time``); empty for a server without elastic KV (stock, the plugin alone)."""
+    if srv.stock:
+        return {}
+    kv = srv.request("/memx/status")["schedulers"][0].get("elastic_kv") or {}
+    return {name: e["total_s"] for name, e in ((kv.get("coordinator") or {}).get("time") or {}).items()}
+
+
 def measure(srv: SGLangServer, requests: int, new_tokens: int, words: int) -> dict:
+    """Median TTFT / TPOT of ``requests`` solo requests, the scheduler's CPU per request and the
+    coordinator's time per step per request (``steps_us_per_request``)."""
     with urllib.request.urlopen(srv.url + "/flush_cache", timeout=60) as r:
         r.read()
     stream_one(srv.url, "warm up", 4)
-    cpu0 = scheduler_cpu_s(srv.proc.pid)
+    cpu0, steps0 = scheduler_cpu_s(srv.proc.pid), coordinator_time(srv)
     runs = [stream_one(srv.url, prompt(98, i, words), new_tokens) for i in range(requests)]
-    cpu = scheduler_cpu_s(srv.proc.pid) - cpu0
+    cpu, steps = scheduler_cpu_s(srv.proc.pid) - cpu0, coordinator_time(srv)
     bad = [r for r in runs if "error" in r]
     if bad:
         raise RuntimeError(f"{srv.name}: {bad[0]['error']}")
+    per_step = {k: round((v - steps0.get(k, 0.0)) / requests * 1e6, 1) for k, v in steps.items()}
+    per_step = dict(sorted(((k, v) for k, v in per_step.items() if v > 0), key=lambda kv: -kv[1]))
     return {"ttft_ms": statistics.median(r["ttft"] for r in runs) * 1e3,
             "tpot_ms": statistics.median(r["tpot"] for r in runs) * 1e3,
-            "sched_cpu_ms_per_request": cpu / requests * 1e3}  # fmt: skip
+            "sched_cpu_ms_per_request": cpu / requests * 1e3,
+            "steps_us_per_request": per_step}  # fmt: skip
 
 
 def parse_args(argv=None):
