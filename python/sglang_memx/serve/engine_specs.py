@@ -123,7 +123,9 @@ def lending_omp_wait(environ, own_cores: int, hidden_size: int) -> dict[str, str
     * From ``SPIN_FROM_HIDDEN`` up: ``GOMP_SPINCOUNT=10000``, a short spin, then sleep. A passive team
       pays a futex wake-up per parallel region; on the README's 135M model (width 576) that made the
       whole device cost 1.84-2.12x the own core in the lending trial, which then refused in every run
-      of ``bench_serving``; with 10,000 spins it lent in every run (0.86-0.92x).
+      of ``bench_serving`` (throughput 0.68x stock's); with 10,000 spins the trial lent in every run
+      one night (0.86-0.92x) and refused in 4 of 5 on a slower one (1.04-2.89x), throughput 0.77-0.79x
+      both nights: the passive wait's cost was mostly the trial's own blocks on the whole device.
     Widths between 32 and 576 are not measured; 256 is where a decode batch of 128 reaches torch's
     grain. On one own core the choice changes nothing while the engine does not lend (a team of one
     has no waiter); an engine owning several cores keeps libgomp's default, as stock's would.
