@@ -28,6 +28,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import urllib.request
@@ -64,6 +65,16 @@ def server(setup: str, model: Path, pool_dir: Path) -> SGLangServer:
         extra += ["--memx-pool-dir", str(pool_dir)]
     env = {"SGLANG_CPU_OMP_THREADS_BIND": CORE, "OMP_NUM_THREADS": "1"}
     return SGLangServer(model, name=f"floor-{setup}", stock=setup == "stock", extra_args=COMMON + extra, env=env)
+
+
+def stop_pools(setups: list[str], pool_dir: Path) -> None:
+    """Stop the arbiter of every shared pool the setups started (it outlives its servers by design)."""
+    for s in setups:
+        flags = FEATURES[s]
+        if "--memx-pool" in flags:
+            name = flags[flags.index("--memx-pool") + 1]
+            cmd = [sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir", str(pool_dir)]
+            subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, timeout=60)
 
 
 def scheduler_cpu_s(root_pid: int) -> float:
@@ -144,6 +155,7 @@ def main(argv=None) -> int:
                             lambda s, _r: measure(servers[s], args.requests, args.new_tokens, words))  # fmt: skip
     finally:
         stop_all(list(servers.values()))
+        stop_pools(args.setups, pool_dir)
     keys = ("ttft_ms", "tpot_ms", "sched_cpu_ms_per_request")
     ratios = {f"{s}/stock {k}": ratio_stats(rounds, k, s, "stock") for s in args.setups[1:] for k in keys}
     doc = {"benchmark": "feature_floor", "command": " ".join(sys.argv), "when": when, "model": args.model,

@@ -25,6 +25,13 @@ def test_each_setup_differs_from_stock_only_by_its_features(tmp_path):
     assert not F.server("plugin", tmp_path, tmp_path).stock  # the plugin loaded, no feature flag
 
 
+def test_the_shared_pools_arbiters_are_stopped(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(F.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    F.stop_pools(["stock", "ekv", "ekv-pool"], tmp_path)
+    assert [c[-4:] for c in calls] == [["stop", "floor", "--pool-dir", str(tmp_path)]]
+
+
 def test_bad_arguments_name_the_flag(capsys):
     for argv in (["--setups", "plugin,ekv"], ["--setups", "stock,fast"], ["--rounds", "0"]):
         with pytest.raises(SystemExit):
