@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "test"))
 sys.path.insert(0, str(REPO))
 
-from benchmark.e2e.load import stream_one  # noqa: E402
+from benchmark.e2e.load import flush_and_warm, solo_runs  # noqa: E402
 from benchmark.e2e.matrix import model_sizes, serve_config, stock_servers  # noqa: E402
 from benchmark.e2e.router_proc import Serve  # noqa: E402
 from benchmark.matrix_workloads import WORKLOADS, candidate_splits, memory_plan, prompt, schedule  # noqa: E402
@@ -57,13 +57,8 @@ def solo(urls: dict[str, str], requests: int, new_tokens: int) -> dict:
     which live across the rounds, and memx's second pass through the router had)."""
     out = {}
     for name, url in urls.items():
-        with urllib.request.urlopen(url + "/flush_cache", timeout=60) as r:
-            r.read()
-        stream_one(url, "warm up", 4)
-        runs = [stream_one(url, prompt(99, i, WORKLOAD.prompt_words), new_tokens) for i in range(requests)]
-        bad = [r for r in runs if "error" in r]
-        if bad:
-            raise RuntimeError(f"{name} at {url}: {bad[0]['error']}")
+        flush_and_warm(url)
+        runs = solo_runs(url, [prompt(99, i, WORKLOAD.prompt_words) for i in range(requests)], new_tokens, name)
         out[f"{name}_ttft_ms"] = statistics.median(r["ttft"] for r in runs) * 1e3
         out[f"{name}_tpot_ms"] = statistics.median(r["tpot"] for r in runs) * 1e3
     return out

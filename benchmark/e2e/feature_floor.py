@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -40,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "test"))
 sys.path.insert(0, str(REPO))
 
-from benchmark.e2e.load import stream_one  # noqa: E402
+from benchmark.e2e.load import flush_and_warm, solo_runs  # noqa: E402
 from benchmark.matrix_workloads import WORKLOADS, prompt  # noqa: E402
 from benchmark.pairs import ratio_stats, run_rounds  # noqa: E402
 from support.server import SGLangServer, start_all, stop_all  # noqa: E402
@@ -102,15 +101,10 @@ def coordinator_time(srv: SGLangServer) -> dict[str, float]:
 def measure(srv: SGLangServer, requests: int, new_tokens: int, words: int) -> dict:
     """Median TTFT / TPOT of ``requests`` solo requests, the scheduler's CPU per request and the
     coordinator's time per step per request (``steps_us_per_request``)."""
-    with urllib.request.urlopen(srv.url + "/flush_cache", timeout=60) as r:
-        r.read()
-    stream_one(srv.url, "warm up", 4)
+    flush_and_warm(srv.url)
     cpu0, steps0 = scheduler_cpu_s(srv.proc.pid), coordinator_time(srv)
-    runs = [stream_one(srv.url, prompt(98, i, words), new_tokens) for i in range(requests)]
+    runs = solo_runs(srv.url, [prompt(98, i, words) for i in range(requests)], new_tokens, srv.name)
     cpu, steps = scheduler_cpu_s(srv.proc.pid) - cpu0, coordinator_time(srv)
-    bad = [r for r in runs if "error" in r]
-    if bad:
-        raise RuntimeError(f"{srv.name}: {bad[0]['error']}")
     per_step = {k: round((v - steps0.get(k, 0.0)) / requests * 1e6, 1) for k, v in steps.items()}
     per_step = dict(sorted(((k, v) for k, v in per_step.items() if v > 0), key=lambda kv: -kv[1]))
     return {"ttft_ms": statistics.median(r["ttft"] for r in runs) * 1e3,

@@ -59,6 +59,24 @@ def stream_one(url: str, text: str, new_tokens: int, timeout: float = 900) -> di
             "retractions": meta.get("num_retractions", 0)}  # fmt: skip
 
 
+def flush_and_warm(url: str) -> None:
+    """An empty prefix cache (``/flush_cache``: prompts that repeat across runs would skip their
+    prefill) and one short warm-up request."""
+    with urllib.request.urlopen(url + "/flush_cache", timeout=60) as r:
+        r.read()
+    stream_one(url, "warm up", 4)
+
+
+def solo_runs(url: str, texts: list[str], new_tokens: int, label: str) -> list[dict]:
+    """Each of ``texts`` streamed alone, in order (``stream_one``); a failed request raises
+    ``RuntimeError`` naming ``label`` and the server."""
+    runs = [stream_one(url, text, new_tokens) for text in texts]
+    bad = [r for r in runs if "error" in r]
+    if bad:
+        raise RuntimeError(f"{label} at {url}: {bad[0]['error']}")
+    return runs
+
+
 def play(urls, schedule: list[tuple[float, object, str]], new_tokens: int) -> tuple[list[dict], float]:
     """Send every scheduled request at its offset; return (results, wall seconds until the last finished).
     ``urls[key]`` is the server of a schedule entry ``(offset, key, prompt)``: a list indexed by

@@ -61,3 +61,12 @@ def test_a_block_has_every_setup_its_ratios_and_the_largest_steps():
     assert "| `stock` | – | 20.00 [20.00, 20.00] |  |" in text
     assert "`ekv` premap 750, deflate 450." in text  # a round without a step counts it as 0
     assert "`ekv` / `stock` per round: TTFT p50 ms 1.150 [1.100, 1.200], below 1 in 0 of 2; TPOT p50 ms" in text
+
+
+def test_solo_runs_name_the_setup_of_a_failed_request(monkeypatch):
+    from benchmark.e2e import load
+
+    answers = iter([{"ttft": 0.02, "tpot": 0.003}, {"error": "HTTP 500"}])
+    monkeypatch.setattr(load, "stream_one", lambda url, text, n: next(answers))
+    with pytest.raises(RuntimeError, match="floor-ekv at http://x: HTTP 500"):
+        load.solo_runs("http://x", ["a", "b"], 4, "floor-ekv")
