@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO / "test"))
 sys.path.insert(0, str(REPO))
 
 from benchmark.e2e.load import flush_and_warm, solo_runs  # noqa: E402
+from benchmark.e2e.matrix_probe import usage  # noqa: E402
 from benchmark.matrix_workloads import WORKLOADS, prompt  # noqa: E402
 from benchmark.pairs import ratio_stats, run_rounds  # noqa: E402
 from support.server import SGLangServer, start_all, stop_all  # noqa: E402
@@ -77,16 +78,8 @@ def stop_pools(setups: list[str], pool_dir: Path) -> None:
 
 
 def scheduler_cpu_s(root_pid: int) -> float:
-    """CPU seconds of the server's scheduler process (upstream's ``sglang::scheduler`` title)."""
-    total = 0.0
-    for p in psutil.Process(root_pid).children(recursive=True):
-        try:
-            if "sglang::scheduler" in " ".join(p.cmdline()):
-                t = p.cpu_times()
-                total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
+    """CPU seconds of the server's scheduler process (``matrix_probe.usage``'s ``scheduler`` role)."""
+    return sum(cpu for (_, role), (cpu, _) in usage([root_pid]).items() if role == "scheduler")
 
 
 def coordinator_time(srv: SGLangServer) -> dict[str, float]:
