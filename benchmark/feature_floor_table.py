@@ -2,7 +2,8 @@
 setup the median [min, max] over the rounds of the solo TTFT, TPOT and scheduler CPU per request,
 and the ratio to stock per round; the pairs of setups ``BLOCKS`` names, per round; then, for the
 setups that recorded them, the coordinator's
-largest steps in microseconds per request (median over the rounds).
+largest steps in microseconds per request (median over the rounds), in every iteration and in those
+with work.
 
     python -m benchmark.feature_floor_table           # rewrite the blocks
     python -m benchmark.feature_floor_table --check   # exit 1 when the doc differs from the JSON
@@ -40,6 +41,20 @@ def markers(stem: str) -> tuple[str, str]:
     return f"<!-- generated: {COMMAND} ({stem}) -->", f"<!-- end generated: feature floor {stem} -->"
 
 
+def largest_steps(rounds: list[dict], setups: list[str], key: str) -> list[str]:
+    """Per setup, its ``TOP_STEPS`` largest steps of ``key`` (median over the rounds, a round
+    without a step counting 0), as "`setup` name µs, ..."; setups without any left out."""
+    out = []
+    for s in setups:
+        per_round = [r[s].get(key) or {} for r in rounds]
+        names = {n for p in per_round for n in p}
+        med = {n: statistics.median(p.get(n, 0.0) for p in per_round) for n in names}
+        top = sorted(med.items(), key=lambda kv: -kv[1])[:TOP_STEPS]
+        if top:
+            out.append(f"`{s}` " + ", ".join(f"{n} {v:.0f}" for n, v in top))
+    return out
+
+
 def render(stem: str, doc: dict, pairs: tuple[tuple[str, str], ...] = ()) -> str:
     rounds, setups = doc["rounds"], list(doc["setups"])
     head = "| setup | flags | " + " | ".join(f"{label} | / stock" for _, label, _ in METRICS) + " |"
@@ -54,17 +69,13 @@ def render(stem: str, doc: dict, pairs: tuple[tuple[str, str], ...] = ()) -> str
     lines = [f"`{command}` ({doc['when']}, model `{doc['model']}`, {len(rounds)} interleaved rounds): "
              "per setup median [min, max] over the rounds; ratio to stock per round, median [min, max].",
              "", *rows]  # fmt: skip
-    steps = []
-    for s in setups:
-        per_round = [r[s].get("steps_us_per_request") or {} for r in rounds]
-        names = {n for p in per_round for n in p}
-        med = {n: statistics.median(p.get(n, 0.0) for p in per_round) for n in names}
-        top = sorted(med.items(), key=lambda kv: -kv[1])[:TOP_STEPS]
-        if top:
-            steps.append(f"`{s}` " + ", ".join(f"{n} {v:.0f}" for n, v in top))
-    if steps:
-        lines += ["", "The coordinator's largest steps, µs per request (median over the rounds): "
-                  + "; ".join(steps) + "."]  # fmt: skip
+    for key, what in (
+        ("steps_us_per_request", "The coordinator's largest steps, µs per request"),
+        ("busy_steps_us_per_request", "Of those, in iterations with work (on the requests' path)"),
+    ):
+        steps = largest_steps(rounds, setups, key)
+        if steps:
+            lines += ["", f"{what} (median over the rounds): " + "; ".join(steps) + "."]
     for num, den in pairs:
         parts = []
         for key, label, _ in METRICS[:2]:

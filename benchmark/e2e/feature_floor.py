@@ -14,7 +14,8 @@ TTFT and 1.1x its TPOT on the matrix's ``tiny-a``; this script splits that by fe
 
 Every run sends ``--requests`` solo requests (one at a time, ``--new-tokens`` greedy tokens, from an
 empty prefix cache) and records the median TTFT and TPOT, the scheduler's CPU seconds per request and,
-for the setups with elastic KV, the coordinator's time per step per request (its ``/memx/status``).
+for the setups with elastic KV, the coordinator's time per step per request (its ``/memx/status``), in
+all iterations and in those with work (the part that delays requests).
 Ratios to stock per round: median [min, max]. A diagnostic of where the floor goes, not a claim.
 
     python benchmark/e2e/feature_floor.py [--rounds 5] [--requests 20] [--setups stock,plugin,ekv]
@@ -82,28 +83,37 @@ def scheduler_cpu_s(root_pid: int) -> float:
     return sum(cpu for (_, role), (cpu, _) in usage([root_pid]).items() if role == "scheduler")
 
 
-def coordinator_time(srv: SGLangServer) -> dict[str, float]:
-    """Seconds the coordinator spent per step / source since the server started (``/memx/status``'s
-    ``coordinator.time``); empty for a server without elastic KV (stock, the plugin alone)."""
+def coordinator_time(srv: SGLangServer) -> dict[str, tuple[float, float]]:
+    """Seconds the coordinator spent per step / source since the server started, in all iterations
+    and in busy ones (``/memx/status``'s ``coordinator.time``: ``total_s``, ``busy_s``); empty for a
+    server without elastic KV (stock, the plugin alone)."""
     if srv.stock:
         return {}
     kv = srv.request("/memx/status")["schedulers"][0].get("elastic_kv") or {}
-    return {name: e["total_s"] for name, e in ((kv.get("coordinator") or {}).get("time") or {}).items()}
+    times = ((kv.get("coordinator") or {}).get("time") or {}).items()
+    return {name: (e["total_s"], e.get("busy_s", 0.0)) for name, e in times}
+
+
+def per_request_us(before: dict, after: dict, which: int, requests: int) -> dict[str, float]:
+    """µs per request of each step between two ``coordinator_time`` readings (``which``: 0 all
+    iterations, 1 busy ones), largest first, steps that took no time left out."""
+    got = {k: round((v[which] - before.get(k, (0.0, 0.0))[which]) / requests * 1e6, 1) for k, v in after.items()}
+    return dict(sorted(((k, v) for k, v in got.items() if v > 0), key=lambda kv: -kv[1]))
 
 
 def measure(srv: SGLangServer, requests: int, new_tokens: int, words: int) -> dict:
     """Median TTFT / TPOT of ``requests`` solo requests, the scheduler's CPU per request and the
-    coordinator's time per step per request (``steps_us_per_request``)."""
+    coordinator's time per step per request, in every iteration (``steps_us_per_request``) and in
+    those with work (``busy_steps_us_per_request``: the part on the requests' path)."""
     flush_and_warm(srv.url)
     cpu0, steps0 = scheduler_cpu_s(srv.proc.pid), coordinator_time(srv)
     runs = solo_runs(srv.url, [prompt(98, i, words) for i in range(requests)], new_tokens, srv.name)
     cpu, steps = scheduler_cpu_s(srv.proc.pid) - cpu0, coordinator_time(srv)
-    per_step = {k: round((v - steps0.get(k, 0.0)) / requests * 1e6, 1) for k, v in steps.items()}
-    per_step = dict(sorted(((k, v) for k, v in per_step.items() if v > 0), key=lambda kv: -kv[1]))
     return {"ttft_ms": statistics.median(r["ttft"] for r in runs) * 1e3,
             "tpot_ms": statistics.median(r["tpot"] for r in runs) * 1e3,
             "sched_cpu_ms_per_request": cpu / requests * 1e3,
-            "steps_us_per_request": per_step}  # fmt: skip
+            "steps_us_per_request": per_request_us(steps0, steps, 0, requests),
+            "busy_steps_us_per_request": per_request_us(steps0, steps, 1, requests)}  # fmt: skip
 
 
 def parse_args(argv=None):

@@ -90,6 +90,7 @@ class LentPool:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._wake_pending = False  # set by ``_wake`` (any thread), cleared by ``drain_wakeups``
         self._last_report: tuple | None = None
         self._last_report_t = 0.0
         self.reports_sent = 0
@@ -420,9 +421,14 @@ class LentPool:
             os.write(self._wake_w, b"!")
         except (BlockingIOError, OSError):
             pass  # a full pipe is already readable
+        self._wake_pending = True  # after the write: a drain that sees it finds the byte, or a later one does
 
     def drain_wakeups(self) -> int:
-        """Empty the wake pipe; return how many wake-ups were pending."""
+        """Empty the wake pipe; return how many wake-ups were pending. Reads the pipe only after a
+        wake-up was written (once per scheduler iteration, most find none: no system call then)."""
+        if not self._wake_pending:
+            return 0
+        self._wake_pending = False  # before the read: a wake-up written meanwhile sets it again
         n = 0
         while True:
             try:

@@ -174,6 +174,11 @@ class ChunkPool:
         with self._lock:
             return {o: len(h) for o, h in self._held.items()}
 
+    def held_by(self, owner: Owner) -> int:
+        """Chunks ``owner`` holds (FREE: created and idle); ``usage()[owner]`` without the others."""
+        with self._lock:
+            return len(self._held[owner])
+
     @property
     def chunks_created(self) -> int:
         """Chunks created and not yet destroyed by ``trim`` (the pool's live chunks)."""

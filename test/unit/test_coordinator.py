@@ -207,6 +207,21 @@ def test_a_new_mechanism_is_one_component_registered(free_list, monkeypatch):
     timed = {name: t["calls"] for name, t in orders["time"].items()}
     assert timed["map from the local pool"] == 2 and timed["take from the reserve"] == 1 and timed["count ticks"] == 1
     assert all(t["total_s"] >= t["max_s"] >= 0 for t in orders["time"].values())
+    # the tick had work ("work?" said so): its steps' time is on requests' path; a source's always is
+    assert all(t["busy_calls"] == t["calls"] and t["busy_s"] == t["total_s"] for t in orders["time"].values())
+
+
+def test_the_clock_tells_idle_ticks_from_busy_ones(free_list, monkeypatch):
+    kv = FakeKV(free=2, local=3)
+    c = device.Coordinator(kv)
+    ran = quiet_kv_core(monkeypatch, SimpleNamespace(kv=kv))
+    work = iter([False, True, False])
+    monkeypatch.setattr(components.iteration, "has_work", lambda scheduler: ran.append("work?") is None and next(work))
+    for _ in range(3):
+        c.tick(SimpleNamespace())
+    time = c.status()["coordinator"]["time"]
+    assert time["deflate"]["calls"] == 3 and time["deflate"]["busy_calls"] == 1
+    assert all(0 <= t["busy_s"] <= t["total_s"] and t["busy_calls"] == 1 for t in time.values())
 
 
 def test_a_slow_step_is_logged_with_its_name(caplog):
@@ -217,7 +232,8 @@ def test_a_slow_step_is_logged_with_its_name(caplog):
         clock.record("give back, borrow", SLOW_STEP_S / 10)
         clock.record("give back, borrow", SLOW_STEP_S * 2)
     assert clock.status()["give back, borrow"] == {"calls": 2, "total_s": round(SLOW_STEP_S * 2.1, 4),
-                                                   "max_s": SLOW_STEP_S * 2}  # fmt: skip
+                                                   "max_s": SLOW_STEP_S * 2, "busy_calls": 2,
+                                                   "busy_s": round(SLOW_STEP_S * 2.1, 4)}  # fmt: skip
     assert [r.getMessage() for r in caplog.records] == [f"memx: give back, borrow took {SLOW_STEP_S * 2:.3f} s"]
 
 

@@ -49,7 +49,8 @@ def test_a_block_has_every_setup_its_ratios_and_the_largest_steps():
     def run(ttft, steps=None):
         return {"ttft_ms": ttft, "tpot_ms": 3.0, "sched_cpu_ms_per_request": 100.0, "steps_us_per_request": steps or {}}
 
-    rounds = [{"stock": run(20.0), "ekv": run(22.0, {"premap": 800.0, "deflate": 900.0})},
+    rounds = [{"stock": run(20.0), "ekv": dict(run(22.0, {"premap": 800.0, "deflate": 900.0}),
+                                               busy_steps_us_per_request={"premap": 300.0})},
               {"stock": run(20.0), "ekv": run(24.0, {"premap": 700.0})}]  # fmt: skip
     ratio = {"median": 1.15, "min": 1.1, "max": 1.2}
     doc = {"command": "feature_floor.py --out /tmp/x.json --rounds 2", "when": "T", "model": "tiny-a",
@@ -60,6 +61,7 @@ def test_a_block_has_every_setup_its_ratios_and_the_largest_steps():
     assert "| `ekv` | `--memx-elastic-kv` | 23.00 [22.00, 24.00] | 1.150 [1.100, 1.200] |" in text
     assert "| `stock` | – | 20.00 [20.00, 20.00] |  |" in text
     assert "`ekv` premap 750, deflate 450." in text  # a round without a step counts it as 0
+    assert "in iterations with work (on the requests' path) (median over the rounds): `ekv` premap 150." in text
     assert "`ekv` / `stock` per round: TTFT p50 ms 1.150 [1.100, 1.200], below 1 in 0 of 2; TPOT p50 ms" in text
 
 

@@ -46,6 +46,7 @@ class Coordinator:
         self._steps: tuple[tuple[Component, Step], ...] = ()
         self._sources: tuple[tuple[Component, Source], ...] = ()
         self.clock = StepClock()
+        self._parts: dict[type, Component | None] = {}  # ``part``'s answers; emptied by ``register``
         for component in (KVCore(kv), *components):
             self.register(component)
 
@@ -63,12 +64,18 @@ class Coordinator:
             if len(set(ranks)) != len(ranks):
                 raise ValueError(f"component {component.name!r}: a {kind} rank is taken already")
         self.components += (component,)
+        self._parts.clear()
         self._steps = tuple(sorted(steps, key=lambda e: e[1].rank))
         self._sources = tuple(sorted(sources, key=lambda e: e[1].rank))
 
     def part(self, kind: type[C]) -> C | None:
-        """The registered component of type ``kind``, or None (the mechanism is off)."""
-        return next((c for c in self.components if isinstance(c, kind)), None)
+        """The registered component of type ``kind``, or None (the mechanism is off). Looked up
+        once per kind until the next ``register`` (hooks and steps ask several times an iteration)."""
+        try:
+            return self._parts[kind]
+        except KeyError:
+            found = self._parts[kind] = next((c for c in self.components if isinstance(c, kind)), None)
+            return found
 
     # ------------------------------------------------------------ the orders
     def iteration_order(self) -> tuple[tuple[Component, Step], ...]:
@@ -121,23 +128,35 @@ class Coordinator:
     # ------------------------------------------------------------ running them
     def tick(self, scheduler) -> None:
         """One scheduler iteration: the in-tick steps (their unmaps counted as the tick's phase,
-        ``ElasticKV.unmap_calls``; timed as ``tick_seconds``), then the steps after the tick."""
+        ``ElasticKV.unmap_calls``; timed as ``tick_seconds``), then the steps after the tick. Each
+        step's time goes to the clock as busy or idle by the iteration's "work?" step (``it.busy``)."""
         kv = self.kv
         allocator = up_sched.allocator(scheduler)
         t0 = time.perf_counter()
         kv.phase = "tick"
+        took: list[tuple[str, float]] = []
         try:
             it = Iteration(scheduler, allocator, kv, up_sched.tree_cache(scheduler), self)
             for _, s in self._steps:
                 if s.in_tick:
-                    self._timed(s.name, s.run, it)
+                    took.append((s.name, self._run_timed(s.run, it)))
         finally:
             kv.phase = "request"
         kv.stats["ticks"] += 1
         kv.stats["tick_seconds"] += time.perf_counter() - t0
-        for _, s in self._steps:
-            if not s.in_tick:
-                self._timed(s.name, s.run, it)
+        try:
+            for _, s in self._steps:
+                if not s.in_tick:
+                    took.append((s.name, self._run_timed(s.run, it)))
+        finally:
+            for name, seconds in took:
+                self.clock.record(name, seconds, it.busy)
+
+    @staticmethod
+    def _run_timed(run, *args) -> float:
+        t0 = time.perf_counter()
+        run(*args)
+        return time.perf_counter() - t0
 
     def _timed(self, name: str, run, *args) -> None:
         t0 = time.perf_counter()

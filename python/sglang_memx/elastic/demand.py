@@ -74,9 +74,14 @@ def queue_demand_tokens(scheduler) -> int:
     64 out) against ``scripts/serve.sh`` ran 2-3 requests with 30+ waiting and the pool 5 % used,
     while stock ran 60.
     """
+    return prefill_batch_demand_tokens(scheduler) + running_demand_tokens(scheduler)
+
+
+def prefill_batch_demand_tokens(scheduler) -> int:
+    """The next prefill batch's part of ``queue_demand_tokens``: what upstream's admission needs
+    free to take each of its requests (``upstream_admission_tokens``); 0 when nothing waits."""
     page = up_sched.page_size(scheduler)
-    demand = sum(upstream_admission_tokens(r, page) for r in next_prefill_batch(scheduler))
-    return demand + running_demand_tokens(scheduler)
+    return sum(upstream_admission_tokens(r, page) for r in next_prefill_batch(scheduler))
 
 
 def upstream_admission_tokens(req, page: int) -> int:

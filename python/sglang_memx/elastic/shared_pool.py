@@ -241,10 +241,21 @@ def spare_free_chunks(kv: ElasticKV, allocator, scheduler, activation: Activatio
     A running request was admitted against memory counted as available; giving that memory
     away would make its later decode steps fail (upstream then retracts or aborts it).
     """
-    need = demand.running_demand_tokens(scheduler) - up_kv.free_page_count(allocator) * kv.page_size
+    return spare_chunks(kv, demand.running_demand_tokens(scheduler), up_kv.free_page_count(allocator),
+                        activation.next_step_chunks(scheduler), activation.held_chunks())  # fmt: skip
+
+
+def spare_chunks(kv: ElasticKV, running_tokens: int, free_pages: int, next_step: int, held: int) -> int:
+    """``spare_free_chunks`` from its inputs, read once by a caller that needs them again:
+    the running requests' remaining tokens, the free pages mapped, the activation chunks their
+    next step needs and the chunks the activation holds."""
+    free = kv.buffers.pool.held_by(Owner.FREE)
+    if free <= 0:
+        return 0
+    need = running_tokens - free_pages * kv.page_size
     keep = -(-max(0, need) // kv.buffers.group_rows) * kv.buffers.chunks_per_group
-    keep += max(0, activation.next_step_chunks(scheduler) - activation.held_chunks())  # their next step's activation
-    return max(0, kv.buffers.pool.usage()[Owner.FREE] - keep)
+    keep += max(0, next_step - held)  # their next step's activation
+    return max(0, free - keep)
 
 
 def answer_reclaim(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation: ActivationSide,
@@ -277,7 +288,7 @@ def report(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation
     if lendable is not None:
         idle += lendable()  # 0 unless remappable weights of an inactive model
     idle += max(0, activation.idle_chunks() - activation.next_step_chunks(scheduler))
-    wanted = demand.queue_demand_tokens(scheduler) - demand.running_demand_tokens(scheduler)
+    wanted = demand.prefill_batch_demand_tokens(scheduler)  # the queue's demand beyond the running requests'
     headroom = min(idle, -(-max(0, wanted) // kv.buffers.group_rows) * kv.buffers.chunks_per_group)
     headroom, busy = router_activity.report_numbers(kv, idle, headroom, busy)  # requests queued at the router
     lent.report(idle, headroom, busy)
@@ -303,11 +314,20 @@ def balance(
     (``answer_reclaim``); the report counts them as idle. When the arbiter had nothing free,
     the next such borrow waits ``CACHE_KEEP_RETRY_S`` (each costs the arbiter a STATUS).
     """
-    if not up_sched.waiting(scheduler):  # nothing waits: unused chunks go back
-        activation.release_idle(keep=activation.next_step_chunks(scheduler))  # keep their next step's
-        lent.give_back(spare_free_chunks(kv, allocator, scheduler, activation), wait=False)  # no round trip
-    mapped_free = up_kv.free_page_count(allocator) * kv.page_size
-    beyond_free = demand.queue_demand_tokens(scheduler) - mapped_free
+    free_pages = up_kv.free_page_count(allocator)  # giving back FREE chunks does not change it
+    if up_sched.waiting(scheduler):
+        queue_tokens = demand.queue_demand_tokens(scheduler)
+    else:  # nothing waits: unused chunks go back; the queue's demand is the running requests'
+        queue_tokens = demand.running_demand_tokens(scheduler)
+        next_step = activation.next_step_chunks(scheduler)
+        if activation.held_chunks() > next_step:
+            activation.release_idle(keep=next_step)  # keep their next step's
+        spare = spare_chunks(kv, queue_tokens, free_pages, next_step, activation.held_chunks())
+        if spare > 0:
+            lent.give_back(spare, wait=False)  # no round trip
+    beyond_free = queue_tokens - free_pages * kv.page_size
+    if beyond_free <= 0 and activation_chunks <= 0:
+        return  # the mapped free pages cover it and no prefill waits for activation: nothing to borrow
     kv_short = beyond_free - up_radix.evictable_tokens(tree)
     unmapped = kv.num_groups - kv.buffers.num_mapped
     groups = min(-(-max(0, kv_short) // kv.buffers.group_rows), unmapped)
