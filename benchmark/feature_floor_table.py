@@ -66,7 +66,10 @@ def render(stem: str, doc: dict, pairs: tuple[tuple[str, str], ...] = ()) -> str
             cells.append("" if s == "stock" else stat_range(doc["ratios"][f"{s}/stock {key}"], ".3f"))
         rows.append("| " + " | ".join(cells) + " |")
     command = command_without_out(doc["command"])
-    lines = [f"`{command}` ({doc['when']}, model `{doc['model']}`, {len(rounds)} interleaved rounds): "
+    how = f"{len(rounds)} interleaved rounds" + (", fresh servers every round" if doc.get("fresh_servers") else "")
+    if "base" in doc:
+        how += f"; code {doc['code']}, the `@base` setups on {doc['base']}"
+    lines = [f"`{command}` ({doc['when']}, model `{doc['model']}`, {how}): "
              "per setup median [min, max] over the rounds; ratio to stock per round, median [min, max].",
              "", *rows]  # fmt: skip
     for key, what in (

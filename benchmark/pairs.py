@@ -13,12 +13,17 @@ import statistics
 from collections.abc import Callable, Sequence
 
 
+def rotation(setups: Sequence[str], r: int) -> list[str]:
+    """The order of round ``r`` (from 0): ``setups`` rotated left by ``r``."""
+    return list(setups[r % len(setups) :]) + list(setups[: r % len(setups)])
+
+
 def run_rounds(rounds: int, setups: Sequence[str], run: Callable[[str, int], dict], log=print) -> list[dict]:
     """``run(setup, round)`` for every setup in every round, rotating the order; returns one dict per
     round: ``{setup: run's result, "order": [...]}``."""
     out = []
     for r in range(rounds):
-        order = list(setups[r % len(setups) :]) + list(setups[: r % len(setups)])
+        order = rotation(setups, r)
         result = {"order": order}
         for name in order:
             result[name] = run(name, r)

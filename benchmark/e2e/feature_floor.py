@@ -17,8 +17,15 @@ empty prefix cache) and records the median TTFT and TPOT, the scheduler's CPU se
 for the setups with elastic KV, the coordinator's time per step per request (its ``/memx/status``), in
 all iterations and in those with work (the part that delays requests).
 Ratios to stock per round: median [min, max]. A diagnostic of where the floor goes, not a claim.
+``--base PATH`` measures a code change: a setup named ``SETUP@base`` (``ekv-pool@base``) runs the
+same flags on the memx of the checkout at ``PATH`` (a ``git worktree`` of the earlier commit; its
+server imports memx from there), and ``SETUP / SETUP@base`` ratios per round are added.
+By default every setup's server lives across the rounds; a server instance keeps a speed of its
+own (a few per cent on these tiny models, the same sign in every round), so effects that small
+need ``--fresh-servers``: a new server of each setup for every round.
 
     python benchmark/e2e/feature_floor.py [--rounds 5] [--requests 20] [--setups stock,plugin,ekv]
+        [--fresh-servers] [--base PATH --setups stock,ekv-pool,ekv-pool@base]
 
 Writes ``benchmark/results/e2e/feature_floor.json``. Run on a quiet machine.
 """
@@ -43,7 +50,7 @@ sys.path.insert(0, str(REPO))
 from benchmark.e2e.load import flush_and_warm, solo_runs  # noqa: E402
 from benchmark.e2e.matrix_probe import usage  # noqa: E402
 from benchmark.matrix_workloads import WORKLOADS, prompt  # noqa: E402
-from benchmark.pairs import ratio_stats, run_rounds  # noqa: E402
+from benchmark.pairs import ratio_stats, rotation, run_rounds  # noqa: E402
 from support.server import SGLangServer, start_all, stop_all  # noqa: E402
 
 RESULTS = REPO / "benchmark" / "results" / "e2e"
@@ -60,22 +67,45 @@ FEATURES = {
 }
 
 
-def server(setup: str, model: Path, pool_dir: Path) -> SGLangServer:
-    extra = list(FEATURES[setup])
+BASE = "@base"  # a setup name's suffix: the same flags, run on the code of ``--base``'s checkout
+
+
+def flags_of(setup: str) -> list[str]:
+    """The memx flags of ``setup``; a ``@base`` setup's shared pool has a name of its own."""
+    flags = list(FEATURES[setup.removesuffix(BASE)])
+    if setup.endswith(BASE) and "--memx-pool" in flags:
+        at = flags.index("--memx-pool") + 1
+        flags[at] += "-base"
+    return flags
+
+
+def server(setup: str, model: Path, pool_dir: Path, base: Path | None = None) -> SGLangServer:
+    """The server of ``setup``; a ``@base`` one imports memx from the checkout ``base``."""
+    extra = flags_of(setup)
     if "--memx-pool" in extra:
         extra += ["--memx-pool-dir", str(pool_dir)]
     env = {"SGLANG_CPU_OMP_THREADS_BIND": CORE, "OMP_NUM_THREADS": "1"}
+    if setup.endswith(BASE):
+        env["PYTHONPATH"] = f"{base}/python:{base}"  # ahead of the editable install of this checkout
     return SGLangServer(model, name=f"floor-{setup}", stock=setup == "stock", extra_args=COMMON + extra, env=env)
 
 
 def stop_pools(setups: list[str], pool_dir: Path) -> None:
     """Stop the arbiter of every shared pool the setups started (it outlives its servers by design)."""
     for s in setups:
-        flags = FEATURES[s]
+        flags = flags_of(s)
         if "--memx-pool" in flags:
             name = flags[flags.index("--memx-pool") + 1]
             cmd = [sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir", str(pool_dir)]
             subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, timeout=60)
+
+
+def commit_of(checkout: Path) -> str:
+    """The checkout's commit (``git rev-parse --short HEAD``), with ``+changes`` when its tree differs."""
+    git = ["git", "-C", str(checkout)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return (head or "unknown") + ("+changes" if dirty.stdout.strip() else "")
 
 
 def scheduler_cpu_s(root_pid: int) -> float:
@@ -125,14 +155,44 @@ def parse_args(argv=None):
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--model", default="tiny-a", choices=sorted(model_specs()))
     ap.add_argument("--setups", type=lambda s: s.split(","), default=list(FEATURES))
+    ap.add_argument(
+        "--fresh-servers",
+        action="store_true",
+        help="start a new server of every setup for each round (a server instance keeps a speed "
+        "of its own, a few per cent, across the rounds it serves: see docs/governor.md)",
+    )
+    ap.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        help="a checkout of earlier code (e.g. a git worktree): setups named SETUP@base run on it",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "feature_floor.json")
     args = ap.parse_args(argv)
-    bad = [s for s in args.setups if s not in FEATURES]
+    bad = [s for s in args.setups if s.removesuffix(BASE) not in FEATURES or s == "stock" + BASE]
     if bad or "stock" not in args.setups:
-        ap.error(f"--setups: {bad[0]!r} is not one of {', '.join(FEATURES)}" if bad else "--setups: needs stock")
+        ap.error(f"--setups: {bad[0]!r} is not one of {', '.join(FEATURES)} (or one but stock with {BASE})"
+                 if bad else "--setups: needs stock")  # fmt: skip
+    if any(s.endswith(BASE) for s in args.setups) != (args.base is not None):
+        ap.error(f"--base: give it with a setup named SETUP{BASE}, and only then")
+    if args.base is not None and not (args.base / "python" / "sglang_memx").is_dir():
+        ap.error(f"--base: {args.base} is not a checkout of sglang-memx (no python/sglang_memx)")
     if args.rounds < 1 or args.requests < 1 or args.new_tokens < 2:
         ap.error("--rounds and --requests must be >= 1, --new-tokens >= 2")
     return args
+
+
+def serve_rounds(rounds: int, setups: list[str], model: Path, pool_dir: Path, args, words: int) -> list[dict]:
+    """``rounds`` interleaved rounds (``run_rounds``) on one server per setup, all started first
+    and stopped after, with their pools' arbiters."""
+    servers = {s: server(s, model, pool_dir, args.base) for s in setups}
+    try:
+        start_all(list(servers.values()))
+        return run_rounds(rounds, setups,
+                          lambda s, _r: measure(servers[s], args.requests, args.new_tokens, words))  # fmt: skip
+    finally:
+        stop_all(list(servers.values()))
+        stop_pools(setups, pool_dir)
 
 
 def main(argv=None) -> int:
@@ -143,21 +203,26 @@ def main(argv=None) -> int:
     model = tiny_model(model_specs()[args.model], MODELS_ROOT)
     pool_dir = Path("/tmp/sglang-memx-feature-floor")
     pool_dir.mkdir(exist_ok=True)
-    servers = {s: server(s, model, pool_dir) for s in args.setups}
     words = WORKLOADS["bursty2"].prompt_words
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    try:
-        start_all(list(servers.values()))
-        rounds = run_rounds(args.rounds, args.setups,
-                            lambda s, _r: measure(servers[s], args.requests, args.new_tokens, words))  # fmt: skip
-    finally:
-        stop_all(list(servers.values()))
-        stop_pools(args.setups, pool_dir)
+    if args.fresh_servers:  # a server of each setup per round, the order rotating as run_rounds rotates it
+        rounds = []
+        for r in range(args.rounds):
+            rounds += serve_rounds(1, rotation(args.setups, r), model, pool_dir, args, words)
+    else:
+        rounds = serve_rounds(args.rounds, args.setups, model, pool_dir, args, words)
     keys = ("ttft_ms", "tpot_ms", "sched_cpu_ms_per_request")
-    ratios = {f"{s}/stock {k}": ratio_stats(rounds, k, s, "stock") for s in args.setups[1:] for k in keys}
+    pairs = [(s, "stock") for s in args.setups if s != "stock"]
+    pairs += [
+        (s.removesuffix(BASE), s) for s in args.setups if s.endswith(BASE) and s.removesuffix(BASE) in args.setups
+    ]
+    ratios = {f"{a}/{b} {k}": ratio_stats(rounds, k, a, b) for a, b in pairs for k in keys}
     doc = {"benchmark": "feature_floor", "command": " ".join(sys.argv), "when": when, "model": args.model,
            "machine": {"cpus": psutil.cpu_count(), "platform": platform.platform()},
-           "setups": {s: FEATURES[s] for s in args.setups}, "rounds": rounds, "ratios": ratios}  # fmt: skip
+           "setups": {s: flags_of(s) for s in args.setups}, "rounds": rounds, "ratios": ratios,
+           "code": commit_of(REPO), "fresh_servers": args.fresh_servers}  # fmt: skip
+    if args.base is not None:
+        doc["base"] = commit_of(args.base)
     args.out.write_text(json.dumps(doc, indent=1))
     for k, st in ratios.items():
         print(f"{k}: {st['median']:.3f} [{st['min']:.3f}, {st['max']:.3f}]")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -72,3 +73,53 @@ def test_solo_runs_name_the_setup_of_a_failed_request(monkeypatch):
     monkeypatch.setattr(load, "stream_one", lambda url, text, n: next(answers))
     with pytest.raises(RuntimeError, match="floor-ekv at http://x: HTTP 500"):
         load.solo_runs("http://x", ["a", "b"], 4, "floor-ekv")
+
+
+def test_fresh_servers_start_every_setup_anew_each_round_in_the_rotated_order(tmp_path, monkeypatch):
+    from sglang_memx.models import tiny
+
+    started, stopped, pools, measured = [], [], [], []
+    monkeypatch.setattr(F, "start_all", lambda servers: started.append([s.name for s in servers]))
+    monkeypatch.setattr(F, "stop_all", lambda servers: stopped.append([s.name for s in servers]))
+    monkeypatch.setattr(F, "stop_pools", lambda setups, pool_dir: pools.append(list(setups)))
+    one = {"ttft_ms": 20.0, "tpot_ms": 3.0, "sched_cpu_ms_per_request": 100.0}
+    monkeypatch.setattr(F, "measure", lambda srv, *a: measured.append(srv.name) or dict(one))
+    monkeypatch.setattr(tiny, "tiny_model", lambda spec, root: tmp_path)
+    out = tmp_path / "floor.json"
+    assert F.main(["--setups", "stock,ekv,ekv-pool", "--rounds", "4", "--fresh-servers", "--out", str(out)]) == 0
+    orders = [["stock", "ekv", "ekv-pool"], ["ekv", "ekv-pool", "stock"], ["ekv-pool", "stock", "ekv"]]
+    orders.append(orders[0])
+    names = [[f"floor-{s}" for s in order] for order in orders]
+    assert started == stopped == names and pools == orders  # every round's servers and arbiters ended
+    assert measured == [n for order in names for n in order]
+    assert [r["order"] for r in json.loads(out.read_text())["rounds"]] == orders
+
+
+def test_a_base_setup_runs_the_same_flags_on_the_base_checkouts_code(tmp_path):
+    base = tmp_path / "earlier"
+    new, old = F.server("ekv-pool", tmp_path, tmp_path), F.server("ekv-pool@base", tmp_path, tmp_path, base)
+    assert "PYTHONPATH" not in new.env or str(base) not in new.env["PYTHONPATH"]
+    assert old.env["PYTHONPATH"] == f"{base}/python:{base}" and not old.stock
+    # the same flags, on a pool of its own (its arbiter runs the base code too)
+    assert F.flags_of("ekv-pool@base") == [
+        "--memx-elastic-kv",
+        "--memx-pool",
+        "floor-base",
+        "--memx-pool-budget-gb",
+        "0.25",
+    ]
+    assert F.flags_of("ekv@base") == F.FEATURES["ekv"] and F.flags_of("ekv-pool") == F.FEATURES["ekv-pool"]
+
+
+def test_base_arguments_are_checked(tmp_path, capsys):
+    (tmp_path / "python" / "sglang_memx").mkdir(parents=True)
+    for argv in (["--setups", "stock,ekv@base"], ["--setups", "stock,ekv", "--base", str(tmp_path)],
+                 ["--setups", "stock,stock@base", "--base", str(tmp_path)],
+                 ["--setups", "stock,ekv@base", "--base", str(tmp_path / "python")]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            F.parse_args(argv)
+    err = capsys.readouterr().err
+    assert err.count("--base: give it with a setup named SETUP@base") == 2
+    assert "'stock@base' is not one of" in err and "is not a checkout of sglang-memx" in err
+    args = F.parse_args(["--setups", "stock,ekv,ekv@base", "--base", str(tmp_path)])
+    assert args.base == tmp_path and args.setups == ["stock", "ekv", "ekv@base"]
