@@ -31,6 +31,7 @@ BLOCKS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("feature_floor", ()),
     ("feature_floor_pool", (("ekv-pool", "ekv"),)),
     ("feature_floor_warm", (("ekv-pool-warm", "ekv-pool"),)),
+    ("feature_floor_lender", (("ekv-pool", "ekv-pool@base"),)),
 )
 METRICS = (("ttft_ms", "TTFT p50 ms", ".2f"), ("tpot_ms", "TPOT p50 ms", ".3f"),
            ("sched_cpu_ms_per_request", "scheduler CPU ms / request", ".1f"))  # fmt: skip
@@ -74,14 +75,14 @@ def render(stem: str, doc: dict, pairs: tuple[tuple[str, str], ...] = ()) -> str
              "", *rows]  # fmt: skip
     for key, what in (
         ("steps_us_per_request", "The coordinator's largest steps, µs per request"),
-        ("busy_steps_us_per_request", "Of those, in iterations with work (on the requests' path)"),
+        ("busy_steps_us_per_request", "Of those, in iterations with work, i.e. on the requests' path"),
     ):
         steps = largest_steps(rounds, setups, key)
         if steps:
             lines += ["", f"{what} (median over the rounds): " + "; ".join(steps) + "."]
     for num, den in pairs:
         parts = []
-        for key, label, _ in METRICS[:2]:
+        for key, label, _ in METRICS:
             got = [r[num][key] / r[den][key] for r in rounds]
             parts.append(f"{label} {median_range(got, '.3f')}, below 1 in {sum(x < 1 for x in got)} of {len(got)}")
         lines += ["", f"`{num}` / `{den}` per round: " + "; ".join(parts) + "."]

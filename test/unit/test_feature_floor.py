@@ -62,7 +62,7 @@ def test_a_block_has_every_setup_its_ratios_and_the_largest_steps():
     assert "| `ekv` | `--memx-elastic-kv` | 23.00 [22.00, 24.00] | 1.150 [1.100, 1.200] |" in text
     assert "| `stock` | – | 20.00 [20.00, 20.00] |  |" in text
     assert "`ekv` premap 750, deflate 450." in text  # a round without a step counts it as 0
-    assert "in iterations with work (on the requests' path) (median over the rounds): `ekv` premap 150." in text
+    assert "in iterations with work, i.e. on the requests' path (median over the rounds): `ekv` premap 150." in text
     assert "`ekv` / `stock` per round: TTFT p50 ms 1.150 [1.100, 1.200], below 1 in 0 of 2; TPOT p50 ms" in text
 
 
