@@ -12,6 +12,12 @@ import sys
 from pathlib import Path
 
 
+def block_markers(command: str, kind: str, name: str) -> tuple[str, str]:
+    """The begin and end markers of block ``name`` that ``command`` renders:
+    ``<!-- generated: COMMAND (NAME) -->`` ... ``<!-- end generated: KIND NAME -->``."""
+    return f"<!-- generated: {command} ({name}) -->", f"<!-- end generated: {kind} {name} -->"
+
+
 def replace_block(text: str, begin: str, end: str, block: str) -> str | None:
     """``text`` with its block from ``begin`` to ``end`` replaced by ``block`` (which carries both
     markers); None when either marker is missing."""

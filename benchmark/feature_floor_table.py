@@ -18,7 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmark.doc_blocks import check_args, write_or_check
+from benchmark.doc_blocks import block_markers, check_args, write_or_check
 from benchmark.figures import median_range, stat_range
 from benchmark.probe_table import command_without_out
 
@@ -38,8 +38,9 @@ METRICS = (("ttft_ms", "TTFT p50 ms", ".2f"), ("tpot_ms", "TPOT p50 ms", ".3f"),
 TOP_STEPS = 4
 
 
-def markers(stem: str) -> tuple[str, str]:
-    return f"<!-- generated: {COMMAND} ({stem}) -->", f"<!-- end generated: feature floor {stem} -->"
+def markers(name: str) -> tuple[str, str]:
+    """The begin and end markers of block ``name``."""
+    return block_markers(COMMAND, "feature floor", name)
 
 
 def largest_steps(rounds: list[dict], setups: list[str], key: str) -> list[str]:

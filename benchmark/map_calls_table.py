@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmark.doc_blocks import check_args, write_or_check
+from benchmark.doc_blocks import block_markers, check_args, write_or_check
 from benchmark.figures import span
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,8 +26,8 @@ COMMAND = "python -m benchmark.map_calls_table"
 
 
 def markers(name: str) -> tuple[str, str]:
-    """The begin and end markers of block ``name`` (``colocated``, ``pool_decode``)."""
-    return f"<!-- generated: {COMMAND} ({name}) -->", f"<!-- end generated: map calls {name} -->"
+    """The begin and end markers of block ``name``."""
+    return block_markers(COMMAND, "map calls", name)
 
 
 def _rel(path: Path) -> str:

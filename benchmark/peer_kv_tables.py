@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmark.doc_blocks import check_args, write_or_check
+from benchmark.doc_blocks import block_markers, check_args, write_or_check
 from benchmark.figures import stat_range
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,8 +30,8 @@ COMMAND = "python -m benchmark.peer_kv_tables"
 
 
 def markers(name: str) -> tuple[str, str]:
-    """The begin and end markers of block ``name`` (``maxctx``, ``prefix``, ``soak``)."""
-    return f"<!-- generated: {COMMAND} ({name}) -->", f"<!-- end generated: peer_kv {name} -->"
+    """The begin and end markers of block ``name``."""
+    return block_markers(COMMAND, "peer_kv", name)
 
 
 def _rel(path: Path) -> str:

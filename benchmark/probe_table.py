@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-from benchmark.doc_blocks import check_args, write_or_check
+from benchmark.doc_blocks import block_markers, check_args, write_or_check
 from benchmark.figures import median_range, span
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,8 +43,9 @@ BLOCKS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
 )
 
 
-def markers(stem: str) -> tuple[str, str]:
-    return f"<!-- generated: {COMMAND} ({stem}) -->", f"<!-- end generated: probe {stem} -->"
+def markers(name: str) -> tuple[str, str]:
+    """The begin and end markers of block ``name``."""
+    return block_markers(COMMAND, "probe", name)
 
 
 def command_without_out(command: str) -> str:
