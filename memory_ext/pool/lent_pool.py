@@ -12,14 +12,17 @@ arbiter:
   to answer a reclaim). A reply that comes later is adopted into FREE then
   (or counted as a refusal); while one is outstanding, ``borrow`` asks nothing
   more and returns 0.
-* ``give_back(n)`` disowns up to ``n`` FREE chunks and returns them.
+* ``give_back(n)`` disowns up to ``n`` FREE chunks and returns them; with ``warm`` (and a
+  ``warm_hold_s``) they wait in ``warm`` instead (``warm_chunks``): a borrow takes them back without
+  a round trip, a RECLAIM takes them first, and ``expire_warm`` returns them when the hold ends.
 * ``report(idle, headroom, busy)`` tells the arbiter's policy what this process
   could give back; it is sent only when a number changed (at most every
   ``REPORT_MIN_INTERVAL_S`` unless ``busy`` flips).
 * ``wake_fd``: readable whenever the arbiter asked for something (a RECLAIM) or a
   late grant landed, so an engine thread sleeping in ``poll`` can wake up and
   act at once; ``drain_wakeups`` empties it.
-* The arbiter's ``RECLAIM(n)`` only adds ``n`` to ``pending_reclaim``; the
+* The arbiter's ``RECLAIM(n)`` is answered from the warm chunks at once (they are outside the
+  engine's pool); the rest only adds to ``pending_reclaim``; the
   engine answers on its own thread (``take_pending_reclaim``, free memory,
   ``give_back``). It is never answered from the client's reclaim thread: the
   engine counts FREE chunks as memory it can map, and a chunk taken away
@@ -65,6 +68,7 @@ import time
 from ..vmm.base import PhysicalChunk, VmmBackend
 from .arbiter_client import ArbiterClient, ArbiterDenied, ArbiterError
 from .ownership import ChunkPool
+from .warm_chunks import WarmChunks
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class LentPool:
     REJOIN_TIMEOUT_S = 2.0  # longest a rejoin's HELLO / ADOPT may take
 
     def __init__(self, socket_path, name: str, backend: VmmBackend, *, timeout: float = 30.0,
-                 restart_arbiter=None):  # fmt: skip
+                 restart_arbiter=None, warm_hold_s: float = 0.0):  # fmt: skip
         self._lock = threading.Lock()
         self._socket_path, self._name, self._backend, self._timeout = socket_path, name, backend, timeout
         self._restart_arbiter = restart_arbiter  # () -> bool: started a new arbiter (the old one crashed)
@@ -95,6 +99,7 @@ class LentPool:
         self._last_report_t = 0.0
         self.reports_sent = 0
         self._pending_reclaim = 0
+        self.warm = WarmChunks(warm_hold_s)  # given up, still booked: the next borrow's, or a reclaim's
         self.borrowed_total = 0
         self.returned_total = 0
         self.denied_total = 0
@@ -133,6 +138,7 @@ class LentPool:
             kept = self.client.detach_held()
             for c in kept:
                 self._private[c.handle_id] = c
+            self.pool.adopt(self.warm.take_all())  # they are kept too: back in FREE
             self._adopted = 0  # the dead arbiter's books are gone
             dropped, self._pending_reclaim = self._pending_reclaim, 0
             self._outstanding = self._early_late_replies = 0  # those replies will never come
@@ -210,14 +216,15 @@ class LentPool:
         return rejoined
 
     def available_now(self) -> int:
-        """Chunks the arbiter could grant at once (free + never created), from one STATUS."""
+        """Chunks a borrow could have at once: the arbiter's (free + never created, one STATUS) and
+        this client's warm ones."""
         if self._check_lost():
             return 0
         try:
             st = self.client.status()
         except ArbiterError:
-            return 0
-        return st["free"] + st["budget"] - st["created"]
+            return len(self.warm)
+        return st["free"] + st["budget"] - st["created"] + len(self.warm)
 
     def borrow(self, n: int, wait: float | None = None) -> int:
         """Borrow ``n`` chunks into FREE; return ``n``, or 0 if refused, not granted within
@@ -236,6 +243,10 @@ class LentPool:
                 self.denied_total += 1
                 self.last_denied_available = 0
                 return 0
+        warm = self.warm.take_exactly(n)
+        if warm:  # booked as ours already: no round trip
+            self.pool.adopt(warm)
+            return n
         try:
             chunks = self.client.borrow(n, timeout=wait)
         except ArbiterDenied as exc:
@@ -297,16 +308,20 @@ class LentPool:
         self._wake()
         return True
 
-    def give_back(self, max_chunks: int | None = None, *, wait: bool = True) -> int:
+    def give_back(self, max_chunks: int | None = None, *, wait: bool = True, warm: bool = False) -> int:
         """Return up to ``max_chunks`` (default: all) FREE chunks to the arbiter; return how many.
         Kept chunks (module docstring) are destroyed here instead; while the arbiter is lost,
         nothing goes (0). ``wait=False``: the arbiter's ACK is not waited for
-        (``ArbiterClient.give_back``)."""
+        (``ArbiterClient.give_back``). ``warm`` (with a hold, and no kept chunks): they leave the
+        engine's pool for ``warm`` instead, and go back when the hold ends (``expire_warm``)."""
         if self._check_lost():
             return 0
         chunks = self.pool.disown(max_chunks)
         if not chunks:
             return 0
+        if warm and self.warm.hold_s > 0 and not self._private:
+            self.warm.put(chunks, time.monotonic())
+            return len(chunks)
         with self._lock:
             kept = [c for c in chunks if self._private.get(c.handle_id) is c]
             for c in kept:
@@ -327,6 +342,15 @@ class LentPool:
             self.client.give_back(lent, wait=wait)
         with self._lock:
             self.returned_total += len(chunks)
+        return len(chunks)
+
+    def expire_warm(self) -> int:
+        """From the engine's tick: once the hold has passed, the warm chunks go back (no ACK waited for)."""
+        chunks = self.warm.take_expired(time.monotonic())
+        if chunks:
+            self.client.give_back(chunks, wait=False)
+            with self._lock:
+                self.returned_total += len(chunks)
         return len(chunks)
 
     def link(self, demand, link_bytes_per_s: float, active: bool = True, timeout: float = 0.2) -> dict | None:
@@ -374,11 +398,14 @@ class LentPool:
         return True
 
     def _on_reclaim(self, n: int) -> list[PhysicalChunk]:
+        warm = self.warm.take_for_reclaim(n)  # outside the engine's pool: the reclaim thread may return them
         with self._lock:
             self.reclaim_requests += 1
-            self._pending_reclaim += n
-        self._wake()
-        return []  # answered by the engine's thread (see the module docstring)
+            self._pending_reclaim += n - len(warm)
+            self.returned_total += len(warm)
+        if len(warm) < n:
+            self._wake()
+        return warm  # the rest is answered by the engine's thread (see the module docstring)
 
     def take_pending_reclaim(self) -> int:
         """Chunks the arbiter asked for since the last call; resets the count."""
@@ -398,6 +425,10 @@ class LentPool:
                 "reclaim_requests": self.reclaim_requests,
                 "pending_reclaim": self._pending_reclaim,
                 "late_grants": self.late_grants,
+                "warm_chunks": len(self.warm),
+                "warm_hold_s": self.warm.hold_s,
+                "warm_reused_total": self.warm.reused_total,
+                "warm_reclaimed_total": self.warm.reclaimed_total,
                 "outstanding": self._outstanding,
                 "reports_sent": self.reports_sent,
                 "held_chunks": len(self.client.held()) + len(self._private),
@@ -443,6 +474,7 @@ class LentPool:
         """Give every FREE chunk back and disconnect (mapped chunks return when the socket closes;
         kept chunks, module docstring, are destroyed here unless mapped)."""
         try:
+            self.pool.adopt(self.warm.take_all())  # warm chunks leave with the rest
             if not self._check_lost() and self.client.connected:
                 self.give_back()
             else:

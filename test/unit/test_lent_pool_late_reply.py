@@ -9,6 +9,7 @@ import threading
 
 from memory_ext.pool.arbiter_client import ArbiterError
 from memory_ext.pool.lent_pool import LentPool
+from memory_ext.pool.warm_chunks import WarmChunks
 
 
 class _RacingClient:
@@ -35,6 +36,7 @@ def _pool(late: bool) -> LentPool:
     pool._private, pool._adopted = {}, 0
     pool.denied_total = pool.borrowed_total = pool.late_grants = 0
     pool.last_denied_available = 0
+    pool.warm = WarmChunks()  # none warm: every borrow asks the arbiter
     pool.client = _RacingClient(pool, late)
     return pool
 

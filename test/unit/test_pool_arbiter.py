@@ -490,28 +490,3 @@ def test_lent_pool_wakes_a_sleeping_engine_on_reclaim(sock_path):
         finally:
             asker.close(force=True)
             lent.close()
-
-
-def test_draining_reads_the_wake_pipe_only_after_a_wake_up(sock_path, monkeypatch):
-    """Every scheduler iteration drains; without a wake-up written since, no system call is made,
-    and a wake-up written between two drains is never left in the pipe (a sleeping engine would
-    otherwise find its pipe readable forever)."""
-    from memory_ext.pool import lent_pool
-    from memory_ext.pool.lent_pool import LentPool
-
-    with Arbiter(sock_path, host_backend(G), 4):
-        lent = LentPool(sock_path, "drainer", host_backend(G))
-        try:
-            lent.drain_wakeups()  # whatever the connection wrote
-            reads = []
-            real_read = lent_pool.os.read
-            monkeypatch.setattr(lent_pool.os, "read", lambda fd, n: reads.append(fd) or real_read(fd, n))
-            assert lent.drain_wakeups() == 0 and reads == []
-            lent._wake()
-            lent._wake()
-            assert _readable(lent.wake_fd, 0)
-            assert lent.drain_wakeups() == 2 and not _readable(lent.wake_fd, 0) and reads
-            reads.clear()
-            assert lent.drain_wakeups() == 0 and reads == []
-        finally:
-            lent.close()

@@ -55,6 +55,9 @@ BORROW_BACKOFF_MAX_S = 1.0
 QUEUE_WAIT_S = 0.02  # longest a scheduler iteration waits for a grant for its queue
 URGENT_WAIT_S = 0.5  # ... for a decode step that would otherwise retract
 CACHE_KEEP_RETRY_S = 1.0  # after the arbiter had nothing free for the cache, ask again no sooner
+# spare chunks wait this long as the lent pool's warm chunks before they go back: the next request's
+# borrow takes them without a round trip; a RECLAIM takes them at once (``memory_ext.pool.warm_chunks``)
+WARM_HOLD_S = 1.0
 
 
 # ------------------------------------------------------------------ the arbiter process
@@ -139,7 +142,7 @@ def restart_crashed_arbiter(config: MemxConfig, chunk_bytes: int) -> bool:
 def join_pool(config: MemxConfig, backend) -> LentPool:
     sock = ensure_arbiter(config, backend.granularity)
     try:
-        lent = LentPool(sock, f"sglang-{os.getpid()}", backend,
+        lent = LentPool(sock, f"sglang-{os.getpid()}", backend, warm_hold_s=WARM_HOLD_S,
                         restart_arbiter=lambda: restart_crashed_arbiter(config, backend.granularity))  # fmt: skip
     except ArbiterError as exc:
         if exc.field == "granularity":
@@ -175,12 +178,14 @@ def attend(kv: ElasticKV, lent: LentPool, scheduler) -> None:
     """Once per iteration: the first time, make an idle scheduler (``--sleep-on-idle``) wake up
     when the arbiter asks for memory, a late grant lands or the arbiter is lost (else a sleeping
     server would answer a reclaim only when its one-second sleep ends); then consume the
-    wake-ups. If the arbiter died, rejoin a new one once it answers (``LentPool.maybe_rejoin``:
-    a no-op while connected; meanwhile the server runs on what it holds)."""
+    wake-ups and return the warm chunks whose hold has passed. If the arbiter died, rejoin a new
+    one once it answers (``LentPool.maybe_rejoin``: a no-op while connected; meanwhile the server
+    runs on what it holds)."""
     if not kv.lent_wakeup_registered:
         up_sched.add_idle_wakeup(scheduler, lent.wake_fd)
         kv.lent_wakeup_registered = True
     lent.drain_wakeups()
+    lent.expire_warm()
     lent.maybe_rejoin()
 
 
@@ -285,6 +290,7 @@ def report(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation
     if not lent.report_due(busy or router_activity.holds_requests()):
         return
     idle = spare_free_chunks(kv, allocator, scheduler, activation) + idle_kv_chunks(kv, allocator, tree)
+    idle += len(lent.warm)  # given up already, returned the moment the arbiter asks
     if lendable is not None:
         idle += lendable()  # 0 unless remappable weights of an inactive model
     idle += max(0, activation.idle_chunks() - activation.next_step_chunks(scheduler))
@@ -324,7 +330,7 @@ def balance(
             activation.release_idle(keep=next_step)  # keep their next step's
         spare = spare_chunks(kv, queue_tokens, free_pages, next_step, activation.held_chunks())
         if spare > 0:
-            lent.give_back(spare, wait=False)  # no round trip
+            lent.give_back(spare, wait=False, warm=True)  # no round trip; warm for the next borrow
     beyond_free = queue_tokens - free_pages * kv.page_size
     if beyond_free <= 0 and activation_chunks <= 0:
         return  # the mapped free pages cover it and no prefill waits for activation: nothing to borrow
