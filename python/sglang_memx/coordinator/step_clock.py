@@ -2,9 +2,9 @@
 
 ``Coordinator.tick`` and ``cover_allocation`` time each step / source they run; ``/memx/status``
 prints the figures (``coordinator.time``), so a stall inside memx's per-iteration work names the
-step that caused it. Each entry also holds the part spent in *busy* iterations (requests waiting or
-running when the tick began; a source always runs on a request's path): that part is what delays
-requests, the rest runs while the engine is idle. Invariant: ``total_s >= max_s >= 0``,
+step that caused it. Each entry also holds the part spent in *busy* iterations (those whose "work?"
+step found requests waiting or running; a source always runs on a request's path): that part is
+what delays requests, the rest runs while the engine is idle. Invariant: ``total_s >= max_s >= 0``,
 ``calls >= 1``, ``busy_calls <= calls`` and ``busy_s <= total_s`` for every entry.
 """
 
