@@ -30,6 +30,7 @@ COMMAND = "python -m benchmark.probe_table"
 # (probe JSON stem, doc, ratios: (numerator setup, denominator setup) per round)
 BLOCKS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     ("bursty2_x2_perreq_b3b53a5", "governor.md", (("lend", "stock"), ("lend-nocap", "lend"))),
+    ("steady2_x2_lend_7ae0832", "governor.md", (("lend", "stock"),)),
     ("steady2_x2_perreq_0dddaba", "governor.md", (("lend", "stock"), ("lend", "lend-nocap"))),
     ("steady2_x2_lend+nolend_48760a6", "governor.md", (("lend", "stock"), ("nolend", "stock"))),
     ("steady2_x2_lend+lend-cold_e307683", "governor.md", (("lend", "stock"), ("lend", "lend-cold"))),
