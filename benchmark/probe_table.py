@@ -29,6 +29,7 @@ COMMAND = "python -m benchmark.probe_table"
 
 # (probe JSON stem, doc, ratios: (numerator setup, denominator setup) per round)
 BLOCKS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
+    ("bursty2_x2_lend_add6cb6", "governor.md", (("lend", "stock"),)),
     ("bursty2_x2_perreq_b3b53a5", "governor.md", (("lend", "stock"), ("lend-nocap", "lend"))),
     ("steady2_x2_lend_7ae0832", "governor.md", (("lend", "stock"),)),
     ("steady2_x2_perreq_0dddaba", "governor.md", (("lend", "stock"), ("lend", "lend-nocap"))),
