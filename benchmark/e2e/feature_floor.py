@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO / "test"))
 sys.path.insert(0, str(REPO))
 
 from benchmark.e2e.load import flush_and_warm, solo_runs  # noqa: E402
-from benchmark.e2e.matrix_probe import usage  # noqa: E402
+from benchmark.e2e.matrix_probe import code_version, usage  # noqa: E402
 from benchmark.matrix_workloads import WORKLOADS, prompt  # noqa: E402
 from benchmark.pairs import ratio_stats, rotation, run_rounds  # noqa: E402
 from support.server import SGLangServer, start_all, stop_all  # noqa: E402
@@ -98,14 +98,6 @@ def stop_pools(setups: list[str], pool_dir: Path) -> None:
             name = flags[flags.index("--memx-pool") + 1]
             cmd = [sys.executable, "-m", "sglang_memx.cli", "pool", "stop", name, "--pool-dir", str(pool_dir)]
             subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, timeout=60)
-
-
-def commit_of(checkout: Path) -> str:
-    """The checkout's commit (``git rev-parse --short HEAD``), with ``+changes`` when its tree differs."""
-    git = ["git", "-C", str(checkout)]
-    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-    return (head or "unknown") + ("+changes" if dirty.stdout.strip() else "")
 
 
 def scheduler_cpu_s(root_pid: int) -> float:
@@ -220,9 +212,9 @@ def main(argv=None) -> int:
     doc = {"benchmark": "feature_floor", "command": " ".join(sys.argv), "when": when, "model": args.model,
            "machine": {"cpus": psutil.cpu_count(), "platform": platform.platform()},
            "setups": {s: flags_of(s) for s in args.setups}, "rounds": rounds, "ratios": ratios,
-           "code": commit_of(REPO), "fresh_servers": args.fresh_servers}  # fmt: skip
+           "code": code_version(), "fresh_servers": args.fresh_servers}  # fmt: skip
     if args.base is not None:
-        doc["base"] = commit_of(args.base)
+        doc["base"] = code_version(args.base)
     args.out.write_text(json.dumps(doc, indent=1))
     for k, st in ratios.items():
         print(f"{k}: {st['median']:.3f} [{st['min']:.3f}, {st['max']:.3f}]")

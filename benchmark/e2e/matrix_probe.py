@@ -156,12 +156,13 @@ def _poll(urls: dict[str, str], every_s: float, stop: threading.Event, out: list
                 out.append({"t": time.monotonic(), "model": model, "error": str(e)})
 
 
-def _code_version() -> str:
-    """The repository's commit the probe ran (``+dirty`` with local changes), or ``unknown``."""
+def code_version(checkout: Path = REPO) -> str:
+    """The commit of ``checkout`` (default: this repository; ``+dirty`` with local changes), or
+    ``unknown``."""
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+        head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -243,7 +244,7 @@ def run(args) -> dict:
                            "requests": out["requests"]}  # fmt: skip
                 runs[name].append(run_doc)
                 print(r, name, round(att, 3), json.dumps(run_doc["models"]), json.dumps(used), flush=True)
-        return {"command": " ".join(sys.argv), "when": when, "code": _code_version(),
+        return {"command": " ".join(sys.argv), "when": when, "code": code_version(),
                 "workload": w.name, "scale": args.scale, "split": split.name,
                 "solo": solo, "runs": runs,
                 "attainment": {k: statistics.median(x["attainment"] for x in v) for k, v in runs.items()}}  # fmt: skip
