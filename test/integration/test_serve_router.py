@@ -77,14 +77,15 @@ def _config(tmp: Path, a: Path, b: Path, port: int, **model_b) -> Path:
 def serve(tmp_path_factory, tiny_model_root):
     tmp = tmp_path_factory.mktemp("serve")
     a, b = tiny_model(SPEC_A, tiny_model_root), tiny_model(SPEC_B, tiny_model_root)
-    port = free_port()
-    cfg = _config(tmp, a, b, port, sleep_after_s=6)  # tiny-b sleeps when idle (weights remappable)
+    # Port 0: serve claims a free port before its engines start and names it in its log (a port
+    # picked here could be taken by anything on the box during the engines' minute of start-up).
+    cfg = _config(tmp, a, b, 0, sleep_after_s=6)  # tiny-b sleeps when idle (weights remappable)
     LOG_DIR.mkdir(exist_ok=True)
     log = open(LOG_DIR / "serve-router.log", "w")
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "sglang_memx.cli", "serve", "--config", str(cfg)], stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    url = None
     # One stock server per model (memx filtered out), started meanwhile on the same two cores.
     stock = {n: SGLangServer(m, name=f"serve-stock-{n}", stock=True, max_total_tokens=4096, extra_args=STOCK_ARGS,
                              env={"SGLANG_CPU_OMP_THREADS_BIND": str(i % 2), "OMP_NUM_THREADS": "1"})
@@ -95,8 +96,11 @@ def serve(tmp_path_factory, tiny_model_root):
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"serve exited with {proc.returncode}: {(LOG_DIR / 'serve-router.log').read_text()}")
+            if url is None:
+                m = re.search(r"router on (http://\S+) for", (LOG_DIR / "serve-router.log").read_text())
+                url = m and m.group(1)
             try:
-                if _http(url + "/health", timeout=5)["status"] == "ok":
+                if url and _http(url + "/health", timeout=5)["status"] == "ok":
                     break
             except (urllib.error.URLError, OSError):
                 pass

@@ -2,8 +2,9 @@
 
 Order: read and validate the config, place the models, (``--dry-run``: print and stop;
 ``--emit gateway|k8s``: write the gateway / Kubernetes artefacts and stop),
-start every engine and wait until all are healthy, then serve the router until SIGINT /
-SIGTERM; on the way out every engine and pool arbiter is stopped.
+claim the router's address (a taken port fails here; until the router serves, every request
+on it is answered 503 "starting"), start every engine and wait until all are healthy, then
+serve the router until SIGINT / SIGTERM; on the way out every engine and pool arbiter is stopped.
 
 Exit status: 0 after a clean stop, 2 for a bad config (one line
 ``sglang-memx serve: error: <field>: <problem>``, nothing started), 1 if an engine fails
@@ -16,11 +17,13 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
 from .config import ServeConfigError, load_config
 from .placement import plan_placement
+from .starting_responder import StartingResponder, claim_address
 
 __all__ = ["add_arguments", "run", "main"]
 
@@ -75,10 +78,14 @@ def run(args: argparse.Namespace) -> int:
 
     host = args.host or config.router.host
     port = config.router.port if args.port is None else args.port
-    problem = _port_problem(host, port)
-    if problem:
-        print(f"sglang-memx serve: error: router.port: {problem}", file=sys.stderr)
+    try:
+        listener = claim_address(host, port)
+    except OSError as exc:
+        print(f"sglang-memx serve: error: router.port: cannot listen on {host}:{port}: {exc.strerror or exc}",
+              file=sys.stderr)  # fmt: skip
         return 2
+    starting = StartingResponder(listener).start()  # 503 until the router serves
+    _log(f'sglang-memx serve: router address {_url(listener)} claimed (503 "starting" until the engines are up)')
     launcher = Launcher(specs, log=_log)
 
     # SIGTERM / SIGINT unwind through ``finally`` (which stops every engine), during start-up
@@ -100,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
                            startup_timeout_s=config.launch.startup_timeout_s,
                            health=None if h.interval_s is None else HealthProbe(h.interval_s, h.timeout_s,
                                                                                 h.failures, h.path))  # fmt: skip
-        _serve_router(config, placement, launcher, host, port, api_key)
+        starting.stop()
+        _serve_router(config, placement, launcher, listener, api_key)
     except EngineStartError as exc:
         print(f"sglang-memx serve: error: {exc}", file=sys.stderr)
         return 1
@@ -109,22 +117,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)  # a second signal must not interrupt the clean-up
+        starting.stop()
         launcher.stop_all()
+        listener.close()
         _log("sglang-memx serve: every engine stopped")
     return 0
-
-
-def _port_problem(host: str, port: int) -> str | None:
-    """Why the router could not listen on host:port (checked before any engine starts)."""
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as exc:
-        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-    return None
 
 
 class _Stop(Exception):
@@ -133,7 +130,7 @@ class _Stop(Exception):
         super().__init__(signum)
 
 
-def _serve_router(config, placement, launcher, host: str, port: int, api_key: str | None = None) -> None:
+def _serve_router(config, placement, launcher, listener: socket.socket, api_key: str | None = None) -> None:
     import uvicorn
 
     from .admission import AdmissionGate, policy_from_config
@@ -171,12 +168,18 @@ def _serve_router(config, placement, launcher, host: str, port: int, api_key: st
                     engine_state=lambda n: launcher.engines[n].state, engine_info=lambda n: launcher.engines[n].info(),
                     api_key=api_key, request_timeout_s=config.router.request_timeout_s, status=status,
                     activity_interval_s=0.2)  # fmt: skip
-    _log(f"sglang-memx serve: router on http://{host}:{port} for {', '.join(routes)}")
+    host, port = listener.getsockname()[:2]
+    _log(f"sglang-memx serve: router on {_url(listener)} for {', '.join(routes)}")
     # On SIGTERM uvicorn waits for open requests; bounded, so a request queued for a restarting
     # engine (or a long stream) cannot hold the shutdown for minutes.
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=30))  # fmt: skip
-    server.run()
+    server.run(sockets=[listener])  # the address claimed at start
+
+
+def _url(listener: socket.socket) -> str:
+    host, port = listener.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def main(argv: list[str] | None = None) -> int:
