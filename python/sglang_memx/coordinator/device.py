@@ -154,16 +154,10 @@ class Coordinator:
 
     @staticmethod
     def _run_timed(run, *args) -> float:
+        """Seconds ``run(*args)`` took (a step that raises is not timed: the scheduler fails on it)."""
         t0 = time.perf_counter()
         run(*args)
         return time.perf_counter() - t0
-
-    def _timed(self, name: str, run, *args) -> None:
-        t0 = time.perf_counter()
-        try:
-            run(*args)
-        finally:
-            self.clock.record(name, time.perf_counter() - t0)
 
     def cover_allocation(self, allocator, pages: int) -> None:
         """Before an allocation upstream has already decided on (a prefill chunk, an extend, a
@@ -173,7 +167,7 @@ class Coordinator:
         for _, s in self._sources:
             if pages <= up_kv.free_page_count(allocator):
                 return
-            self._timed(s.name, s.take, allocator, pages)
+            self.clock.record(s.name, self._run_timed(s.take, allocator, pages))
 
     # ------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
