@@ -416,11 +416,13 @@ class LentPool:
 
     def status(self) -> dict:
         self._check_lost()
+        in_flight = self.client.returns_in_flight  # given back without waiting, not yet acknowledged
         with self._lock:
             return {
                 "budget_chunks": self.client.budget,
                 "borrowed_total": self.borrowed_total,
                 "returned_total": self.returned_total,
+                "returns_in_flight": in_flight,
                 "denied_total": self.denied_total,
                 "reclaim_requests": self.reclaim_requests,
                 "pending_reclaim": self._pending_reclaim,

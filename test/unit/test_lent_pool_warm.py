@@ -100,6 +100,10 @@ def test_warm_chunks_go_back_when_the_hold_ends_and_when_the_pool_closes(sock_pa
             time.sleep(0.25)
             assert lent.expire_warm() == 2 and len(lent.warm) == 0 and lent.returned_total == 2
             wait_until(lambda: _held_by(watcher, "engine") == 0, timeout=5.0, interval=0.01)
+            wait_until(lambda: lent.status()["returns_in_flight"] == 0, timeout=5.0, interval=0.01)  # ACKed
+            lent.client._returning[999] = ["x", "y"]  # a RETURN whose ACK has not come: the status counts it
+            assert lent.status()["returns_in_flight"] == 2
+            del lent.client._returning[999]
             assert lent.borrow(3) == 3 and lent.give_back(3, warm=True) == 3
         finally:
             lent.close()
