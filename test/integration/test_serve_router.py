@@ -1,4 +1,7 @@
-"""``sglang-memx serve``: two tiny models of different KV cell sizes behind one router, real SGLang on CPU.
+"""``sglang-memx serve``: two tiny models of different families and KV cell sizes behind one router, real SGLang on CPU.
+
+tiny-a is a Llama (GQA), tiny-b a Gemma2 (sliding-window layers beside full attention, tied
+embeddings, its own norms): two model families co-located on one shared pool (issue 28).
 
 One ``sglang-memx serve`` process (started once for the module) places both models on one
 CPU device, starts one SGLang server per model sharing the device's memx pool, and fronts
@@ -29,13 +32,14 @@ from pathlib import Path
 import pytest
 
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
+from sglang_memx.models.tiny_families import TinyFamilySpec, tiny_family_model
 from support.server import LOG_DIR, READY_POLL_S, SGLangServer, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 # KV per token in float32: A 2 layers x 2 heads x 16 x 2 x 4 B = 512 B; B 3 x 2 x 32 x 2 x 4 B = 1536 B.
 SPEC_A = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=1)
-SPEC_B = TinyModelSpec(arch="llama", num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, seed=2)
+SPEC_B = TinyFamilySpec(family="sliding_window", num_layers=3, hidden_size=128, seed=2)  # Gemma2ForCausalLM
 STOCK_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "64"]  # as the serve config's engines
 PROMPTS = ["The capital of France is", "one two three four", "Memory pages map to chunks when"]
 
@@ -76,7 +80,7 @@ def _config(tmp: Path, a: Path, b: Path, port: int, **model_b) -> Path:
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory, tiny_model_root):
     tmp = tmp_path_factory.mktemp("serve")
-    a, b = tiny_model(SPEC_A, tiny_model_root), tiny_model(SPEC_B, tiny_model_root)
+    a, b = tiny_model(SPEC_A, tiny_model_root), tiny_family_model(SPEC_B, tiny_model_root)
     # Port 0: serve claims a free port before its engines start and names it in its log (a port
     # picked here could be taken by anything on the box during the engines' minute of start-up).
     cfg = _config(tmp, a, b, 0, sleep_after_s=6)  # tiny-b sleeps when idle (weights remappable)
@@ -452,7 +456,7 @@ def test_bad_config_fails_before_anything_starts(serve, tmp_path):
     r = _serve_cmd(cfg)
     assert r.returncode == 2 and "models[1].ttft_slo: unknown field" in r.stderr
     doc = json.loads(_config(tmp_path, serve["a"], serve["b"], free_port()).read_text())
-    doc["devices"][0]["memory_gb"] = 0.001  # tiny-b's float32 weights alone are ~1.6 MB
+    doc["devices"][0]["memory_gb"] = 0.001  # tiny-b's float32 weights alone are ~1.5 MB
     cfg.write_text(json.dumps(doc))
     r = _serve_cmd(cfg)
     # placement visits the models in its own order (Alg. 1): the first that fits nowhere is named
