@@ -80,3 +80,17 @@ def test_the_claimed_port_is_held_and_answers_503_starting_until_stopped():
     assert responder.answered == 2
     sock.close()
     claim_address("127.0.0.1", port).close()  # released on close; a restart claims it despite TIME_WAIT
+
+
+def test_a_silent_client_holds_the_responder_no_longer_than_its_budget(monkeypatch):
+    monkeypatch.setattr("sglang_memx.serve.starting_responder.CONN_BUDGET_S", 0.2)
+    sock = claim_address("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    responder = StartingResponder(sock, poll_s=0.05).start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # connects, never sends a byte
+            assert _get(port) == (503, str(RETRY_AFTER_S), {"status": "starting"})  # answered behind it
+        assert responder.answered == 1
+    finally:
+        responder.stop()
+        sock.close()

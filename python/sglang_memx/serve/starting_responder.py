@@ -19,10 +19,12 @@ import json
 import select
 import socket
 import threading
+import time
 
 __all__ = ["claim_address", "StartingResponder"]
 
 RETRY_AFTER_S = 5
+CONN_BUDGET_S = 2.0  # at most this long on one connection
 _HEAD_LIMIT = 65536  # read at most this much of a request (its head) before answering
 
 
@@ -91,20 +93,28 @@ class StartingResponder:
                 self._answer(conn)
 
     def _answer(self, conn: socket.socket) -> None:
-        conn.setblocking(True)
-        conn.settimeout(1.0)
+        """Read the request's head, answer, drain what else the client sends; ``CONN_BUDGET_S`` in all
+        (a client that trickles or uploads cannot hold the responder, nor ``stop``, longer)."""
+        deadline = time.monotonic() + CONN_BUDGET_S
+
+        def recv() -> bytes:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            conn.settimeout(left)
+            return conn.recv(4096)
+
         head = b""
         try:
             while b"\r\n\r\n" not in head and len(head) < _HEAD_LIMIT:
-                chunk = conn.recv(4096)
+                chunk = recv()
                 if not chunk:
                     break
                 head += chunk
             conn.sendall(_response(_request_path(head)))
             self.answered += 1
             conn.shutdown(socket.SHUT_WR)
-            conn.settimeout(0.5)
-            while conn.recv(4096):  # drain the rest (a POST's body) so the close does not reset
+            while recv():  # drain the rest (a POST's body) so the close does not reset the answer
                 pass
         except OSError:
-            pass  # the client went away or stalled: nothing owed to it
+            pass  # the client went away or ran out of its budget: nothing more owed to it
