@@ -54,6 +54,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "test")]
 
 from benchmark.e2e.router_proc import http_json  # noqa: E402
 from benchmark.pairs import plot_ratios, ratio_stats, run_rounds, value_stats  # noqa: E402
+from benchmark.provenance import code_version  # noqa: E402
 from benchmark.quiet_point import engines  # noqa: E402
 from benchmark.step_log import BINS, MIN_STEPS, bin_key, read_from, summarize  # noqa: E402
 from sglang_memx.serve.engine_specs import OMP_WAIT_ENV  # noqa: E402
@@ -250,6 +251,7 @@ def _args(argv: list[str] | None = None):
 
 def main() -> int:
     args = _args()
+    code = code_version()  # before the runs: the code every server started from (unless edited meanwhile)
     setups = parse_setups(args)
     step_logs = logs_every_step(args.serve_args)
     out = Path(args.out)
@@ -310,6 +312,7 @@ def main() -> int:
         # the OpenMP wait settings every setup inherited (the launcher leaves them alone when set)
         "environment": {k: os.environ[k] for k in OMP_WAIT_ENV if k in os.environ},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "code": code,
         "rounds": rounds,
         "startup_s": startups,
         "ratios": by_setup["memx"],

@@ -48,9 +48,10 @@ sys.path.insert(0, str(REPO / "test"))
 sys.path.insert(0, str(REPO))
 
 from benchmark.e2e.load import flush_and_warm, solo_runs  # noqa: E402
-from benchmark.e2e.matrix_probe import code_version, usage  # noqa: E402
+from benchmark.e2e.matrix_probe import usage  # noqa: E402
 from benchmark.matrix_workloads import WORKLOADS, prompt  # noqa: E402
 from benchmark.pairs import ratio_stats, rotation, run_rounds  # noqa: E402
+from benchmark.provenance import code_version  # noqa: E402
 from support.server import SGLangServer, start_all, stop_all  # noqa: E402
 
 RESULTS = REPO / "benchmark" / "results" / "e2e"

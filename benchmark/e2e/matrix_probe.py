@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -52,6 +51,7 @@ from benchmark.e2e.consolidation import model_specs  # noqa: E402
 from benchmark.e2e.router_proc import Serve, http_json  # noqa: E402
 from benchmark.matrix_score import score_run  # noqa: E402
 from benchmark.matrix_workloads import WORKLOADS, candidate_splits, memory_plan, schedule  # noqa: E402
+from benchmark.provenance import code_version  # noqa: E402
 from sglang_memx.models.tiny import tiny_model  # noqa: E402
 
 MODELS_ROOT = Path("/tmp/sglang-memx-bench-models")
@@ -154,19 +154,6 @@ def _poll(urls: dict[str, str], every_s: float, stop: threading.Event, out: list
                 out.append(poll_sample(http_json(url + "/memx/status"), model, time.monotonic()))
             except (OSError, KeyError, IndexError) as e:
                 out.append({"t": time.monotonic(), "model": model, "error": str(e)})
-
-
-def code_version(checkout: Path = REPO) -> str:
-    """The commit of ``checkout`` (default: this repository; ``+dirty`` with local changes), or
-    ``unknown``."""
-    try:
-        head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def variant_config(doc: dict, variant: str) -> dict:

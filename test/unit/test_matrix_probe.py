@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.e2e import matrix_probe as P  # noqa: E402
+from benchmark.provenance import code_version  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -91,8 +92,8 @@ def test_omp_wait_suffixes_go_to_the_serve_environment_and_keep_the_config():
 
 
 def test_the_probe_records_the_code_it_ran(tmp_path):
-    assert P.code_version() != "" and P.code_version() != "unknown"  # this checkout
-    assert P.code_version(tmp_path) == "unknown"  # not a repository (feature_floor's --base is read so)
+    assert code_version() != "" and code_version() != "unknown"  # this checkout
+    assert code_version(tmp_path) == "unknown"  # not a repository (feature_floor's --base is read so)
 
 
 def test_the_json_goes_under_probes_named_by_the_script():
