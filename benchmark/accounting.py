@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-# The router's named errors (docs/router.md, "Admission" and "Health").
+# The router's named errors (docs/router.md, "Admission" and "Health"); "starting": serve's answer on
+# the router's address while its engines start (after ``engine_restarting``, which contains it).
 ROUTER_ERROR_CODES = ("engine_restarting", "engine_down", "engine_error", "engine_timeout",
-                      "engine_failed_mid_response", "queue_full", "deadline")  # fmt: skip
+                      "engine_failed_mid_response", "queue_full", "deadline", "starting")  # fmt: skip
 CONNECTION_ERRORS = ("ConnectionRefusedError", "ConnectionResetError", "RemoteDisconnected", "IncompleteRead")
 CUT_DETAIL = "stream ended without [DONE]"
 ANSWERED = ("stop", "length")

@@ -125,6 +125,9 @@ def test_a_named_error_in_the_killed_models_window_passes_in_faults_only():
                 result="error", status=503, error='HTTP 503: {"code": "engine_restarting"}'),
         Outcome(index=5, model="tiny-b", kind="chat", scheduled_at=300.0, sent=True, sent_at=300.0, ended_at=300.1,
                 result="error", error=RESET),
+        # the restarted serve answers 503 "starting" on the router's address until its engines are up
+        Outcome(index=6, model="tiny-b", kind="chat", scheduled_at=310.0, sent=True, sent_at=310.0, ended_at=310.1,
+                result="error", status=503, error='HTTP 503: {"error": {"code": "starting"}}'),
     ]  # fmt: skip
     faults = [
         {"n": 0, "kind": "engine", "t": 100.0, "t_recovered": 150.0, "target": "tiny-a#1", "incarnation": 0},
@@ -134,10 +137,11 @@ def test_a_named_error_in_the_killed_models_window_passes_in_faults_only():
     checks, details = faults_verdict(clean_outcomes() + in_window, faults, health, quiet_point(), quiet_point(),
                                      10.0, 0)  # fmt: skip
     assert not failed_checks(checks), details
-    assert details["judgement"]["excused_by_kills"] == 2
+    assert details["judgement"]["excused_by_kills"] == 3
     checks, details = soak(clean_outcomes() + copy.deepcopy(in_window))
     assert details["judgement"]["failure_reasons"] == {"engine_restarting that no kill explains": 1,
-                                                       "connection error outside any kill window": 1}  # fmt: skip
+                                                       "connection error outside any kill window": 1,
+                                                       "starting that no kill explains": 1}  # fmt: skip
 
 
 def test_an_error_on_another_model_or_after_the_window_is_not_excused():
@@ -244,6 +248,8 @@ def test_less_than_a_group_and_process_limits():
 @pytest.mark.parametrize(
     "text, code",
     [('HTTP 503: {"code": "engine_restarting"}', "engine_restarting"), (RESET, "connection"),
+     ('HTTP 503: {"error": {"message": "sglang-memx serve is starting its engines", "code": "starting"}}',
+      "starting"),
      ("connection: RemoteDisconnected('closed')", "connection"), ("stream ended without [DONE]", "cut"),
      ("HTTP 500: oops", None)],
 )  # fmt: skip
