@@ -27,7 +27,14 @@ its scheduler log). Reported: every ratio memx/stock (and stock_ample/stock) per
 median and range; TPOT at equal running batch (decode step time per running-request count).
 JSON + PNGs under benchmark/results/e2e/colocated*.
 
+``--families F0,F1,F2``: the model family of each server, ``llama`` (the default) or
+``sliding_window`` (the tiny Gemma2 of ``docs/models.md``: sliding-window layers beside full
+attention, the same hidden size, heads and KV row as the tiny Llama, so every setup's memory is
+counted the same way). Mixed families co-locate different architectures on one shared pool;
+MLA cannot run here (upstream does not serve it on CPU, ``docs/models.md``).
+
     python benchmark/e2e/colocated.py [--rounds 5] [--phases 3] [--phase-s 20] [--burst 16]
+                                      [--families llama,sliding_window,llama]
 """
 
 from __future__ import annotations
@@ -53,8 +60,9 @@ from support.server import SGLangServer, start_all  # noqa: E402
 
 RESULTS = REPO / "benchmark" / "results" / "e2e"
 CHUNK_KB = 4
-TOKEN_ROW_BYTES = 64  # tiny Llama: 2 KV heads x 16 dims x bf16, per layer and K/V
+TOKEN_ROW_BYTES = 64  # tiny Llama and tiny Gemma2: 2 KV heads x 16 dims x bf16, per layer and K/V
 LAYERS = 2
+FAMILIES = ("llama", "sliding_window")
 CHUNKED_PREFILL = 64  # every setup; bounds one prefill batch's activation
 SETUPS = ("stock", "memx", "stock_ample", "memx_buffer")
 DEFAULT_SETUPS = ("stock", "memx", "stock_ample")
@@ -89,7 +97,29 @@ def activation_bytes() -> int:
     return p.bytes_for(CHUNKED_PREFILL, 1)
 
 
-def make_servers(model, args, pool_dir: Path) -> dict[str, list[SGLangServer]]:
+def family_models(families: list[str], root: Path) -> list[Path]:
+    """One checkpoint per server: the tiny Llama or the tiny Gemma2 of the same dimensions (seed 5)."""
+    from sglang_memx.models.tiny import TinyModelSpec, tiny_model
+    from sglang_memx.models.tiny_families import TinyFamilySpec, tiny_family_model
+
+    made = {
+        "llama": lambda: tiny_model(TinyModelSpec(arch="llama", num_layers=LAYERS, num_heads=4, num_kv_heads=2,
+                                                  head_dim=16, seed=5), root),
+        "sliding_window": lambda: tiny_family_model(TinyFamilySpec(family="sliding_window", num_layers=LAYERS,
+                                                                   hidden_size=64, seed=5), root),
+    }  # fmt: skip
+    return [made[f]() for f in families]
+
+
+def parse_families(text: str) -> list[str]:
+    """``--families``: three names from ``FAMILIES``; raises ValueError naming the flag."""
+    families = [f.strip() for f in text.split(",")]
+    if len(families) != 3 or any(f not in FAMILIES for f in families):
+        raise ValueError(f"--families: three of {', '.join(FAMILIES)}, comma-separated; got {text!r}")
+    return families
+
+
+def make_servers(models: list[Path], args, pool_dir: Path) -> dict[str, list[SGLangServer]]:
     per_group = 64 * TOKEN_ROW_BYTES * 2 * LAYERS  # bytes of one 64-token group over all buffers
     budget_gb = ((args.budget_tokens // 64) * per_group + 3 * activation_bytes()) / (1 << 30)
     memx_args = COMMON + [
@@ -97,13 +127,13 @@ def make_servers(model, args, pool_dir: Path) -> dict[str, list[SGLangServer]]:
         "--memx-pool-dir", str(pool_dir), "--memx-chunk-kb", str(CHUNK_KB),
     ]  # fmt: skip
     return {
-        "stock": [SGLangServer(model, name=f"bench-colo-stock{i}", stock=True, env=SERVER_ENV,
+        "stock": [SGLangServer(models[i], name=f"bench-colo-stock{i}", stock=True, env=SERVER_ENV,
                                max_total_tokens=args.budget_tokens // 3, extra_args=COMMON) for i in range(3)],
-        "memx": [SGLangServer(model, name=f"bench-colo-memx{i}", env=SERVER_ENV, max_total_tokens=args.budget_tokens,
-                              extra_args=memx_args) for i in range(3)],
-        "stock_ample": [SGLangServer(model, name=f"bench-colo-ample{i}", stock=True, env=SERVER_ENV,
+        "memx": [SGLangServer(models[i], name=f"bench-colo-memx{i}", env=SERVER_ENV,
+                              max_total_tokens=args.budget_tokens, extra_args=memx_args) for i in range(3)],
+        "stock_ample": [SGLangServer(models[i], name=f"bench-colo-ample{i}", stock=True, env=SERVER_ENV,
                                      max_total_tokens=args.budget_tokens, extra_args=COMMON) for i in range(3)],
-        "memx_buffer": [SGLangServer(model, name=f"bench-colo-memxbuf{i}", env=SERVER_ENV,
+        "memx_buffer": [SGLangServer(models[i], name=f"bench-colo-memxbuf{i}", env=SERVER_ENV,
                                      max_total_tokens=args.budget_tokens,
                                      extra_args=[a.replace(f"bench{os.getpid()}", f"benchbuf{os.getpid()}")
                                                  for a in memx_args] + ["--memx-host-buffer-gb", "1"])
@@ -202,21 +232,23 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=40)
     ap.add_argument("--budget-tokens", type=int, default=1536, help="total KV tokens of the three servers")
     ap.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help="comma-separated subset of " + ",".join(SETUPS))
+    ap.add_argument("--families", default="llama,llama,llama", help="each server's model family: three of "
+                    + ", ".join(FAMILIES))  # fmt: skip
     ap.add_argument("--out", default="colocated", help="results name under benchmark/results/e2e/")
     args = ap.parse_args()
+    try:
+        families = parse_families(args.families)
+    except ValueError as exc:
+        ap.error(str(exc))
     command = "python benchmark/e2e/colocated.py " + " ".join(sys.argv[1:])
     print(f"# {command}", flush=True)
-    from sglang_memx.models.tiny import TinyModelSpec, tiny_model
-
-    root = Path(os.environ.get("TMPDIR", "/tmp")) / "sglang-memx-bench-models"
-    model = tiny_model(TinyModelSpec(arch="llama", num_layers=LAYERS, num_heads=4, num_kv_heads=2, head_dim=16,
-                                     seed=5), root)  # fmt: skip
+    models = family_models(families, Path(os.environ.get("TMPDIR", "/tmp")) / "sglang-memx-bench-models")
     pool_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-memx-bench-pools-{os.getpid()}"
     setups = [s for s in args.setups.split(",") if s]
     unknown = sorted(set(setups) - set(SETUPS))
     if unknown or "stock" not in setups:
         ap.error(f"--setups: need stock and some of {', '.join(SETUPS)}; unknown: {', '.join(unknown) or '-'}")
-    servers = {k: v for k, v in make_servers(model, args, pool_dir).items() if k in setups}
+    servers = {k: v for k, v in make_servers(models, args, pool_dir).items() if k in setups}
     sched = schedule(args)
     start_all([s for group in servers.values() for s in group])
     try:
@@ -232,7 +264,8 @@ def main() -> int:
             subprocess.run([sys.executable, "-m", "sglang_memx.cli", "pool", "stop", pool, "--pool-dir", str(pool_dir)],
                            check=False, capture_output=True)  # fmt: skip
     doc = {"command": command, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-           "params": vars(args), "server_env": SERVER_ENV, "common_flags": COMMON, "rounds": rounds}  # fmt: skip
+           "params": vars(args), "families": families, "server_env": SERVER_ENV, "common_flags": COMMON,
+           "rounds": rounds}  # fmt: skip
     doc["ratios"] = {k: ratio_stats(rounds, k, "memx", "stock") for k in KEYS} if "memx" in setups else {}
     if "memx_buffer" in setups:
         doc["buffer_over_stock"] = {k: ratio_stats(rounds, k, "memx_buffer", "stock") for k in KEYS}
@@ -253,7 +286,8 @@ def main() -> int:
     main_ratio = "memx" if "memx" in setups else "memx_buffer"
     shown = doc["ratios"] if "memx" in setups else doc["buffer_over_stock"]
     plot_ratios({"ratios": shown}, KEYS, RESULTS / f"{args.out}.png",
-                f"3 co-located tiny Llama servers, {args.budget_tokens} KV tokens in total, {args.rounds} rounds",
+                f"3 co-located tiny servers ({', '.join(families)}), {args.budget_tokens} KV tokens in total, "
+                f"{args.rounds} rounds",
                 f"{main_ratio}/stock")  # fmt: skip
     plot_timelines(doc, RESULTS / f"{args.out}_timeline.png")
     summary = {name: {k: {m: v for m, v in st.items() if m != "values"} for k, st in block.items()}
