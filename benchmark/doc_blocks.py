@@ -1,6 +1,6 @@
 """Generated blocks in the docs: the one way the table renderers (``bench_serving_table``,
-``families_table``, ``reliability_table``, ``sim_table``, ``peer_kv_tables``, ``map_calls_table``) put
-what they render between a doc's markers and check it.
+``families_table``, ``reliability_table``, ``sim_table``, ``peer_kv_tables``, ``map_calls_table``,
+``colocated_table``, ...) put what they render between a doc's markers and check it.
 
 Invariant: only the text between a block's begin and end markers (included) changes; a doc without
 them is an error, never silently left as it was."""
