@@ -31,7 +31,9 @@ JSON + PNGs under benchmark/results/e2e/colocated*.
 ``sliding_window`` (the tiny Gemma2 of ``docs/models.md``: sliding-window layers beside full
 attention, the same hidden size, heads and KV row as the tiny Llama, so every setup's memory is
 counted the same way). Mixed families co-locate different architectures on one shared pool;
-MLA cannot run here (upstream does not serve it on CPU, ``docs/models.md``).
+MLA cannot run here (upstream does not serve it on CPU, ``docs/models.md``). Known defect: the
+pool's activation allowance (``activation_bytes``) is the tiny Llama's estimate, and a memx Gemma2
+server measures ~1.5x that (docs/models.md), so with Gemma2 memx gets fewer KV bytes than stock.
 
     python benchmark/e2e/colocated.py [--rounds 5] [--phases 3] [--phase-s 20] [--burst 16]
                                       [--families llama,sliding_window,llama]
