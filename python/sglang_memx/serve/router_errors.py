@@ -15,11 +15,17 @@ from fastapi.responses import JSONResponse
 
 from .admission import Rejected
 
-__all__ = ["error_response", "rejected_response", "ApiKeyGate"]
+__all__ = ["error_body", "error_response", "rejected_response", "ApiKeyGate"]
 
 _ERROR_TYPE = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                429: "rate_limit_exceeded", 502: "engine_error", 503: "service_unavailable",
                504: "engine_error"}  # fmt: skip
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    """The OpenAI-style body of a refusal (also what ``serve`` answers while its engines start)."""
+    return {"error": {"message": message, "type": _ERROR_TYPE.get(status, "error"), "param": param,
+                      "code": code or str(status)}}  # fmt: skip
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
@@ -27,9 +33,7 @@ def error_response(status: int, message: str, code: str | None = None, param: st
     headers = dict(headers or {})
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
-    body = {"error": {"message": message, "type": _ERROR_TYPE.get(status, "error"), "param": param,
-                      "code": code or str(status)}}  # fmt: skip
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
 def rejected_response(exc: Rejected) -> JSONResponse:

@@ -21,6 +21,8 @@ import socket
 import threading
 import time
 
+from .router_errors import error_body
+
 __all__ = ["claim_address", "StartingResponder"]
 
 RETRY_AFTER_S = 5
@@ -45,8 +47,7 @@ def _response(path: str) -> bytes:
     if path == "/health":
         body = {"status": "starting"}
     else:
-        body = {"error": {"message": "sglang-memx serve is starting its engines; retry shortly",
-                          "type": "service_unavailable", "param": None, "code": "starting"}}  # fmt: skip
+        body = error_body(503, "sglang-memx serve is starting its engines; retry shortly", code="starting")
     data = json.dumps(body).encode()
     head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
             f"Retry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n")  # fmt: skip
