@@ -12,9 +12,9 @@ arbiter:
   to answer a reclaim). A reply that comes later is adopted into FREE then
   (or counted as a refusal); while one is outstanding, ``borrow`` asks nothing
   more and returns 0.
-* ``give_back(n)`` disowns up to ``n`` FREE chunks and returns them; with ``warm`` (and a
-  ``warm_hold_s``) they wait in ``warm`` instead (``warm_chunks``): a borrow takes them back without
-  a round trip, a RECLAIM takes them first, and ``expire_warm`` returns them when the hold ends.
+* ``give_back(n)`` disowns up to ``n`` FREE chunks and returns them; with ``warm`` and a ``warm_hold_s``
+  they wait in ``warm`` instead (``warm_chunks``; not those a RECLAIM is owed): the next borrow
+  takes them back without a round trip, a RECLAIM first, ``expire_warm`` when the hold ends.
 * ``report(idle, headroom, busy)`` tells the arbiter's policy what this process
   could give back; it is sent only when a number changed (at most every
   ``REPORT_MIN_INTERVAL_S`` unless ``busy`` flips).
@@ -320,7 +320,11 @@ class LentPool:
         if not chunks:
             return 0
         if warm and self.warm.hold_s > 0 and not self._private:
-            self.warm.put(chunks, time.monotonic())
+            owed = self.warm.put(chunks, time.monotonic())  # what a RECLAIM still waits for goes now
+            if owed:
+                self.client.give_back(owed, wait=False)
+                with self._lock:
+                    self.returned_total += len(owed)
             return len(chunks)
         with self._lock:
             kept = [c for c in chunks if self._private.get(c.handle_id) is c]
@@ -340,6 +344,7 @@ class LentPool:
         lent = [c for c in chunks if id(c) not in kept_ids]
         if lent:
             self.client.give_back(lent, wait=wait)
+            self.warm.paid(len(lent))
         with self._lock:
             self.returned_total += len(chunks)
         return len(chunks)
@@ -373,10 +378,10 @@ class LentPool:
             return None
 
     def report_due(self, busy: bool) -> bool:
-        """Whether ``report`` could send now (the interval passed, or ``busy`` flips): lets the
-        caller skip computing the numbers."""
-        last = self._last_report
-        return last is None or last[2] != busy or time.monotonic() - self._last_report_t >= self.REPORT_MIN_INTERVAL_S
+        """Whether ``report`` could send now (the interval passed, ``busy`` flips, or a RECLAIM is owed:
+        the arbiter replans a short answer on it): lets the caller skip computing the numbers."""
+        last, soon = self._last_report, time.monotonic() - self._last_report_t < self.REPORT_MIN_INTERVAL_S
+        return last is None or last[2] != busy or not soon or self.warm.owed > 0
 
     def report(self, idle: int, headroom: int, busy: bool) -> bool:
         """Send the policy's numbers if they changed; returns whether a REPORT went out."""
@@ -385,7 +390,8 @@ class LentPool:
         last = self._last_report
         if numbers == last:
             return False
-        if last is not None and last[2] == numbers[2] and now - self._last_report_t < self.REPORT_MIN_INTERVAL_S:
+        soon = now - self._last_report_t < self.REPORT_MIN_INTERVAL_S and not self.warm.owed
+        if last is not None and last[2] == numbers[2] and soon:
             return False
         if self._check_lost():
             return False
@@ -431,6 +437,7 @@ class LentPool:
                 "warm_hold_s": self.warm.hold_s,
                 "warm_reused_total": self.warm.reused_total,
                 "warm_reclaimed_total": self.warm.reclaimed_total,
+                "reclaim_owed": self.warm.owed,  # asked by a RECLAIM, not returned yet: never kept warm
                 "outstanding": self._outstanding,
                 "reports_sent": self.reports_sent,
                 "held_chunks": len(self.client.held()) + len(self._private),

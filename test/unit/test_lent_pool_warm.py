@@ -51,6 +51,57 @@ def test_the_holder_takes_all_or_nothing_for_a_borrow_and_expires_after_its_hold
         WarmChunks(-1.0)
 
 
+def test_chunks_a_reclaim_still_waits_for_are_never_kept_warm():
+    warm = WarmChunks(hold_s=60.0)
+    warm.put(["a", "b"], now=0.0)
+    assert warm.take_for_reclaim(5) == ["a", "b"] and warm.owed == 3  # two answered at once, three owed
+    assert warm.put(["c", "d"], now=1.0) == ["c", "d"] and len(warm) == 0 and warm.owed == 1
+    assert warm.put(["e", "f"], now=2.0) == ["e"] and len(warm) == 1 and warm.owed == 0
+    assert warm.put(["g"], now=3.0) == [] and len(warm) == 2 and warm.owed_paid_at_once == 3
+    assert warm.take_for_reclaim(4) == ["f", "g"] and warm.owed == 2
+    warm.paid(1)  # a give-back by another way
+    assert warm.owed == 1
+    warm.paid(5)
+    assert warm.owed == 0  # never below zero
+    assert warm.take_for_reclaim(2) == [] and warm.owed == 2
+    assert warm.take_all() == [] and warm.owed == 0  # the arbiter is gone or the client leaves
+    brief = WarmChunks(hold_s=60.0, owed_for_s=0.05)  # a debt lapses: the arbiter forgot the ask by then
+    assert brief.take_for_reclaim(3) == [] and brief.owed == 3
+    time.sleep(0.06)
+    assert brief.owed == 0 and brief.put(["h"], now=0.0) == [] and len(brief) == 1
+    with pytest.raises(ValueError, match="owed_for_s"):
+        WarmChunks(1.0, owed_for_s=0)
+
+
+def test_a_reclaim_the_engine_answered_short_is_paid_before_anything_is_kept_warm(sock_path):
+    """A RECLAIM that found nothing warm and that the engine's thread could not answer in full
+    (``answer_reclaim`` gives back only its spare chunks) leaves the arbiter waiting for this
+    client's chunks: the next spare chunks go straight back instead of waiting out a hold, so the
+    waiting borrow is granted now, not when the hold ends (2026-12-06: a busy server waited ~1.3 s)."""
+    import threading
+
+    with Arbiter(sock_path, host_backend(G), 4):
+        lent = LentPool(sock_path, "engine", host_backend(G), warm_hold_s=60.0)
+        asker = ArbiterClient(sock_path, "asker", host_backend(G))
+        got = []
+        try:
+            assert lent.borrow(4) == 4  # in the engine's pool, not warm: only the engine's thread may return them
+            borrower = threading.Thread(target=lambda: got.append(asker.borrow(3, timeout=10.0)))
+            borrower.start()
+            wait_until(lambda: lent.status()["pending_reclaim"] == 3, timeout=5.0, interval=0.01)
+            assert lent.take_pending_reclaim() == 3 and lent.warm.owed == 3  # answered with nothing now
+            t0 = time.monotonic()
+            assert lent.give_back(4, wait=False, warm=True) == 4  # the spare chunks, later
+            borrower.join(timeout=10.0)
+            assert len(got[0]) == 3 and time.monotonic() - t0 < 5.0  # not after the 60 s hold
+            assert len(lent.warm) == 1 and lent.warm.owed == 0 and lent.returned_total == 3
+            assert _held_by(asker, "engine") == 1
+            asker.give_back(got[0])
+        finally:
+            asker.close(force=True)
+            lent.close()
+
+
 def test_a_warm_chunk_serves_the_next_borrow_without_asking_the_arbiter(sock_path):
     with Arbiter(sock_path, host_backend(G), 8):
         lent = LentPool(sock_path, "engine", host_backend(G), warm_hold_s=60.0)

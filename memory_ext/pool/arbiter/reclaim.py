@@ -19,14 +19,21 @@ ordinary RETURNs. The head of the queue is granted as soon as enough chunks
 are FREE (all-or-nothing); a waiting borrow that is not satisfied within
 ``reclaim_timeout`` seconds (default 2) is DENIED. The requester is never
 asked to give chunks back for its own borrow.
+
+A donor that answered short (its REPORT, sent once it gave back what it could, says it has
+less idle than it was asked for and has not returned yet) is no longer counted on for the rest
+(``replan_short_answer``): the rest of the waiting borrows' shortfall is planned again among the
+others (e.g. one holding warm chunks), instead of the borrow waiting for chunks that will not
+come until something else frees them or the timeout denies it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ...policy.arbiter import DEFAULT_TIERS, AccountKey, Donor, Kind, plan_takes
-from .records import ClientRecord, policy_owner
+from .ledger import ChunkLedger
+from .records import ClientRecord, PendingBorrow, policy_owner
 
 
 def donor_view(c: ClientRecord, nominal: int, floor: int) -> Donor:
@@ -64,3 +71,22 @@ def plan_reclaim(
     entitled = client.holding < nominal
     gathered, takes = plan_takes(policy_owner(client), want, 0, donors, DEFAULT_TIERS, entitled, 0.0)
     return gathered, [(by_key[d.key], n, tier.value) for d, n, tier in takes]
+
+
+def replan_short_answer(
+    ledger: ChunkLedger, reporter: ClientRecord, pending: Sequence[PendingBorrow], budget: int, floor: int
+) -> list[tuple[ClientRecord, int, str]] | None:
+    """After ``reporter``'s REPORT: None when nothing changes (no borrow waits, or it still
+    reports at least what it was asked for); else withdraw the ask it cannot meet
+    (``reporter.asked`` becomes its reported idle) and return the RECLAIMs that cover the waiting
+    borrows' remaining shortfall from the others ([] when it is covered, or cannot be: the
+    timeout then denies the borrow with what could be had)."""
+    if not pending or reporter.idle is None or reporter.asked <= reporter.idle:
+        return None
+    reporter.asked = max(0, reporter.idle)
+    clients = list(ledger.clients.values())
+    shortfall = sum(p.n for p in pending) - ledger.available_now() - sum(c.asked for c in clients)
+    if shortfall <= 0:
+        return []
+    gathered, takes = plan_reclaim(clients, pending[0].client, shortfall, budget, floor)  # reporter: idle - asked = 0
+    return takes if gathered >= shortfall else []

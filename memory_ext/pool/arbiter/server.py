@@ -15,22 +15,14 @@ import time
 from collections.abc import Iterable
 
 from ...vmm.base import PhysicalChunk, VmmBackend
-from ...vmm.ipc import MAX_FDS, listen_unix, send_chunks
+from ...vmm.ipc import MAX_FDS, close_fds, listen_unix, send_chunks
 from .. import arbiter_protocol as proto
 from .ledger import ChunkLedger
 from .link import join_link
-from .reclaim import plan_reclaim
+from .reclaim import plan_reclaim, replan_short_answer
 from .records import ClientRecord, PendingBorrow
 
 log = logging.getLogger("memory_ext.pool.arbiter")
-
-
-def _close_fds(fds) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 class Arbiter:
@@ -79,7 +71,7 @@ class Arbiter:
         self._started = False
         self.stats = dict.fromkeys(
             ("granted", "denied", "returned", "reclaim_sent", "errors", "clients_dropped", "chunks_freed_on_drop",
-             "link_decisions", "refused", "adopted", "released", "adopted_freed_on_drop"), 0
+             "link_decisions", "refused", "adopted", "released", "adopted_freed_on_drop", "asks_withdrawn"), 0
         )  # fmt: skip
         self.reclaim_by_tier: dict[str, int] = {}  # chunks asked for, by policy tier
 
@@ -247,7 +239,7 @@ class Arbiter:
         except OSError as exc:  # ECONNRESET and friends
             self._drop(client, f"recv failed: {exc}")
             return
-        _close_fds(fds)  # clients never send fds; close whatever arrived so nothing leaks
+        close_fds(fds)  # clients never send fds; close whatever arrived so nothing leaks
         if not data and not fds and not flags:
             if self._at_eof(client.sock):
                 self._drop(client, "EOF")
@@ -310,15 +302,18 @@ class Arbiter:
             self._grant(client, req_id, n, msg["owner"])
             return
         waiting = sum(p.n for p in self._pending)
-        shortfall = waiting + n - self._ledger.available_now() - sum(c.asked for c in self._ledger.clients.values())
-        gathered, takes = plan_reclaim(
-            self._ledger.clients.values(), client, max(shortfall, 0), self.budget, self.floor
-        )
+        clients = self._ledger.clients.values()
+        shortfall = waiting + n - self._ledger.available_now() - sum(c.asked for c in clients)
+        gathered, takes = plan_reclaim(clients, client, max(shortfall, 0), self.budget, self.floor)
         if gathered < shortfall:
             possible = max(0, n - (shortfall - gathered))
             self._deny(client, req_id, f"{n} chunk(s) requested, at most {possible} could be reclaimed", possible)
             return
         self._pending.append(PendingBorrow(client, req_id, n, msg["owner"], time.monotonic() + self.reclaim_timeout))
+        self._send_reclaims(takes)
+        self._serve_pending()
+
+    def _send_reclaims(self, takes: list[tuple[ClientRecord, int, str]]) -> None:
         asks: dict[int, int] = {}
         for victim, k, tier in takes:
             victim.asked += k
@@ -327,10 +322,13 @@ class Arbiter:
         for cid, k in asks.items():
             self.stats["reclaim_sent"] += 1
             self._send(self._ledger.clients[cid], {"type": "RECLAIM", "n": k})
-        self._serve_pending()
 
     def _on_report(self, client: ClientRecord, msg: dict) -> None:
         client.idle, client.headroom, client.busy = msg["idle"], msg["headroom"], msg["busy"]
+        takes = replan_short_answer(self._ledger, client, self._pending, self.budget, self.floor)
+        if takes is not None:
+            self.stats["asks_withdrawn"] += 1
+            self._send_reclaims(takes)
 
     def _on_link(self, client: ClientRecord, msg: dict) -> None:
         n, times = msg["num_layers"], msg["iter_times"]
