@@ -1,7 +1,7 @@
-"""Render ``docs/models.md``'s co-location blocks from ``benchmark/results/e2e/colocated_families.json``
-(``benchmark/e2e/colocated.py --families ...``: three co-located servers of different model
-families, stock's static split against memx's shared pool) and ``colocated_llama_2026-12-06.json``
-(the same with three tiny Llamas, the same day): the figures in the docs are the JSON's, never typed.
+"""Render the co-location blocks of ``docs/models.md`` and ``docs/elastic-kv.md`` from
+``benchmark/e2e/colocated.py``'s JSON (three co-located servers, stock's static split against memx's
+shared pool): ``colocated_families.json`` (``--families``, different model families) and the three
+tiny Llamas' runs: the figures in the docs are the JSON's, never typed.
 
     python -m benchmark.colocated_table           # rewrite the block
     python -m benchmark.colocated_table --check   # exit 1 when the doc differs from the JSON
@@ -20,13 +20,19 @@ from benchmark.doc_blocks import block_markers, check_args, write_or_check
 from benchmark.figures import stat_range
 
 REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "models.md"
+DOCS = REPO / "docs"
 RESULTS = REPO / "benchmark" / "results" / "e2e"
-BLOCKS = (("families", "colocated_families.json"), ("llama", "colocated_llama_2026-12-06.json"))  # (name, JSON)
+BLOCKS = (  # (doc, block name, JSON)
+    ("models.md", "families", "colocated_families.json"),
+    ("models.md", "llama", "colocated_llama_2026-12-06.json"),
+    ("models.md", "llama_replan", "colocated_llama.json"),
+    ("elastic-kv.md", "headline", "colocated_llama.json"),
+)
 COMMAND = "python -m benchmark.colocated_table"
 SETUP_NAMES = {"stock": "stock (static split)", "memx": "memx (one shared pool)", "stock_ample": "stock, 3x memory"}
 METRICS = (  # (key, label, scale, format)
     ("ttft_p50_s", "TTFT p50 (s)", 1.0, ".3f"),
+    ("ttft_p90_s", "TTFT p90 (s)", 1.0, ".3f"),  # in the JSON since 2026-12-06 (p99 needs 100 requests a run)
     ("ttft_p99_s", "TTFT p99 (s)", 1.0, ".3f"),
     ("tpot_p50_s", "TPOT p50 (ms)", 1000.0, ".2f"),
     ("throughput_tok_s", "throughput (tok/s)", 1.0, ".1f"),
@@ -48,19 +54,21 @@ def render(doc: dict, name: str = "families") -> str:
     setups = [s for s in SETUP_NAMES if s in doc["rounds"][0]]
     rounds = doc["rounds"]
     requests = sorted({r[s]["requests"] for r in rounds for s in setups})
+    metrics = [m for m in METRICS if m[0] in rounds[0][setups[0]]]
     p = doc["params"]
     lines = [
         f"`{doc['command']}` ({len(rounds)} interleaved rounds, {doc['cpus']} CPUs): three servers "
-        f"({', '.join(doc['families'])}), {p['phases']} phases of {p['phase_s']:g} s (a burst of {p['burst']} to one "
-        f"server, one request every {p['trickle_s']:g} s to the others), {p['budget_tokens']} KV tokens in all: "
-        f"stock {p['budget_tokens'] // 3} per server, memx one shared pool of them (plus three prefills' "
-        f"activation), stock 3x {p['budget_tokens']} per server. {', '.join(map(str, requests))} requests a run, "
-        "so the p99 is nearly the maximum (fewer than the 100 a p99 needs: no claim rests on it).",
+        f"({', '.join(doc.get('families') or ['llama'] * 3)}), {p['phases']} phases of {p['phase_s']:g} s (a burst "
+        f"of {p['burst']} to one server, one request every {p['trickle_s']:g} s to the others), "
+        f"{p['budget_tokens']} KV tokens in all: stock {p['budget_tokens'] // 3} per server, memx one shared pool of "
+        f"them plus {_allowance(doc)}, stock 3x {p['budget_tokens']} per server. "
+        f"{', '.join(map(str, requests))} requests a run, so the p99 is nearly the maximum (fewer than the 100 a "
+        "p99 needs: no claim rests on it).",
         "",
         "| median over the runs | " + " | ".join(SETUP_NAMES[s] for s in setups) + " |",
         "|---|" + "---|" * len(setups),
     ]
-    for key, label, scale, fmt in METRICS:
+    for key, label, scale, fmt in metrics:
         cells = [f"{statistics.median(r[s][key] for r in rounds) * scale:{fmt}}" for s in setups]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("| failed requests per run | " + " | ".join(
@@ -68,20 +76,30 @@ def render(doc: dict, name: str = "families") -> str:
     present = [(name, label) for name, label in RATIOS if doc.get(name)]
     lines += ["", "| ratio: median [min, max] over the rounds (below 1 in) | "
               + " | ".join(label for _, label in present) + " |", "|---|" + "---|" * len(present)]  # fmt: skip
-    for key, label, _, _ in METRICS:
+    for key, label, _, _ in metrics:
         cells = [f"{stat_range(doc[name][key], '.2f')} ({_below(doc[name][key])})" for name, _ in present]
         lines.append(f"| {label.split(' (')[0]} | " + " | ".join(cells) + " |")  # a ratio has no unit
     begin, end = markers(name)
     return "\n".join([begin, *lines, end])
 
 
-def blocks() -> list[tuple[str, str, str]]:
-    return [(*markers(name), render(json.loads((RESULTS / result).read_text()), name)) for name, result in BLOCKS]
+def _allowance(doc: dict) -> str:
+    """How the pool's activation memory was counted (``colocated.py`` measures it since 2026-12-06)."""
+    per_family = (doc.get("activation_allowance") or {}).get("per_family")
+    if not per_family:
+        return "three prefills' activation (the tiny Llama's estimate for every server)"
+    each = ", ".join(f"{f} {a['allowance_bytes'] / 1024:.0f} KiB" for f, a in per_family.items())
+    return f"each server's activation allowance, measured per family before the rounds ({each})"
+
+
+def blocks(doc_name: str) -> list[tuple[str, str, str]]:
+    return [(*markers(name), render(json.loads((RESULTS / result).read_text()), name))
+            for doc, name, result in BLOCKS if doc == doc_name]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     check = check_args(argv, __doc__)
-    return write_or_check(DOC, blocks(), check, COMMAND)
+    return max(write_or_check(DOCS / doc, blocks(doc), check, COMMAND) for doc in dict.fromkeys(d for d, *_ in BLOCKS))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""docs/models.md's co-location block is what ``benchmark/colocated_table.py`` renders from
-``benchmark/results/e2e/colocated_families.json``; ``colocated.py --families`` counts every family's
-memory the same way."""
+"""The co-location blocks of docs/models.md and docs/elastic-kv.md are what
+``benchmark/colocated_table.py`` renders from ``colocated.py``'s JSON; ``colocated.py --families``
+counts every family's memory the same way, its activation allowance measured per family."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def test_docs_block_matches_the_json():
 
 
 def _run(ttft50, ttft99, tpot, tput, failed=0):
-    return {"ttft_p50_s": ttft50, "ttft_p99_s": ttft99, "tpot_p50_s": tpot, "throughput_tok_s": tput,
-            "requests": 78, "failed": failed}  # fmt: skip
+    return {"ttft_p50_s": ttft50, "ttft_p90_s": 0.9 * ttft99, "ttft_p99_s": ttft99, "tpot_p50_s": tpot,
+            "throughput_tok_s": tput, "requests": 78, "failed": failed}  # fmt: skip
 
 
 def test_the_block_gives_medians_ratios_and_how_many_rounds_were_below_one():
@@ -42,6 +42,25 @@ def test_the_block_gives_medians_ratios_and_how_many_rounds_were_below_one():
     assert "| failed requests per run | 0, 0, 0 | 0, 1, 0 |" in text
     assert "| TTFT p50 | 0.50 [0.50, 1.17] (2 of 3) |" in text  # memx / stock per round
     assert "stock 3x" not in text.split("| ratio")[1]  # no stock_ample: no column for it
+    assert "| TTFT p90 (s) | 2.250 | 1.350 |" in text and "tiny Llama's estimate for every server" in text
+    doc["activation_allowance"] = {"per_family": {"sliding_window": {"allowance_bytes": 147456},
+                                                  "llama": {"allowance_bytes": 94208}}}  # fmt: skip
+    assert "measured per family before the rounds (sliding_window 144 KiB, llama 92 KiB)" in ct.render(doc)
+    old = {**doc, "rounds": [{k: {m: v for m, v in r.items() if m != "ttft_p90_s"} for k, r in rnd.items()}
+                             for rnd in rounds]}  # fmt: skip
+    assert "TTFT p90" not in ct.render(old)  # a JSON from before the p90: no row for it
+
+
+def test_the_memx_pool_holds_the_kv_and_each_servers_activation_allowance(tmp_path):
+    import argparse
+
+    args = argparse.Namespace(budget_tokens=1536)
+    servers = co.make_servers([tmp_path] * 3, args, tmp_path, [100_000, 50_000, 100_000])
+    flags = servers["memx"][0].args
+    budget = float(flags[flags.index("--memx-pool-budget-gb") + 1]) * (1 << 30)
+    assert round(budget) == co.kv_bytes(1536) + 250_000 == 24 * 64 * co.TOKEN_ROW_BYTES * 2 * co.LAYERS + 250_000
+    stock = servers["stock"][0].args
+    assert stock[stock.index("--max-total-tokens") + 1] == "512"  # a third of the KV tokens, activations outside
 
 
 def test_families_parse_and_share_one_kv_row(tmp_path):
