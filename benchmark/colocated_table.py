@@ -1,4 +1,5 @@
-"""Render the co-location blocks of ``docs/models.md`` and ``docs/elastic-kv.md`` from
+"""Render the co-location blocks of ``docs/models.md``, ``docs/elastic-kv.md`` and
+``benchmark/README.md`` (its summary line) from
 ``benchmark/e2e/colocated.py``'s JSON (three co-located servers, stock's static split against memx's
 shared pool): ``colocated_families.json`` (``--families``, different model families) and the three
 tiny Llamas' runs: the figures in the docs are the JSON's, never typed.
@@ -20,13 +21,13 @@ from benchmark.doc_blocks import block_markers, check_args, write_or_check
 from benchmark.figures import stat_range
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = REPO / "docs"
 RESULTS = REPO / "benchmark" / "results" / "e2e"
 BLOCKS = (  # (doc, block name, JSON)
-    ("models.md", "families", "colocated_families.json"),
-    ("models.md", "llama", "colocated_llama_2026-12-06.json"),
-    ("models.md", "llama_replan", "colocated_llama.json"),
-    ("elastic-kv.md", "headline", "colocated_llama.json"),
+    ("docs/models.md", "families", "colocated_families.json"),
+    ("docs/models.md", "llama", "colocated_llama_2026-12-06.json"),
+    ("docs/models.md", "llama_replan", "colocated_llama.json"),
+    ("docs/elastic-kv.md", "headline", "colocated_llama.json"),
+    ("benchmark/README.md", "summary", "colocated_llama.json"),
 )
 COMMAND = "python -m benchmark.colocated_table"
 SETUP_NAMES = {"stock": "stock (static split)", "memx": "memx (one shared pool)", "stock_ample": "stock, 3x memory"}
@@ -92,14 +93,32 @@ def _allowance(doc: dict) -> str:
     return f"each server's activation allowance, measured per family before the rounds ({each})"
 
 
+def render_summary(doc: dict, name: str = "summary", result: str = "colocated_llama.json") -> str:
+    """One bullet for ``benchmark/README.md``'s latest figures: memx / stock TTFT p50, the tail
+    the requests allow and TPOT, each with stock with 3x the memory beside it."""
+    tail = "ttft_p90_s" if "ttft_p90_s" in doc["ratios"] else "ttft_p99_s"
+    keys = (("ttft_p50_s", "TTFT p50"), (tail, f"TTFT {tail[5:8]}"), ("tpot_p50_s", "TPOT p50"))
+    parts = [f"{label} {stat_range(doc['ratios'][key], '.2f')} (stock with 3x memory: "
+             f"{doc['ample_over_stock'][key]['median']:.2f})" for key, label in keys]  # fmt: skip
+    line = (f"* co-location (three servers, {', '.join(doc.get('families') or ['llama'] * 3)}; `results/e2e/{result}`, "
+            f"{len(doc['rounds'])} rounds), memx / stock: " + "; ".join(parts) + ".")  # fmt: skip
+    begin, end = markers(name)
+    return "\n".join([begin, line, end])
+
+
 def blocks(doc_name: str) -> list[tuple[str, str, str]]:
-    return [(*markers(name), render(json.loads((RESULTS / result).read_text()), name))
-            for doc, name, result in BLOCKS if doc == doc_name]  # fmt: skip
+    out = []
+    for doc, name, result in BLOCKS:
+        if doc == doc_name:
+            data = json.loads((RESULTS / result).read_text())
+            text = render_summary(data, name, result) if name == "summary" else render(data, name)
+            out.append((*markers(name), text))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     check = check_args(argv, __doc__)
-    return max(write_or_check(DOCS / doc, blocks(doc), check, COMMAND) for doc in dict.fromkeys(d for d, *_ in BLOCKS))
+    return max(write_or_check(REPO / doc, blocks(doc), check, COMMAND) for doc in dict.fromkeys(d for d, *_ in BLOCKS))
 
 
 if __name__ == "__main__":

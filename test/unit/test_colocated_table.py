@@ -74,3 +74,16 @@ def test_families_parse_and_share_one_kv_row(tmp_path):
     for key in ("num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size"):  # same bytes a token
         assert cfg[0][key] == cfg[1][key] == {"num_hidden_layers": co.LAYERS, "num_key_value_heads": 2,
                                               "head_dim": 16, "hidden_size": 64}[key]  # fmt: skip
+
+
+def test_the_readme_summary_names_the_tail_the_runs_allow_and_stock_with_3x_memory():
+    rounds = [{"stock": _run(0.8, 3.0, 0.003, 88.0), "memx": _run(0.4, 1.5, 0.0045, 88.0),
+               "stock_ample": _run(0.3, 1.0, 0.0044, 88.0)} for _ in range(5)]  # fmt: skip
+    doc = {"families": ["llama"] * 3, "rounds": rounds,
+           "ratios": {k: ratio_stats(rounds, k, "memx", "stock") for k, *_ in ct.METRICS},
+           "ample_over_stock": {k: ratio_stats(rounds, k, "stock_ample", "stock") for k, *_ in ct.METRICS}}  # fmt: skip
+    line = ct.render_summary(doc, result="x.json").splitlines()[1]
+    assert (
+        "`results/e2e/x.json`, 5 rounds" in line and "TTFT p50 0.50 [0.50, 0.50] (stock with 3x memory: 0.37)" in line
+    )
+    assert "TTFT p90 0.50" in line and "p99" not in line  # 78 requests a run: p90, not p99
