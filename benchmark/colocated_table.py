@@ -45,6 +45,11 @@ def markers(name: str) -> tuple[str, str]:
     return block_markers(COMMAND, "colocated", name)
 
 
+def _families(doc: dict) -> str:
+    """The servers' model families (a JSON from before ``--families`` ran three Llamas)."""
+    return ", ".join(doc.get("families") or ["llama"] * 3)
+
+
 def _below(st: dict) -> str:
     return f"{sum(v < 1 for v in st['values'])} of {len(st['values'])}"
 
@@ -59,7 +64,7 @@ def render(doc: dict, name: str = "families") -> str:
     p = doc["params"]
     lines = [
         f"`{doc['command']}` ({len(rounds)} interleaved rounds, {doc['cpus']} CPUs): three servers "
-        f"({', '.join(doc.get('families') or ['llama'] * 3)}), {p['phases']} phases of {p['phase_s']:g} s (a burst "
+        f"({_families(doc)}), {p['phases']} phases of {p['phase_s']:g} s (a burst "
         f"of {p['burst']} to one server, one request every {p['trickle_s']:g} s to the others), "
         f"{p['budget_tokens']} KV tokens in all: stock {p['budget_tokens'] // 3} per server, memx one shared pool of "
         f"them plus {_allowance(doc)}, stock 3x {p['budget_tokens']} per server. "
@@ -100,7 +105,7 @@ def render_summary(doc: dict, name: str = "summary", result: str = "colocated_ll
     keys = (("ttft_p50_s", "TTFT p50"), (tail, f"TTFT {tail[5:8]}"), ("tpot_p50_s", "TPOT p50"))
     parts = [f"{label} {stat_range(doc['ratios'][key], '.2f')} (stock with 3x memory: "
              f"{doc['ample_over_stock'][key]['median']:.2f})" for key, label in keys]  # fmt: skip
-    line = (f"* co-location (three servers, {', '.join(doc.get('families') or ['llama'] * 3)}; `results/e2e/{result}`, "
+    line = (f"* co-location (three servers, {_families(doc)}; `results/e2e/{result}`, "
             f"{len(doc['rounds'])} rounds), memx / stock: " + "; ".join(parts) + ".")  # fmt: skip
     begin, end = markers(name)
     return "\n".join([begin, line, end])
