@@ -8,7 +8,11 @@ built, from facts the caller gathers through the adapter:
 * a KV pool of another class, today a hybrid sliding-window model's ``SWAKVPool`` (a full-attention
   and a sliding-window sub-pool, each an ``MHATokenToKVPool`` of its own size), which elastic KV
   would otherwise back half (its first sub-pool only);
-* tensor or pipeline parallel size above 1: one pool per rank, each rank's scheduler deciding alone.
+* pipeline parallel size above 1, and tensor parallel size above 1 with a feature whose decisions
+  could differ between ranks (``TP_READY_FLAGS`` lists the ones that cannot): upstream's ranks must
+  schedule the same batch, and elastic KV on each rank's own pool keeps every count upstream reads
+  equal on every rank only while nothing rank-local (a measured activation, a shared pool's answer,
+  a host buffer, a timer) feeds them (``coordinator.rank_agreement`` checks it every busy iteration).
 
 Checked twice: in the launcher while the command line is validated (``ServedShape`` from the
 checkpoint's ``config.json`` and upstream's hybrid-SWA rule; exit status 2), and in every scheduler
@@ -27,6 +31,9 @@ from sglang_memx.config import MemxConfig, MemxConfigError
 FLAG = "--memx-elastic-kv"
 ELASTIC_POOL = "MHATokenToKVPool"
 HYBRID_SWA_POOL = "SWAKVPool"
+# What runs at tensor parallel size > 1: elastic KV on each rank's own pool, activations outside it
+TP_READY_FLAGS = ("--memx-elastic-kv", "--memx-pool-budget-gb", "--memx-chunk-kb", "--memx-status-path",
+                  "--memx-torch-activations")  # fmt: skip
 UNKNOWN_MODEL = "this model"
 _POOL_WHY = {
     HYBRID_SWA_POOL: " (a full-attention and a sliding-window sub-pool of different sizes; backing one of them "
@@ -68,14 +75,22 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
     if config.disabled or not config.elastic_kv:
         return
     pool = shape.pool_class or "KV pool"
-    ranks = shape.tp_size * shape.pp_size
-    if ranks > 1:
+    if shape.pp_size > 1:
         raise MemxConfigError(
             FLAG,
-            f"{shape.model_class} at tensor parallel size {shape.tp_size} and pipeline parallel size "
-            f"{shape.pp_size} builds one {pool} per rank ({ranks} scheduler processes, each deciding alone); "
-            f"memx runs one pool per server, so elastic KV{_dependent_flags(config)} needs --tp 1 and --pp 1 "
-            f"for now; run with --tp 1 --pp 1 or without the memx flags",
+            f"{shape.model_class} at pipeline parallel size {shape.pp_size} builds one {pool} per stage "
+            f"({shape.tp_size * shape.pp_size} scheduler processes, each deciding alone); elastic KV"
+            f"{_dependent_flags(config)} needs --pp 1 for now; run with --pp 1 or without the memx flags",
+        )
+    not_ready = [f for f in config.requested_flags() if f not in TP_READY_FLAGS]
+    if shape.tp_size > 1 and not_ready:
+        raise MemxConfigError(
+            not_ready[0],
+            f"{shape.model_class} at tensor parallel size {shape.tp_size} builds one {pool} per rank and every "
+            f"rank must schedule the same batch; {', '.join(not_ready)} decide from what one rank measures or is "
+            f"given (activations, a shared pool's answers, the host buffer, timers), which the ranks do not "
+            f"share yet; at --tp {shape.tp_size} memx runs only {', '.join(TP_READY_FLAGS[:2])} and "
+            f"{TP_READY_FLAGS[2]} (each rank its own pool); run with --tp 1 or without {', '.join(not_ready)}",
         )
     if shape.pool_class is not None and shape.pool_class != ELASTIC_POOL:
         raise MemxConfigError(

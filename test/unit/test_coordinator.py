@@ -22,6 +22,7 @@ from sglang_memx.coordinator.components import (
 )
 from sglang_memx.coordinator.governor import GovernorPart
 from sglang_memx.coordinator.parts import ITERATION_RANKS, SOURCE_RANKS, Source, Step
+from sglang_memx.coordinator.rank_agreement import RankAgreement
 from sglang_memx.upstream import kv as up_kv
 
 # The iteration order as ``coordinator.tick`` listed it before it became the components' data.
@@ -86,15 +87,17 @@ def every_component(kv) -> device.Coordinator:
             WeightLender(kv, stub),
             PeerTier(kv),
             GovernorPart(BatchGovernor(0.05)),
+            RankAgreement(2),
         ),
     )
 
 
-def test_the_built_in_orders_are_the_governors_measure_the_old_tick_order_the_reopening_then_the_peer_step():
+def test_the_built_in_orders_are_the_governors_measure_the_old_tick_order_the_reopening_the_ranks_then_the_peer():
     kv = SimpleNamespace()
     names = [s.name for _, s in every_component(kv).iteration_order()]
     # the governor's first; reopening admission last in the tick, after every step that adds memory
-    assert names == ["measure the decode step", *OLD_STEPS, "reopen admission when the head fits", "peer tier step"]
+    assert names == ["measure the decode step", *OLD_STEPS, "reopen admission when the head fits", "agree across ranks",
+                     "peer tier step"]  # fmt: skip
     assert [s.name for _, s in every_component(kv).short_order()] == list(SOURCE_RANKS)
     assert set(names) == set(ITERATION_RANKS)
 

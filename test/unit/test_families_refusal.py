@@ -48,11 +48,23 @@ def test_the_hybrid_sliding_window_pool_is_refused_naming_flag_model_and_pool():
     assert "sliding-window sub-pool" in msg and "MHATokenToKVPool only" in msg
 
 
-def test_tensor_parallel_is_refused_naming_flag_model_pool_and_the_way_out():
-    msg = _refusal(ON, ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))
-    assert "LlamaForCausalLM at tensor parallel size 2" in msg and "one MHATokenToKVPool per rank" in msg
-    assert "--tp 1" in msg
-    assert "pipeline parallel size 3" in _refusal(ON, ServedShape("LlamaForCausalLM", None, pp_size=3))
+def test_tensor_parallel_runs_elastic_kv_and_refuses_the_rest_naming_flag_model_and_pool():
+    check_served_shape(ON, ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))
+    check_served_shape(MemxConfig(elastic_kv=True, pool_budget_gb=0.5, chunk_kb=4),
+                       ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=4))  # fmt: skip
+    config = MemxConfig(elastic_kv=True, pool_budget_gb=0.5, host_buffer_gb=1.0, tpot_slo_ms=50.0)
+    with pytest.raises(MemxConfigError) as info:
+        check_served_shape(config, ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))
+    assert info.value.flag == "--memx-host-buffer-gb"
+    msg = str(info.value)
+    assert "LlamaForCausalLM at tensor parallel size 2 builds one MHATokenToKVPool per rank" in msg
+    assert "--memx-host-buffer-gb, --memx-tpot-slo-ms decide from what one rank measures" in msg
+    assert "run with --tp 1 or without --memx-host-buffer-gb, --memx-tpot-slo-ms" in msg
+    for shape in (ServedShape("LlamaForCausalLM", None, pp_size=3), ServedShape("LlamaForCausalLM", None, 2, 2)):
+        msg = _refusal(ON, shape)
+        assert "at pipeline parallel size" in msg and "needs --pp 1" in msg
+    # the pool class is still checked at --tp 2
+    assert "served from upstream's SWAKVPool" in _refusal(ON, ServedShape("MellumForCausalLM", "SWAKVPool", 2))
 
 
 def test_the_flags_that_need_elastic_kv_are_named_with_it():
@@ -100,12 +112,17 @@ def test_the_launcher_serves_gemma2_whose_window_is_a_mask(tmp_path):
     assert _check(["--model-path", model, "--memx-elastic-kv"]).elastic_kv
 
 
-def test_the_launcher_refuses_tensor_parallel(tmp_path):
+def test_the_launcher_serves_elastic_kv_at_tensor_parallel_two_and_refuses_the_rest(tmp_path):
     model = _checkpoint(tmp_path, "LlamaForCausalLM")
-    with pytest.raises(MemxConfigError, match="LlamaForCausalLM at tensor parallel size 2 .* one MHATokenToKVPool "):
-        _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv"])
+    assert _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool-budget-gb", "1"]).elastic_kv
+    with pytest.raises(MemxConfigError, match="LlamaForCausalLM at tensor parallel size 2 .* MHATokenToKVPool ") as e:
+        _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0"])
+    assert e.value.flag == "--memx-pool"
     with pytest.raises(MemxConfigError, match="this model at tensor parallel size 2 .* one KV pool per rank"):
-        _check(["--model-path", str(tmp_path / "no-such-dir"), "--tp", "2", "--memx-elastic-kv"])
+        _check(["--model-path", str(tmp_path / "no-such-dir"), "--tp", "2", "--memx-elastic-kv",
+                "--memx-governor"])  # fmt: skip
+    with pytest.raises(MemxConfigError, match="pipeline parallel size 2"):
+        _check(["--model-path", model, "--pp-size", "2", "--memx-elastic-kv"])
     _check(["--model-path", model, "--tp", "2"])
 
 
@@ -128,9 +145,9 @@ def test_the_server_parser_exits_2_naming_the_flag_model_and_pool(tmp_path, caps
 
 
 # ------------------------------------------------------------------ the scheduler's pool build
-def _configurator(*, tp=1, pp=1, hybrid_swa=False, mla=False, mamba=None, arch="MellumForCausalLM"):
+def _configurator(*, tp=1, pp=1, hybrid_swa=False, mla=False, mamba=None, arch="MellumForCausalLM", config=ON):
     server_args = SimpleNamespace(tp_size=tp, pp_size=pp, chunked_prefill_size=16, max_prefill_tokens=None)
-    setattr(server_args, CONFIG_ATTR, ON.to_dict())
+    setattr(server_args, CONFIG_ATTR, config.to_dict())
     hf = SimpleNamespace(num_attention_heads=4, hidden_size=64, intermediate_size=128, vocab_size=512)
     model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=[arch]), hf_text_config=hf)
     return SimpleNamespace(server_args=server_args, model_config=model_config, model_dtype=torch.float32,
@@ -142,15 +159,26 @@ def _configurator(*, tp=1, pp=1, hybrid_swa=False, mla=False, mamba=None, arch="
     "kwargs,named",
     [({"hybrid_swa": True}, "MellumForCausalLM is served from upstream's SWAKVPool"),
      ({"mla": True}, "upstream's MLATokenToKVPool"), ({"mamba": object()}, "upstream's HybridLinearKVPool"),
-     ({"tp": 2}, "at tensor parallel size 2 and pipeline parallel size 1 builds one MHATokenToKVPool per rank"),
-     ({"tp": 2, "hybrid_swa": True}, "builds one SWAKVPool per rank")],
+     ({"pp": 2}, "at pipeline parallel size 2 builds one MHATokenToKVPool per stage"),
+     ({"tp": 2, "hybrid_swa": True}, "MellumForCausalLM is served from upstream's SWAKVPool"),
+     ({"tp": 2, "config": MemxConfig(elastic_kv=True, host_buffer_gb=0.5)},
+      "at tensor parallel size 2 builds one MHATokenToKVPool per rank and every rank must schedule the same")],
 )  # fmt: skip
 def test_the_pool_build_refuses_before_building(kwargs, named):
     with pytest.raises(MemxConfigError, match=named) as info:
         with pool_build.scope(_configurator(**kwargs)):
             raise AssertionError("the build must not open")
-    assert info.value.flag == "--memx-elastic-kv"
+    assert info.value.flag == ("--memx-host-buffer-gb" if "config" in kwargs else "--memx-elastic-kv")
     assert pool_build.current() is None
+
+
+def test_the_pool_build_at_tensor_parallel_two_keeps_activations_outside_the_pool():
+    """At --tp 2 the build opens without an activation profile (no ballooning: a measured activation
+    would differ between ranks) and knows its rank count (``finish`` adds the ranks' check)."""
+    with pool_build.scope(_configurator(tp=2, arch="LlamaForCausalLM")) as build:
+        assert build.tp_size == 2 and build.profile is None
+    with pool_build.scope(_configurator(arch="LlamaForCausalLM")) as build:
+        assert build.tp_size == 1 and build.profile is not None
 
 
 def test_the_pool_build_opens_for_one_mha_pool():

@@ -39,7 +39,8 @@ ITERATION_RANKS = {
     "Oneiros step": 140,
     "hold the head's activation": 150,
     "premap": 160,
-    "reopen admission when the head fits": 170,  # last: after every step that adds memory
+    "reopen admission when the head fits": 170,  # after every step that adds memory
+    "agree across ranks": 180,  # --tp > 1: last in the tick, what upstream reads next is checked equal
     "peer tier step": 200,  # outside the tick's window
 }
 

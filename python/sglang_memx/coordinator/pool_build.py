@@ -21,6 +21,7 @@ from sglang_memx.config import MemxConfig, MemxConfigError, tpot_slo_source, ttf
 from sglang_memx.coordinator import device
 from sglang_memx.coordinator.components import LayerStreamPart, PeerTier
 from sglang_memx.coordinator.governor import GovernorPart, SloInForce
+from sglang_memx.coordinator.rank_agreement import RankAgreement
 from sglang_memx.elastic.build import activation_profile, build_elastic_kv
 from sglang_memx.elastic.host_buffer import build_host_buffer
 from sglang_memx.elastic.slab import cell_format
@@ -43,6 +44,7 @@ class Build:
     profile: object
     batch_tokens: int
     model_class: str = "this model"  # the served model's class, named in refusals
+    tp_size: int = 1  # tensor parallel ranks: above 1, each rank's pool is checked against the others'
     kv: object = None
     lent: LentPool | None = None  # the shared pool's link (--memx-pool), with the KV space
     layer_stream: object = None  # peer.layer_stream.LayerStreamSetup (--memx-peer-layer-stream), once planned
@@ -80,10 +82,13 @@ def scope(configurator):
         yield None
         return
     model_class = up_model.architecture(model_config)
+    tp_size, pp_size = up_args.parallel_sizes(server_args)
     check_served_shape(config, ServedShape(model_class, pool_class_for(**up_kv.configurator_pool_traits(configurator)),
-                                           *up_args.parallel_sizes(server_args)))  # fmt: skip
-    build = Build(config, server_args, activation_profile(up_model.decoder_dims(model_config), model_dtype.itemsize),
-                  up_args.max_prefill_batch_tokens(server_args), model_class=model_class)  # fmt: skip
+                                           tp_size, pp_size))  # fmt: skip
+    # at --tp > 1 the pool holds KV only: a measured activation would differ between ranks (rank_agreement)
+    profile = activation_profile(up_model.decoder_dims(model_config), model_dtype.itemsize) if tp_size == 1 else None
+    build = Build(config, server_args, profile, up_args.max_prefill_batch_tokens(server_args),
+                  model_class=model_class, tp_size=tp_size)  # fmt: skip
     _current.build = build
     try:
         yield build
@@ -151,6 +156,8 @@ def finish(build: Build, result) -> None:
         extra.append(LayerStreamPart(build.layer_stream))
     if build.config.peer_kv != "off":
         extra.append(PeerTier(kv))
+    if build.tp_size > 1:
+        extra.append(RankAgreement(build.tp_size))
     if build.config.governed:  # the no-harm admission rules; with a TPOT SLO, the batch cap too
         tpot, ttft = build.config.tpot_slo_ms, build.config.ttft_slo_ms
         extra.append(GovernorPart(BatchGovernor(None if tpot is None else tpot / 1e3), tpot_source=tpot_slo_source(),

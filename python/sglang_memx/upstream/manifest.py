@@ -93,7 +93,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
     "HookType": {"BEFORE": None, "AFTER": None, "AROUND": None, "REPLACE": None},
     "Scheduler": {
         "token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator", "tree_cache": "BasePrefixCache",
-        "server_args": "ServerArgs", "waiting_queue": None, "running_batch": "ScheduleBatch",
+        "server_args": "ServerArgs", "waiting_queue": None, "tp_cpu_group": None, "running_batch": "ScheduleBatch",
         "last_batch": "ScheduleBatch", "chunked_req": "Req", "page_size": None, "chunked_prefill_size": None,
         "max_total_num_tokens": None, "new_token_ratio_tracker": "NewTokenRatioTracker", "max_req_len": None,
         "max_req_input_len": None, "req_to_token_pool": "ReqToTokenPool", "hisparse_coordinator": None,

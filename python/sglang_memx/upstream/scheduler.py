@@ -20,6 +20,11 @@ def allocator(scheduler):
     return scheduler.token_to_kv_pool_allocator
 
 
+def tp_cpu_group(scheduler):
+    """The tensor parallel ranks' CPU process group (gloo): memx's rank checks run on it."""
+    return scheduler.tp_cpu_group
+
+
 def tree_cache(scheduler):
     return scheduler.tree_cache
 

@@ -1,0 +1,70 @@
+"""Tensor parallel ranks agree on what memx tells upstream (``--tp`` above 1, issue 28 item 4).
+
+Upstream runs one scheduler per tensor parallel rank; each picks its batch alone from the same
+requests, and the forward's collectives need every rank to pick the same one. With elastic KV every
+rank has its own pool, and the one number memx adds to what upstream's scheduling reads is the
+allocator's available size (free pages plus the pages the pool could map now). It is the same on
+every rank by construction at ``--tp`` > 1: the pool holds KV only (activations stay outside it), and
+premap, deflation and the budget read nothing rank-local (``families.TP_READY_FLAGS`` refuses the
+features that would: measured activations, a shared pool, the host buffer, the governor's timings).
+
+``RankAgreement`` checks that construction in every iteration with work, with one all-reduce of the
+available size over upstream's tensor parallel CPU group. Ranks that disagree would next pick
+different batches and hang in the forward's collectives; instead every rank raises at once (each
+sees the same reduced pair), naming both sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sglang_memx.coordinator.parts import Iteration, Source, Step, step
+from sglang_memx.upstream import kv as up_kv
+from sglang_memx.upstream import scheduler as up_sched
+
+
+class RanksDisagree(RuntimeError):
+    """Two tensor parallel ranks saw different available KV sizes in the same iteration."""
+
+
+def spread(value: int, group) -> tuple[int, int]:
+    """(smallest, largest) of each rank's ``value`` over ``group``: one all-reduce (MAX) of
+    (v, -v). Every rank of the group must call it in the same iteration."""
+    t = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return -int(t[1]), int(t[0])
+
+
+@dataclass(eq=False)
+class RankAgreement:
+    """The ranks' check (one per scheduler process at ``--tp`` > 1)."""
+
+    tp_size: int
+    name: str = "rank agreement"
+    counts: dict[str, int] = field(default_factory=lambda: {"checks": 0, "last_available_tokens": 0})
+
+    def steps(self) -> tuple[Step, ...]:
+        return (step("agree across ranks", self._agree),)
+
+    def sources(self) -> tuple[Source, ...]:
+        return ()
+
+    def status(self) -> dict[str, Any] | None:
+        return {"tensor_parallel": {"size": self.tp_size, **self.counts}}
+
+    def _agree(self, it: Iteration) -> None:
+        if not it.busy:  # every rank has the same queue: all of them skip, or none
+            return
+        available = up_kv.available_tokens(it.allocator)
+        low, high = spread(available, up_sched.tp_cpu_group(it.scheduler))
+        self.counts["checks"] += 1
+        self.counts["last_available_tokens"] = available
+        if low != high:
+            raise RanksDisagree(
+                f"memx: tensor parallel ranks see different available KV ({low} to {high} tokens; this rank "
+                f"{available}); they would pick different batches and hang in the forward's collectives"
+            )

@@ -1,0 +1,122 @@
+"""Elastic KV at tensor parallel size 2 in real SGLang on CPU, against stock (issue 28 item 4).
+
+Upstream's CPU engine runs ``--tp 2`` with a core per rank and gloo for the all-reduce
+(``SGLANG_CPU_OMP_THREADS_BIND=0|1``, and an NCCL library that fails to load so that upstream's
+PyNccl stays off: docs/models.md, "Tensor parallel 2 runs, with two settings"). memx gives every
+rank its own elastic pool under the same physical budget; activations stay outside it, so what
+upstream's schedulers read is the same on both ranks, and memx checks it every busy iteration
+(``coordinator.rank_agreement``: an all-reduce of the available size; a disagreement stops the
+server instead of hanging it).
+
+The memx server (tiny Llama, float32, budget far below the logical size) must give the greedy outputs
+of the stock server at ``--tp 1`` that ``test_elastic_kv.py`` uses (the same model and arguments:
+shared once a session; on this model the two tensor parallel ranks' partial sums give the same
+argmax) through a batch, prefix-cache hits, chunked prefill and retraction under memory pressure,
+and give its KV memory back when the cache is flushed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sglang_memx.models.tiny import TinyModelSpec, tiny_model
+from support.server import SGLangServer, release_all, start_all
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+
+SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=5)
+COMMON = ["--chunked-prefill-size", "16", "--dtype", "float32"]  # as test_elastic_kv.py's stock server
+# per rank: 104 chunks of 4 KiB, 26 KV groups of 64 tokens (one KV head of 16 float32 a layer and rank)
+BUDGET_GB = "0.0004"
+TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
+PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three four five", "Elastic memory for serving"]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_root, shared_servers):
+    model = tiny_model(SPEC, tiny_model_root)
+    stock = shared_servers.get(
+        SGLangServer(model, name="stock-llama-s5-f32", stock=True, max_total_tokens=4096, extra_args=COMMON)
+    )
+    memx = SGLangServer(
+        model, name="ekv-tp2", max_total_tokens=4096, env=TP2_ENV,
+        extra_args=COMMON + ["--tp", "2", "--memx-elastic-kv", "--memx-chunk-kb", "4", "--memx-pool-budget-gb",
+                             BUDGET_GB, "--schedule-conservativeness", "0.05"],
+    )  # fmt: skip
+    start_all([stock, memx])
+    yield {"stock": stock, "memx": memx}
+    release_all([memx])
+
+
+def _gen(server, text, n=24, ignore_eos=True):
+    return server.request(
+        "/generate",
+        {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": ignore_eos}},
+    )
+
+
+def _ids(out) -> list:
+    return [r["output_ids"] for r in out] if isinstance(out, list) else out["output_ids"]
+
+
+def _elastic(server) -> dict:
+    return server.request("/memx/status")["schedulers"][0]["elastic_kv"]
+
+
+def test_each_rank_runs_elastic_kv_on_its_own_pool_with_activations_outside(servers):
+    status = servers["memx"].request("/memx/status")["schedulers"][0]
+    assert status["kv_pool"]["kind"] == "MHATokenToKVPool" and status["features"]["elastic_kv"]
+    el = status["elastic_kv"]
+    assert el["activation"] is None  # at --tp 2 the pool holds KV only
+    assert el["tensor_parallel"]["size"] == 2
+    assert el["pool_capacity_bytes"] == 104 * 4096 and el["group_tokens"] == 64  # one KV head a rank
+    assert "agree across ranks" in [s["step"] for s in el["coordinator"]["iteration_order"]]
+
+
+def test_batch_prefix_hits_and_chunked_prefill_match_stock(servers):
+    stock, memx = servers["stock"], servers["memx"]
+    before = _elastic(memx)["tensor_parallel"]["checks"]
+    assert _ids(_gen(memx, PROMPTS)) == _ids(_gen(stock, PROMPTS))
+    prefix = " ".join(f"shared{i}" for i in range(40))
+    want = [_ids(_gen(stock, prefix + tail)) for tail in (" alpha", " beta")]
+    first, second = _gen(memx, prefix + " alpha"), _gen(memx, prefix + " beta")
+    assert [first["output_ids"], second["output_ids"]] == want
+    assert second["meta_info"]["cached_tokens"] > 0
+    long_prompt = " ".join(f"w{i % 37}x{i}" for i in range(60))  # many 16-token chunks
+    want = _gen(stock, long_prompt, 16)
+    assert want["meta_info"]["prompt_tokens"] > 128
+    assert _gen(memx, long_prompt, 16)["output_ids"] == want["output_ids"]
+    assert _elastic(memx)["tensor_parallel"]["checks"] > before + 24  # every busy iteration was checked
+
+
+def test_retraction_under_pressure_matches_stock_and_the_ranks_agree(servers):
+    """24 requests arriving together need several times each rank's physical budget: upstream
+    over-admits (conservativeness 0.05), both ranks run out of physical KV in the same decode step
+    and retract the same requests; the answers are stock's."""
+    stock, memx = servers["stock"], servers["memx"]
+    texts = [f"request {i} " + " ".join(f"t{i}_{j}" for j in range(20)) for i in range(24)]
+    want = _ids(_gen(stock, texts, 200, ignore_eos=False))
+    before = _elastic(memx)
+    got = _gen(memx, texts, 200, ignore_eos=False)
+    assert _ids(got) == want
+    assert sum(r["meta_info"].get("num_retractions", 0) for r in got) > 0
+    el = _elastic(memx)
+    assert el["groups_mapped_total"] > before["groups_mapped_total"]
+    assert el["mapped_bytes"] <= el["pool_capacity_bytes"]
+    assert el["tensor_parallel"]["checks"] > before["tensor_parallel"]["checks"] + 200
+
+
+def test_memory_returns_to_the_pool(servers):
+    server = servers["memx"]
+    _gen(server, [f"fill {i} " + "x " * 60 for i in range(6)], 40)
+    server.request_text("/flush_cache")
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        st = _elastic(server)
+        if st["groups_mapped"] == 1:
+            break
+        time.sleep(0.5)
+    assert st["groups_mapped"] == 1, st  # only group 0 (the padded page) stays mapped
+    assert st["groups_unmapped_total"] > 0

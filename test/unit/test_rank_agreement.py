@@ -1,0 +1,90 @@
+"""Tensor parallel ranks check that they agree on the available KV (``coordinator.rank_agreement``).
+
+Two real processes on a gloo group, as upstream's tensor parallel CPU group is: ranks that see the
+same available size pass and count the check; ranks that see different sizes both raise
+``RanksDisagree`` in the same iteration (neither is left waiting in a collective), naming both
+sizes; an iteration without work makes no collective on any rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+
+dist = pytest.importorskip("torch.distributed")
+
+from sglang_memx.coordinator import rank_agreement  # noqa: E402
+from sglang_memx.coordinator.parts import ITERATION_RANKS  # noqa: E402
+
+TIMEOUT_S = 60
+
+
+def _rank(rank: int, init_file: str, available: list[int], busy: list[bool], out) -> None:
+    import datetime
+
+    import torch.distributed as d
+
+    d.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                         timeout=datetime.timedelta(seconds=TIMEOUT_S))  # fmt: skip
+    group = d.new_group([0, 1], backend="gloo")
+    rank_agreement.up_kv.available_tokens = lambda allocator: allocator.available
+    rank_agreement.up_sched.tp_cpu_group = lambda scheduler: group
+    agreement = rank_agreement.RankAgreement(tp_size=2)
+    (check,) = agreement.steps()
+    results = []
+    for value, is_busy in zip(available, busy):
+        it = SimpleNamespace(busy=is_busy, allocator=SimpleNamespace(available=value), scheduler=None)
+        try:
+            check.run(it)
+            results.append("ok")
+        except rank_agreement.RanksDisagree as exc:
+            results.append(str(exc))
+            break
+    out.put((rank, results, agreement.status()))
+    d.destroy_process_group()
+
+
+def _run(per_rank: dict[int, tuple[list[int], list[bool]]]) -> dict[int, tuple[list[str], dict]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_rank, args=(r, init_file, *per_rank[r], out)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        got = {}
+        for _ in procs:
+            rank, results, status = out.get(timeout=TIMEOUT_S)
+            got[rank] = (results, status)
+        for p in procs:
+            p.join(TIMEOUT_S)
+            assert p.exitcode == 0
+    return got
+
+
+def test_ranks_that_agree_pass_and_idle_iterations_make_no_collective():
+    # rank 1 idles where rank 0 idles too; the values differ only there (never compared)
+    got = _run({0: ([100, 7, 90], [True, False, True]), 1: ([100, 999, 90], [True, False, True])})
+    for rank in (0, 1):
+        results, status = got[rank]
+        assert results == ["ok", "ok", "ok"]
+        assert status == {"tensor_parallel": {"size": 2, "checks": 2, "last_available_tokens": 90}}
+
+
+def test_ranks_that_disagree_both_raise_in_the_same_iteration_naming_both_sizes():
+    got = _run({0: ([64, 40], [True, True]), 1: ([64, 48], [True, True])})
+    for rank, own in ((0, 40), (1, 48)):
+        results, _ = got[rank]
+        assert results[0] == "ok" and len(results) == 2
+        assert "different available KV (40 to 48 tokens; this rank " + str(own) + ")" in results[1]
+
+
+def test_the_check_is_the_last_step_of_the_tick():
+    in_tick = {name: rank for name, rank in ITERATION_RANKS.items() if name != "peer tier step"}
+    assert max(in_tick, key=in_tick.get) == "agree across ranks"
+    (check,) = rank_agreement.RankAgreement(2).steps()
+    assert check.in_tick and check.rank == ITERATION_RANKS["agree across ranks"]
