@@ -11,8 +11,9 @@ built, from facts the caller gathers through the adapter:
 * pipeline parallel size above 1, and tensor parallel size above 1 with a feature whose decisions
   could differ between ranks (``TP_READY_FLAGS`` lists the ones that cannot): upstream's ranks must
   schedule the same batch, and elastic KV on each rank's own pool keeps every count upstream reads
-  equal on every rank only while nothing rank-local (a measured activation, a shared pool's answer,
-  a host buffer, a timer) feeds them (``coordinator.rank_agreement`` checks it every busy iteration).
+  equal on every rank only while nothing rank-local (a shared pool's answer, a host buffer's or the
+  governor's timings) feeds them; the one rank-local input it keeps, a measured activation peak, is
+  agreed across ranks (``coordinator.rank_agreement``, which also checks the counts every busy iteration).
 
 Checked twice: in the launcher while the command line is validated (``ServedShape`` from the
 checkpoint's ``config.json`` and upstream's hybrid-SWA rule; exit status 2), and in every scheduler
@@ -31,9 +32,12 @@ from sglang_memx.config import MemxConfig, MemxConfigError
 FLAG = "--memx-elastic-kv"
 ELASTIC_POOL = "MHATokenToKVPool"
 HYBRID_SWA_POOL = "SWAKVPool"
-# What runs at tensor parallel size > 1: elastic KV on each rank's own pool, activations outside it
+# What runs at tensor parallel size > 1: elastic KV on each rank's own pool (KV and activations ballooning)
 TP_READY_FLAGS = ("--memx-elastic-kv", "--memx-pool-budget-gb", "--memx-chunk-kb", "--memx-status-path",
                   "--memx-torch-activations")  # fmt: skip
+# Remappable weights (static, and remap with every rank applying rank 0's decision); sleep needs a shared pool
+TP_WEIGHTS_FLAGS = ("--memx-weights", "--memx-weights-streamed", "--memx-prefetch-depth", "--memx-tbt-slo-ms",
+                    "--memx-weights-profile", "--memx-weights-idle-after-s")  # fmt: skip
 UNKNOWN_MODEL = "this model"
 _POOL_WHY = {
     HYBRID_SWA_POOL: " (a full-attention and a sliding-window sub-pool of different sizes; backing one of them "
@@ -64,6 +68,12 @@ def pool_class_for(*, hybrid_swa: bool, mla: bool = False, linear: bool = False)
     return ELASTIC_POOL
 
 
+def tp_unready_flags(config: MemxConfig) -> list[str]:
+    """The requested flags memx does not run at tensor parallel size > 1: all but ``TP_READY_FLAGS``
+    and ``TP_WEIGHTS_FLAGS``."""
+    return [f for f in config.requested_flags() if f not in TP_READY_FLAGS + TP_WEIGHTS_FLAGS]
+
+
 def _dependent_flags(config: MemxConfig) -> str:
     others = [f for f in config.requested_flags() if f != FLAG]
     return f" (and with it {', '.join(others)})" if others else ""
@@ -82,15 +92,16 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
             f"({shape.tp_size * shape.pp_size} scheduler processes, each deciding alone); elastic KV"
             f"{_dependent_flags(config)} needs --pp 1 for now; run with --pp 1 or without the memx flags",
         )
-    not_ready = [f for f in config.requested_flags() if f not in TP_READY_FLAGS]
+    not_ready = tp_unready_flags(config)
     if shape.tp_size > 1 and not_ready:
         raise MemxConfigError(
             not_ready[0],
             f"{shape.model_class} at tensor parallel size {shape.tp_size} builds one {pool} per rank and every "
             f"rank must schedule the same batch; {', '.join(not_ready)} decide from what one rank measures or is "
-            f"given (activations, a shared pool's answers, the host buffer, timers), which the ranks do not "
-            f"share yet; at --tp {shape.tp_size} memx runs only {', '.join(TP_READY_FLAGS[:2])} and "
-            f"{TP_READY_FLAGS[2]} (each rank its own pool); run with --tp 1 or without {', '.join(not_ready)}",
+            f"given (a shared pool's answers and wake-ups, the host buffer's and the governor's timings), which "
+            f"the ranks do not share yet; at --tp {shape.tp_size} memx runs elastic KV on each rank's own pool "
+            f"({', '.join(TP_READY_FLAGS[:3])}) and remappable weights (--memx-weights); run with --tp 1 or "
+            f"without {', '.join(not_ready)}",
         )
     if shape.pool_class is not None and shape.pool_class != ELASTIC_POOL:
         raise MemxConfigError(

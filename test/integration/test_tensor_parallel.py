@@ -3,10 +3,10 @@
 Upstream's CPU engine runs ``--tp 2`` with a core per rank and gloo for the all-reduce
 (``SGLANG_CPU_OMP_THREADS_BIND=0|1``, and an NCCL library that fails to load so that upstream's
 PyNccl stays off: docs/models.md, "Tensor parallel 2 runs, with two settings"). memx gives every
-rank its own elastic pool under the same physical budget; activations stay outside it, so what
-upstream's schedulers read is the same on both ranks, and memx checks it every busy iteration
-(``coordinator.rank_agreement``: an all-reduce of the available size; a disagreement stops the
-server instead of hanging it).
+rank its own elastic pool under the same physical budget, KV and activations ballooning in it; the
+activation peak measured on a forward is agreed (the largest rank's), so what upstream's schedulers
+read is the same on both ranks, and memx checks it every busy iteration (``coordinator.rank_agreement``:
+an all-reduce of the available size; a disagreement stops the server instead of hanging it).
 
 The memx server (tiny Llama, float32, budget far below the logical size) must give the greedy outputs
 of the stock server at ``--tp 1`` that ``test_elastic_kv.py`` uses (the same model and arguments:
@@ -17,6 +17,7 @@ and give its KV memory back when the cache is flushed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import pytest
@@ -28,26 +29,41 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=5)
 COMMON = ["--chunked-prefill-size", "16", "--dtype", "float32"]  # as test_elastic_kv.py's stock server
-# per rank: 104 chunks of 4 KiB, 26 KV groups of 64 tokens (one KV head of 16 float32 a layer and rank)
+# per rank: 104 chunks of 4 KiB: a 16-token prefill's activation (12) and 23 KV groups of 64 tokens
 BUDGET_GB = "0.0004"
 TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
 PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three four five", "Elastic memory for serving"]
 
 
+# test_weights.py's 8-layer Llama and stock server; per rank 9.1 MiB of layers, 256 KiB KV groups of 64 tokens
+WEIGHTS_SPEC = TinyModelSpec(arch="llama", num_layers=8, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                             intermediate_size=512, seed=7)  # fmt: skip
+WEIGHTS_COMMON = ["--chunked-prefill-size", "64", "--dtype", "float32"]
+WEIGHTS_BUDGET_GB = "0.0118"  # the layers and ~11 KV groups (~700 tokens) per rank
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_model_root, shared_servers):
-    model = tiny_model(SPEC, tiny_model_root)
+    model, weights_model = tiny_model(SPEC, tiny_model_root), tiny_model(WEIGHTS_SPEC, tiny_model_root)
     stock = shared_servers.get(
         SGLangServer(model, name="stock-llama-s5-f32", stock=True, max_total_tokens=4096, extra_args=COMMON)
     )
+    stock8 = shared_servers.get(SGLangServer(weights_model, name="stock-llama-l8-s7-f32", stock=True,
+                                             max_total_tokens=4096, extra_args=WEIGHTS_COMMON))  # fmt: skip
     memx = SGLangServer(
         model, name="ekv-tp2", max_total_tokens=4096, env=TP2_ENV,
         extra_args=COMMON + ["--tp", "2", "--memx-elastic-kv", "--memx-chunk-kb", "4", "--memx-pool-budget-gb",
                              BUDGET_GB, "--schedule-conservativeness", "0.05"],
     )  # fmt: skip
-    start_all([stock, memx])
-    yield {"stock": stock, "memx": memx}
-    release_all([memx])
+    remap = SGLangServer(
+        weights_model, name="w-remap-tp2", max_total_tokens=4096, env=TP2_ENV,
+        extra_args=WEIGHTS_COMMON + ["--tp", "2", "--memx-elastic-kv", "--memx-chunk-kb", "16",
+                                     "--memx-pool-budget-gb", WEIGHTS_BUDGET_GB, "--memx-weights", "remap",
+                                     "--memx-weights-idle-after-s", "600"],
+    )  # fmt: skip
+    start_all([stock, stock8, memx, remap])
+    yield {"stock": stock, "memx": memx, "stock8": stock8, "remap": remap}
+    release_all([memx, remap])
 
 
 def _gen(server, text, n=24, ignore_eos=True):
@@ -65,14 +81,17 @@ def _elastic(server) -> dict:
     return server.request("/memx/status")["schedulers"][0]["elastic_kv"]
 
 
-def test_each_rank_runs_elastic_kv_on_its_own_pool_with_activations_outside(servers):
+def test_each_rank_balloons_kv_and_activations_in_its_own_pool_with_agreed_peaks(servers):
     status = servers["memx"].request("/memx/status")["schedulers"][0]
     assert status["kv_pool"]["kind"] == "MHATokenToKVPool" and status["features"]["elastic_kv"]
     el = status["elastic_kv"]
-    assert el["activation"] is None  # at --tp 2 the pool holds KV only
-    assert el["tensor_parallel"]["size"] == 2
+    tp = el["tensor_parallel"]
+    assert tp["size"] == 2
     assert el["pool_capacity_bytes"] == 104 * 4096 and el["group_tokens"] == 64  # one KV head a rank
     assert "agree across ranks" in [s["step"] for s in el["coordinator"]["iteration_order"]]
+    act = el["activation"]  # measured on the first forwards (the warm-up's among them), agreed by the ranks
+    assert act["allocator"]["kind"] == "torch"
+    assert act["profile"]["observations"] == len(act["measurements"]) == tp["peaks_agreed"] >= 1
 
 
 def test_batch_prefix_hits_and_chunked_prefill_match_stock(servers):
@@ -120,3 +139,39 @@ def test_memory_returns_to_the_pool(servers):
         time.sleep(0.5)
     assert st["groups_mapped"] == 1, st  # only group 0 (the padded page) stays mapped
     assert st["groups_unmapped_total"] > 0
+
+
+def _wait_weights(server, predicate, timeout: float) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        w = _elastic(server)["weights"]
+        if predicate(w) or time.time() > deadline:
+            return w
+        time.sleep(0.3)
+
+
+def test_remappable_weights_release_and_restore_on_every_rank_in_step(servers):
+    """The 8-layer model at --tp 2 with every rank's layers in its pool: 3 requests need about twice
+    the KV room left beside the full layers, so the Oneiros controller releases layers; its inputs
+    include timings each rank measures alone, so every rank applies rank 0's decision (one broadcast
+    a step) and both ranks release and later restore the same layers in the same iteration (else the
+    agreement check would stop the server). Answers are stock's at --tp 1 throughout."""
+    stock, remap = servers["stock8"], servers["remap"]
+    status = _elastic(remap)
+    w = status["weights"]
+    assert w["mode"] == "remap" and w["lent_layers"] == 0 and w["streamed_layers"] == 0
+    kv_room = (status["pool_capacity_bytes"] - w["held_bytes"]) // status["group_bytes"] * status["group_tokens"]
+    prompt = " ".join(["one two three four five six seven eight"] * 60)  # ~480 tokens
+    assert 3 * (480 + 200) > 2 * kv_room
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(_gen, remap, prompt + f" {i}", 200) for i in range(3)]
+        lent = _wait_weights(remap, lambda w: w["lent_layers"] > 0, timeout=120)
+        outs = [f.result(timeout=600)["output_ids"] for f in futures]
+    assert lent["lent_layers"] > 0, lent
+    assert outs == [_gen(stock, prompt + f" {i}", 200)["output_ids"] for i in range(3)]
+    restored = _wait_weights(remap, lambda w: w["lent_layers"] == 0 and w["streamed_layers"] == 0, timeout=120)
+    assert restored["lent_layers"] == 0 and restored["decisions"]["restore"] >= 1, restored
+    tp = _elastic(remap)["tensor_parallel"]
+    assert tp["decisions_from_rank0"] >= restored["decisions"]["remap"] + restored["decisions"]["restore"] > 1
+    assert tp["checks"] > 100
+    assert _gen(remap, PROMPTS[0])["output_ids"] == _gen(stock, PROMPTS[0])["output_ids"]

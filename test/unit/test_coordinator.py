@@ -87,7 +87,7 @@ def every_component(kv) -> device.Coordinator:
             WeightLender(kv, stub),
             PeerTier(kv),
             GovernorPart(BatchGovernor(0.05)),
-            RankAgreement(2),
+            RankAgreement(2, None),
         ),
     )
 

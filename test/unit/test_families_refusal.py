@@ -172,13 +172,16 @@ def test_the_pool_build_refuses_before_building(kwargs, named):
     assert pool_build.current() is None
 
 
-def test_the_pool_build_at_tensor_parallel_two_keeps_activations_outside_the_pool():
-    """At --tp 2 the build opens without an activation profile (no ballooning: a measured activation
-    would differ between ranks) and knows its rank count (``finish`` adds the ranks' check)."""
+def test_the_pool_build_at_tensor_parallel_two_balloons_without_the_arena():
+    """At --tp 2 the build opens with the activation profile (ballooning: measured peaks are agreed
+    across ranks, ``elastic.forward``) and its rank count (``finish`` adds the ranks' check); on CUDA
+    the activation arena stays off (it maps chunks while a forward runs, as each rank's allocator asks)."""
+    from sglang_memx.elastic.build import activation_arena
+
     with pool_build.scope(_configurator(tp=2, arch="LlamaForCausalLM")) as build:
-        assert build.tp_size == 2 and build.profile is None
-    with pool_build.scope(_configurator(arch="LlamaForCausalLM")) as build:
-        assert build.tp_size == 1 and build.profile is not None
+        assert build.tp_size == 2 and build.profile is not None
+    cuda_backend = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    assert activation_arena(ON, cuda_backend, pool=None, ranks=2) == (None, None)
 
 
 def test_the_pool_build_opens_for_one_mha_pool():

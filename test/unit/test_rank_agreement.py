@@ -1,6 +1,7 @@
-"""Tensor parallel ranks check that they agree on the available KV (``coordinator.rank_agreement``).
+"""Tensor parallel ranks agree on what memx tells upstream (``coordinator.rank_agreement``).
 
-Two real processes on a gloo group, as upstream's tensor parallel CPU group is: ranks that see the
+Two real processes on a gloo group, as upstream's tensor parallel CPU group is: a measured activation
+peak becomes the largest rank's on both; a decision row becomes rank 0's on both; ranks that see the
 same available size pass and count the check; ranks that see different sizes both raise
 ``RanksDisagree`` in the same iteration (neither is left waiting in a collective), naming both
 sizes; an iteration without work makes no collective on any rank.
@@ -32,10 +33,10 @@ def _rank(rank: int, init_file: str, available: list[int], busy: list[bool], out
                          timeout=datetime.timedelta(seconds=TIMEOUT_S))  # fmt: skip
     group = d.new_group([0, 1], backend="gloo")
     rank_agreement.up_kv.available_tokens = lambda allocator: allocator.available
-    rank_agreement.up_sched.tp_cpu_group = lambda scheduler: group
-    agreement = rank_agreement.RankAgreement(tp_size=2)
+    agreement = rank_agreement.RankAgreement(2, group)
     (check,) = agreement.steps()
-    results = []
+    results = [agreement.max_over_ranks(1000 + 7 * rank)]  # a measured peak: the largest rank's, on all
+    results.append(agreement.rank0s([rank, 5 + rank, -1]))  # a decision row: rank 0's, on all
     for value, is_busy in zip(available, busy):
         it = SimpleNamespace(busy=is_busy, allocator=SimpleNamespace(available=value), scheduler=None)
         try:
@@ -71,20 +72,22 @@ def test_ranks_that_agree_pass_and_idle_iterations_make_no_collective():
     got = _run({0: ([100, 7, 90], [True, False, True]), 1: ([100, 999, 90], [True, False, True])})
     for rank in (0, 1):
         results, status = got[rank]
-        assert results == ["ok", "ok", "ok"]
-        assert status == {"tensor_parallel": {"size": 2, "checks": 2, "last_available_tokens": 90}}
+        assert results == [1007, [0, 5, -1], "ok", "ok", "ok"]
+        assert status == {"tensor_parallel": {"size": 2, "checks": 2, "last_available_tokens": 90,
+                                                         "peaks_agreed": 1,
+                                                         "decisions_from_rank0": 1}}  # fmt: skip
 
 
 def test_ranks_that_disagree_both_raise_in_the_same_iteration_naming_both_sizes():
     got = _run({0: ([64, 40], [True, True]), 1: ([64, 48], [True, True])})
     for rank, own in ((0, 40), (1, 48)):
         results, _ = got[rank]
-        assert results[0] == "ok" and len(results) == 2
-        assert "different available KV (40 to 48 tokens; this rank " + str(own) + ")" in results[1]
+        assert results[:3] == [1007, [0, 5, -1], "ok"] and len(results) == 4
+        assert "different available KV (40 to 48 tokens; this rank " + str(own) + ")" in results[3]
 
 
 def test_the_check_is_the_last_step_of_the_tick():
     in_tick = {name: rank for name, rank in ITERATION_RANKS.items() if name != "peer tier step"}
     assert max(in_tick, key=in_tick.get) == "agree across ranks"
-    (check,) = rank_agreement.RankAgreement(2).steps()
+    (check,) = rank_agreement.RankAgreement(2, None).steps()
     assert check.in_tick and check.rank == ITERATION_RANKS["agree across ranks"]

@@ -29,6 +29,7 @@ from memory_ext.pool.activation_balloon import ActivationBalloon
 from memory_ext.pool.lent_pool import LentPool
 from sglang_memx.coordinator.governor import GovernorPart
 from sglang_memx.coordinator.parts import Iteration, Source, Step, source, step
+from sglang_memx.coordinator.rank_agreement import RankAgreement
 from sglang_memx.elastic import demand, host_buffer, iteration, shared_pool, slo
 from sglang_memx.elastic.ballooning import grow_over_activation, hold_head_activation, reserve_activation
 from sglang_memx.elastic.host_state import HostBufferState
@@ -262,17 +263,7 @@ class WeightLender:
     def steps(self) -> tuple[Step, ...]:
         return (
             step("sleep or wake", self._sleep_or_wake),
-            step(
-                "Oneiros step",
-                lambda it: remap.step(
-                    self.weights,
-                    it.kv,
-                    it.allocator,
-                    it.scheduler,
-                    it.coordinator.shared_pool(),
-                    it.coordinator.host_buffer(),
-                ),
-            ),
+            step("Oneiros step", self._oneiros_step),
         )
 
     def sources(self) -> tuple[Source, ...]:
@@ -287,6 +278,11 @@ class WeightLender:
 
     def release_for_reclaim(self, lent: LentPool, chunks: int) -> int:
         return lending.release_for_reclaim(self.weights, self.kv, lent, chunks)
+
+    def _oneiros_step(self, it: Iteration) -> None:
+        ranks = it.coordinator.part(RankAgreement)  # --tp > 1: every rank applies rank 0's decision
+        remap.step(self.weights, it.kv, it.allocator, it.scheduler, it.coordinator.shared_pool(),
+                   it.coordinator.host_buffer(), rank0s=None if ranks is None else ranks.rank0s)  # fmt: skip
 
     def _sleep_or_wake(self, it: Iteration) -> None:
         lent = it.coordinator.shared_pool()

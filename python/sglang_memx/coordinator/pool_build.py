@@ -30,6 +30,7 @@ from sglang_memx.peer import layer_stream, peer_name
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import layer_stream as up_ls
 from sglang_memx.upstream import model as up_model
+from sglang_memx.upstream import scheduler as up_sched
 from sglang_memx.upstream import server_args as up_args
 
 SUPPORTED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
@@ -44,7 +45,7 @@ class Build:
     profile: object
     batch_tokens: int
     model_class: str = "this model"  # the served model's class, named in refusals
-    tp_size: int = 1  # tensor parallel ranks: above 1, each rank's pool is checked against the others'
+    tp_size: int = 1  # tensor parallel ranks: above 1, the ranks agree (``rank_agreement``), no arena
     kv: object = None
     lent: LentPool | None = None  # the shared pool's link (--memx-pool), with the KV space
     layer_stream: object = None  # peer.layer_stream.LayerStreamSetup (--memx-peer-layer-stream), once planned
@@ -85,10 +86,8 @@ def scope(configurator):
     tp_size, pp_size = up_args.parallel_sizes(server_args)
     check_served_shape(config, ServedShape(model_class, pool_class_for(**up_kv.configurator_pool_traits(configurator)),
                                            tp_size, pp_size))  # fmt: skip
-    # at --tp > 1 the pool holds KV only: a measured activation would differ between ranks (rank_agreement)
-    profile = activation_profile(up_model.decoder_dims(model_config), model_dtype.itemsize) if tp_size == 1 else None
-    build = Build(config, server_args, profile, up_args.max_prefill_batch_tokens(server_args),
-                  model_class=model_class, tp_size=tp_size)  # fmt: skip
+    build = Build(config, server_args, activation_profile(up_model.decoder_dims(model_config), model_dtype.itemsize),
+                  up_args.max_prefill_batch_tokens(server_args), model_class=model_class, tp_size=tp_size)  # fmt: skip
     _current.build = build
     try:
         yield build
@@ -113,7 +112,7 @@ def make_elastic(pool) -> bool:
     kv, build.lent = build_elastic_kv(build.config, [g["k_row_bytes"]] * own + [g["v_row_bytes"]] * own,
                           g["rows"], g["page_size"], g["pages"], g["device"],
                           server_url=up_args.server_url(build.server_args), profile=build.profile,
-                          batch_tokens=build.batch_tokens)  # fmt: skip
+                          batch_tokens=build.batch_tokens, ranks=build.tp_size)  # fmt: skip
     up_kv.set_kv_views(pool, lambda i, dtype, shape: kv.buffers.view(index_of(i), dtype, shape))
     if stream is not None:  # the staging layer's views: what every streamed layer's buffer is
         k_stage = kv.buffers.view(index_of(layers - 1), g["store_dtype"], (g["kv_heads"], g["head_dim"]))
@@ -157,7 +156,7 @@ def finish(build: Build, result) -> None:
     if build.config.peer_kv != "off":
         extra.append(PeerTier(kv))
     if build.tp_size > 1:
-        extra.append(RankAgreement(build.tp_size))
+        extra.append(RankAgreement(build.tp_size, up_sched.tp_cpu_group()))
     if build.config.governed:  # the no-harm admission rules; with a TPOT SLO, the batch cap too
         tpot, ttft = build.config.tpot_slo_ms, build.config.ttft_slo_ms
         extra.append(GovernorPart(BatchGovernor(None if tpot is None else tpot / 1e3), tpot_source=tpot_slo_source(),

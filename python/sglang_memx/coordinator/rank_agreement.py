@@ -4,9 +4,13 @@ Upstream runs one scheduler per tensor parallel rank; each picks its batch alone
 requests, and the forward's collectives need every rank to pick the same one. With elastic KV every
 rank has its own pool, and the one number memx adds to what upstream's scheduling reads is the
 allocator's available size (free pages plus the pages the pool could map now). It is the same on
-every rank by construction at ``--tp`` > 1: the pool holds KV only (activations stay outside it), and
-premap, deflation and the budget read nothing rank-local (``families.TP_READY_FLAGS`` refuses the
-features that would: measured activations, a shared pool, the host buffer, the governor's timings).
+every rank by construction at ``--tp`` > 1: premap, deflation and the budget read only the allocator,
+the queue and the budget, and the activation balloon's one rank-local input, the activation peak
+measured on a forward, is agreed before it is used (``max_over_ranks``: the largest rank's peak, on
+every rank; measured forwards are the same forwards on every rank). Remappable weights decide from
+timings each rank measures alone: every rank applies rank 0's decision (``rank0s``: one broadcast).
+``families.TP_READY_FLAGS`` refuses the features that read other rank-local numbers (a shared pool's
+answers, the host buffer's and the governor's timings).
 
 ``RankAgreement`` checks that construction in every iteration with work, with one all-reduce of the
 available size over upstream's tensor parallel CPU group. Ranks that disagree would next pick
@@ -24,7 +28,6 @@ import torch.distributed as dist
 
 from sglang_memx.coordinator.parts import Iteration, Source, Step, step
 from sglang_memx.upstream import kv as up_kv
-from sglang_memx.upstream import scheduler as up_sched
 
 
 class RanksDisagree(RuntimeError):
@@ -41,11 +44,15 @@ def spread(value: int, group) -> tuple[int, int]:
 
 @dataclass(eq=False)
 class RankAgreement:
-    """The ranks' check (one per scheduler process at ``--tp`` > 1)."""
+    """The ranks' check (one per scheduler process at ``--tp`` > 1) on ``group``, upstream's tensor
+    parallel CPU group."""
 
     tp_size: int
+    group: Any
     name: str = "rank agreement"
-    counts: dict[str, int] = field(default_factory=lambda: {"checks": 0, "last_available_tokens": 0})
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"checks": 0, "last_available_tokens": 0, "peaks_agreed": 0, "decisions_from_rank0": 0}
+    )
 
     def steps(self) -> tuple[Step, ...]:
         return (step("agree across ranks", self._agree),)
@@ -56,11 +63,24 @@ class RankAgreement:
     def status(self) -> dict[str, Any] | None:
         return {"tensor_parallel": {"size": self.tp_size, **self.counts}}
 
+    def max_over_ranks(self, value: int) -> int:
+        """The largest ``value`` of all ranks (every rank calls it for the same forward)."""
+        self.counts["peaks_agreed"] += 1
+        return spread(value, self.group)[1]
+
+    def rank0s(self, row: list[int]) -> list[int]:
+        """Rank 0's ``row`` on every rank (one broadcast; every rank passes a row of the same length
+        in the same iteration): a decision read from timings each rank measures alone."""
+        t = torch.tensor(row, dtype=torch.int64)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self.counts["decisions_from_rank0"] += 1
+        return [int(v) for v in t]
+
     def _agree(self, it: Iteration) -> None:
         if not it.busy:  # every rank has the same queue: all of them skip, or none
             return
         available = up_kv.available_tokens(it.allocator)
-        low, high = spread(available, up_sched.tp_cpu_group(it.scheduler))
+        low, high = spread(available, self.group)
         self.counts["checks"] += 1
         self.counts["last_available_tokens"] = available
         if low != high:

@@ -50,11 +50,13 @@ def activation_profile(dims: dict | None, itemsize: int) -> ActivationProfile | 
     return ActivationProfile.from_model_dims(**dims, itemsize=itemsize)
 
 
-def activation_arena(config: MemxConfig, backend, pool):
+def activation_arena(config: MemxConfig, backend, pool, ranks: int = 1):
     """On CUDA, the arena + MemPool the forward's activations are allocated from; ``(None, None)``
-    on CPU, with ``--memx-torch-activations``, or when the arena cannot be built here (logged: the
-    activations then come from torch and are also counted against the pool, as before)."""
-    if config.torch_activations or backend.device.type != "cuda":
+    on CPU, with ``--memx-torch-activations``, at tensor parallel ``ranks`` > 1 (the arena maps chunks
+    while a forward runs, as each rank's allocator asks: the ranks' pools could part) or when the
+    arena cannot be built here (logged: the activations then come from torch and are also counted
+    against the pool, as before)."""
+    if config.torch_activations or backend.device.type != "cuda" or ranks > 1:
         return None, None
     try:
         from memory_ext.pool.segment_arena import ArenaMemPool, SegmentArena, cuda_driver_hooks
@@ -150,6 +152,7 @@ def build_elastic_kv(
     server_url: str | None = None,
     profile: ActivationProfile | None = None,
     batch_tokens: int = 0,
+    ranks: int = 1,
 ) -> tuple[ElasticKV, LentPool | None]:
     """Everything elastic KV needs: the KV space and, on a shared pool (``--memx-pool``), its link to it.
 
@@ -174,7 +177,7 @@ def build_elastic_kv(
     buffers = LayeredKVBuffers(pool, row_bytes, num_rows, page_size)
     kv = ElasticKV(buffers, page_size, num_pages, spare_groups=SPARE_GROUPS, device=device)
     if profile is not None:
-        arena, mempool = activation_arena(config, backend, pool)
+        arena, mempool = activation_arena(config, backend, pool, ranks)
         kv.activation = ActivationBalloon(pool, profile, batch_tokens, arena=arena, mempool=mempool)
     register_server(config, server_url)
     logger.info(

@@ -18,9 +18,15 @@ from collections.abc import Callable
 from memory_ext.pool.activation_meter import PeakMeter
 
 logger = logging.getLogger("sglang_memx")
+METER_FAILED = 1 << 62  # a peak no forward reaches: the ranks' maximum then says some meter failed
 
 
-def run_forward(balloon, device: str, shape: tuple[int, int], forward: Callable):
+def run_forward(balloon, device: str, shape: tuple[int, int], forward: Callable,
+                agree: Callable[[int], int] | None = None):  # fmt: skip
+    """``forward()`` under the balloon, measured when the balloon wants it. ``agree``: at tensor
+    parallel size > 1, the ranks' largest peak (``RankAgreement.max_over_ranks``); every rank measures
+    the same forwards and records the same peak, and a meter that failed on any rank (``METER_FAILED``,
+    larger than any peak) stops the measuring on all."""
     with balloon.mempool.use() if balloon.mempool is not None else contextlib.nullcontext():
         tokens, seqs = shape
         if not balloon.wants_measurement(tokens):
@@ -30,11 +36,17 @@ def run_forward(balloon, device: str, shape: tuple[int, int], forward: Callable)
             meter.__enter__()
         except Exception:  # never let measuring break serving
             logger.exception("memx: cannot measure activations; the profile stays as derived")
-            balloon.stop_measuring()
-            return forward()
+            meter = None
         try:
             out = forward()
         finally:
-            meter.__exit__(None, None, None)
-        balloon.record_measurement(tokens, max(seqs, 1), meter.peak_bytes)
+            if meter is not None:
+                meter.__exit__(None, None, None)
+        peak = METER_FAILED if meter is None else meter.peak_bytes
+        if agree is not None:  # one collective: a failed meter on any rank is the largest value
+            peak = agree(peak)
+        if peak == METER_FAILED:
+            balloon.stop_measuring()
+        else:
+            balloon.record_measurement(tokens, max(seqs, 1), peak)
         return out

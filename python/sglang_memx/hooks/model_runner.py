@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from sglang_memx.coordinator import device
 from sglang_memx.coordinator.components import ActivationBalloonPart, WeightLender
+from sglang_memx.coordinator.rank_agreement import RankAgreement
 from sglang_memx.elastic.forward import run_forward
 from sglang_memx.upstream import model as up_model
 from sglang_memx.upstream.registry import HookSpec
@@ -32,9 +33,11 @@ def around_forward(original, runner, forward_batch, *args, **kwargs):
     if activation is None:
         forward = lambda: original(runner, forward_batch, *args, **kwargs)  # noqa: E731
     else:
+        ranks = coordinator.part(RankAgreement)  # --tp > 1: the measured peaks are agreed
         forward = lambda: run_forward(activation.balloon, up_model.runner_device(runner),  # noqa: E731
                                       up_model.forward_shape(forward_batch),
-                                      lambda: original(runner, forward_batch, *args, **kwargs))  # fmt: skip
+                                      lambda: original(runner, forward_batch, *args, **kwargs),
+                                      agree=None if ranks is None else ranks.max_over_ranks)  # fmt: skip
     weights = coordinator.part(WeightLender)
     if weights is None:
         return forward()

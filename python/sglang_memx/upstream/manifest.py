@@ -58,6 +58,7 @@ CLASSES: dict[str, str] = {
     "KVCacheConfigResult": _C + "kv_cache_configurator.KVCacheConfigResult",
     "ModelConfig": "sglang.srt.configs.model_config.ModelConfig",
     "KVCache": _C + "memory_pool.KVCache",
+    "GroupCoordinator": "sglang.srt.distributed.parallel_state.GroupCoordinator",
     "MHATokenToKVPool": _C + "memory_pool.MHATokenToKVPool",
     "ReqToTokenPool": _C + "memory_pool.ReqToTokenPool",
     "BaseTokenToKVPoolAllocator": _C + "allocator.base.BaseTokenToKVPoolAllocator",
@@ -90,10 +91,11 @@ MEMBERS: dict[str, dict[str, str | None]] = {
                    "cuda_graph_backend_prefill": None, "cuda_graph_config": None, "page_size": None,
                    "tp_size": None, "pp_size": None, "disable_hybrid_swa_memory": None},
     "HookRegistry": {"register": None},
+    "GroupCoordinator": {"cpu_group": None},
     "HookType": {"BEFORE": None, "AFTER": None, "AROUND": None, "REPLACE": None},
     "Scheduler": {
         "token_to_kv_pool_allocator": "BaseTokenToKVPoolAllocator", "tree_cache": "BasePrefixCache",
-        "server_args": "ServerArgs", "waiting_queue": None, "tp_cpu_group": None, "running_batch": "ScheduleBatch",
+        "server_args": "ServerArgs", "waiting_queue": None, "running_batch": "ScheduleBatch",
         "last_batch": "ScheduleBatch", "chunked_req": "Req", "page_size": None, "chunked_prefill_size": None,
         "max_total_num_tokens": None, "new_token_ratio_tracker": "NewTokenRatioTracker", "max_req_len": None,
         "max_req_input_len": None, "req_to_token_pool": "ReqToTokenPool", "hisparse_coordinator": None,
@@ -213,6 +215,7 @@ OBJECTS: dict[str, str] = {
     "sglang.srt.entrypoints.http_server.get_global_state": "function",
     "sglang.srt.utils.auth.add_api_key_middleware": "function",
     "sglang.srt.configs.model_config.is_hybrid_swa_model": "function",
+    "sglang.srt.distributed.parallel_state.get_tp_group": "function",  # .cpu_group: the ranks' gloo group
     # its process title, set before it loads plugins, tells the plugin where it is (upstream.process)
     _M + "detokenizer_manager.run_detokenizer_process": "function",
 }

@@ -20,9 +20,9 @@ def allocator(scheduler):
     return scheduler.token_to_kv_pool_allocator
 
 
-def tp_cpu_group(scheduler):
-    """The tensor parallel ranks' CPU process group (gloo): memx's rank checks run on it."""
-    return scheduler.tp_cpu_group
+def tp_cpu_group():
+    """This process's tensor parallel ranks' CPU process group (gloo): memx's rank checks run on it."""
+    return resolve("sglang.srt.distributed.parallel_state.get_tp_group")().cpu_group
 
 
 def tree_cache(scheduler):

@@ -12,6 +12,7 @@ the pool (empty groups unmapped, cached prefixes evicted) and reserves its chunk
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from memory_ext.policy.interval_manager import IntervalManager, demand_from_profile, demand_from_timings, stream_budget
 from memory_ext.policy.oneiros import Action, BufferMode, ModelState, OneirosController, RemapDecision, plan_layers
@@ -180,9 +181,14 @@ def shared_pool_holds(kv: ElasticKV, lent: LentPool | None, action: Action, acti
     return ""
 
 
-def step(w, kv: ElasticKV, allocator, scheduler, lent: LentPool | None, host: HostBufferState | None) -> None:
+def step(w, kv: ElasticKV, allocator, scheduler, lent: LentPool | None, host: HostBufferState | None,
+         rank0s: Callable[[list[int]], list[int]] | None = None) -> None:  # fmt: skip
     """One Oneiros step for the weights ``w`` in ``kv``'s pool: release a layer under KV
-    pressure, restore one when its lent memory is empty (applied at the next forward boundary)."""
+    pressure, restore one when its lent memory is empty (applied at the next forward boundary).
+
+    ``rank0s`` (tensor parallel size > 1: ``RankAgreement.rank0s``): every rank applies rank 0's
+    decision (the controller reads timings each rank measures alone); every rank reaches it in the
+    same iterations, since what the early returns read is the same on every rank."""
     if w.mode != "remap" or w.pipeline.pending() is not None:
         return
     if w.sleeping:  # a sleeping server's layers stay released until a request wakes it (weights/sleep.py)
@@ -191,6 +197,30 @@ def step(w, kv: ElasticKV, allocator, scheduler, lent: LentPool | None, host: Ho
     if not busy and w.alpha == 0 and not w.store.streamed():
         return  # idle with every layer resident: nothing to decide
     tree = up_sched.tree_cache(scheduler)
+    action, streamed, slots = decide(w, kv, allocator, tree, scheduler, lent, host, busy)
+    if rank0s is not None:
+        action, streamed, slots = rank0_decision(w, rank0s, action, streamed, slots)
+    if action is Action.HOLD:
+        w.decisions["hold"] += 1
+        return
+    apply(w, kv, allocator, tree, scheduler, lent, action, streamed, slots)
+
+
+def rank0_decision(w, rank0s, action: Action, streamed: list, slots: int) -> tuple[Action, list, int]:
+    """Rank 0's (action, streamed layers, slots), through one broadcast of a fixed-length row."""
+    actions = list(Action)
+    index = {k: j for j, k in enumerate(w.layer_keys)}
+    row = [actions.index(action), slots, len(streamed)] + [index[k] for k in streamed]
+    row += [-1] * (3 + w.n_layers - len(row))
+    got = rank0s(row)
+    if got != row:
+        w.last_reason = f"rank 0's decision (this rank's: {action.value}, {len(streamed)} streamed)"
+    return actions[got[0]], [w.layer_keys[j] for j in got[3 : 3 + got[2]]], got[1]
+
+
+def decide(w, kv: ElasticKV, allocator, tree, scheduler, lent: LentPool | None, host: HostBufferState | None,
+           busy: bool) -> tuple[Action, list, int]:  # fmt: skip
+    """This rank's decision: (action, the layers streamed after it, staging slots)."""
     if w.controller is None:  # stateless between observations; one per server
         w.controller = OneirosController(LOW_WATERMARK_GROUPS, LOW_WATERMARK_GROUPS, buffer_mode(w.depth))
     controller = w.controller
@@ -203,15 +233,20 @@ def step(w, kv: ElasticKV, allocator, scheduler, lent: LentPool | None, host: Ho
         decision = RemapDecision(Action.HOLD, None, 0, None, f"{decision.reason}; held: {held_back}")
         w.last_reason = decision.reason
     if decision.action is Action.HOLD:
-        w.decisions["hold"] += 1
-        return
+        return Action.HOLD, [], 0
     plan = decision.plan
     if decision.target_remapped > 0 and w.depth is not None and w.depth > 2:  # more slots than Eq. 5's two
         t_layer = (state.compute_s or 1.0) / w.n_layers
         plan = plan_layers(w.n_layers, decision.target_remapped, state.layer_transfer_s, t_layer, BufferMode.DOUBLE)
     streamed = [w.layer_keys[j] for j in plan.shared_layers]
-    slots = w.depth if (w.depth and streamed) else plan.beta
-    if decision.action is Action.RESTORE:
+    return decision.action, streamed, w.depth if (w.depth and streamed) else plan.beta
+
+
+def apply(w, kv: ElasticKV, allocator, tree, scheduler, lent: LentPool | None, action: Action, streamed: list,
+          slots: int) -> None:  # fmt: skip
+    """Request a release or a restore from the layer pipeline; a restore first makes room and
+    reserves its chunks (or waits, its reason noted)."""
+    if action is Action.RESTORE:
         need = chunks_needed(w, streamed, slots)
         short = need - kv.buffers.pool.available()
         if short > 0 and lent is not None:  # the lent memory may be the arbiter's again
@@ -227,10 +262,10 @@ def step(w, kv: ElasticKV, allocator, scheduler, lent: LentPool | None, host: Ho
         except PoolError:
             w.last_reason += "; restore waits: the pool cannot back it yet"
             return
-    w.decisions[decision.action.value] += 1
+    w.decisions[action.value] += 1
     w.pipeline.request(streamed, slots)
     w.pipeline.apply_if_idle()  # a waiting request may need this memory before any forward runs
-    if decision.action is Action.REMAP and up_sched.admission_closed_for_memory(scheduler):
+    if action is Action.REMAP and up_sched.admission_closed_for_memory(scheduler):
         # upstream tries the head again with the memory released
         up_sched.reopen_admission(up_sched.running_batch(scheduler))
 
