@@ -58,8 +58,8 @@ def test_tensor_parallel_runs_elastic_kv_and_refuses_the_rest_naming_flag_model_
     assert info.value.flag == "--memx-host-buffer-gb"
     msg = str(info.value)
     assert "LlamaForCausalLM at tensor parallel size 2 builds one MHATokenToKVPool per rank" in msg
-    assert "--memx-host-buffer-gb, --memx-tpot-slo-ms decide from what one rank measures" in msg
-    assert "run with --tp 1 or without --memx-host-buffer-gb, --memx-tpot-slo-ms" in msg
+    assert "rank must schedule the same batch; --memx-host-buffer-gb decide from what one rank measures" in msg
+    assert msg.endswith("run with --tp 1 or without --memx-host-buffer-gb")  # the TPOT SLO's governor runs
     for shape in (ServedShape("LlamaForCausalLM", None, pp_size=3), ServedShape("LlamaForCausalLM", None, 2, 2)):
         msg = _refusal(ON, shape)
         assert "at pipeline parallel size" in msg and "needs --pp 1" in msg
@@ -115,12 +115,14 @@ def test_the_launcher_serves_gemma2_whose_window_is_a_mask(tmp_path):
 def test_the_launcher_serves_elastic_kv_at_tensor_parallel_two_and_refuses_the_rest(tmp_path):
     model = _checkpoint(tmp_path, "LlamaForCausalLM")
     assert _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool-budget-gb", "1"]).elastic_kv
+    assert _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool-budget-gb", "1",
+                   "--memx-weights", "remap", "--memx-tpot-slo-ms", "50"]).governed  # fmt: skip
     with pytest.raises(MemxConfigError, match="LlamaForCausalLM at tensor parallel size 2 .* MHATokenToKVPool ") as e:
         _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0"])
     assert e.value.flag == "--memx-pool"
     with pytest.raises(MemxConfigError, match="this model at tensor parallel size 2 .* one KV pool per rank"):
         _check(["--model-path", str(tmp_path / "no-such-dir"), "--tp", "2", "--memx-elastic-kv",
-                "--memx-governor"])  # fmt: skip
+                "--memx-peer-kv", "borrow", "--memx-pool", "dev0"])  # fmt: skip
     with pytest.raises(MemxConfigError, match="pipeline parallel size 2"):
         _check(["--model-path", model, "--pp-size", "2", "--memx-elastic-kv"])
     _check(["--model-path", model, "--tp", "2"])

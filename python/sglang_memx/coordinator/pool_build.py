@@ -155,10 +155,12 @@ def finish(build: Build, result) -> None:
         extra.append(LayerStreamPart(build.layer_stream))
     if build.config.peer_kv != "off":
         extra.append(PeerTier(kv))
-    if build.tp_size > 1:
-        extra.append(RankAgreement(build.tp_size, up_sched.tp_cpu_group()))
+    ranks = RankAgreement(build.tp_size, up_sched.tp_cpu_group()) if build.tp_size > 1 else None
+    if ranks is not None:
+        extra.append(ranks)
     if build.config.governed:  # the no-harm admission rules; with a TPOT SLO, the batch cap too
         tpot, ttft = build.config.tpot_slo_ms, build.config.ttft_slo_ms
         extra.append(GovernorPart(BatchGovernor(None if tpot is None else tpot / 1e3), tpot_source=tpot_slo_source(),
-                                  ttft=None if ttft is None else SloInForce(ttft, ttft_slo_source())))  # fmt: skip
+                                  ttft=None if ttft is None else SloInForce(ttft, ttft_slo_source()),
+                                  rank0s=None if ranks is None else ranks.rank0s))  # fmt: skip
     device.attach(allocator, kv, tuple(extra), lent=build.lent, host=host)

@@ -8,7 +8,8 @@ every rank by construction at ``--tp`` > 1: premap, deflation and the budget rea
 the queue and the budget, and the activation balloon's one rank-local input, the activation peak
 measured on a forward, is agreed before it is used (``max_over_ranks``: the largest rank's peak, on
 every rank; measured forwards are the same forwards on every rank). Remappable weights decide from
-timings each rank measures alone: every rank applies rank 0's decision (``rank0s``: one broadcast).
+timings each rank measures alone: every rank applies rank 0's decision (``rank0s``: one broadcast);
+the governor reads rank 0's clock once a tick (``rank0s`` too), so its measured steps are rank 0's.
 ``families.TP_READY_FLAGS`` refuses the features that read other rank-local numbers (a shared pool's
 answers, the host buffer's and the governor's timings).
 
