@@ -70,9 +70,10 @@ STATIC_CELLS = {
     "llama": {f: {"verdict": "works", "test": t} for f, t in _LLAMA_TESTS.items()},
     "fp8_kv": {"all": {"verdict": "upstream", "note": FP8_NOTE}},
 }
-# Tensor parallel 2: elastic KV and remappable weights are served (their tests compare them with stock
-# under pressure); the host buffer and the peer tier are refused at launch, each measured here
-TP2_SERVED = {f: {"verdict": "works", "test": _T + "test_tensor_parallel.py"} for f in ("elastic_kv", "weights")}
+# Tensor parallel 2: elastic KV, the host buffer and remappable weights are served (their tests compare
+# them with stock under pressure); the peer tier is refused at launch, measured here
+TP2_SERVED = {f: {"verdict": "works", "test": _T + "test_tensor_parallel.py"}
+              for f in ("elastic_kv", "host_buffer", "weights")}  # fmt: skip
 # Families memx refuses whatever the feature, and upstream does not serve on CPU either: one launch
 REFUSED_ONCE = ("mla", "swa_gpt_oss", "hybrid_linear")
 

@@ -13,8 +13,8 @@ built, from facts the caller gathers through the adapter:
   upstream's ranks must schedule the same batch, so every count memx lets upstream read must be equal
   on every rank. Each rank's pool reads the same allocator, queue and budget; the rank-local inputs
   memx keeps are agreed across ranks (``coordinator.rank_agreement``: a measured activation peak,
-  rank 0's clock for the governor, rank 0's Oneiros decision), and the counts are checked every busy
-  iteration. A shared pool's answers and the host buffer's TTFT / TPOT samples are not agreed yet.
+  rank 0's clock for the governor and the host buffer's Alg. 2, rank 0's Oneiros decision), and the
+  counts are checked every busy iteration. A shared pool's answers and wake-ups are not agreed yet.
 
 Checked twice: in the launcher while the command line is validated (``ServedShape`` from the
 checkpoint's ``config.json`` and upstream's hybrid-SWA rule; exit status 2), and in every scheduler
@@ -35,7 +35,8 @@ ELASTIC_POOL = "MHATokenToKVPool"
 HYBRID_SWA_POOL = "SWAKVPool"
 # What runs at tensor parallel size > 1: elastic KV on each rank's own pool (KV and activations ballooning)
 TP_READY_FLAGS = ("--memx-elastic-kv", "--memx-pool-budget-gb", "--memx-chunk-kb", "--memx-status-path",
-                  "--memx-torch-activations", "--memx-tpot-slo-ms", "--memx-governor")  # fmt: skip
+                  "--memx-torch-activations", "--memx-tpot-slo-ms", "--memx-governor", "--memx-host-buffer-gb",
+                  "--memx-ttft-slo-ms")  # fmt: skip
 # Remappable weights (static, and remap with every rank applying rank 0's decision); sleep needs a shared pool
 TP_WEIGHTS_FLAGS = ("--memx-weights", "--memx-weights-streamed", "--memx-prefetch-depth", "--memx-tbt-slo-ms",
                     "--memx-weights-profile", "--memx-weights-idle-after-s")  # fmt: skip
@@ -99,10 +100,10 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
             not_ready[0],
             f"{shape.model_class} at tensor parallel size {shape.tp_size} builds one {pool} per rank and every "
             f"rank must schedule the same batch; {', '.join(not_ready)} decide from what one rank measures or is "
-            f"given (a shared pool's answers and wake-ups, the host buffer's TTFT / TPOT samples), which the "
-            f"ranks do not share yet; at --tp {shape.tp_size} memx runs elastic KV on each rank's own pool "
-            f"({', '.join(TP_READY_FLAGS[:3])}), the governor (--memx-tpot-slo-ms, --memx-governor) and "
-            f"remappable weights (--memx-weights); run with --tp 1 or without {', '.join(not_ready)}",
+            f"given (a shared pool's answers and wake-ups, a peer's reach), which the ranks do not share yet; at "
+            f"--tp {shape.tp_size} memx runs elastic KV on each rank's own pool ({', '.join(TP_READY_FLAGS[:3])}), "
+            f"the host buffer, the governor and remappable weights; run with --tp 1 or without "
+            f"{', '.join(not_ready)}",
         )
     if shape.pool_class is not None and shape.pool_class != ELASTIC_POOL:
         raise MemxConfigError(

@@ -8,11 +8,13 @@ activation peak measured on a forward is agreed (the largest rank's), so what up
 read is the same on both ranks, and memx checks it every busy iteration (``coordinator.rank_agreement``:
 an all-reduce of the available size; a disagreement stops the server instead of hanging it).
 
-The memx server (tiny Llama, float32, budget far below the logical size) must give the greedy outputs
+The memx server (tiny Llama, float32, budget far below the logical size, the host buffer with both SLOs,
+and with them the governor) must give the greedy outputs
 of the stock server at ``--tp 1`` that ``test_elastic_kv.py`` uses (the same model and arguments:
 shared once a session; on this model the two tensor parallel ranks' partial sums give the same
-argmax) through a batch, prefix-cache hits, chunked prefill and retraction under memory pressure,
-and give its KV memory back when the cache is flushed.
+argmax) through a batch, prefix-cache hits, chunked prefill, retraction under memory pressure (KV
+parked on the host and restored) and prefills offloaded to the host buffer, and give its KV memory
+back when the cache is flushed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ SPEC = TinyModelSpec(arch="llama", num_layers=2, num_heads=4, num_kv_heads=2, he
 COMMON = ["--chunked-prefill-size", "16", "--dtype", "float32"]  # as test_elastic_kv.py's stock server
 # per rank: 104 chunks of 4 KiB: a 16-token prefill's activation (12) and 23 KV groups of 64 tokens
 BUDGET_GB = "0.0004"
+# the host buffer with eLLM Alg. 2 sizing it (both SLOs): its samples are timed with rank 0's clock
+HOST_BUFFER = ["--memx-host-buffer-gb", "0.01", "--memx-ttft-slo-ms", "1000", "--memx-tpot-slo-ms", "1000"]
 TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
 PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three four five", "Elastic memory for serving"]
 
@@ -55,7 +59,7 @@ def servers(tiny_model_root, shared_servers):
     memx = SGLangServer(
         model, name="ekv-tp2", max_total_tokens=4096, env=TP2_ENV,
         extra_args=COMMON + ["--tp", "2", "--memx-elastic-kv", "--memx-chunk-kb", "4", "--memx-pool-budget-gb",
-                             BUDGET_GB, "--schedule-conservativeness", "0.05"],
+                             BUDGET_GB, "--schedule-conservativeness", "0.05", *HOST_BUFFER],
     )  # fmt: skip
     remap = SGLangServer(
         weights_model, name="w-remap-tp2", max_total_tokens=4096, env=TP2_ENV,
@@ -127,6 +131,26 @@ def test_retraction_under_pressure_matches_stock_and_the_ranks_agree(servers):
     assert el["groups_mapped_total"] > before["groups_mapped_total"]
     assert el["mapped_bytes"] <= el["pool_capacity_bytes"]
     assert el["tensor_parallel"]["checks"] > before["tensor_parallel"]["checks"] + 200
+    host = el["host_buffer"]  # retracted KV waited on the host of every rank and came back
+    assert host["parked"] > before["host_buffer"]["parked"] and host["restored"] > 0, host
+    assert host["requests"] == host["used_bytes"] == 0, host
+
+
+def test_prefills_offload_to_the_host_buffer_and_match_stock(servers):
+    """Prefills offloaded to the host buffer when the decode reservations fill the device (eLLM's
+    admission, Alg. 2 sizing the buffer from samples timed with rank 0's clock): stock's answers."""
+    stock, memx = servers["stock"], servers["memx"]
+    texts = [f"offload {i} " + " ".join(f"o{i}_{j}" for j in range(20)) for i in range(8)]
+    want = _ids(_gen(stock, texts, 100))
+    before = _elastic(memx)
+    assert _ids(_gen(memx, texts, 100)) == want
+    el = _elastic(memx)
+    host = el["host_buffer"]
+    assert host["prefill_offloads"] > before["host_buffer"]["prefill_offloads"], host
+    assert host["requests"] == host["used_bytes"] == host["pinned"] == host["offload_pending"] == 0, host
+    # every tick, the Alg. 2 step and the governor's measure each read rank 0's clock; a busy tick checks once
+    tp, tp0 = el["tensor_parallel"], before["tensor_parallel"]
+    assert tp["decisions_from_rank0"] - tp0["decisions_from_rank0"] >= 2 * (tp["checks"] - tp0["checks"]) > 0
 
 
 def test_memory_returns_to_the_pool(servers):

@@ -52,14 +52,17 @@ def test_tensor_parallel_runs_elastic_kv_and_refuses_the_rest_naming_flag_model_
     check_served_shape(ON, ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))
     check_served_shape(MemxConfig(elastic_kv=True, pool_budget_gb=0.5, chunk_kb=4),
                        ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=4))  # fmt: skip
-    config = MemxConfig(elastic_kv=True, pool_budget_gb=0.5, host_buffer_gb=1.0, tpot_slo_ms=50.0)
+    agreed = MemxConfig(elastic_kv=True, pool_budget_gb=0.5, host_buffer_gb=1.0, ttft_slo_ms=500.0, tpot_slo_ms=50.0,
+                        weights="remap")  # fmt: skip
+    check_served_shape(agreed, ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))
+    config = MemxConfig(elastic_kv=True, pool="dev0", peer_kv="borrow", host_buffer_gb=1.0)
     with pytest.raises(MemxConfigError) as info:
         check_served_shape(config, ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))
-    assert info.value.flag == "--memx-host-buffer-gb"
+    assert info.value.flag == "--memx-pool"
     msg = str(info.value)
     assert "LlamaForCausalLM at tensor parallel size 2 builds one MHATokenToKVPool per rank" in msg
-    assert "rank must schedule the same batch; --memx-host-buffer-gb decide from what one rank measures" in msg
-    assert msg.endswith("run with --tp 1 or without --memx-host-buffer-gb")  # the TPOT SLO's governor runs
+    assert "rank must schedule the same batch; --memx-pool, --memx-peer-kv decide from what one rank measures" in msg
+    assert msg.endswith("run with --tp 1 or without --memx-pool, --memx-peer-kv")  # the host buffer runs
     for shape in (ServedShape("LlamaForCausalLM", None, pp_size=3), ServedShape("LlamaForCausalLM", None, 2, 2)):
         msg = _refusal(ON, shape)
         assert "at pipeline parallel size" in msg and "needs --pp 1" in msg
@@ -163,14 +166,14 @@ def _configurator(*, tp=1, pp=1, hybrid_swa=False, mla=False, mamba=None, arch="
      ({"mla": True}, "upstream's MLATokenToKVPool"), ({"mamba": object()}, "upstream's HybridLinearKVPool"),
      ({"pp": 2}, "at pipeline parallel size 2 builds one MHATokenToKVPool per stage"),
      ({"tp": 2, "hybrid_swa": True}, "MellumForCausalLM is served from upstream's SWAKVPool"),
-     ({"tp": 2, "config": MemxConfig(elastic_kv=True, host_buffer_gb=0.5)},
+     ({"tp": 2, "config": MemxConfig(elastic_kv=True, pool="dev0")},
       "at tensor parallel size 2 builds one MHATokenToKVPool per rank and every rank must schedule the same")],
 )  # fmt: skip
 def test_the_pool_build_refuses_before_building(kwargs, named):
     with pytest.raises(MemxConfigError, match=named) as info:
         with pool_build.scope(_configurator(**kwargs)):
             raise AssertionError("the build must not open")
-    assert info.value.flag == ("--memx-host-buffer-gb" if "config" in kwargs else "--memx-elastic-kv")
+    assert info.value.flag == ("--memx-pool" if "config" in kwargs else "--memx-elastic-kv")
     assert pool_build.current() is None
 
 

@@ -22,6 +22,7 @@ The governor's component (``--memx-tpot-slo-ms``) is in ``coordinator.governor``
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,7 +234,7 @@ class HostBufferPart:
     def steps(self) -> tuple[Step, ...]:
         return (
             step("park offloaded prefills", lambda it: host_buffer.park_offloaded_prefills(self.host, it.scheduler)),
-            step("host buffer size (Alg. 2)", lambda it: slo.observe(self.host, it.scheduler)),
+            step("host buffer size (Alg. 2)", self._alg2_step),
             step("fetch parked KV", self._fetch_parked),
             step("reopen admission for offload",
                  lambda it: iteration.reopen_admission_for_offload(self.host, it.scheduler)),
@@ -244,6 +245,13 @@ class HostBufferPart:
 
     def status(self) -> dict[str, Any] | None:
         return {"host_buffer": self.host.status()}
+
+    def _alg2_step(self, it: Iteration) -> None:
+        """Alg. 2 from this iteration's TTFT / TPOT samples, timed with this rank's clock, or at
+        --tp > 1 with rank 0's (one broadcast: the samples and the buffer's size then agree)."""
+        ranks = it.coordinator.part(RankAgreement)
+        now = None if ranks is None or self.host.rule is None else ranks.rank0s([time.monotonic_ns()])[0] / 1e9
+        slo.observe(self.host, it.scheduler, now)
 
     def _fetch_parked(self, it: Iteration) -> None:  # first: the queue's prefill sizes need their parked KV back
         reserve = int(demand.decode_reserve_tokens(it.scheduler))
