@@ -13,6 +13,7 @@ and the KV memory must go back to the pool when the requests are gone.
 import pytest
 
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
+from support.greedy import flush_until_one_group_mapped
 from support.server import SGLangServer, release_all, start_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -272,15 +273,7 @@ def test_memory_returns_to_the_pool(servers, name):
     _gen(server, [f"fill {i} " + "x " * 60 for i in range(6)], 40)
     busy = _elastic(server)
     assert busy["groups_mapped_total"] > 0 and busy["map_seconds"] > 0
-    server.request_text("/flush_cache")
-    import time
-
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        st = _elastic(server)
-        if st["groups_mapped"] == 1:
-            break
-        time.sleep(0.5)
+    st = flush_until_one_group_mapped(server)
     assert st["groups_mapped"] == 1, st  # only group 0 (the padded page) stays mapped
     assert st["owners_bytes"]["kv"] == st["group_bytes"]
     assert st["groups_unmapped_total"] > 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_memx.models.tiny_families import TinyFamilySpec, tiny_family_model
+from support.greedy import assert_batch_prefix_hits_and_chunked_prefill_match, greedy, output_ids
 from support.server import SGLangServer, release_all, start_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -30,7 +31,6 @@ BUDGET_GB = "0.0006"
 MEMX = ["--memx-elastic-kv", "--memx-chunk-kb", "4", "--memx-pool-budget-gb", BUDGET_GB,
         "--schedule-conservativeness", "0.05", "--memx-host-buffer-gb", "0.01",
         "--memx-weights", "static", "--memx-weights-streamed", "0.5"]  # fmt: skip
-PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three four five", "Elastic memory for serving"]
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +41,6 @@ def servers(tiny_model_root):
     start_all([stock, memx])
     yield {"stock": stock, "memx": memx}
     release_all([stock, memx])
-
-
-def _gen(server, text, n=24, ignore_eos=True):
-    return server.request(
-        "/generate",
-        {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": ignore_eos}},
-    )
-
-
-def _ids(out) -> list:
-    return [r["output_ids"] for r in out] if isinstance(out, list) else out["output_ids"]
 
 
 def _status(server) -> dict:
@@ -68,16 +57,8 @@ def test_memx_serves_gemma2_from_its_mha_pool_with_half_the_layers_streamed(serv
 
 def test_batch_prefix_hits_and_chunked_prefill_match_stock(servers):
     stock, memx = servers["stock"], servers["memx"]
-    assert _ids(_gen(memx, PROMPTS)) == _ids(_gen(stock, PROMPTS))
-    prefix = " ".join(f"shared{i}" for i in range(40))  # longer than the window: the mask matters
-    want = [_ids(_gen(stock, prefix + tail)) for tail in (" alpha", " beta")]
-    first, second = _gen(memx, prefix + " alpha"), _gen(memx, prefix + " beta")
-    assert [first["output_ids"], second["output_ids"]] == want
-    assert second["meta_info"]["cached_tokens"] > 0
-    long_prompt = " ".join(f"w{i % 37}x{i}" for i in range(60))  # many 16-token chunks
-    want = _gen(stock, long_prompt, 16)
-    assert want["meta_info"]["prompt_tokens"] > 128
-    assert _gen(memx, long_prompt, 16)["output_ids"] == want["output_ids"]
+    # the 40-word shared prefix is longer than the window: the mask matters
+    assert_batch_prefix_hits_and_chunked_prefill_match(stock, memx)
     w = _status(memx)["elastic_kv"]["weights"]
     assert w["fetches"] >= w["forwards"] - 1 > 0  # the streamed layer came back for every forward
 
@@ -88,10 +69,10 @@ def test_retraction_under_pressure_parks_kv_on_the_host_and_matches_stock(server
     in the host buffer and comes back through the radix cache. Answers are stock's."""
     stock, memx = servers["stock"], servers["memx"]
     texts = [f"request {i} " + " ".join(f"t{i}_{j}" for j in range(20)) for i in range(12)]
-    want = _ids(_gen(stock, texts, 200, ignore_eos=False))
+    want = output_ids(greedy(stock, texts, 200, ignore_eos=False))
     before = _status(memx)["elastic_kv"]
-    got = _gen(memx, texts, 200, ignore_eos=False)
-    assert _ids(got) == want
+    got = greedy(memx, texts, 200, ignore_eos=False)
+    assert output_ids(got) == want
     assert sum(r["meta_info"].get("num_retractions", 0) for r in got) > 0
     el = _status(memx)["elastic_kv"]
     # groups went back to the pool and were mapped again, never beyond the physical budget
@@ -106,9 +87,9 @@ def test_retraction_under_pressure_parks_kv_on_the_host_and_matches_stock(server
 def test_prefills_offload_to_the_host_buffer_and_match_stock(servers):
     stock, memx = servers["stock"], servers["memx"]
     texts = [f"offload {i} " + " ".join(f"o{i}_{j}" for j in range(20)) for i in range(8)]
-    want = _ids(_gen(stock, texts, 100))
+    want = output_ids(greedy(stock, texts, 100))
     before = _status(memx)["elastic_kv"]["host_buffer"]
-    assert _ids(_gen(memx, texts, 100)) == want
+    assert output_ids(greedy(memx, texts, 100)) == want
     host = _status(memx)["elastic_kv"]["host_buffer"]
     assert host["prefill_offloads"] > before["prefill_offloads"], host
     assert host["requests"] == host["used_bytes"] == host["pinned"] == host["offload_pending"] == 0, host

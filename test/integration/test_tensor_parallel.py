@@ -25,6 +25,14 @@ import time
 import pytest
 
 from sglang_memx.models.tiny import TinyModelSpec, tiny_model
+from support.greedy import (
+    PROMPTS,
+    assert_batch_prefix_hits_and_chunked_prefill_match,
+    elastic_status,
+    flush_until_one_group_mapped,
+    greedy,
+    output_ids,
+)
 from support.server import SGLangServer, release_all, start_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -36,7 +44,6 @@ BUDGET_GB = "0.0004"
 # the host buffer with eLLM Alg. 2 sizing it (both SLOs): its samples are timed with rank 0's clock
 HOST_BUFFER = ["--memx-host-buffer-gb", "0.01", "--memx-ttft-slo-ms", "1000", "--memx-tpot-slo-ms", "1000"]
 TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
-PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three four five", "Elastic memory for serving"]
 
 
 # test_weights.py's 8-layer Llama and stock server; per rank 9.1 MiB of layers, 256 KiB KV groups of 64 tokens
@@ -72,21 +79,6 @@ def servers(tiny_model_root, shared_servers):
     release_all([memx, remap])
 
 
-def _gen(server, text, n=24, ignore_eos=True):
-    return server.request(
-        "/generate",
-        {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": ignore_eos}},
-    )
-
-
-def _ids(out) -> list:
-    return [r["output_ids"] for r in out] if isinstance(out, list) else out["output_ids"]
-
-
-def _elastic(server) -> dict:
-    return server.request("/memx/status")["schedulers"][0]["elastic_kv"]
-
-
 def test_each_rank_balloons_kv_and_activations_in_its_own_pool_with_agreed_peaks(servers):
     status = servers["memx"].request("/memx/status")["schedulers"][0]
     assert status["kv_pool"]["kind"] == "MHATokenToKVPool" and status["features"]["elastic_kv"]
@@ -102,18 +94,9 @@ def test_each_rank_balloons_kv_and_activations_in_its_own_pool_with_agreed_peaks
 
 def test_batch_prefix_hits_and_chunked_prefill_match_stock(servers):
     stock, memx = servers["stock"], servers["memx"]
-    before = _elastic(memx)["tensor_parallel"]["checks"]
-    assert _ids(_gen(memx, PROMPTS)) == _ids(_gen(stock, PROMPTS))
-    prefix = " ".join(f"shared{i}" for i in range(40))
-    want = [_ids(_gen(stock, prefix + tail)) for tail in (" alpha", " beta")]
-    first, second = _gen(memx, prefix + " alpha"), _gen(memx, prefix + " beta")
-    assert [first["output_ids"], second["output_ids"]] == want
-    assert second["meta_info"]["cached_tokens"] > 0
-    long_prompt = " ".join(f"w{i % 37}x{i}" for i in range(60))  # many 16-token chunks
-    want = _gen(stock, long_prompt, 16)
-    assert want["meta_info"]["prompt_tokens"] > 128
-    assert _gen(memx, long_prompt, 16)["output_ids"] == want["output_ids"]
-    assert _elastic(memx)["tensor_parallel"]["checks"] > before + 24  # every busy iteration was checked
+    before = elastic_status(memx)["tensor_parallel"]["checks"]
+    assert_batch_prefix_hits_and_chunked_prefill_match(stock, memx)
+    assert elastic_status(memx)["tensor_parallel"]["checks"] > before + 24  # every busy iteration was checked
 
 
 def test_retraction_under_pressure_matches_stock_and_the_ranks_agree(servers):
@@ -122,12 +105,12 @@ def test_retraction_under_pressure_matches_stock_and_the_ranks_agree(servers):
     and retract the same requests; the answers are stock's."""
     stock, memx = servers["stock"], servers["memx"]
     texts = [f"request {i} " + " ".join(f"t{i}_{j}" for j in range(20)) for i in range(24)]
-    want = _ids(_gen(stock, texts, 200, ignore_eos=False))
-    before = _elastic(memx)
-    got = _gen(memx, texts, 200, ignore_eos=False)
-    assert _ids(got) == want
+    want = output_ids(greedy(stock, texts, 200, ignore_eos=False))
+    before = elastic_status(memx)
+    got = greedy(memx, texts, 200, ignore_eos=False)
+    assert output_ids(got) == want
     assert sum(r["meta_info"].get("num_retractions", 0) for r in got) > 0
-    el = _elastic(memx)
+    el = elastic_status(memx)
     assert el["groups_mapped_total"] > before["groups_mapped_total"]
     assert el["mapped_bytes"] <= el["pool_capacity_bytes"]
     assert el["tensor_parallel"]["checks"] > before["tensor_parallel"]["checks"] + 200
@@ -141,28 +124,22 @@ def test_prefills_offload_to_the_host_buffer_and_match_stock(servers):
     admission, Alg. 2 sizing the buffer from samples timed with rank 0's clock): stock's answers."""
     stock, memx = servers["stock"], servers["memx"]
     texts = [f"offload {i} " + " ".join(f"o{i}_{j}" for j in range(20)) for i in range(8)]
-    want = _ids(_gen(stock, texts, 100))
-    before = _elastic(memx)
-    assert _ids(_gen(memx, texts, 100)) == want
-    el = _elastic(memx)
+    want = output_ids(greedy(stock, texts, 100))
+    before = elastic_status(memx)
+    assert output_ids(greedy(memx, texts, 100)) == want
+    el = elastic_status(memx)
     host = el["host_buffer"]
     assert host["prefill_offloads"] > before["host_buffer"]["prefill_offloads"], host
     assert host["requests"] == host["used_bytes"] == host["pinned"] == host["offload_pending"] == 0, host
     # every tick, the Alg. 2 step and the governor's measure each read rank 0's clock; a busy tick checks once
     tp, tp0 = el["tensor_parallel"], before["tensor_parallel"]
-    assert tp["decisions_from_rank0"] - tp0["decisions_from_rank0"] >= 2 * (tp["checks"] - tp0["checks"]) > 0
+    assert tp["broadcasts_from_rank0"] - tp0["broadcasts_from_rank0"] >= 2 * (tp["checks"] - tp0["checks"]) > 0
 
 
 def test_memory_returns_to_the_pool(servers):
     server = servers["memx"]
-    _gen(server, [f"fill {i} " + "x " * 60 for i in range(6)], 40)
-    server.request_text("/flush_cache")
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        st = _elastic(server)
-        if st["groups_mapped"] == 1:
-            break
-        time.sleep(0.5)
+    greedy(server, [f"fill {i} " + "x " * 60 for i in range(6)], 40)
+    st = flush_until_one_group_mapped(server)
     assert st["groups_mapped"] == 1, st  # only group 0 (the padded page) stays mapped
     assert st["groups_unmapped_total"] > 0
 
@@ -170,7 +147,7 @@ def test_memory_returns_to_the_pool(servers):
 def _wait_weights(server, predicate, timeout: float) -> dict:
     deadline = time.time() + timeout
     while True:
-        w = _elastic(server)["weights"]
+        w = elastic_status(server)["weights"]
         if predicate(w) or time.time() > deadline:
             return w
         time.sleep(0.3)
@@ -183,25 +160,25 @@ def test_remappable_weights_release_and_restore_on_every_rank_in_step(servers):
     a step) and both ranks release and later restore the same layers in the same iteration (else the
     agreement check would stop the server). Answers are stock's at --tp 1 throughout."""
     stock, remap = servers["stock8"], servers["remap"]
-    status = _elastic(remap)
+    status = elastic_status(remap)
     w = status["weights"]
     assert w["mode"] == "remap" and w["lent_layers"] == 0 and w["streamed_layers"] == 0
     kv_room = (status["pool_capacity_bytes"] - w["held_bytes"]) // status["group_bytes"] * status["group_tokens"]
     prompt = " ".join(["one two three four five six seven eight"] * 60)  # ~480 tokens
     assert 3 * (480 + 200) > 2 * kv_room
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(_gen, remap, prompt + f" {i}", 200) for i in range(3)]
+        futures = [pool.submit(greedy, remap, prompt + f" {i}", 200) for i in range(3)]
         lent = _wait_weights(remap, lambda w: w["lent_layers"] > 0, timeout=120)
         outs = [f.result(timeout=600)["output_ids"] for f in futures]
     assert lent["lent_layers"] > 0, lent
-    assert outs == [_gen(stock, prompt + f" {i}", 200)["output_ids"] for i in range(3)]
+    assert outs == [greedy(stock, prompt + f" {i}", 200)["output_ids"] for i in range(3)]
     restored = _wait_weights(remap, lambda w: w["lent_layers"] == 0 and w["streamed_layers"] == 0, timeout=120)
     assert restored["lent_layers"] == 0 and restored["decisions"]["restore"] >= 1, restored
-    status = _elastic(remap)
+    status = elastic_status(remap)
     tp, gov = status["tensor_parallel"], status["governor"]
     # one broadcast a tick for the governor's clock, one an Oneiros step
-    assert tp["decisions_from_rank0"] > tp["checks"] > 100
+    assert tp["broadcasts_from_rank0"] > tp["checks"] > 100
     assert restored["decisions"]["remap"] + restored["decisions"]["restore"] > 1
     assert gov["tpot_slo_ms"] == float(LOOSE_TPOT_MS) and gov["decisions"]["over_slo"] == 0
     assert gov["measured_tpot_ms"] is not None and gov["max_running_seen"] >= 2, gov  # steps measured
-    assert _gen(remap, PROMPTS[0])["output_ids"] == _gen(stock, PROMPTS[0])["output_ids"]
+    assert greedy(remap, PROMPTS[0])["output_ids"] == greedy(stock, PROMPTS[0])["output_ids"]

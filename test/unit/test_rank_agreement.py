@@ -75,7 +75,7 @@ def test_ranks_that_agree_pass_and_idle_iterations_make_no_collective():
         assert results == [1007, [0, 5, -1], "ok", "ok", "ok"]
         assert status == {"tensor_parallel": {"size": 2, "checks": 2, "last_available_tokens": 90,
                                                          "peaks_agreed": 1,
-                                                         "decisions_from_rank0": 1}}  # fmt: skip
+                                                         "broadcasts_from_rank0": 1}}  # fmt: skip
 
 
 def test_ranks_that_disagree_both_raise_in_the_same_iteration_naming_both_sizes():

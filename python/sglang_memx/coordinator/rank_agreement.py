@@ -9,9 +9,9 @@ the queue and the budget, and the activation balloon's one rank-local input, the
 measured on a forward, is agreed before it is used (``max_over_ranks``: the largest rank's peak, on
 every rank; measured forwards are the same forwards on every rank). Remappable weights decide from
 timings each rank measures alone: every rank applies rank 0's decision (``rank0s``: one broadcast);
-the governor reads rank 0's clock once a tick (``rank0s`` too), so its measured steps are rank 0's.
-``families.TP_READY_FLAGS`` refuses the features that read other rank-local numbers (a shared pool's
-answers, the host buffer's and the governor's timings).
+the governor and the host buffer's Alg. 2 read rank 0's clock once a tick (``rank0s`` too), so their
+measured steps and TTFT / TPOT samples are rank 0's. ``families.TP_READY_FLAGS`` refuses the features
+whose rank-local inputs are not agreed: a shared pool's answers and wake-ups, the peer tier.
 
 ``RankAgreement`` checks that construction in every iteration with work, with one all-reduce of the
 available size over upstream's tensor parallel CPU group. Ranks that disagree would next pick
@@ -52,7 +52,7 @@ class RankAgreement:
     group: Any
     name: str = "rank agreement"
     counts: dict[str, int] = field(
-        default_factory=lambda: {"checks": 0, "last_available_tokens": 0, "peaks_agreed": 0, "decisions_from_rank0": 0}
+        default_factory=lambda: {"checks": 0, "last_available_tokens": 0, "peaks_agreed": 0, "broadcasts_from_rank0": 0}
     )
 
     def steps(self) -> tuple[Step, ...]:
@@ -71,10 +71,10 @@ class RankAgreement:
 
     def rank0s(self, row: list[int]) -> list[int]:
         """Rank 0's ``row`` on every rank (one broadcast; every rank passes a row of the same length
-        in the same iteration): a decision read from timings each rank measures alone."""
+        in the same iteration): a decision, or a clock, read from what each rank measures alone."""
         t = torch.tensor(row, dtype=torch.int64)
         dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
-        self.counts["decisions_from_rank0"] += 1
+        self.counts["broadcasts_from_rank0"] += 1
         return [int(v) for v in t]
 
     def _agree(self, it: Iteration) -> None:
