@@ -141,6 +141,9 @@ def test_memory_returns_to_the_pool(servers):
     greedy(server, [f"fill {i} " + "x " * 60 for i in range(6)], 40)
     st = flush_until_one_group_mapped(server)
     assert st["groups_mapped"] == 1, st  # only group 0 (the padded page) stays mapped
+    greedy(server, PROMPTS[0], 4)  # a busy iteration: the ranks' check reads every rank's mapped groups
+    tp = elastic_status(server)["tensor_parallel"]
+    assert tp["groups_mapped_min"] >= 1 and tp["groups_mapped_max"] == tp["groups_mapped_min"], tp
     assert st["groups_unmapped_total"] > 0
 
 

@@ -38,7 +38,8 @@ def _rank(rank: int, init_file: str, available: list[int], busy: list[bool], out
     results = [agreement.max_over_ranks(1000 + 7 * rank)]  # a measured peak: the largest rank's, on all
     results.append(agreement.rank0s([rank, 5 + rank, -1]))  # a decision row: rank 0's, on all
     for value, is_busy in zip(available, busy):
-        it = SimpleNamespace(busy=is_busy, allocator=SimpleNamespace(available=value), scheduler=None)
+        kv = SimpleNamespace(buffers=SimpleNamespace(num_mapped=3 + rank))  # the ranks' mapped groups, for the status
+        it = SimpleNamespace(busy=is_busy, allocator=SimpleNamespace(available=value), kv=kv, scheduler=None)
         try:
             check.run(it)
             results.append("ok")
@@ -74,8 +75,8 @@ def test_ranks_that_agree_pass_and_idle_iterations_make_no_collective():
         results, status = got[rank]
         assert results == [1007, [0, 5, -1], "ok", "ok", "ok"]
         assert status == {"tensor_parallel": {"size": 2, "checks": 2, "last_available_tokens": 90,
-                                                         "peaks_agreed": 1,
-                                                         "broadcasts_from_rank0": 1}}  # fmt: skip
+                                              "groups_mapped_min": 3, "groups_mapped_max": 4, "peaks_agreed": 1,
+                                              "broadcasts_from_rank0": 1}}  # fmt: skip
 
 
 def test_ranks_that_disagree_both_raise_in_the_same_iteration_naming_both_sizes():

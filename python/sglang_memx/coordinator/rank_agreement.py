@@ -14,9 +14,10 @@ measured steps and TTFT / TPOT samples are rank 0's. ``families.TP_READY_FLAGS``
 whose rank-local inputs are not agreed: a shared pool's answers and wake-ups, the peer tier.
 
 ``RankAgreement`` checks that construction in every iteration with work, with one all-reduce of the
-available size over upstream's tensor parallel CPU group. Ranks that disagree would next pick
-different batches and hang in the forward's collectives; instead every rank raises at once (each
-sees the same reduced pair), naming both sizes.
+available size over upstream's tensor parallel CPU group (and, for the status, of the mapped KV
+groups: only rank 0 answers ``/memx/status``, so the other ranks' memory shows as the ranks' min and
+max). Ranks that disagree would next pick different batches and hang in the forward's collectives;
+instead every rank raises at once (each sees the same reduced pair), naming both sizes.
 """
 
 from __future__ import annotations
@@ -35,12 +36,18 @@ class RanksDisagree(RuntimeError):
     """Two tensor parallel ranks saw different available KV sizes in the same iteration."""
 
 
-def spread(value: int, group) -> tuple[int, int]:
-    """(smallest, largest) of each rank's ``value`` over ``group``: one all-reduce (MAX) of
-    (v, -v). Every rank of the group must call it in the same iteration."""
-    t = torch.tensor([value, -value], dtype=torch.int64)
+def spreads(values: list[int], group) -> list[tuple[int, int]]:
+    """(smallest, largest) over the ranks of ``group`` of each of this rank's ``values``: one
+    all-reduce (MAX) of (v, -v) pairs. Every rank of the group must call it in the same iteration,
+    with as many values."""
+    t = torch.tensor([x for v in values for x in (v, -v)], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return -int(t[1]), int(t[0])
+    return [(-int(t[2 * i + 1]), int(t[2 * i])) for i in range(len(values))]
+
+
+def spread(value: int, group) -> tuple[int, int]:
+    """(smallest, largest) of each rank's ``value`` over ``group`` (``spreads`` of one value)."""
+    return spreads([value], group)[0]
 
 
 @dataclass(eq=False)
@@ -52,8 +59,9 @@ class RankAgreement:
     group: Any
     name: str = "rank agreement"
     counts: dict[str, int] = field(
-        default_factory=lambda: {"checks": 0, "last_available_tokens": 0, "peaks_agreed": 0, "broadcasts_from_rank0": 0}
-    )
+        default_factory=lambda: dict.fromkeys(("checks", "last_available_tokens", "groups_mapped_min",
+                                                "groups_mapped_max", "peaks_agreed", "broadcasts_from_rank0"), 0)
+    )  # fmt: skip
 
     def steps(self) -> tuple[Step, ...]:
         return (step("agree across ranks", self._agree),)
@@ -81,9 +89,11 @@ class RankAgreement:
         if not it.busy:  # every rank has the same queue: all of them skip, or none
             return
         available = up_kv.available_tokens(it.allocator)
-        low, high = spread(available, self.group)
+        (low, high), mapped = spreads([available, it.kv.buffers.num_mapped], self.group)
         self.counts["checks"] += 1
         self.counts["last_available_tokens"] = available
+        # the other ranks' memory, seen from rank 0's /memx/status (equal by construction; not checked)
+        self.counts["groups_mapped_min"], self.counts["groups_mapped_max"] = mapped
         if low != high:
             raise RanksDisagree(
                 f"memx: tensor parallel ranks see different available KV ({low} to {high} tokens; this rank "
