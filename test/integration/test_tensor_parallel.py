@@ -131,9 +131,9 @@ def test_prefills_offload_to_the_host_buffer_and_match_stock(servers):
     host = el["host_buffer"]
     assert host["prefill_offloads"] > before["host_buffer"]["prefill_offloads"], host
     assert host["requests"] == host["used_bytes"] == host["pinned"] == host["offload_pending"] == 0, host
-    # every tick, the Alg. 2 step and the governor's measure each read rank 0's clock; a busy tick checks once
+    # every tick reads rank 0's clock once (for Alg. 2 and the governor's measure); a busy tick checks once
     tp, tp0 = el["tensor_parallel"], before["tensor_parallel"]
-    assert tp["broadcasts_from_rank0"] - tp0["broadcasts_from_rank0"] >= 2 * (tp["checks"] - tp0["checks"]) > 0
+    assert tp["broadcasts_from_rank0"] - tp0["broadcasts_from_rank0"] >= tp["checks"] - tp0["checks"] > 0
 
 
 def test_memory_returns_to_the_pool(servers):

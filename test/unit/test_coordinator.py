@@ -96,8 +96,8 @@ def test_the_built_in_orders_are_the_governors_measure_the_old_tick_order_the_re
     kv = SimpleNamespace()
     names = [s.name for _, s in every_component(kv).iteration_order()]
     # the governor's first; reopening admission last in the tick, after every step that adds memory
-    assert names == ["measure the decode step", *OLD_STEPS, "reopen admission when the head fits", "agree across ranks",
-                     "peer tier step"]  # fmt: skip
+    assert names == ["new tick for the ranks", "measure the decode step", *OLD_STEPS,
+                     "reopen admission when the head fits", "agree across ranks", "peer tier step"]  # fmt: skip
     assert [s.name for _, s in every_component(kv).short_order()] == list(SOURCE_RANKS)
     assert set(names) == set(ITERATION_RANKS)
 

@@ -314,23 +314,17 @@ def test_without_a_tpot_slo_no_paces_are_built(monkeypatch):
 
 
 def test_at_tensor_parallel_every_rank_measures_with_rank0s_clock_and_paces_count_to_the_tick():
-    """``rank0s`` (``RankAgreement.rank0s``, faked: rank 0's clock reads 500 s + 25 ms a tick, this
+    """``tick_time`` (``RankAgreement.tick_time``, faked: rank 0's clock reads 500 s + 25 ms a tick, this
     rank's own 100 s + 40 ms) replaces this rank's clock once a tick; the decode step measured is rank
     0's and the running requests' paces count to the tick's agreed time, never to this rank's clock."""
-    clock, rows = Clock(), []
+    clock = Clock()
     rank0_clock = iter([500.0, 500.025, 500.050])
-
-    def rank0s(row):
-        rows.append(row)
-        return [round(next(rank0_clock) * 1e9)]
-
-    part = GovernorPart(BatchGovernor(0.05), clock=clock, rank0s=rank0s)
+    part = GovernorPart(BatchGovernor(0.05), clock=clock, tick_time=lambda: next(rank0_clock))
     running = [FakeReq(prompt=10, outputs=2)]
     sched = FakeScheduler(running=running)
     for _ in range(3):
         _run_step(part, sched)
         clock.t += 0.040
-    assert rows == [[100_000_000_000], [100_040_000_000], [100_080_000_000]]  # this rank's clock went in
     assert part.last_step_s == pytest.approx(0.025) and part.governor.model.samples == 2
     # its first token was seen at rank 0's first tick (500 s); its pace counts to the last tick (500.05 s)
     assert part.paces(running)[0].elapsed_s == pytest.approx(0.050)

@@ -22,7 +22,6 @@ The governor's component (``--memx-tpot-slo-ms``) is in ``coordinator.governor``
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,10 +247,9 @@ class HostBufferPart:
 
     def _alg2_step(self, it: Iteration) -> None:
         """Alg. 2 from this iteration's TTFT / TPOT samples, timed with this rank's clock, or at
-        --tp > 1 with rank 0's (one broadcast: the samples and the buffer's size then agree)."""
+        --tp > 1 with rank 0's (``RankAgreement.tick_time``: the samples and the buffer's size then agree)."""
         ranks = it.coordinator.part(RankAgreement)
-        now = None if ranks is None or self.host.rule is None else ranks.rank0s([time.monotonic_ns()])[0] / 1e9
-        slo.observe(self.host, it.scheduler, now)
+        slo.observe(self.host, it.scheduler, None if ranks is None or self.host.rule is None else ranks.tick_time())
 
     def _fetch_parked(self, it: Iteration) -> None:  # first: the queue's prefill sizes need their parked KV back
         reserve = int(demand.decode_reserve_tokens(it.scheduler))

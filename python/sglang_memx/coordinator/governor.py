@@ -16,7 +16,7 @@
   (``memory_ext.policy.request_pace``), and for
   the numbers of the parking question (``park_tpot``: with a TPOT SLO, a prefill is parked on the
   host only if its own TPOT, its wait for device room included, stays within it);
-* at tensor parallel size > 1 every rank reads rank 0's clock once a tick (``rank0s``) and the
+* at tensor parallel size > 1 every rank reads rank 0's clock once a tick (``tick_time``) and the
   running requests' paces count to that tick, so the measured steps and the decisions are the same
   on every rank;
 * its status (``/memx/status`` → ``elastic_kv.governor``): the SLOs in force and where each came
@@ -80,9 +80,9 @@ class GovernorPart:
     running_kv_tokens: int = 0
     max_running_seen: int = 0  # the largest running batch any tick saw (status)
     verdicts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NO_HARM_REASONS, 0))  # by reason
-    # --tp > 1 (``RankAgreement.rank0s``): every rank reads rank 0's clock, once a tick, and its paces count
-    # to that tick: the governor's every input is then the same on every rank
-    rank0s: Callable[[list[int]], list[int]] | None = None
+    # --tp > 1 (``RankAgreement.tick_time``): every rank reads rank 0's clock, once a tick, and its paces
+    # count to that tick: the governor's every input is then the same on every rank
+    tick_time: Callable[[], float] | None = None
     _last_tick: float | None = field(default=None, repr=False)
 
     def steps(self) -> tuple[Step, ...]:
@@ -125,7 +125,7 @@ class GovernorPart:
     def paces(self, running_reqs) -> list[RunningPace]:
         """The running requests' paces (``memory_ext.policy.request_pace``): time and tokens since
         the first tick that saw their first token (none yet: just now), ``max_new_tokens`` left."""
-        now, out = (self.clock() if self.rank0s is None or self._last_tick is None else self._last_tick), []
+        now, out = (self.clock() if self.tick_time is None or self._last_tick is None else self._last_tick), []
         for r in running_reqs:
             seen = up_req.memx_state(r).decoding_since
             elapsed, decoded = (0.0, 0) if seen is None else (max(0.0, now - seen[0]), up_req.output_len(r) - seen[1])
@@ -150,9 +150,7 @@ class GovernorPart:
         return self.governor.decide(len(running_reqs), kv_tokens(running_reqs), kv_tokens((req,)), **pace).admit
 
     def _measure(self, it: Iteration) -> None:
-        now = self.clock()
-        if self.rank0s is not None:  # every tick, on every rank (upstream's loop runs in step on all ranks)
-            now = self.rank0s([round(now * 1e9)])[0] / 1e9
+        now = self.clock() if self.tick_time is None else self.tick_time()  # every tick, on every rank
         if self._last_tick is not None:
             self._count_iteration(it.scheduler, now - self._last_tick)
         self._last_tick = now

@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 # The per-iteration order (built-in steps). Gaps leave room for new components.
 ITERATION_RANKS = {
+    "new tick for the ranks": 1,  # --tp > 1: this tick's rank 0 clock is read afresh (``rank_agreement``)
     "measure the decode step": 5,  # the governor: first, so the interval it times is tick to tick
     "cap request lengths": 10,
     "park offloaded prefills": 20,

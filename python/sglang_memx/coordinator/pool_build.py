@@ -162,5 +162,5 @@ def finish(build: Build, result) -> None:
         tpot, ttft = build.config.tpot_slo_ms, build.config.ttft_slo_ms
         extra.append(GovernorPart(BatchGovernor(None if tpot is None else tpot / 1e3), tpot_source=tpot_slo_source(),
                                   ttft=None if ttft is None else SloInForce(ttft, ttft_slo_source()),
-                                  rank0s=None if ranks is None else ranks.rank0s))  # fmt: skip
+                                  tick_time=None if ranks is None else ranks.tick_time))  # fmt: skip
     device.attach(allocator, kv, tuple(extra), lent=build.lent, host=host)

@@ -9,9 +9,10 @@ the queue and the budget, and the activation balloon's one rank-local input, the
 measured on a forward, is agreed before it is used (``max_over_ranks``: the largest rank's peak, on
 every rank; measured forwards are the same forwards on every rank). Remappable weights decide from
 timings each rank measures alone: every rank applies rank 0's decision (``rank0s``: one broadcast);
-the governor and the host buffer's Alg. 2 read rank 0's clock once a tick (``rank0s`` too), so their
-measured steps and TTFT / TPOT samples are rank 0's. ``families.TP_READY_FLAGS`` refuses the features
-whose rank-local inputs are not agreed: a shared pool's answers and wake-ups, the peer tier.
+the governor and the host buffer's Alg. 2 read rank 0's clock (``tick_time``: one broadcast a tick
+for both), so their measured steps and TTFT / TPOT samples are rank 0's. ``families.TP_READY_FLAGS``
+refuses the features whose rank-local inputs are not agreed: a shared pool's answers and wake-ups,
+the peer tier.
 
 ``RankAgreement`` checks that construction in every iteration with work, with one all-reduce of the
 available size over upstream's tensor parallel CPU group (and, for the status, of the mapped KV
@@ -22,6 +23,7 @@ instead every rank raises at once (each sees the same reduced pair), naming both
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,9 +64,10 @@ class RankAgreement:
         default_factory=lambda: dict.fromkeys(("checks", "last_available_tokens", "groups_mapped_min",
                                                 "groups_mapped_max", "peaks_agreed", "broadcasts_from_rank0"), 0)
     )  # fmt: skip
+    _tick_time: float | None = field(default=None, repr=False)  # this tick's ``tick_time``, once read
 
     def steps(self) -> tuple[Step, ...]:
-        return (step("agree across ranks", self._agree),)
+        return (step("new tick for the ranks", self._new_tick), step("agree across ranks", self._agree))
 
     def sources(self) -> tuple[Source, ...]:
         return ()
@@ -84,6 +87,16 @@ class RankAgreement:
         dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
         self.counts["broadcasts_from_rank0"] += 1
         return [int(v) for v in t]
+
+    def tick_time(self) -> float:
+        """Rank 0's monotonic clock at this tick (seconds), the same on every rank: one broadcast at the
+        tick's first reader (the governor's measure, the host buffer's Alg. 2: each reads it every tick)."""
+        if self._tick_time is None:
+            self._tick_time = self.rank0s([time.monotonic_ns()])[0] / 1e9
+        return self._tick_time
+
+    def _new_tick(self, it: Iteration) -> None:
+        self._tick_time = None
 
     def _agree(self, it: Iteration) -> None:
         if not it.busy:  # every rank has the same queue: all of them skip, or none
