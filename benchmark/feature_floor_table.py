@@ -71,6 +71,8 @@ def render(stem: str, doc: dict, pairs: tuple[tuple[str, str], ...] = ()) -> str
         rows.append("| " + " | ".join(cells) + " |")
     command = command_without_out(doc["command"])
     how = f"{len(rounds)} interleaved rounds" + (", fresh servers every round" if doc.get("fresh_servers") else "")
+    if doc.get("tp", 1) > 1:
+        how += f", every setup at `--tp {doc['tp']}`"
     if "base" in doc:
         how += f"; code {doc['code']}, the `@base` setups on {doc['base']}"
     lines = [f"`{command}` ({doc['when']}, model `{doc['model']}`, {how}): "

@@ -22,10 +22,12 @@ same flags on the memx of the checkout at ``PATH`` (a ``git worktree`` of the ea
 server imports memx from there), and ``SETUP / SETUP@base`` ratios per round are added.
 By default every setup's server lives across the rounds; a server instance keeps a speed of its
 own (a few per cent on these tiny models, the same sign in every round), so effects that small
-need ``--fresh-servers``: a new server of each setup for every round.
+need ``--fresh-servers``: a new server of each setup for every round. ``--tp 2`` runs every setup at
+tensor parallel size 2 (a rank on each core; stock at ``--tp 2`` is the baseline): what memx's ranks'
+agreement adds on top of the floor (``coordinator.rank_agreement``, ``rank_pools``).
 
     python benchmark/e2e/feature_floor.py [--rounds 5] [--requests 20] [--setups stock,plugin,ekv]
-        [--fresh-servers] [--base PATH --setups stock,ekv-pool,ekv-pool@base]
+        [--fresh-servers] [--base PATH --setups stock,ekv-pool,ekv-pool@base] [--tp 2]
 
 Writes ``benchmark/results/e2e/feature_floor.json``. Run on a quiet machine.
 """
@@ -58,6 +60,8 @@ RESULTS = REPO / "benchmark" / "results" / "e2e"
 MODELS_ROOT = Path("/tmp/sglang-memx-bench-models")
 COMMON = ["--dtype", "float32", "--chunked-prefill-size", "64"]
 CORE = "1"  # every server computes on this one core, as the matrix's stock split pins each server
+# --tp 2 (every setup): a rank on each core, gloo for the all-reduce (an NCCL library that fails to load)
+TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
 FEATURES = {
     "stock": [],
     "plugin": [],
@@ -80,12 +84,16 @@ def flags_of(setup: str) -> list[str]:
     return flags
 
 
-def server(setup: str, model: Path, pool_dir: Path, base: Path | None = None) -> SGLangServer:
-    """The server of ``setup``; a ``@base`` one imports memx from the checkout ``base``."""
+def server(setup: str, model: Path, pool_dir: Path, base: Path | None = None, tp: int = 1) -> SGLangServer:
+    """The server of ``setup``; a ``@base`` one imports memx from the checkout ``base``. At ``tp`` 2 every
+    setup runs at ``--tp 2``, a rank on each core (upstream's CPU engine, docs/models.md)."""
     extra = flags_of(setup)
     if "--memx-pool" in extra:
         extra += ["--memx-pool-dir", str(pool_dir)]
     env = {"SGLANG_CPU_OMP_THREADS_BIND": CORE, "OMP_NUM_THREADS": "1"}
+    if tp == 2:
+        extra += ["--tp", "2"]
+        env.update(TP2_ENV)
     if setup.endswith(BASE):
         env["PYTHONPATH"] = f"{base}/python:{base}"  # ahead of the editable install of this checkout
     return SGLangServer(model, name=f"floor-{setup}", stock=setup == "stock", extra_args=COMMON + extra, env=env)
@@ -160,6 +168,8 @@ def parse_args(argv=None):
         default=None,
         help="a checkout of earlier code (e.g. a git worktree): setups named SETUP@base run on it",
     )
+    ap.add_argument("--tp", type=int, choices=(1, 2), default=1,
+                    help="tensor parallel size of every setup (2: a rank on each of two cores)")
     ap.add_argument("--out", type=Path, default=RESULTS / "feature_floor.json")
     args = ap.parse_args(argv)
     bad = [s for s in args.setups if s.removesuffix(BASE) not in FEATURES or s == "stock" + BASE]
@@ -178,7 +188,7 @@ def parse_args(argv=None):
 def serve_rounds(rounds: int, setups: list[str], model: Path, pool_dir: Path, args, words: int) -> list[dict]:
     """``rounds`` interleaved rounds (``run_rounds``) on one server per setup, all started first
     and stopped after, with their pools' arbiters."""
-    servers = {s: server(s, model, pool_dir, args.base) for s in setups}
+    servers = {s: server(s, model, pool_dir, args.base, args.tp) for s in setups}
     try:
         start_all(list(servers.values()))
         return run_rounds(rounds, setups,
@@ -213,7 +223,7 @@ def main(argv=None) -> int:
     doc = {"benchmark": "feature_floor", "command": " ".join(sys.argv), "when": when, "model": args.model,
            "machine": {"cpus": psutil.cpu_count(), "platform": platform.platform()},
            "setups": {s: flags_of(s) for s in args.setups}, "rounds": rounds, "ratios": ratios,
-           "code": code_version(), "fresh_servers": args.fresh_servers}  # fmt: skip
+           "code": code_version(), "fresh_servers": args.fresh_servers, "tp": args.tp}  # fmt: skip
     if args.base is not None:
         doc["base"] = code_version(args.base)
     args.out.write_text(json.dumps(doc, indent=1))

@@ -138,7 +138,7 @@ class LentPool:
             kept = self.client.detach_held()
             for c in kept:
                 self._private[c.handle_id] = c
-            self.pool.adopt(self.warm.take_all())  # they are kept too: back in FREE
+            self._warm_when_lost(self.warm.take_all())  # kept too: back in FREE (``LockstepLentPool``: destroyed)
             self._adopted = 0  # the dead arbiter's books are gone
             dropped, self._pending_reclaim = self._pending_reclaim, 0
             self._outstanding = self._early_late_replies = 0  # those replies will never come
@@ -298,7 +298,7 @@ class LentPool:
                 self._wake()
                 return False
         try:
-            self.pool.adopt(chunks)  # only adds FREE chunks: never breaks what the engine counted on
+            self._land_late(chunks)  # only adds FREE chunks: never breaks what the engine counted on
         except Exception:
             log.exception("lent pool: could not adopt a late grant; returning it")
             return False
@@ -307,6 +307,12 @@ class LentPool:
             self.late_grants += 1
         self._wake()
         return True
+
+    def _land_late(self, chunks: list[PhysicalChunk]) -> None:
+        self.pool.adopt(chunks)  # (client thread) ``LockstepLentPool`` keeps them warm instead
+
+    def _warm_when_lost(self, chunks: list[PhysicalChunk]) -> None:
+        self.pool.adopt(chunks)  # (caller holds ``_lock``)
 
     def give_back(self, max_chunks: int | None = None, *, wait: bool = True, warm: bool = False) -> int:
         """Return up to ``max_chunks`` (default: all) FREE chunks to the arbiter; return how many.
@@ -413,44 +419,34 @@ class LentPool:
             self._wake()
         return warm  # the rest is answered by the engine's thread (see the module docstring)
 
-    def take_pending_reclaim(self) -> int:
-        """Chunks the arbiter asked for since the last call; resets the count."""
+    def take_pending_reclaim(self, at_most: int | None = None) -> int:
+        """Chunks the arbiter asked for since the last call (at most ``at_most``: the rest stays asked)."""
         self._check_lost()  # drops a reclaim the lost arbiter asked for
         with self._lock:
-            n, self._pending_reclaim = self._pending_reclaim, 0
+            n = self._pending_reclaim if at_most is None else max(0, min(at_most, self._pending_reclaim))
+            self._pending_reclaim -= n
             return n
 
     def status(self) -> dict:
         self._check_lost()
         in_flight = self.client.returns_in_flight  # given back without waiting, not yet acknowledged
         with self._lock:
+            warm = self.warm
+            arbiter = {"connected": not self._lost, "lost_reason": self.lost_reason, "lost_at": self.lost_at,
+                       "private_budget_chunks": self._unbooked(), "adopted_chunks": self._adopted,
+                       "rejoins": self.rejoins}  # fmt: skip
             return {
-                "budget_chunks": self.client.budget,
-                "borrowed_total": self.borrowed_total,
-                "returned_total": self.returned_total,
-                "returns_in_flight": in_flight,
-                "denied_total": self.denied_total,
-                "reclaim_requests": self.reclaim_requests,
-                "pending_reclaim": self._pending_reclaim,
-                "late_grants": self.late_grants,
-                "warm_chunks": len(self.warm),
-                "warm_hold_s": self.warm.hold_s,
-                "warm_reused_total": self.warm.reused_total,
-                "warm_reclaimed_total": self.warm.reclaimed_total,
-                "reclaim_owed": self.warm.owed,  # asked by a RECLAIM, not returned yet: never kept warm
-                "outstanding": self._outstanding,
-                "reports_sent": self.reports_sent,
-                "held_chunks": len(self.client.held()) + len(self._private),
-                "client_id": self.client.client_id,
-                "arbiter": {
-                    "connected": not self._lost,
-                    "lost_reason": self.lost_reason,
-                    "lost_at": self.lost_at,
-                    "private_budget_chunks": self._unbooked(),
-                    "adopted_chunks": self._adopted,
-                    "rejoins": self.rejoins,
-                },
-            }
+                "budget_chunks": self.client.budget, "borrowed_total": self.borrowed_total,
+                "returned_total": self.returned_total, "returns_in_flight": in_flight,
+                "denied_total": self.denied_total, "reclaim_requests": self.reclaim_requests,
+                "pending_reclaim": self._pending_reclaim, "late_grants": self.late_grants,
+                "warm_chunks": len(warm), "warm_hold_s": warm.hold_s, "warm_reused_total": warm.reused_total,
+                "warm_reclaimed_total": warm.reclaimed_total,
+                "reclaim_owed": warm.owed,  # asked by a RECLAIM, not returned yet: never kept warm
+                "outstanding": self._outstanding, "reports_sent": self.reports_sent,
+                "held_chunks": len(self.client.held()) + len(self._private), "client_id": self.client.client_id,
+                "arbiter": arbiter,
+            }  # fmt: skip
 
     @property
     def wake_fd(self) -> int:

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from memory_ext.policy.governor import BatchGovernor
+from memory_ext.pool.lent_pool import LentPool
+from memory_ext.pool.lockstep_pool import LockstepLentPool
 from sglang_memx.coordinator import components, device
 from sglang_memx.coordinator.components import (
     ActivationBalloonPart,
@@ -23,14 +25,16 @@ from sglang_memx.coordinator.components import (
 from sglang_memx.coordinator.governor import GovernorPart
 from sglang_memx.coordinator.parts import ITERATION_RANKS, SOURCE_RANKS, Source, Step
 from sglang_memx.coordinator.rank_agreement import RankAgreement
+from sglang_memx.coordinator.rank_pools import RankPools
 from sglang_memx.upstream import kv as up_kv
 
-# The iteration order as ``coordinator.tick`` listed it before it became the components' data.
+# The iteration order as ``coordinator.tick`` listed it before it became the components' data (and the
+# ranks' evening of their shared pools since).
 OLD_STEPS = (
     "cap request lengths", "park offloaded prefills", "end the activation's iteration", "consume wake-ups",
     "answer reclaims", "work?", "deflate", "host buffer size (Alg. 2)", "give back, borrow",
-    "report to the arbiter", "fetch parked KV", "reopen admission for offload", "sleep or wake", "Oneiros step",
-    "hold the head's activation", "premap",
+    "even the ranks' pools", "report to the arbiter", "fetch parked KV", "reopen admission for offload",
+    "sleep or wake", "Oneiros step", "hold the head's activation", "premap",
 )  # fmt: skip
 
 
@@ -88,6 +92,7 @@ def every_component(kv) -> device.Coordinator:
             PeerTier(kv),
             GovernorPart(BatchGovernor(0.05)),
             RankAgreement(2, None),
+            RankPools(stub, RankAgreement(2, None)),
         ),
     )
 
@@ -334,3 +339,17 @@ def test_status_of_a_real_server_shows_its_components_and_both_orders():
     ]  # fmt: skip
     assert doc["activation"] is not None and doc["shared_pool"] is None and doc["host_buffer"] is None
     assert doc["weights"] is None and doc["groups_mapped"] == 1
+
+
+def test_tensor_parallel_ranks_on_a_shared_pool_borrow_in_the_tick_only():
+    """A lockstep pool (one rank of a --tp > 1 server): no urgent-borrow source and no pool for the
+    borrows outside the tick's "give back, borrow" step (``Coordinator.borrow_pool``); a plain
+    shared pool keeps both."""
+    kv = SimpleNamespace(activation=None)
+    plain, lockstep = LentPool.__new__(LentPool), LockstepLentPool.__new__(LockstepLentPool)
+    c = device.Coordinator(kv, device.components_of(kv, lent=plain))
+    assert c.borrow_pool() is plain and "borrow from the shared pool" in [s.name for _, s in c.short_order()]
+    c = device.Coordinator(kv, device.components_of(kv, lent=lockstep))
+    assert c.shared_pool() is lockstep and c.borrow_pool() is None
+    assert [s.name for _, s in c.short_order()] == ["map from the local pool"]
+    assert device.Coordinator(kv).borrow_pool() is None  # an own pool

@@ -55,14 +55,22 @@ def test_tensor_parallel_runs_elastic_kv_and_refuses_the_rest_naming_flag_model_
     agreed = MemxConfig(elastic_kv=True, pool_budget_gb=0.5, host_buffer_gb=1.0, ttft_slo_ms=500.0, tpot_slo_ms=50.0,
                         weights="remap")  # fmt: skip
     check_served_shape(agreed, ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))
+    # a shared pool runs (the ranks agree on it), with the host buffer and the governor
+    check_served_shape(MemxConfig(elastic_kv=True, pool="dev0", host_buffer_gb=1.0, tpot_slo_ms=50.0),
+                       ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))  # fmt: skip
     config = MemxConfig(elastic_kv=True, pool="dev0", peer_kv="borrow", host_buffer_gb=1.0)
     with pytest.raises(MemxConfigError) as info:
         check_served_shape(config, ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))
-    assert info.value.flag == "--memx-pool"
+    assert info.value.flag == "--memx-peer-kv"
     msg = str(info.value)
     assert "LlamaForCausalLM at tensor parallel size 2 builds one MHATokenToKVPool per rank" in msg
-    assert "rank must schedule the same batch; --memx-pool, --memx-peer-kv decide from what one rank measures" in msg
-    assert msg.endswith("run with --tp 1 or without --memx-pool, --memx-peer-kv")  # the host buffer runs
+    assert "rank must schedule the same batch; --memx-peer-kv decide from what one rank measures" in msg
+    assert msg.endswith("run with --tp 1 or without --memx-peer-kv")  # the pool and the host buffer run
+    # remappable weights run on an own pool, not lent to a shared one
+    weights_on_pool = MemxConfig(elastic_kv=True, pool="dev0", weights="remap")
+    with pytest.raises(MemxConfigError) as info:
+        check_served_shape(weights_on_pool, ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))
+    assert info.value.flag == "--memx-weights" and "weights lent to a shared pool" in str(info.value)
     for shape in (ServedShape("LlamaForCausalLM", None, pp_size=3), ServedShape("LlamaForCausalLM", None, 2, 2)):
         msg = _refusal(ON, shape)
         assert "at pipeline parallel size" in msg and "needs --pp 1" in msg
@@ -120,9 +128,11 @@ def test_the_launcher_serves_elastic_kv_at_tensor_parallel_two_and_refuses_the_r
     assert _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool-budget-gb", "1"]).elastic_kv
     assert _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool-budget-gb", "1",
                    "--memx-weights", "remap", "--memx-tpot-slo-ms", "50"]).governed  # fmt: skip
+    assert _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0"]).pool == "dev0"
     with pytest.raises(MemxConfigError, match="LlamaForCausalLM at tensor parallel size 2 .* MHATokenToKVPool ") as e:
-        _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0"])
-    assert e.value.flag == "--memx-pool"
+        _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0", "--memx-weights",
+                "remap"])  # fmt: skip
+    assert e.value.flag == "--memx-weights"
     with pytest.raises(MemxConfigError, match="this model at tensor parallel size 2 .* one KV pool per rank"):
         _check(["--model-path", str(tmp_path / "no-such-dir"), "--tp", "2", "--memx-elastic-kv",
                 "--memx-peer-kv", "borrow", "--memx-pool", "dev0"])  # fmt: skip
@@ -166,14 +176,14 @@ def _configurator(*, tp=1, pp=1, hybrid_swa=False, mla=False, mamba=None, arch="
      ({"mla": True}, "upstream's MLATokenToKVPool"), ({"mamba": object()}, "upstream's HybridLinearKVPool"),
      ({"pp": 2}, "at pipeline parallel size 2 builds one MHATokenToKVPool per stage"),
      ({"tp": 2, "hybrid_swa": True}, "MellumForCausalLM is served from upstream's SWAKVPool"),
-     ({"tp": 2, "config": MemxConfig(elastic_kv=True, pool="dev0")},
+     ({"tp": 2, "config": MemxConfig(elastic_kv=True, pool="dev0", sleep_after_s=5.0, weights="remap")},
       "at tensor parallel size 2 builds one MHATokenToKVPool per rank and every rank must schedule the same")],
 )  # fmt: skip
 def test_the_pool_build_refuses_before_building(kwargs, named):
     with pytest.raises(MemxConfigError, match=named) as info:
         with pool_build.scope(_configurator(**kwargs)):
             raise AssertionError("the build must not open")
-    assert info.value.flag == ("--memx-pool" if "config" in kwargs else "--memx-elastic-kv")
+    assert info.value.flag == ("--memx-weights" if "config" in kwargs else "--memx-elastic-kv")
     assert pool_build.current() is None
 
 

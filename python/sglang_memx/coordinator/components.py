@@ -27,9 +27,11 @@ from typing import Any
 
 from memory_ext.pool.activation_balloon import ActivationBalloon
 from memory_ext.pool.lent_pool import LentPool
+from memory_ext.pool.lockstep_pool import LockstepLentPool
 from sglang_memx.coordinator.governor import GovernorPart
 from sglang_memx.coordinator.parts import Iteration, Source, Step, source, step
 from sglang_memx.coordinator.rank_agreement import RankAgreement
+from sglang_memx.coordinator.rank_pools import RankPools
 from sglang_memx.elastic import demand, host_buffer, iteration, shared_pool, slo
 from sglang_memx.elastic.ballooning import grow_over_activation, hold_head_activation, reserve_activation
 from sglang_memx.elastic.host_state import HostBufferState
@@ -96,7 +98,9 @@ class SharedPoolLender:
             step("report to the arbiter", self._report),
         )
 
-    def sources(self) -> tuple[Source, ...]:
+    def sources(self) -> tuple[Source, ...]:  # a lockstep pool borrows in the tick only (``rank_pools``)
+        if isinstance(self.lent, LockstepLentPool):
+            return ()
         return (source("borrow from the shared pool", self._borrow_shortfall),)
 
     def status(self) -> dict[str, Any] | None:
@@ -112,8 +116,10 @@ class SharedPoolLender:
     def _answer_reclaim(self, it: Iteration) -> None:
         weights = it.coordinator.part(WeightLender)
         release = None if weights is None else (lambda chunks: weights.release_for_reclaim(self.lent, chunks))
+        ranks = it.coordinator.part(RankPools)  # --tp > 1: every rank frees the ranks' agreed ask
         shared_pool.answer_reclaim(it.kv, self.lent, it.allocator, it.tree, it.scheduler,
-                                   it.coordinator.activation_side(), release_layers=release)  # fmt: skip
+                                   it.coordinator.activation_side(), release_layers=release,
+                                   agreed=None if ranks is None else ranks.take_agreed_reclaim())  # fmt: skip
 
     def _balance(self, it: Iteration) -> None:
         activation = it.coordinator.activation_side()
@@ -141,7 +147,7 @@ class ActivationBalloonPart:
             step("end the activation's iteration", lambda it: self.balloon.end_iteration()),
             step("hold the head's activation",
                  lambda it: hold_head_activation(it.kv, self.balloon, it.allocator, it.tree, it.scheduler,
-                                             self.host, it.coordinator.shared_pool())),
+                                             self.host, it.coordinator.borrow_pool())),
         )  # fmt: skip
 
     def sources(self) -> tuple[Source, ...]:

@@ -20,6 +20,7 @@ import time
 from typing import Any, TypeVar
 
 from memory_ext.pool.lent_pool import LentPool
+from memory_ext.pool.lockstep_pool import LockstepLentPool
 from sglang_memx.coordinator.components import (
     ActivationBalloonPart,
     HostBufferPart,
@@ -105,6 +106,13 @@ class Coordinator:
         """This server's link to the device's shared pool (``--memx-pool``), or None (its own pool)."""
         part = self.part(SharedPoolLender)
         return None if part is None else part.lent
+
+    def borrow_pool(self) -> LentPool | None:
+        """The shared pool for borrows outside the tick's "give back, borrow" step (admission, a decode
+        step's capacity, the head's activation), or None: an own pool, or tensor parallel ranks, which
+        borrow in that step only (``rank_pools``)."""
+        lent = self.shared_pool()
+        return None if isinstance(lent, LockstepLentPool) else lent
 
     def host_buffer(self) -> HostBufferState | None:
         """The host KV buffer (``--memx-host-buffer-gb``), or None."""

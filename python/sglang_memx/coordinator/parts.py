@@ -32,6 +32,7 @@ ITERATION_RANKS = {
     "deflate": 70,
     "host buffer size (Alg. 2)": 80,
     "give back, borrow": 90,
+    "even the ranks' pools": 95,  # --tp > 1 on a shared pool: after the tick's one borrow (``rank_pools``)
     "report to the arbiter": 100,
     "fetch parked KV": 110,
     "reopen admission for offload": 120,

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 
 from memory_ext.policy.governor import BatchGovernor
 from memory_ext.pool.lent_pool import LentPool
+from memory_ext.pool.lockstep_pool import LockstepLentPool
 from sglang_memx.config import MemxConfig, MemxConfigError, tpot_slo_source, ttft_slo_source
 from sglang_memx.coordinator import device
 from sglang_memx.coordinator.components import LayerStreamPart, PeerTier
 from sglang_memx.coordinator.governor import GovernorPart, SloInForce
 from sglang_memx.coordinator.rank_agreement import RankAgreement
+from sglang_memx.coordinator.rank_pools import RankPools
 from sglang_memx.elastic.build import activation_profile, build_elastic_kv
 from sglang_memx.elastic.host_buffer import build_host_buffer
 from sglang_memx.elastic.slab import cell_format
@@ -158,6 +160,8 @@ def finish(build: Build, result) -> None:
     ranks = RankAgreement(build.tp_size, up_sched.tp_cpu_group()) if build.tp_size > 1 else None
     if ranks is not None:
         extra.append(ranks)
+        if isinstance(build.lent, LockstepLentPool):  # a shared pool: the ranks' FREE and reclaims agreed
+            extra.append(RankPools(build.lent, ranks))
     if build.config.governed:  # the no-harm admission rules; with a TPOT SLO, the batch cap too
         tpot, ttft = build.config.tpot_slo_ms, build.config.ttft_slo_ms
         extra.append(GovernorPart(BatchGovernor(None if tpot is None else tpot / 1e3), tpot_source=tpot_slo_source(),

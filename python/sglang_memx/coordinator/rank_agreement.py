@@ -10,8 +10,9 @@ measured on a forward, is agreed before it is used (``max_over_ranks``: the larg
 every rank; measured forwards are the same forwards on every rank). Remappable weights decide from
 timings each rank measures alone: every rank applies rank 0's decision (``rank0s``: one broadcast);
 the governor and the host buffer's Alg. 2 read rank 0's clock (``tick_time``: one broadcast a tick
-for both), so their measured steps and TTFT / TPOT samples are rank 0's. ``families.TP_READY_FLAGS``
-refuses the features whose rank-local inputs are not agreed: a shared pool's answers and wake-ups,
+for both), so their measured steps and TTFT / TPOT samples are rank 0's. On a shared pool the ranks
+agree on their FREE chunks and the arbiter's reclaims (``rank_pools``). ``families.TP_READY_FLAGS``
+refuses the features whose rank-local inputs are not agreed: sleep, weights lent to a shared pool,
 the peer tier.
 
 ``RankAgreement`` checks that construction in every iteration with work, with one all-reduce of the

@@ -34,6 +34,7 @@ from pathlib import Path
 from memory_ext.pool import Owner
 from memory_ext.pool.arbiter_client import ArbiterError
 from memory_ext.pool.lent_pool import LentPool
+from memory_ext.pool.lockstep_pool import LockstepLentPool
 from memory_ext.proc import pid_alive
 from memory_ext.vmm import private_dir
 from sglang_memx import router_activity
@@ -139,11 +140,14 @@ def restart_crashed_arbiter(config: MemxConfig, chunk_bytes: int) -> bool:
     return True
 
 
-def join_pool(config: MemxConfig, backend) -> LentPool:
+def join_pool(config: MemxConfig, backend, *, lockstep: bool = False) -> LentPool:
+    """This process's link to the pool's arbiter (started if none answers); ``lockstep``: one tensor parallel
+    rank's (``LockstepLentPool``: FREE changes only in the engine's calls, where the ranks agree)."""
     sock = ensure_arbiter(config, backend.granularity)
     try:
-        lent = LentPool(sock, f"sglang-{os.getpid()}", backend, warm_hold_s=WARM_HOLD_S,
-                        restart_arbiter=lambda: restart_crashed_arbiter(config, backend.granularity))  # fmt: skip
+        kind = LockstepLentPool if lockstep else LentPool
+        lent = kind(sock, f"sglang-{os.getpid()}", backend, warm_hold_s=WARM_HOLD_S,
+                    restart_arbiter=lambda: restart_crashed_arbiter(config, backend.granularity))  # fmt: skip
     except ArbiterError as exc:
         if exc.field == "granularity":
             raise MemxConfigError(
@@ -264,17 +268,23 @@ def spare_chunks(kv: ElasticKV, running_tokens: int, free_pages: int, next_step:
 
 
 def answer_reclaim(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation: ActivationSide,
-                   release_layers: Callable[[int], int] | None = None) -> int:  # fmt: skip
+                   release_layers: Callable[[int], int] | None = None, *,
+                   agreed: int | None = None) -> int:  # fmt: skip
     """Free and return the chunks the arbiter asked for (idle activation, free groups, then
     cached prefixes, then, with remappable weights, layers: ``release_layers(chunks)``, which
-    the coordinator passes when the weights are in the pool); return how many chunks went back."""
-    pending = lent.take_pending_reclaim()
-    if pending <= 0:
+    the coordinator passes when the weights are in the pool); return how many chunks went back.
+
+    ``agreed`` (tensor parallel ranks, ``coordinator.rank_pools``): the chunks every rank frees, the
+    largest ask of any rank, so that every rank evicts the same prefixes; each gives back its own ask
+    (at most ``agreed``; the rest of its ask waits for the next agreement)."""
+    pending = lent.take_pending_reclaim(at_most=agreed)
+    freeing = pending if agreed is None else agreed
+    if freeing <= 0:
         return 0
     activation.release_idle(keep=activation.next_step_chunks(scheduler))  # idle activation is the cheapest
-    free_groups(kv, allocator, tree, -(-pending // kv.buffers.chunks_per_group))
+    free_groups(kv, allocator, tree, -(-freeing // kv.buffers.chunks_per_group))
     if release_layers is not None:  # an inactive server's layers go next (Oneiros: inactive first)
-        release_layers(pending - spare_free_chunks(kv, allocator, scheduler, activation))
+        release_layers(freeing - spare_free_chunks(kv, allocator, scheduler, activation))
     return lent.give_back(min(pending, spare_free_chunks(kv, allocator, scheduler, activation)))
 
 

@@ -91,7 +91,7 @@ def around_check_decode_capacity(original, allocator, *, num_tokens, tree_cache,
         return check()
     return decode_step_fits(coordinator.kv, allocator, check, int(num_tokens), tree_cache,
                             None if requests is None else len(requests),
-                            activation=coordinator.activation_side(), lent=coordinator.shared_pool())  # fmt: skip
+                            activation=coordinator.activation_side(), lent=coordinator.borrow_pool())  # fmt: skip
 
 
 def around_create_prefill_budget(original, allocator, tree_cache, *, num_mixed_decode_tokens=0):

@@ -99,7 +99,7 @@ def around_add_one_req(original, adder, req, has_chunked_req, truncation_align_s
         coordinator.part(ActivationBalloonPart) is None and coordinator.part(HostBufferPart) is None
     ):
         return original(adder, req, has_chunked_req, truncation_align_size)
-    activation, host, lent = coordinator.activation_side(), coordinator.host_buffer(), coordinator.shared_pool()
+    activation, host, lent = coordinator.activation_side(), coordinator.host_buffer(), coordinator.borrow_pool()
     return admission.add_one(original, adder, req, has_chunked_req, truncation_align_size, activation, host, lent,
                              governor)  # fmt: skip
 
@@ -108,7 +108,7 @@ def around_add_chunked_req(original, adder, req):
     coordinator = device.of(up_sched.adder_allocator(adder))
     if coordinator is None:
         return original(adder, req)
-    return admission.add_chunk(original, adder, req, coordinator.activation_side(), coordinator.shared_pool())
+    return admission.add_chunk(original, adder, req, coordinator.activation_side(), coordinator.borrow_pool())
 
 
 def around_release_req(original, batch, idx, remaing_req_count, offload_kv=True):

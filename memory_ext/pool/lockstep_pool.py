@@ -1,0 +1,60 @@
+"""LockstepLentPool: a ``LentPool`` for an engine whose tensor parallel ranks must see the same FREE
+count (each rank is one client of the arbiter, with a pool of its own).
+
+The ranks of a tensor parallel engine schedule alone and must pick the same batch, so what each rank
+counts as available may change only at points every rank passes together. A plain ``LentPool`` also
+changes FREE on two other paths: a late grant lands from the client's thread, and the warm chunks
+return to FREE when the arbiter is lost. Here a late grant waits warm instead (the next borrow takes
+it without a round trip; when the hold ends it goes back), and warm chunks of a lost arbiter are
+destroyed (they had been given up). ``shed(n)`` takes chunks out of FREE at once whatever the
+arbiter's state: the engine calls it where its ranks agree, to bring every rank down to the smallest
+rank's FREE. ``pending_reclaim`` reads the arbiter's ask without taking it, for the ranks to agree on.
+
+Invariant: FREE changes only inside the engine's own calls (``borrow``, ``give_back``, ``shed`` and
+the engine's map / unmap), never from the client's threads.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..vmm.base import PhysicalChunk
+from .lent_pool import LentPool
+
+
+class LockstepLentPool(LentPool):
+    def _land_late(self, chunks: list[PhysicalChunk]) -> None:
+        owed = self.warm.put(chunks, time.monotonic())  # booked ours: the next borrow's
+        if owed:  # a RECLAIM waits for them: they go back now
+            self.client.give_back(owed, wait=False)
+            with self._lock:
+                self.returned_total += len(owed)
+
+    def _warm_when_lost(self, chunks: list[PhysicalChunk]) -> None:
+        for c in chunks:  # kept like every held chunk (caller holds ``_lock``): given up, so destroyed
+            if self._private.pop(c.handle_id, None) is c:
+                self._backend.destroy_chunk(c)
+
+    @property
+    def pending_reclaim(self) -> int:
+        """Chunks the arbiter asked for and the engine has not taken yet (``take_pending_reclaim``)."""
+        self._check_lost()
+        with self._lock:
+            return self._pending_reclaim
+
+    def shed(self, n: int) -> int:
+        """Take up to ``n`` FREE chunks out of the engine's pool now; return how many left it. While
+        the arbiter is connected they wait warm (given back when the hold ends, or to a RECLAIM);
+        while it is lost they are kept chunks no arbiter counts, destroyed."""
+        if n <= 0:
+            return 0
+        if not self._check_lost():
+            return self.give_back(n, wait=False, warm=True)
+        chunks = self.pool.disown(n)
+        with self._lock:
+            mine = [c for c in chunks if self._private.pop(c.handle_id, None) is c]
+        for c in mine:
+            self._backend.destroy_chunk(c)
+        if len(mine) < len(chunks):  # not kept chunks (cannot happen while lost): back to FREE
+            self.pool.adopt([c for c in chunks if all(c is not m for m in mine)])
+        return len(mine)

@@ -1,0 +1,70 @@
+"""Tensor parallel ranks on one shared pool (``--memx-pool`` at ``--tp`` > 1, issue 28 item 4).
+
+Each rank is one client of the device's arbiter with a pool of its own (``LockstepLentPool``), so the
+arbiter counts every rank's chunks: a server of two ranks holds two ranks' KV and activations. Borrows
+and reclaims reach the ranks one at a time, so their FREE counts could part; what upstream's schedulers
+read next (``available_size``: free pages plus the pages FREE could map) must not
+(``rank_agreement``). Two rules keep it equal:
+
+* The ranks borrow only in the tick's "give back, borrow" step (``Coordinator.borrow_pool`` is None
+  for a lockstep pool: admission, a decode step's capacity check and the head's activation take what
+  the pool holds, as on an own pool, and there is no "borrow from the shared pool" source), and right
+  after it every rank sheds what the smallest rank lacks ("even the ranks' pools": one all-reduce of
+  FREE a tick; the surplus waits warm, back to the arbiter when the hold ends, or to a RECLAIM). Late
+  grants wait warm too.
+* The arbiter's reclaims: the same all-reduce carries every rank's pending ask; at the next tick every
+  rank frees the largest ask (the same idle activation, free groups and cached prefixes: the ranks'
+  radix trees stay equal) and gives back its own (``shared_pool.answer_reclaim``'s ``agreed``).
+
+The step runs on idle ticks too (reclaims come mostly to idle servers); upstream's ranks pass every
+iteration together (rank 0 broadcasts the received requests), so the collective never waits long.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from memory_ext.pool.lockstep_pool import LockstepLentPool
+from sglang_memx.coordinator.parts import Iteration, Source, Step, step
+from sglang_memx.coordinator.rank_agreement import RankAgreement, spreads
+
+
+@dataclass(eq=False)
+class RankPools:
+    """One rank's side of the ranks' agreement on a shared pool (``lent``), over ``ranks``' group."""
+
+    lent: LockstepLentPool
+    ranks: RankAgreement
+    name: str = "ranks' shared pools"
+    counts: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("evened", "chunks_shed", "reclaims_agreed", "free_chunks_min",
+                                                "free_chunks_max"), 0)
+    )  # fmt: skip
+    _agreed_reclaim: int = field(default=0, repr=False)
+
+    def steps(self) -> tuple[Step, ...]:
+        return (step("even the ranks' pools", self._even),)
+
+    def sources(self) -> tuple[Source, ...]:
+        return ()
+
+    def status(self) -> dict[str, Any] | None:
+        return {"tensor_parallel_pool": dict(self.counts)}
+
+    def take_agreed_reclaim(self) -> int:
+        """The chunks every rank frees for the arbiter this tick (the largest rank's ask at the last
+        agreement; 0 once taken)."""
+        n, self._agreed_reclaim = self._agreed_reclaim, 0
+        return n
+
+    def _even(self, it: Iteration) -> None:
+        free = self.lent.pool.available()
+        (low, high), (_, ask) = spreads([free, self.lent.pending_reclaim], self.ranks.group)
+        self._agreed_reclaim = ask
+        shed = self.lent.shed(free - low)
+        self.counts["evened"] += 1
+        self.counts["chunks_shed"] += shed
+        self.counts["reclaims_agreed"] += ask > 0
+        # the ranks' FREE before the step (rank 0's status shows the others'); after it, every rank's is ``low``
+        self.counts["free_chunks_min"], self.counts["free_chunks_max"] = low, high

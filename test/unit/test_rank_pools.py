@@ -1,0 +1,109 @@
+"""Tensor parallel ranks on one shared pool agree on their FREE chunks and the arbiter's reclaims
+(``coordinator.rank_pools``), in two real processes on a gloo group as upstream's tensor parallel CPU
+group is: after the step every rank holds the smallest rank's FREE (the others shed the rest), every
+rank frees the largest rank's pending ask at the next tick (taken once), and gives back only its own
+ask (``shared_pool.answer_reclaim`` with ``agreed``). Idle ticks run the step too."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+
+dist = pytest.importorskip("torch.distributed")
+
+from sglang_memx.coordinator import rank_agreement, rank_pools  # noqa: E402
+from sglang_memx.elastic import shared_pool  # noqa: E402
+
+TIMEOUT_S = 60
+
+
+class FakeLockstepPool:
+    """FREE and the arbiter's pending ask as numbers; ``shed`` and ``give_back`` lower FREE."""
+
+    def __init__(self, free: int, pending: int):
+        self.free, self._pending, self.shed_calls, self.given = free, pending, [], 0
+        self.pool = SimpleNamespace(available=lambda: self.free)
+
+    @property
+    def pending_reclaim(self) -> int:
+        return self._pending
+
+    def shed(self, n: int) -> int:
+        self.shed_calls.append(n)
+        n = max(0, min(n, self.free))
+        self.free -= n
+        return n
+
+    def take_pending_reclaim(self, at_most: int | None = None) -> int:
+        n = self._pending if at_most is None else min(at_most, self._pending)
+        self._pending -= n
+        return n
+
+    def give_back(self, n: int) -> int:
+        self.given += n
+        self.free -= n
+        return n
+
+
+def _rank(rank: int, init_file: str, ticks: list[tuple[int, int]], out) -> None:
+    import datetime
+
+    import torch.distributed as d
+
+    d.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                         timeout=datetime.timedelta(seconds=TIMEOUT_S))  # fmt: skip
+    group = d.new_group([0, 1], backend="gloo")
+    freed: list[int] = []
+    shared_pool.free_groups = lambda kv, allocator, tree, groups: freed.append(groups) or groups
+    shared_pool.spare_free_chunks = lambda kv, allocator, scheduler, activation: 100
+    results = []
+    for free, pending in ticks:
+        lent = FakeLockstepPool(free, pending)
+        pools = rank_pools.RankPools(lent, rank_agreement.RankAgreement(2, group))
+        (even,) = pools.steps()
+        even.run(SimpleNamespace(busy=False))  # idle: the step runs all the same
+        agreed = pools.take_agreed_reclaim()
+        activation = SimpleNamespace(release_idle=lambda keep: None, next_step_chunks=lambda scheduler: 0)
+        kv = SimpleNamespace(buffers=SimpleNamespace(chunks_per_group=2))
+        back = shared_pool.answer_reclaim(kv, lent, None, None, None, activation, agreed=agreed)
+        results.append((lent.free, lent.shed_calls, agreed, pools.take_agreed_reclaim(), back, lent.pending_reclaim,
+                        pools.status()["tensor_parallel_pool"]))  # fmt: skip
+    out.put((rank, results, freed))
+    d.destroy_process_group()
+
+
+def _run(per_rank: dict[int, list[tuple[int, int]]]) -> dict[int, tuple[list, list[int]]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_rank, args=(r, init_file, per_rank[r], out)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        got = {}
+        for _ in procs:
+            rank, results, freed = out.get(timeout=TIMEOUT_S)
+            got[rank] = (results, freed)
+        for p in procs:
+            p.join(TIMEOUT_S)
+            assert p.exitcode == 0
+    return got
+
+
+def test_ranks_even_their_free_chunks_and_free_the_largest_ask_giving_back_their_own():
+    # tick 1: rank 0 holds 10 FREE, rank 1 holds 7 and was asked for 5 chunks; tick 2: equal, no ask
+    got = _run({0: [(10, 0), (6, 0)], 1: [(7, 5), (6, 0)]})
+    (r0, freed0), (r1, freed1) = got[0], got[1]
+    # rank 0 sheds its 3 surplus chunks, frees what rank 1 was asked (5 chunks: 3 groups), gives back none
+    assert r0[0][:6] == (7, [3], 5, 0, 0, 0)
+    # rank 1 sheds nothing, frees the same, gives back its own ask
+    assert r1[0][:6] == (2, [0], 5, 0, 5, 0)
+    assert freed0 == freed1 == [3]  # the same groups freed on both ranks: their radix trees stay equal
+    for results in (r0, r1):
+        assert results[0][6] == {"evened": 1, "chunks_shed": results[0][1][0], "reclaims_agreed": 1,
+                                 "free_chunks_min": 7, "free_chunks_max": 10}  # fmt: skip
+        assert results[1][:6] == (6, [0], 0, 0, 0, 0)  # equal and not asked: nothing moves
