@@ -34,6 +34,8 @@ BLOCKS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("feature_floor_lender", (("ekv-pool", "ekv-pool@base"),)),
     ("feature_floor_warm_chunks", (("ekv-pool", "ekv-pool@base"),)),
     ("feature_floor_warm_chunks2", (("ekv-pool", "ekv-pool@base"),)),
+    ("feature_floor_tp2", (("ekv-pool", "ekv"),)),
+    ("feature_floor_tp2_check", (("ekv", "ekv@base"),)),
 )
 METRICS = (("ttft_ms", "TTFT p50 ms", ".2f"), ("tpot_ms", "TPOT p50 ms", ".3f"),
            ("sched_cpu_ms_per_request", "scheduler CPU ms / request", ".1f"))  # fmt: skip
@@ -53,7 +55,7 @@ def largest_steps(rounds: list[dict], setups: list[str], key: str) -> list[str]:
         per_round = [r[s].get(key) or {} for r in rounds]
         names = {n for p in per_round for n in p}
         med = {n: statistics.median(p.get(n, 0.0) for p in per_round) for n in names}
-        top = sorted(med.items(), key=lambda kv: -kv[1])[:TOP_STEPS]
+        top = sorted(med.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_STEPS]  # ties by name: the same every run
         if top:
             out.append(f"`{s}` " + ", ".join(f"{n} {v:.0f}" for n, v in top))
     return out

@@ -50,11 +50,10 @@ class LockstepLentPool(LentPool):
             return 0
         if not self._check_lost():
             return self.give_back(n, wait=False, warm=True)
-        chunks = self.pool.disown(n)
+        chunks = self.pool.disown(n)  # while lost every held chunk is a kept one (``_check_lost``)
         with self._lock:
-            mine = [c for c in chunks if self._private.pop(c.handle_id, None) is c]
-        for c in mine:
+            for c in chunks:
+                del self._private[c.handle_id]
+        for c in chunks:
             self._backend.destroy_chunk(c)
-        if len(mine) < len(chunks):  # not kept chunks (cannot happen while lost): back to FREE
-            self.pool.adopt([c for c in chunks if all(c is not m for m in mine)])
-        return len(mine)
+        return len(chunks)

@@ -101,10 +101,11 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
         )
     not_ready = tp_unready_flags(config)
     if shape.tp_size > 1 and not_ready:
+        verb = "decides" if len(not_ready) == 1 else "decide"
         raise MemxConfigError(
             not_ready[0],
             f"{shape.model_class} at tensor parallel size {shape.tp_size} builds one {pool} per rank and every "
-            f"rank must schedule the same batch; {', '.join(not_ready)} decide from what one rank measures or is "
+            f"rank must schedule the same batch; {', '.join(not_ready)} {verb} from what one rank measures or is "
             f"given (a peer's reach, a sleeping model's wake-up, weights lent to a shared pool), which the ranks do "
             f"not share yet; at --tp {shape.tp_size} memx runs elastic KV on each rank's pool, own or shared "
             f"({', '.join(TP_READY_FLAGS[:3])}, --memx-pool), the host buffer, the governor and remappable weights "

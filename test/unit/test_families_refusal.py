@@ -64,7 +64,7 @@ def test_tensor_parallel_runs_elastic_kv_and_refuses_the_rest_naming_flag_model_
     assert info.value.flag == "--memx-peer-kv"
     msg = str(info.value)
     assert "LlamaForCausalLM at tensor parallel size 2 builds one MHATokenToKVPool per rank" in msg
-    assert "rank must schedule the same batch; --memx-peer-kv decide from what one rank measures" in msg
+    assert "rank must schedule the same batch; --memx-peer-kv decides from what one rank measures" in msg
     assert msg.endswith("run with --tp 1 or without --memx-peer-kv")  # the pool and the host buffer run
     # remappable weights run on an own pool, not lent to a shared one
     weights_on_pool = MemxConfig(elastic_kv=True, pool="dev0", weights="remap")
