@@ -244,6 +244,34 @@ def test_the_copy_leaves_room_for_the_next_prefills_activation_only(held, head, 
     assert host.fetch_stopped["copy_room"] == 1 - fetched
 
 
+class FragmentedKV:
+    """A KV space with no FREE chunk whose groups empty only by evicting cached pages: every 8
+    evictable pages empty one group (one chunk); pinned pages empty none, however many are free."""
+
+    page_size = 1
+
+    def __init__(self):
+        self.buffers = types.SimpleNamespace(chunks_per_group=1, group_rows=1,
+                                             pool=types.SimpleNamespace(available=lambda: 0))  # fmt: skip
+
+    def emptiable_groups(self, allocator, evictable_pages: int) -> int:
+        return evictable_pages // 8
+
+
+@pytest.mark.parametrize("cached, fetched", [(16, 1), (8, 0)])
+def test_a_pin_that_would_leave_the_heads_activation_no_group_is_not_taken(cached, fetched):
+    """The head's next prefill needs 2 chunks more than the activation holds. Beside ``a``'s pinned
+    prefix, other cached prefixes of 16 tokens can still empty 2 groups: ``a`` is kept; of 8, only
+    1: pinning ``a`` would leave the head no activation (it would wait, and ``a`` behind it, for
+    ever), so ``a`` is not kept and its KV stays cached, evictable (the host keeps its copy)."""
+    host, allocator, tree, scheduler, (a,) = _setup(free=64, reqs=(("a", 100),))
+    tree.paths[tuple(range(900, 900 + cached))] = [allocator.alloc(cached), 0]  # another cached prefix
+    assert fetch_parked(FragmentedKV(), host, HeldActivation(0, 2), scheduler, 0) == fetched
+    assert host.fetch_stopped["activation_room"] == 1 - fetched
+    assert set(host.pins) == ({"a"} if fetched else set()) and _path(a) in tree.paths
+    assert tree.locked() == ({_path(a)} if fetched else set()) and "a" in host.buffer
+
+
 def test_a_request_whose_prompt_and_decode_do_not_both_fit_is_not_fetched():
     """The room a fetch asks is what upstream's admission would ask of the request recomputed: its
     prompt's KV (8) and its decode's (NEED), not its decode's alone."""

@@ -41,6 +41,7 @@ import torch
 
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.activation_side import ActivationSide
+from sglang_memx.elastic.eviction import idle_kv_chunks
 from sglang_memx.elastic.host_state import HostBufferState, build_host_buffer  # noqa: F401  (re-exported)
 from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream import kv as up_kv
@@ -254,7 +255,9 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
     against memory only, as upstream admits a batch's first request above its input budget), or
     that ``may_join(running + kept, req)`` (the governor's batch decision, asked without counting)
     says may not join the running batch now: its admission would be refused, so its copy would
-    only cost the running requests time. Pins of requests not kept are released.
+    only cost the running requests time, or whose pin would leave the head's next prefill no room
+    for its activation in whole groups (``_head_activation_fits``). Pins of requests not kept are
+    released.
     Returns how many parked requests have their KV on the device for the next batch."""
     if not len(host.buffer):
         return 0
@@ -291,6 +294,10 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
         if not _bring_back(kv, host, allocator, tree, req, entry, prefill_act):
             host.fetch_stopped["copy_room"] += 1
             break
+        if not _head_activation_fits(kv, activation, allocator, tree, scheduler):
+            _unpin(host, tree, rid)  # its KV stays cached (evictable); the host keeps its copy
+            host.fetch_stopped["activation_room"] += 1
+            break
         kept.add(rid)
         joining.append(req)
         own -= held  # its pin is now a kept request's: no longer room for the ones behind it
@@ -299,6 +306,19 @@ def fetch_parked(kv: ElasticKV, host: HostBufferState, activation: ActivationSid
     for key in [k for k in host.pins if k not in kept]:  # not admitted next: let decode steps evict them
         _unpin(host, tree, key)
     return len(kept)
+
+
+def _head_activation_fits(kv: ElasticKV, activation: ActivationSide, allocator, tree, scheduler) -> bool:
+    """Whether the head's next prefill activation can still be held beside the pinned prefixes: from
+    the chunks held, FREE, and the KV groups that evicting the unpinned cached prefixes would empty.
+    The copy's room is counted in tokens (``_bring_back``), but an activation takes whole groups: pins
+    spread over every mapped group leave none to empty however many pages are free, and a head that
+    cannot get its activation is never admitted, nor are the pinned requests behind it (seen at
+    ``--tp 2``: 3 pinned requests, 1,148 free tokens, no group emptiable, nothing running, for minutes)."""
+    short = activation.head_prefill_chunks(scheduler) - activation.held_chunks()
+    if short <= 0:
+        return True
+    return kv.buffers.pool.available() + idle_kv_chunks(kv, allocator, tree) >= short
 
 
 def _bring_back(kv: ElasticKV, host: HostBufferState, allocator, tree, req, entry, prefill_act: int) -> bool:

@@ -28,7 +28,7 @@ class HostBufferState:
         self.offload = {"prefill_offloads": 0, "offload_parked": 0, "offload_no_room": 0}
         # why a fetch pass stopped before the end of the queue, and why a parked request was
         # admitted without its KV (its prompt recomputed): diagnosis of wasted prefill work
-        self.fetch_stopped = {"batch_limits": 0, "kv_room": 0, "copy_room": 0, "governor": 0}
+        self.fetch_stopped = {"batch_limits": 0, "kv_room": 0, "copy_room": 0, "governor": 0, "activation_room": 0}
         self.recomputed = {"not_fetched": 0, "partial_prefix": 0}
         if rule is not None:
             buffer.set_logical_bytes(rule.logical_units * unit_bytes)
