@@ -168,8 +168,13 @@ def parse_args(argv=None):
         default=None,
         help="a checkout of earlier code (e.g. a git worktree): setups named SETUP@base run on it",
     )
-    ap.add_argument("--tp", type=int, choices=(1, 2), default=1,
-                    help="tensor parallel size of every setup (2: a rank on each of two cores)")
+    ap.add_argument(
+        "--tp",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="tensor parallel size of every setup (2: a rank on each of two cores)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "feature_floor.json")
     args = ap.parse_args(argv)
     bad = [s for s in args.setups if s.removesuffix(BASE) not in FEATURES or s == "stock" + BASE]
