@@ -54,14 +54,12 @@ from benchmark.e2e.matrix_probe import usage  # noqa: E402
 from benchmark.matrix_workloads import WORKLOADS, prompt  # noqa: E402
 from benchmark.pairs import ratio_stats, rotation, run_rounds  # noqa: E402
 from benchmark.provenance import code_version  # noqa: E402
-from support.server import SGLangServer, start_all, stop_all  # noqa: E402
+from support.server import TP2_ENV, SGLangServer, start_all, stop_all  # noqa: E402
 
 RESULTS = REPO / "benchmark" / "results" / "e2e"
 MODELS_ROOT = Path("/tmp/sglang-memx-bench-models")
 COMMON = ["--dtype", "float32", "--chunked-prefill-size", "64"]
 CORE = "1"  # every server computes on this one core, as the matrix's stock split pins each server
-# --tp 2 (every setup): a rank on each core, gloo for the all-reduce (an NCCL library that fails to load)
-TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
 FEATURES = {
     "stock": [],
     "plugin": [],

@@ -33,7 +33,7 @@ from support.greedy import (
     greedy,
     output_ids,
 )
-from support.server import SGLangServer, release_all, start_all
+from support.server import TP2_ENV, SGLangServer, release_all, start_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -43,7 +43,6 @@ COMMON = ["--chunked-prefill-size", "16", "--dtype", "float32"]  # as test_elast
 BUDGET_GB = "0.0004"
 # the host buffer with eLLM Alg. 2 sizing it (both SLOs): its samples are timed with rank 0's clock
 HOST_BUFFER = ["--memx-host-buffer-gb", "0.01", "--memx-ttft-slo-ms", "1000", "--memx-tpot-slo-ms", "1000"]
-TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
 
 
 # test_weights.py's 8-layer Llama and stock server; per rank 9.1 MiB of layers, 256 KiB KV groups of 64 tokens

@@ -29,7 +29,7 @@ from support.greedy import (
     greedy,
     output_ids,
 )
-from support.server import SGLangServer, release_with_pool, start_all
+from support.server import TP2_ENV, SGLangServer, release_with_pool, start_all
 from support.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -40,7 +40,6 @@ COMMON = ["--chunked-prefill-size", "16", "--dtype", "float32"]  # as the shared
 # 4 chunks (one KV head), a 16-token prefill's activation 12; the --tp 1 server's group is 8 chunks
 BUDGET_GB = "0.0008"
 BUDGET_CHUNKS = 209
-TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LOG_DIR = REPO / "test-logs"
+# upstream's CPU engine at --tp 2 (docs/models.md): a rank on each core, and an NCCL library that fails to
+# load so that upstream's PyNccl stays off and gloo does the all-reduce
+TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"}
 # how often a starting server is asked for /health (a server is ready ~this / 2 sooner on average)
 READY_POLL_S = 0.25
 

@@ -9,9 +9,6 @@ sizes; an iteration without work makes no collective on any rank.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -20,18 +17,13 @@ dist = pytest.importorskip("torch.distributed")
 
 from sglang_memx.coordinator import rank_agreement  # noqa: E402
 from sglang_memx.coordinator.parts import ITERATION_RANKS  # noqa: E402
-
-TIMEOUT_S = 60
+from support.two_ranks import gloo_group, run_two_ranks  # noqa: E402
 
 
 def _rank(rank: int, init_file: str, available: list[int], busy: list[bool], out) -> None:
-    import datetime
-
     import torch.distributed as d
 
-    d.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                         timeout=datetime.timedelta(seconds=TIMEOUT_S))  # fmt: skip
-    group = d.new_group([0, 1], backend="gloo")
+    group = gloo_group(rank, init_file)
     rank_agreement.up_kv.available_tokens = lambda allocator: allocator.available
     agreement = rank_agreement.RankAgreement(2, group)
     new_tick, check = agreement.steps()
@@ -55,21 +47,7 @@ def _rank(rank: int, init_file: str, available: list[int], busy: list[bool], out
 
 
 def _run(per_rank: dict[int, tuple[list[int], list[bool]]]) -> dict[int, tuple[list[str], dict]]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_rank, args=(r, init_file, *per_rank[r], out)) for r in (0, 1)]
-        for p in procs:
-            p.start()
-        got = {}
-        for _ in procs:
-            rank, results, status = out.get(timeout=TIMEOUT_S)
-            got[rank] = (results, status)
-        for p in procs:
-            p.join(TIMEOUT_S)
-            assert p.exitcode == 0
-    return got
+    return run_two_ranks(_rank, per_rank)
 
 
 def test_ranks_that_agree_pass_and_idle_iterations_make_no_collective():

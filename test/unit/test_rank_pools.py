@@ -6,9 +6,6 @@ ask (``shared_pool.answer_reclaim`` with ``agreed``). Idle ticks run the step to
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -17,8 +14,7 @@ dist = pytest.importorskip("torch.distributed")
 
 from sglang_memx.coordinator import rank_agreement, rank_pools  # noqa: E402
 from sglang_memx.elastic import shared_pool  # noqa: E402
-
-TIMEOUT_S = 60
+from support.two_ranks import gloo_group, run_two_ranks  # noqa: E402
 
 
 class FakeLockstepPool:
@@ -50,13 +46,9 @@ class FakeLockstepPool:
 
 
 def _rank(rank: int, init_file: str, ticks: list[tuple[int, int]], out) -> None:
-    import datetime
-
     import torch.distributed as d
 
-    d.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                         timeout=datetime.timedelta(seconds=TIMEOUT_S))  # fmt: skip
-    group = d.new_group([0, 1], backend="gloo")
+    group = gloo_group(rank, init_file)
     freed: list[int] = []
     shared_pool.free_groups = lambda kv, allocator, tree, groups: freed.append(groups) or groups
     shared_pool.spare_free_chunks = lambda kv, allocator, scheduler, activation: 100
@@ -77,21 +69,7 @@ def _rank(rank: int, init_file: str, ticks: list[tuple[int, int]], out) -> None:
 
 
 def _run(per_rank: dict[int, list[tuple[int, int]]]) -> dict[int, tuple[list, list[int]]]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_rank, args=(r, init_file, per_rank[r], out)) for r in (0, 1)]
-        for p in procs:
-            p.start()
-        got = {}
-        for _ in procs:
-            rank, results, freed = out.get(timeout=TIMEOUT_S)
-            got[rank] = (results, freed)
-        for p in procs:
-            p.join(TIMEOUT_S)
-            assert p.exitcode == 0
-    return got
+    return run_two_ranks(_rank, {r: (ticks,) for r, ticks in per_rank.items()})
 
 
 def test_ranks_even_their_free_chunks_and_free_the_largest_ask_giving_back_their_own():
