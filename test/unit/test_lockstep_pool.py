@@ -6,6 +6,7 @@ lockstep pool's are destroyed); the pending reclaim can be read without taking i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -26,6 +27,19 @@ G = 4 * os.sysconf("SC_PAGE_SIZE")
 def sock_path():
     with socket_dir("lockstep-") as d:
         yield str(d / "arb.sock")
+
+
+@contextlib.contextmanager
+def _engine_and_peer(sock_path: str, budget: int):
+    """A lockstep pool ("engine") and another client of the same in-process arbiter of ``budget`` chunks."""
+    with Arbiter(sock_path, host_backend(G), budget):
+        lent = LockstepLentPool(sock_path, "engine", host_backend(G), warm_hold_s=60.0)
+        peer = ArbiterClient(sock_path, "peer", host_backend(G))
+        try:
+            yield lent, peer
+        finally:
+            peer.close(force=True)
+            lent.close()
 
 
 def _late_grant(lent: LentPool, n: int) -> None:
@@ -54,18 +68,12 @@ def test_a_late_grant_waits_warm_in_a_lockstep_pool(sock_path, kind, free_after,
 
 
 def test_shed_keeps_the_chunks_warm_and_booked_while_the_arbiter_is_connected(sock_path):
-    with Arbiter(sock_path, host_backend(G), 8):
-        lent = LockstepLentPool(sock_path, "engine", host_backend(G), warm_hold_s=60.0)
-        watcher = ArbiterClient(sock_path, "watcher", host_backend(G))
-        try:
-            assert lent.shed(0) == 0 and lent.borrow(3) == 3
-            assert lent.shed(2) == 2
-            assert lent.pool.available() == 1 and len(lent.warm) == 2
-            assert next(c["held"] for c in watcher.status()["clients"] if c["name"] == "engine") == 3
-            assert lent.shed(5) == 1 and lent.pool.available() == 0  # at most what FREE has
-        finally:
-            watcher.close(force=True)
-            lent.close()
+    with _engine_and_peer(sock_path, 8) as (lent, watcher):
+        assert lent.shed(0) == 0 and lent.borrow(3) == 3
+        assert lent.shed(2) == 2
+        assert lent.pool.available() == 1 and len(lent.warm) == 2
+        assert next(c["held"] for c in watcher.status()["clients"] if c["name"] == "engine") == 3
+        assert lent.shed(5) == 1 and lent.pool.available() == 0  # at most what FREE has
 
 
 def test_a_lost_arbiter_destroys_the_warm_chunks_and_shed_destroys_kept_ones(sock_path):
@@ -85,22 +93,16 @@ def test_a_lost_arbiter_destroys_the_warm_chunks_and_shed_destroys_kept_ones(soc
 
 
 def test_the_pending_reclaim_is_read_without_taking_it_and_taken_in_part(sock_path):
-    with Arbiter(sock_path, host_backend(G), 4):
-        lent = LockstepLentPool(sock_path, "engine", host_backend(G), warm_hold_s=60.0)
-        asker = ArbiterClient(sock_path, "asker", host_backend(G))
-        try:
-            assert lent.borrow(4) == 4  # FREE: only the engine's thread may answer
-            got: list = []
-            t = threading.Thread(target=lambda: got.extend(asker.borrow(3, timeout=10.0)))
-            t.start()
-            wait_until(lambda: lent.pending_reclaim == 3, timeout=5.0, interval=0.01)
-            assert lent.pending_reclaim == 3  # reading it takes nothing
-            assert lent.take_pending_reclaim(at_most=2) == 2 and lent.pending_reclaim == 1
-            assert lent.give_back(2) == 2
-            assert lent.take_pending_reclaim(at_most=5) == 1 and lent.give_back(1) == 1
-            t.join(10.0)
-            assert len(got) == 3
-            asker.give_back(got)
-        finally:
-            asker.close(force=True)
-            lent.close()
+    with _engine_and_peer(sock_path, 4) as (lent, asker):
+        assert lent.borrow(4) == 4  # FREE: only the engine's thread may answer
+        got: list = []
+        t = threading.Thread(target=lambda: got.extend(asker.borrow(3, timeout=10.0)))
+        t.start()
+        wait_until(lambda: lent.pending_reclaim == 3, timeout=5.0, interval=0.01)
+        assert lent.pending_reclaim == 3  # reading it takes nothing
+        assert lent.take_pending_reclaim(at_most=2) == 2 and lent.pending_reclaim == 1
+        assert lent.give_back(2) == 2
+        assert lent.take_pending_reclaim(at_most=5) == 1 and lent.give_back(1) == 1
+        t.join(10.0)
+        assert len(got) == 3
+        asker.give_back(got)
