@@ -242,3 +242,20 @@ def test_a_chunked_prefill_keeps_its_next_chunks_activation_from_going_back(monk
     scheduler.chunked_req = None
     assert demand.admitted_activation_chunks(kv.activation, scheduler, None) == 1
     assert shared_pool.spare_free_chunks(kv, alloc, scheduler, activation) == 4
+
+
+def test_balance_keeps_and_borrows_what_a_weights_restore_waits_for(monkeypatch):
+    """Tensor parallel ranks on a shared pool borrow a restore's shortfall in the tick
+    (``restore_chunks``, ``remap.take_restore_ask``): with nothing waiting, FREE beyond the restore's
+    ask goes back and the ask stays; short of it, the ask is borrowed."""
+    from sglang_memx.elastic import demand, shared_pool
+
+    monkeypatch.setattr(demand, "running_demand_tokens", lambda scheduler: 0)
+    monkeypatch.setattr(shared_pool, "QUEUE_WAIT_S", GRANT_WAIT_S)
+    idle = types.SimpleNamespace(waiting_queue=[], running_batch=None, last_batch=None, chunked_req=None)
+    for free, restore, kept in ((10, 0, 0), (10, 6, 6), (0, 6, 6)):
+        with _shared_pool(128, 4 + free) as lent:  # group 0 mapped and ``free`` FREE chunks
+            kv, alloc = _elastic(lent.pool, 512, lent)
+            assert lent.pool.available() == free
+            shared_pool.balance(kv, lent, alloc, None, idle, 0, device.of(alloc).activation_side(), restore)
+            assert lent.pool.available() == kept, (free, restore)

@@ -113,8 +113,13 @@ class SharedPoolLender:
         if short > 0 and shared_pool.borrow_tokens(self.kv, self.lent, short * up_kv.page_size(allocator), urgent=True):
             self.kv.grow(allocator, pages)
 
+    def _lending_weights(self, it: Iteration) -> WeightLender | None:
+        """The weights whose layers may answer the arbiter's reclaims: None at --tp > 1 (which layers to
+        release is planned from what each rank measures alone; the ranks would part)."""
+        return None if it.coordinator.part(RankPools) is not None else it.coordinator.part(WeightLender)
+
     def _answer_reclaim(self, it: Iteration) -> None:
-        weights = it.coordinator.part(WeightLender)
+        weights = self._lending_weights(it)
         release = None if weights is None else (lambda chunks: weights.release_for_reclaim(self.lent, chunks))
         ranks = it.coordinator.part(RankPools)  # --tp > 1: every rank frees the ranks' agreed ask
         shared_pool.answer_reclaim(it.kv, self.lent, it.allocator, it.tree, it.scheduler,
@@ -123,11 +128,13 @@ class SharedPoolLender:
 
     def _balance(self, it: Iteration) -> None:
         activation = it.coordinator.activation_side()
+        weights = it.coordinator.part(WeightLender)  # a lockstep pool's restore borrows here (``remap``)
+        restore = 0 if weights is None else remap.take_restore_ask(weights.weights)
         shared_pool.balance(it.kv, self.lent, it.allocator, it.tree, it.scheduler,
-                            activation.head_prefill_chunks(it.scheduler), activation)  # fmt: skip
+                            activation.head_prefill_chunks(it.scheduler), activation, restore)  # fmt: skip
 
     def _report(self, it: Iteration) -> None:
-        weights = it.coordinator.part(WeightLender)
+        weights = self._lending_weights(it)
         lendable = None if weights is None else (lambda: weights.lendable_chunks(self.lent))
         shared_pool.report(it.kv, self.lent, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side(),
                            lendable=lendable)  # fmt: skip

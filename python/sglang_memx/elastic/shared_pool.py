@@ -310,9 +310,8 @@ def report(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation
     lent.report(idle, headroom, busy)
 
 
-def balance(
-    kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation_chunks: int, activation: ActivationSide
-) -> None:
+def balance(kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation_chunks: int,
+            activation: ActivationSide, restore_chunks: int = 0) -> None:  # fmt: skip
     """Give unused chunks back when nothing waits, borrow the queue's shortfall (the coordinator
     reports right after: ``report``).
 
@@ -329,6 +328,10 @@ def balance(
     server that needs memory later gets it back through a RECLAIM, which evicts them
     (``answer_reclaim``); the report counts them as idle. When the arbiter had nothing free,
     the next such borrow waits ``CACHE_KEEP_RETRY_S`` (each costs the arbiter a STATUS).
+
+    ``restore_chunks``: what a restore of remappable weights waits for (tensor parallel ranks on a
+    shared pool borrow for it here: ``remap.take_restore_ask``); kept out of the give-back, asked
+    with the rest.
     """
     free_pages = up_kv.free_page_count(allocator)  # giving back FREE chunks does not change it
     if up_sched.waiting(scheduler):
@@ -338,17 +341,18 @@ def balance(
         next_step = activation.next_step_chunks(scheduler)
         if activation.held_chunks() > next_step:
             activation.release_idle(keep=next_step)  # keep their next step's
-        spare = spare_chunks(kv, queue_tokens, free_pages, next_step, activation.held_chunks())
+        spare = spare_chunks(kv, queue_tokens, free_pages, next_step, activation.held_chunks()) - restore_chunks
         if spare > 0:
             lent.give_back(spare, wait=False, warm=True)  # no round trip; warm for the next borrow
     beyond_free = queue_tokens - free_pages * kv.page_size
-    if beyond_free <= 0 and activation_chunks <= 0:
-        return  # the mapped free pages cover it and no prefill waits for activation: nothing to borrow
+    if beyond_free <= 0 and activation_chunks <= 0 and restore_chunks <= 0:
+        return  # the mapped free pages cover it and no prefill or restore waits: nothing to borrow
     kv_short = beyond_free - up_radix.evictable_tokens(tree)
     unmapped = kv.num_groups - kv.buffers.num_mapped
     groups = min(-(-max(0, kv_short) // kv.buffers.group_rows), unmapped)
     held = activation.held_chunks()
-    short = groups * kv.buffers.chunks_per_group + activation_chunks - kv.buffers.pool.available() - held
+    short = groups * kv.buffers.chunks_per_group + activation_chunks + restore_chunks - kv.buffers.pool.available()
+    short -= held
     if short > 0:
         borrow_chunks(kv, lent, short)
     elif beyond_free > 0 and groups < unmapped and time.monotonic() >= kv.cache_keep_until:

@@ -15,6 +15,10 @@ Invariants:
   (``sglang_memx.compute_share``); on one own core its idle OpenMP threads wait passively or
   spin briefly, by the model's width (``lending_omp_wait``), unless the user set how.
   CUDA devices: ``CUDA_VISIBLE_DEVICES`` is the device's ordinal.
+* A model with ``--tp N`` in its ``server_args`` (``serve.tensor_parallel``): on a CPU device its
+  share of the cores is split into N rank groups and upstream stays on gloo; no compute board on
+  that device (a rank's threads are its own cores'); refused on a CUDA device (one GPU) and with
+  ``sleep_after_s`` (memx does not run sleep at ``--tp`` > 1).
 * A model whose entry sets ``tpot_slo_ms``: its engines get ``--memx-tpot-slo-ms`` (the governor
   caps their running batch, docs/governor.md) and ``TPOT_SLO_SOURCE_ENV`` naming the field; a
   model without one gets neither (no governor: the batch grows as stock's). When such an engine
@@ -33,8 +37,9 @@ from pathlib import Path
 from .. import compute_share
 from ..compute_share import ComputeShares
 from ..config import POOL_OWNER_ENV, TPOT_SLO_FLAG, TPOT_SLO_SOURCE_ENV, TTFT_SLO_FLAG, TTFT_SLO_SOURCE_ENV
-from .config import ServeConfig
+from .config import ServeConfig, ServeConfigError
 from .placement import GIB, Placement, instance_name
+from .tensor_parallel import rank_core_env, refuse_on_cuda, tensor_parallel_size
 
 __all__ = ["EngineSpec", "engine_specs", "default_pool_dir", "free_port", "CPU_DEFAULTS"]
 
@@ -140,6 +145,16 @@ def compute_board_path(pool: str, pool_dir: str) -> str:
     return str(Path(pool_dir) / f"{pool}.compute")
 
 
+def _tensor_parallel(config: ServeConfig, m) -> int:
+    """``m``'s tensor parallel size (``--tp`` in its server_args); sleep is refused with it above 1."""
+    i = config.models.index(m)
+    size = tensor_parallel_size(f"models[{i}].server_args", m.server_args)
+    if size > 1 and m.sleep_after_s is not None:
+        why = f"memx does not run sleep at --tp {size} yet (a wake borrows what one rank decides); drop one of the two"
+        raise ServeConfigError(f"models[{i}].sleep_after_s", why)
+    return size
+
+
 def engine_specs(
     config: ServeConfig,
     placement: Placement,
@@ -170,9 +185,11 @@ def engine_specs(
     replicas = [
         (m, r, inst, dev) for m in config.models for r, (inst, dev) in enumerate(placement.models[m.name].replicas)
     ]
+    tp_of = {inst: _tensor_parallel(config, m) for m, _, inst, _ in replicas}
     for m, replica, inst, device in replicas:
         placed = placement.models[m.name]
         dev = config.device(device)
+        where = f"models[{config.models.index(m)}].server_args"
         plan = placement.devices[dev.name]
         pool = f"serve-{dev.name}-{run_id}"
         port = (ports or {}).get(inst) or free_port()
@@ -193,13 +210,18 @@ def engine_specs(
             mine = shares[inst]
             env["SGLANG_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
             env["OMP_NUM_THREADS"] = str(len(mine))
+            if tp_of[inst] > 1:  # a group of cores per rank
+                env.update(rank_core_env(where, dev.name, mine, tp_of[inst], os.environ))
             residents = plan.models
-            if dev.lend_idle_cores and len(residents) > 1:  # a busy engine computes on idle siblings' cores
+            ranks_apart = all(tp_of[r] == 1 for r in residents)  # a rank's threads stay on its own cores
+            if dev.lend_idle_cores and len(residents) > 1 and ranks_apart:  # busy: compute on idle siblings' cores
                 env[compute_share.BOARD_ENV] = compute_board_path(pool, pool_dir)
                 env[compute_share.SLOT_ENV] = str(residents.index(inst))
                 env[compute_share.SHARES_ENV] = ComputeShares(tuple(tuple(shares[r]) for r in residents)).render()
                 env.update(lending_omp_wait(os.environ, len(mine), placed.size.hidden_size))
         else:
+            if tp_of[inst] > 1:
+                refuse_on_cuda(where, dev.name, tp_of[inst])
             env["CUDA_VISIBLE_DEVICES"] = str(cuda_index[dev.name])
         if not _has(m.server_args, "--sleep-on-idle"):  # co-located engines share the host's cores:
             args.append("--sleep-on-idle")  # an idle one waits on its sockets instead of spinning a core

@@ -67,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
     from .launcher import EngineStartError, Launcher, engine_specs
 
     api_key = getattr(args, "api_key", None) or config.router.api_key
-    specs = engine_specs(config, placement, run_id=str(os.getpid()), log_dir=args.log_dir, api_key=api_key)
+    try:  # what depends on the placement too (a model's ranks on its share of the cores)
+        specs = engine_specs(config, placement, run_id=str(os.getpid()), log_dir=args.log_dir, api_key=api_key)
+    except ServeConfigError as exc:
+        print(f"sglang-memx serve: error: {exc}", file=sys.stderr)
+        return 2
     _log("sglang-memx serve: placement (FineServe Alg. 1)\n" + placement.describe())
     if args.dry_run:
         for s in specs:

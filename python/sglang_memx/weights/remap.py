@@ -7,6 +7,12 @@ hold now (free + mappable + evictable cache), in KV groups. The decision is
 ``OneirosController``'s; applying it is a request to the layer pipeline (released / restored
 at the next forward boundary, or at once between forwards). A restore first makes room in
 the pool (empty groups unmapped, cached prefixes evicted) and reserves its chunks.
+
+On a shared pool a restore borrows its shortfall from the arbiter first. Tensor parallel ranks
+(a ``LockstepLentPool``) borrow only in the tick's "give back, borrow" step, so there the
+shortfall is that step's ask at the next tick (``take_restore_ask``), the ranks even their pools
+right after, and the restore, decided again on the same FREE on every rank, proceeds or falls
+back to evicting KV as on one rank.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from memory_ext.policy.oneiros import Action, BufferMode, ModelState, OneirosCon
 from memory_ext.policy.select_n import offloaded_layers
 from memory_ext.pool import PoolError
 from memory_ext.pool.lent_pool import LentPool
+from memory_ext.pool.lockstep_pool import LockstepLentPool
 from sglang_memx.elastic import demand
 from sglang_memx.elastic.eviction import free_groups
 from sglang_memx.elastic.host_state import HostBufferState
@@ -200,10 +207,34 @@ def step(w, kv: ElasticKV, allocator, scheduler, lent: LentPool | None, host: Ho
     action, streamed, slots = decide(w, kv, allocator, tree, scheduler, lent, host, busy)
     if rank0s is not None:
         action, streamed, slots = rank0_decision(w, rank0s, action, streamed, slots)
+    if action is not Action.RESTORE:
+        w.restore_ask_chunks, w.restore_ask_tried = 0, False
     if action is Action.HOLD:
         w.decisions["hold"] += 1
         return
     apply(w, kv, allocator, tree, scheduler, lent, action, streamed, slots)
+
+
+def take_restore_ask(w) -> int:
+    """Chunks a restore waits for from this tick's borrow (a lockstep pool's ranks; 0: none). Taking
+    it marks it tried: the next restore decision takes what the borrow brought, then evicts KV."""
+    if w.restore_ask_chunks > 0:
+        w.restore_ask_tried = True
+    return w.restore_ask_chunks
+
+
+def _restore_waits_for_the_tick(w, lent: LentPool, short: int) -> bool:
+    """Borrow a restore's shortfall (``short`` > 0 chunks). True: the restore waits for the next tick's
+    borrow (a lockstep pool, not tried yet); False: go on with what the pool holds."""
+    if not isinstance(lent, LockstepLentPool):
+        lent.borrow(short, wait=RESTORE_BORROW_WAIT_S)
+        return False
+    if w.restore_ask_tried:  # the tick borrowed what it could: the rest comes from KV, as on one rank
+        w.restore_ask_chunks, w.restore_ask_tried = 0, False
+        return False
+    w.restore_ask_chunks = short
+    w.restore_asks += 1
+    return True
 
 
 def rank0_decision(w, rank0s, action: Action, streamed: list, slots: int) -> tuple[Action, list, int]:
@@ -250,7 +281,9 @@ def apply(w, kv: ElasticKV, allocator, tree, scheduler, lent: LentPool | None, a
         need = chunks_needed(w, streamed, slots)
         short = need - kv.buffers.pool.available()
         if short > 0 and lent is not None:  # the lent memory may be the arbiter's again
-            lent.borrow(short, wait=RESTORE_BORROW_WAIT_S)
+            if _restore_waits_for_the_tick(w, lent, short):
+                w.last_reason += "; restore waits: the ranks borrow its memory in the next tick"
+                return
             short = need - kv.buffers.pool.available()
         if short > 0:
             groups = -(-short // kv.buffers.chunks_per_group)
@@ -262,6 +295,7 @@ def apply(w, kv: ElasticKV, allocator, tree, scheduler, lent: LentPool | None, a
         except PoolError:
             w.last_reason += "; restore waits: the pool cannot back it yet"
             return
+        w.restore_ask_chunks, w.restore_ask_tried = 0, False
     w.decisions[action.value] += 1
     w.pipeline.request(streamed, slots)
     w.pipeline.apply_if_idle()  # a waiting request may need this memory before any forward runs

@@ -39,6 +39,11 @@ class WeightsState:
     arbiter_free: int = 0  # shared pool: chunks the arbiter could lend at the last poll
     arbiter_polled_at: float = 0.0
     lent_to_peers: int = 0  # shared pool: layers released to answer the arbiter's reclaims
+    # tensor parallel ranks on a shared pool (a lockstep pool): chunks a restore waits for from the next
+    # tick's "give back, borrow" (0: none), and whether that step has borrowed for it since
+    restore_ask_chunks: int = 0
+    restore_ask_tried: bool = False
+    restore_asks: int = 0  # restores that waited for such a borrow
     last_busy: float = field(default_factory=time.monotonic)
     decisions: dict = field(default_factory=lambda: {"remap": 0, "restore": 0, "hold": 0})
     controller: object = None  # the OneirosController (remap only), built on the first step
@@ -130,6 +135,8 @@ class WeightsState:
             "profile": None if self.profile is None else self.profile.model,
             "decisions": dict(self.decisions),
             "released_for_peers": self.lent_to_peers,
+            "restore_ask_chunks": self.restore_ask_chunks,
+            "restore_asks": self.restore_asks,
             "sleep": self.sleep_status(),
             "link": None if self.link is None else dict(self.link, layers=self.link_layers),
             "last_reason": self.last_reason,
