@@ -106,3 +106,20 @@ def test_the_pending_reclaim_is_read_without_taking_it_and_taken_in_part(sock_pa
         t.join(10.0)
         assert len(got) == 3
         asker.give_back(got)
+
+
+def test_a_late_grant_owed_to_a_reclaim_goes_straight_back_and_free_is_untouched(sock_path):
+    """A late grant that lands while a RECLAIM is owed (``warm.owed``) is given back from the client's
+    thread at once, neither kept warm nor adopted into FREE."""
+    with _engine_and_peer(sock_path, 8) as (lent, watcher):
+        assert lent.borrow(4) == 4
+        assert lent.warm.take_for_reclaim(2) == [] and lent.warm.owed == 2  # asked for 2, nothing warm to pay
+        returned = lent.returned_total
+        _late_grant(lent, 2)
+        assert lent.pool.available() == 4 and len(lent.warm) == 0 and lent.warm.owed == 0
+        assert lent.returned_total == returned + 2 and lent.warm.owed_paid_at_once == 2
+
+        def engine_holds() -> int:
+            return next(c["held"] for c in watcher.status()["clients"] if c["name"] == "engine")
+
+        wait_until(lambda: engine_holds() == 4, timeout=5.0, what="the owed chunks back at the arbiter", interval=0.01)
