@@ -40,8 +40,7 @@ HYBRID_SWA_POOL = "SWAKVPool"
 TP_READY_FLAGS = ("--memx-elastic-kv", "--memx-pool-budget-gb", "--memx-chunk-kb", "--memx-status-path",
                   "--memx-torch-activations", "--memx-tpot-slo-ms", "--memx-governor", "--memx-host-buffer-gb",
                   "--memx-ttft-slo-ms", "--memx-pool", "--memx-pool-dir")  # fmt: skip
-# Remappable weights (static, and remap with every rank applying rank 0's decision; on a shared pool a restore
-# borrows in the ranks' tick and layers are not lent to reclaims); sleep still decides per rank
+# Remappable weights (static, and remap with every rank applying rank 0's decision); sleep needs a shared pool
 TP_WEIGHTS_FLAGS = ("--memx-weights", "--memx-weights-streamed", "--memx-prefetch-depth", "--memx-tbt-slo-ms",
                     "--memx-weights-profile", "--memx-weights-idle-after-s")  # fmt: skip
 UNKNOWN_MODEL = "this model"
@@ -76,8 +75,9 @@ def pool_class_for(*, hybrid_swa: bool, mla: bool = False, linear: bool = False)
 
 def tp_unready_flags(config: MemxConfig) -> list[str]:
     """The requested flags memx does not run at tensor parallel size > 1: all but ``TP_READY_FLAGS``
-    and ``TP_WEIGHTS_FLAGS``."""
-    ready = TP_READY_FLAGS + TP_WEIGHTS_FLAGS
+    and ``TP_WEIGHTS_FLAGS``, and the weights' flags on a shared pool (their layers would be lent to
+    the arbiter and restored by borrows each rank makes alone)."""
+    ready = TP_READY_FLAGS if config.pool else TP_READY_FLAGS + TP_WEIGHTS_FLAGS
     return [f for f in config.requested_flags() if f not in ready]
 
 
@@ -106,10 +106,10 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
             not_ready[0],
             f"{shape.model_class} at tensor parallel size {shape.tp_size} builds one {pool} per rank and every "
             f"rank must schedule the same batch; {', '.join(not_ready)} {verb} from what one rank measures or is "
-            f"given (a peer's reach, a sleeping model's wake-up), which the ranks do "
+            f"given (a peer's reach, a sleeping model's wake-up, weights lent to a shared pool), which the ranks do "
             f"not share yet; at --tp {shape.tp_size} memx runs elastic KV on each rank's pool, own or shared "
-            f"({', '.join(TP_READY_FLAGS[:3])}, --memx-pool), the host buffer, the governor and remappable weights; "
-            f"run with --tp 1 or without "
+            f"({', '.join(TP_READY_FLAGS[:3])}, --memx-pool), the host buffer, the governor and remappable weights "
+            f"(own pool); run with --tp 1 or without "
             f"{', '.join(not_ready)}",
         )
     if shape.pool_class is not None and shape.pool_class != ELASTIC_POOL:

@@ -12,7 +12,8 @@ On a shared pool a restore borrows its shortfall from the arbiter first. Tensor 
 (a ``LockstepLentPool``) borrow only in the tick's "give back, borrow" step, so there the
 shortfall is that step's ask at the next tick (``take_restore_ask``), the ranks even their pools
 right after, and the restore, decided again on the same FREE on every rank, proceeds or falls
-back to evicting KV as on one rank.
+back to evicting KV as on one rank. (``families`` still refuses ``--memx-weights`` on a shared pool at
+``--tp`` > 1: docs/weights.md, "Tensor parallel".)
 """
 
 from __future__ import annotations
