@@ -7,8 +7,9 @@ changes FREE on two other paths: a late grant lands from the client's thread, an
 return to FREE when the arbiter is lost. Here a late grant waits warm instead (the next borrow takes
 it without a round trip; when the hold ends it goes back), and warm chunks of a lost arbiter are
 destroyed (they had been given up). ``shed(n)`` takes chunks out of FREE at once whatever the
-arbiter's state: the engine calls it where its ranks agree, to bring every rank down to the smallest
-rank's FREE. ``pending_reclaim`` reads the arbiter's ask without taking it, for the ranks to agree on.
+arbiter's state (back to the arbiter, not warm): the engine calls it where its ranks agree, to
+bring every rank down to the smallest rank's FREE. ``pending_reclaim`` reads the arbiter's ask without
+taking it, for the ranks to agree on.
 
 Invariant: FREE changes only inside the engine's own calls (``borrow``, ``give_back``, ``shed`` and
 the engine's map / unmap), never from the client's threads.
@@ -44,12 +45,14 @@ class LockstepLentPool(LentPool):
 
     def shed(self, n: int) -> int:
         """Take up to ``n`` FREE chunks out of the engine's pool now; return how many left it. While
-        the arbiter is connected they wait warm (given back when the hold ends, or to a RECLAIM);
-        while it is lost they are kept chunks no arbiter counts, destroyed."""
+        the arbiter is connected they go back to it at once (not warm: warm chunks stay booked to this
+        rank, so the rank that is short could not borrow them, and with a borrow taking warm chunks all
+        or nothing, the ranks could shed and borrow past each other for ever while a request that needs
+        most of the budget waits); while it is lost they are kept chunks no arbiter counts, destroyed."""
         if n <= 0:
             return 0
         if not self._check_lost():
-            return self.give_back(n, wait=False, warm=True)
+            return self.give_back(n, wait=False)
         chunks = self.pool.disown(n)  # while lost every held chunk is a kept one (``_check_lost``)
         with self._lock:
             for c in chunks:

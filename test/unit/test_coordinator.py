@@ -284,6 +284,10 @@ def test_the_physical_budget_is_the_pools_less_what_the_present_parts_keep():
     assert c.physical_budget() == (80, 8)  # the shared pool's budget; the largest prefill's activation
     c.register(WeightLender(kv, SimpleNamespace(min_held_chunks=lambda: 5)))
     assert c.physical_budget() == (80, 13)  # and the weights' minimum
+    # tensor parallel ranks on the shared pool: each holds its shard of every request's KV, so a rank
+    # may use its share of the budget (a request longer than that waited for ever, never admitted)
+    c.register(RankPools(SimpleNamespace(), RankAgreement(2, None)))
+    assert c.physical_budget() == (40, 13)
 
 
 def test_sleep_runs_only_with_the_shared_pool(monkeypatch):

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from sglang_memx.serve.config import ServeConfigError, parse_config
-from sglang_memx.serve.engine_specs import _split_cores, engine_specs, lending_omp_wait
+from sglang_memx.serve.cores import split_cores
+from sglang_memx.serve.engine_specs import engine_specs, lending_omp_wait
 from sglang_memx.serve.placement import GIB, plan_placement
 from support.fake_checkpoint import fake_model
 
@@ -102,9 +103,9 @@ def test_only_engines_that_may_borrow_cores_get_a_lending_omp_wait_by_their_widt
 
 
 def test_split_cores():
-    assert _split_cores([0, 1], 2) == [[0], [1]]
-    assert _split_cores([0], 3) == [[0], [0], [0]]
-    assert _split_cores([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]
+    assert split_cores([0, 1], 2) == [[0], [1]]
+    assert split_cores([0], 3) == [[0], [0], [0]]
+    assert split_cores([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]
 
 
 def _serve(*args, cwd):

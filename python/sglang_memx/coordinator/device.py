@@ -30,6 +30,7 @@ from sglang_memx.coordinator.components import (
     WeightLender,
 )
 from sglang_memx.coordinator.parts import Component, Iteration, Source, Step
+from sglang_memx.coordinator.rank_pools import RankPools
 from sglang_memx.coordinator.step_clock import StepClock
 from sglang_memx.elastic.host_state import HostBufferState
 from sglang_memx.elastic.kv import ElasticKV
@@ -122,10 +123,13 @@ class Coordinator:
     def physical_budget(self) -> tuple[int, int]:
         """(chunks this server may ever use: its own pool or the shared pool's budget, chunks of
         them other mechanisms always keep: the weights' minimum, the largest prefill batch's
-        activation)."""
+        activation). Tensor parallel ranks on one shared pool (``RankPools``) split its budget:
+        each rank holds its own shard of every request's KV, so a rank may use 1 / tp of it."""
         lender, weights = self.part(SharedPoolLender), self.part(WeightLender)
-        balloon = self.part(ActivationBalloonPart)
+        balloon, ranks = self.part(ActivationBalloonPart), self.part(RankPools)
         budget = lender.lent.budget_chunks if lender is not None else self.kv.buffers.pool.capacity_chunks
+        if ranks is not None:
+            budget //= ranks.ranks.tp_size
         kept = 0
         if weights is not None:  # weights share the budget; remap may lend all but a minimum to KV
             kept += weights.weights.min_held_chunks()

@@ -10,8 +10,9 @@ read next (``available_size``: free pages plus the pages FREE could map) must no
   for a lockstep pool: admission, a decode step's capacity check and the head's activation take what
   the pool holds, as on an own pool, and there is no "borrow from the shared pool" source), and right
   after it every rank sheds what the smallest rank lacks ("even the ranks' pools": one all-reduce of
-  FREE a tick; the surplus waits warm, back to the arbiter when the hold ends, or to a RECLAIM). Late
-  grants wait warm too.
+  FREE a tick; the surplus goes back to the arbiter at once, where the short rank can borrow it next
+  tick; kept warm, it stayed booked to its rank and the ranks could pass each other for ever). Late
+  grants wait warm (booked; the next borrow of that rank takes them).
 * The arbiter's reclaims: the same all-reduce carries every rank's pending ask; at the next tick every
   rank frees the largest ask (the same idle activation, free groups and cached prefixes: the ranks'
   radix trees stay equal) and gives back its own (``shared_pool.answer_reclaim``'s ``agreed``).
@@ -27,7 +28,7 @@ from typing import Any
 
 from memory_ext.pool.lockstep_pool import LockstepLentPool
 from sglang_memx.coordinator.parts import Iteration, Source, Step, step
-from sglang_memx.coordinator.rank_agreement import RankAgreement, spreads
+from sglang_memx.coordinator.rank_agreement import RankAgreement, RanksDisagree, spreads
 
 
 @dataclass(eq=False)
@@ -60,7 +61,10 @@ class RankPools:
 
     def _even(self, it: Iteration) -> None:
         free = self.lent.pool.available()
-        (low, high), (_, ask) = spreads([free, self.lent.pending_reclaim], self.ranks.group)
+        (low, high), (_, ask), busy = spreads([free, self.lent.pending_reclaim, int(it.busy)], self.ranks.group)
+        if busy[0] != busy[1]:  # the ranks' check runs on busy ticks only: their collectives would part
+            raise RanksDisagree(f"memx: tensor parallel ranks disagree on whether this iteration has work (this "
+                                f"rank: {it.busy}); they would part in the next collective and hang")  # fmt: skip
         self._agreed_reclaim = ask
         shed = self.lent.shed(free - low)
         self.counts["evened"] += 1

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from ..compute_share import BOARD_ENV, SHARES_ENV, SLOT_ENV
 from .config import ServeConfig, ServeConfigError
-from .engine_specs import _split_cores, engine_specs
+from .cores import split_cores
+from .engine_specs import engine_specs
 from .placement import GIB, Placement
 
 # one host's device assignment, core binding and compute board: a container gets its own
@@ -123,7 +124,7 @@ def model_units(config: ServeConfig, placement: Placement, opts: EmitOptions) ->
     for d in config.devices:
         residents = placement.devices[d.name].models
         if d.kind == "cpu" and residents:
-            shares = _split_cores(list(d.cores), len(residents)) if d.cores else [[0]] * len(residents)
+            shares = split_cores(list(d.cores), len(residents)) if d.cores else [[0]] * len(residents)
             cpus.update({n: len(s) for n, s in zip(residents, shares)})
     units = []
     for m, spec in zip(config.models, specs):

@@ -38,6 +38,7 @@ from .. import compute_share
 from ..compute_share import ComputeShares
 from ..config import POOL_OWNER_ENV, TPOT_SLO_FLAG, TPOT_SLO_SOURCE_ENV, TTFT_SLO_FLAG, TTFT_SLO_SOURCE_ENV
 from .config import ServeConfig, ServeConfigError
+from .cores import split_cores
 from .placement import GIB, Placement, instance_name
 from .tensor_parallel import rank_core_env, refuse_on_cuda, tensor_parallel_size
 
@@ -86,19 +87,6 @@ class EngineSpec:
 
 def _has(args, flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
-
-
-def _split_cores(cores: list[int], n: int) -> list[list[int]]:
-    """n near-equal contiguous shares of ``cores`` (shared round-robin when there are fewer cores)."""
-    if len(cores) >= n:
-        per, extra = divmod(len(cores), n)
-        out, i = [], 0
-        for k in range(n):
-            take = per + (1 if k < extra else 0)
-            out.append(cores[i : i + take])
-            i += take
-        return out
-    return [[cores[k % len(cores)]] for k in range(n)]
 
 
 def _config_name(config: ServeConfig) -> str:
@@ -180,7 +168,7 @@ def engine_specs(
             residents = placement.devices[d.name].models
             if residents:
                 cores = list(d.cores) if d.cores is not None else sorted(os.sched_getaffinity(0))
-                shares.update(zip(residents, _split_cores(cores, len(residents))))
+                shares.update(zip(residents, split_cores(cores, len(residents))))
     specs = []
     replicas = [
         (m, r, inst, dev) for m in config.models for r, (inst, dev) in enumerate(placement.models[m.name].replicas)

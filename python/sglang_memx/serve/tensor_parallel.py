@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from .config import ServeConfigError
+from .cores import split_cores
 
 TP_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size")  # what upstream's parser takes for tp_size
 NCCL_PATH_ENV = "SGLANG_NCCL_SO_PATH"
@@ -51,14 +52,9 @@ def rank_core_env(path: str, device: str, cores: Sequence[int], size: int, envir
         raise ServeConfigError(path, f"--tp {size} runs a rank on cores of its own; this engine's share of device "
                                      f"{device!r} is {share}: give the device more cores (devices[].cores), fewer "
                                      "models, or a smaller --tp")  # fmt: skip
-    per, extra = divmod(len(cores), size)
-    groups, start = [], 0
-    for r in range(size):
-        take = per + (1 if r < extra else 0)
-        groups.append(cores[start : start + take])
-        start += take
+    groups = split_cores(cores, size)
     env = {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups),
-           "OMP_NUM_THREADS": str(per)}  # fmt: skip
+           "OMP_NUM_THREADS": str(min(len(g) for g in groups))}  # fmt: skip
     if NCCL_PATH_ENV not in environ:
         env[NCCL_PATH_ENV] = NO_NCCL
     return env
