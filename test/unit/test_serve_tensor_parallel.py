@@ -85,3 +85,14 @@ def test_serve_exits_2_naming_the_field_before_starting_anything(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("sglang-memx serve: error: models[0].server_args: --tp 4")
     assert not (tmp_path / "sglang-memx-serve-logs").exists()  # nothing started
+
+
+def test_emit_refuses_a_tensor_parallel_model_naming_the_field(tmp_path):
+    from sglang_memx.serve import emit
+
+    fake_model(tmp_path, "a", weight_bytes=1 << 20)
+    doc = {"models": [{"name": "a", "path": "a", "server_args": ["--tp", "2"]}],
+           "devices": [{"name": "cpu0", "memory_gb": 0.5, "cores": [0, 1]}]}  # fmt: skip
+    cfg = parse_config(doc, base_dir=tmp_path)
+    with pytest.raises(ServeConfigError, match=r"^models\[0\].server_args: --tp 2: --emit does not write"):
+        emit.model_units(cfg, plan_placement(cfg), emit.EmitOptions())

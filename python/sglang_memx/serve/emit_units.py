@@ -18,6 +18,7 @@ from .config import ServeConfig, ServeConfigError
 from .cores import split_cores
 from .engine_specs import engine_specs
 from .placement import GIB, Placement
+from .tensor_parallel import tensor_parallel_size
 
 # one host's device assignment, core binding and compute board: a container gets its own
 _HOST_LOCAL_ENV = ("CUDA_VISIBLE_DEVICES", "SGLANG_CPU_OMP_THREADS_BIND", BOARD_ENV, SLOT_ENV, SHARES_ENV)
@@ -115,6 +116,10 @@ def model_units(config: ServeConfig, placement: Placement, opts: EmitOptions) ->
         if m.min_replicas > 1:
             msg = f"{m.min_replicas}: --emit writes one engine per model; replicas are not emitted yet"
             raise ServeConfigError(f"models[{i}].min_replicas", msg)
+        tp = tensor_parallel_size(f"models[{i}].server_args", m.server_args)
+        if tp > 1:  # a Pod binds its engine's threads to its cpuset as one group, not one per rank
+            raise ServeConfigError(f"models[{i}].server_args", f"--tp {tp}: --emit does not write tensor "
+                                   "parallel engines yet (a Pod binds its cpuset as one group of cores)")  # fmt: skip
     ports = {m.name: opts.base_engine_port + i for i, m in enumerate(config.models)}
     keyed = {"api_key": API_KEY_REF} if config.router.api_key else {}
     specs = engine_specs(config, placement, run_id="k8s", ports=ports, python="python3", **keyed)
