@@ -13,6 +13,7 @@ import pytest
 from sglang_memx.serve import main as serve_main
 from sglang_memx.serve.starting_responder import RETRY_AFTER_S, StartingResponder, claim_address
 from support.fake_checkpoint import fake_model
+from support.waiting import wait_until
 
 
 def _args(tmp_path, port: int) -> argparse.Namespace:
@@ -66,6 +67,8 @@ def test_the_claimed_port_is_held_and_answers_503_starting_until_stopped():
         status, retry, doc = _get(port, "POST", "/v1/chat/completions", body=b'{"model": "a"}' * 2000)
         assert status == 503 and retry == str(RETRY_AFTER_S)
         assert doc["error"]["code"] == "starting" and doc["error"]["type"] == "service_unavailable"
+        # counted after the answer is sent: the client may read it first
+        wait_until(lambda: responder.answered == 2, timeout=5.0, what="both answers counted", interval=0.01)
         assert responder.answered == 2
     finally:
         responder.stop()
