@@ -15,6 +15,11 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# no test server imports upstream's model modules for architectures no test builds (a user's value wins)
+from support import model_modules  # noqa: E402
+
+os.environ.setdefault(model_modules.ENV, model_modules.disabled_model_modules())
+
 
 def _cuda_available() -> bool:
     try:

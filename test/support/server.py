@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,8 @@ import urllib.error
 import urllib.request
 from importlib.metadata import entry_points
 from pathlib import Path
+
+from sglang_memx.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LOG_DIR = REPO / "test-logs"
@@ -44,12 +45,6 @@ CPU_ARGS = [
     "--cuda-graph-backend-prefill",
     "disabled",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plugins_without_memx() -> str:

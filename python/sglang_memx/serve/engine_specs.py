@@ -29,7 +29,6 @@ Invariants:
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from pathlib import Path
 from .. import compute_share
 from ..compute_share import ComputeShares
 from ..config import POOL_OWNER_ENV, TPOT_SLO_FLAG, TPOT_SLO_SOURCE_ENV, TTFT_SLO_FLAG, TTFT_SLO_SOURCE_ENV
+from ..ports import free_port
 from .config import ServeConfig, ServeConfigError
 from .cores import split_cores
 from .placement import GIB, Placement, instance_name
@@ -55,12 +55,6 @@ def default_pool_dir() -> str:
     """memx's own default for --memx-pool-dir ($XDG_RUNTIME_DIR/sglang-memx, else /tmp/sglang-memx-$UID)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     return str(Path(runtime) / "sglang-memx") if runtime else f"/tmp/sglang-memx-{os.getuid()}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,13 @@ import urllib.request
 from datetime import datetime, timezone
 
 from memory_ext.policy.layer_profile import LayerProfile
+from sglang_memx.ports import free_port
 
 CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native",
             "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]  # fmt: skip
 POOL_ARGS = ["--memx-elastic-kv", "--memx-weights", "static", "--memx-weights-streamed", "0",
              "--memx-pool-budget-gb", "4096"]  # a budget is required; chunks are only created as used  # fmt: skip
 WORD = "memory "
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, payload: dict, timeout: float) -> dict:
@@ -91,7 +85,7 @@ def profile(model_path: str, out: str, *, batch_sizes=(1, 2, 4, 8), decode_token
     """Measure and write the profile (see the module docstring); returns it."""
     if not batch_sizes or any(b < 1 for b in batch_sizes):
         raise ValueError(f"batch sizes must be positive, got {list(batch_sizes)}")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
             "--port", str(port), *(CPU_ARGS if device == "cpu" else []), *POOL_ARGS, *extra_args]  # fmt: skip
