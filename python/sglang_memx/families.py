@@ -15,8 +15,8 @@ built, from facts the caller gathers through the adapter:
   memx keeps are agreed across ranks (``coordinator.rank_agreement``: a measured activation peak,
   rank 0's clock for the governor and the host buffer's Alg. 2, rank 0's Oneiros decision), and the
   counts are checked every busy iteration. On a shared pool the ranks borrow in one step of the tick and
-  agree on their FREE and the arbiter's reclaims (``coordinator.rank_pools``); weights lent to a shared
-  pool, sleep and the peer tier are not agreed yet.
+  agree on their FREE and the arbiter's reclaims (``coordinator.rank_pools``), and a weights restore short of
+  FREE borrows in that step (``weights.remap``); sleep and the peer tier are not agreed yet.
 
 Checked twice: in the launcher while the command line is validated (``ServedShape`` from the
 checkpoint's ``config.json`` and upstream's hybrid-SWA rule; exit status 2), and in every scheduler
@@ -40,7 +40,7 @@ HYBRID_SWA_POOL = "SWAKVPool"
 TP_READY_FLAGS = ("--memx-elastic-kv", "--memx-pool-budget-gb", "--memx-chunk-kb", "--memx-status-path",
                   "--memx-torch-activations", "--memx-tpot-slo-ms", "--memx-governor", "--memx-host-buffer-gb",
                   "--memx-ttft-slo-ms", "--memx-pool", "--memx-pool-dir")  # fmt: skip
-# Remappable weights (static, and remap with every rank applying rank 0's decision); sleep needs a shared pool
+# Remappable weights (static, and remap with every rank applying rank 0's decision), own or shared pool
 TP_WEIGHTS_FLAGS = ("--memx-weights", "--memx-weights-streamed", "--memx-prefetch-depth", "--memx-tbt-slo-ms",
                     "--memx-weights-profile", "--memx-weights-idle-after-s")  # fmt: skip
 UNKNOWN_MODEL = "this model"
@@ -75,10 +75,8 @@ def pool_class_for(*, hybrid_swa: bool, mla: bool = False, linear: bool = False)
 
 def tp_unready_flags(config: MemxConfig) -> list[str]:
     """The requested flags memx does not run at tensor parallel size > 1: all but ``TP_READY_FLAGS``
-    and ``TP_WEIGHTS_FLAGS``, and the weights' flags on a shared pool (their layers would be lent to
-    the arbiter and restored by borrows each rank makes alone)."""
-    ready = TP_READY_FLAGS if config.pool else TP_READY_FLAGS + TP_WEIGHTS_FLAGS
-    return [f for f in config.requested_flags() if f not in ready]
+    and ``TP_WEIGHTS_FLAGS``."""
+    return [f for f in config.requested_flags() if f not in TP_READY_FLAGS + TP_WEIGHTS_FLAGS]
 
 
 def _dependent_flags(config: MemxConfig) -> str:
@@ -106,10 +104,10 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
             not_ready[0],
             f"{shape.model_class} at tensor parallel size {shape.tp_size} builds one {pool} per rank and every "
             f"rank must schedule the same batch; {', '.join(not_ready)} {verb} from what one rank measures or is "
-            f"given (a peer's reach, a sleeping model's wake-up, weights lent to a shared pool), which the ranks do "
+            f"given (a peer's reach, a sleeping model's wake-up), which the ranks do "
             f"not share yet; at --tp {shape.tp_size} memx runs elastic KV on each rank's pool, own or shared "
-            f"({', '.join(TP_READY_FLAGS[:3])}, --memx-pool), the host buffer, the governor and remappable weights "
-            f"(own pool); run with --tp 1 or without "
+            f"({', '.join(TP_READY_FLAGS[:3])}, --memx-pool), the host buffer, the governor and remappable weights; "
+            f"run with --tp 1 or without "
             f"{', '.join(not_ready)}",
         )
     if shape.pool_class is not None and shape.pool_class != ELASTIC_POOL:

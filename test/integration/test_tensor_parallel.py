@@ -14,12 +14,14 @@ of the stock server at ``--tp 1`` that ``test_elastic_kv.py`` uses (the same mod
 shared once a session; on this model the two tensor parallel ranks' partial sums give the same
 argmax) through a batch, prefix-cache hits, chunked prefill, retraction under memory pressure (KV
 parked on the host and restored) and prefills offloaded to the host buffer, and give its KV memory
-back when the cache is flushed.
+back when the cache is flushed. A second memx server (an 8-layer Llama) keeps its decoder layers in a
+pool shared through an arbiter and releases and restores them on both ranks in step.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import time
 
 import pytest
@@ -33,7 +35,7 @@ from support.greedy import (
     greedy,
     output_ids,
 )
-from support.server import TP2_ENV, SGLangServer, release_all, start_all
+from support.server import TP2_ENV, SGLangServer, release_all, release_with_pool, start_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -49,13 +51,14 @@ HOST_BUFFER = ["--memx-host-buffer-gb", "0.01", "--memx-ttft-slo-ms", "1000", "-
 WEIGHTS_SPEC = TinyModelSpec(arch="llama", num_layers=8, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                              intermediate_size=512, seed=7)  # fmt: skip
 WEIGHTS_COMMON = ["--chunked-prefill-size", "64", "--dtype", "float32"]
-WEIGHTS_BUDGET_GB = "0.0118"  # the layers and ~11 KV groups (~700 tokens) per rank
+# on a shared pool (every rank a client of its arbiter): per rank the layers and ~11 KV groups (~700 tokens)
+WEIGHTS_POOL_BUDGET_GB = "0.0236"
 # the governor at --tp 2, with an SLO every step meets: its clock is rank 0's on both ranks, every tick
 LOOSE_TPOT_MS = "100000"
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_root, shared_servers):
+def servers(tmp_path_factory, tiny_model_root, shared_servers):
     model, weights_model = tiny_model(SPEC, tiny_model_root), tiny_model(WEIGHTS_SPEC, tiny_model_root)
     stock = shared_servers.get(
         SGLangServer(model, name="stock-llama-s5-f32", stock=True, max_total_tokens=4096, extra_args=COMMON)
@@ -67,15 +70,18 @@ def servers(tiny_model_root, shared_servers):
         extra_args=COMMON + ["--tp", "2", "--memx-elastic-kv", "--memx-chunk-kb", "4", "--memx-pool-budget-gb",
                              BUDGET_GB, "--schedule-conservativeness", "0.05", *HOST_BUFFER],
     )  # fmt: skip
+    pool_dir, pool_name = tmp_path_factory.mktemp("pools"), f"wtp{os.getpid()}"
     remap = SGLangServer(
         weights_model, name="w-remap-tp2", max_total_tokens=4096, env=TP2_ENV,
         extra_args=WEIGHTS_COMMON + ["--tp", "2", "--memx-elastic-kv", "--memx-chunk-kb", "16",
-                                     "--memx-pool-budget-gb", WEIGHTS_BUDGET_GB, "--memx-weights", "remap",
+                                     "--memx-pool", pool_name, "--memx-pool-dir", str(pool_dir),
+                                     "--memx-pool-budget-gb", WEIGHTS_POOL_BUDGET_GB, "--memx-weights", "remap",
                                      "--memx-weights-idle-after-s", "600", "--memx-tpot-slo-ms", LOOSE_TPOT_MS],
     )  # fmt: skip
     start_all([stock, stock8, memx, remap])
     yield {"stock": stock, "memx": memx, "stock8": stock8, "remap": remap}
-    release_all([memx, remap])
+    release_all([memx])
+    release_with_pool([remap], pool_name, pool_dir)
 
 
 def test_each_rank_balloons_kv_and_activations_in_its_own_pool_with_agreed_peaks(servers):
@@ -156,16 +162,23 @@ def _wait_weights(server, predicate, timeout: float) -> dict:
 
 
 def test_remappable_weights_release_and_restore_on_every_rank_in_step(servers):
-    """The 8-layer model at --tp 2 with every rank's layers in its pool: 3 requests need about twice
-    the KV room left beside the full layers, so the Oneiros controller releases layers; its inputs
-    include timings each rank measures alone, so every rank applies rank 0's decision (one broadcast
-    a step) and both ranks release and later restore the same layers in the same iteration (else the
-    agreement check would stop the server). Answers are stock's at --tp 1 throughout."""
+    """The 8-layer model at --tp 2 with every rank's layers in the device's shared pool (each rank a
+    client of its arbiter): 3 requests need about twice the KV room left beside the full layers and
+    more than the arbiter can lend both ranks (a refusal on every rank), so the Oneiros controller
+    releases layers (on a shared pool only after a refusal; the three ran one by one before); its
+    inputs include timings each rank measures alone, so
+    every rank applies rank 0's decision (one broadcast a step) and both ranks release and later
+    restore the same layers in the same iteration (else the agreement check would stop the server).
+    Idle, the ranks give their spare chunks back to the arbiter; a restore then borrows them in the
+    ranks' tick ("give back, borrow", evened right after). Answers are stock's at --tp 1 throughout."""
     stock, remap = servers["stock8"], servers["remap"]
     status = elastic_status(remap)
     w = status["weights"]
     assert w["mode"] == "remap" and w["lent_layers"] == 0 and w["streamed_layers"] == 0
-    kv_room = (status["pool_capacity_bytes"] - w["held_bytes"]) // status["group_bytes"] * status["group_tokens"]
+    assert status["tensor_parallel_pool"]["evened"] > 0  # the shared pool's agreement runs
+    ranks = status["tensor_parallel"]["size"]  # the pool's capacity is the device's budget, for both ranks
+    room = (status["pool_capacity_bytes"] - ranks * w["held_bytes"]) // ranks
+    kv_room = room // status["group_bytes"] * status["group_tokens"]
     prompt = " ".join(["one two three four five six seven eight"] * 60)  # ~480 tokens
     assert 3 * (480 + 200) > 2 * kv_room
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
@@ -173,9 +186,12 @@ def test_remappable_weights_release_and_restore_on_every_rank_in_step(servers):
         lent = _wait_weights(remap, lambda w: w["lent_layers"] > 0, timeout=120)
         outs = [f.result(timeout=600)["output_ids"] for f in futures]
     assert lent["lent_layers"] > 0, lent
+    # the arbiter could not fund both ranks' asks: a refusal on every rank, so rank 0 released layers
+    assert elastic_status(remap)["tensor_parallel_pool"]["short_ticks"] >= 1
     assert outs == [greedy(stock, prompt + f" {i}", 200)["output_ids"] for i in range(3)]
     restored = _wait_weights(remap, lambda w: w["lent_layers"] == 0 and w["streamed_layers"] == 0, timeout=120)
     assert restored["lent_layers"] == 0 and restored["decisions"]["restore"] >= 1, restored
+    assert restored["restore_asks"] >= 1, restored  # a restore waited for the ranks' borrow
     status = elastic_status(remap)
     tp, gov = status["tensor_parallel"], status["governor"]
     # one broadcast a tick for the governor's clock, one an Oneiros step

@@ -92,7 +92,7 @@ def every_component(kv) -> device.Coordinator:
             PeerTier(kv),
             GovernorPart(BatchGovernor(0.05)),
             RankAgreement(2, None),
-            RankPools(stub, RankAgreement(2, None)),
+            RankPools(stub, RankAgreement(2, None), lambda: None),
         ),
     )
 
@@ -286,7 +286,7 @@ def test_the_physical_budget_is_the_pools_less_what_the_present_parts_keep():
     assert c.physical_budget() == (80, 13)  # and the weights' minimum
     # tensor parallel ranks on the shared pool: each holds its shard of every request's KV, so a rank
     # may use its share of the budget (a request longer than that waited for ever, never admitted)
-    c.register(RankPools(SimpleNamespace(), RankAgreement(2, None)))
+    c.register(RankPools(SimpleNamespace(), RankAgreement(2, None), lambda: None))
     assert c.physical_budget() == (40, 13)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from memory_ext.pool import ChunkPool, LayeredKVBuffers, Owner
+from memory_ext.pool.lockstep_pool import LockstepLentPool
 from memory_ext.vmm import host_backend
 from sglang_memx.elastic.kv import ElasticKV
 from sglang_memx.upstream.kv import free_page_count
@@ -403,3 +404,31 @@ def test_a_refused_borrow_backs_off_a_pending_one_does_not_and_a_grant_resets():
     assert (
         borrow_tokens(granted, granted_lent, 100) == 2 and granted.borrow_backoff_s == BORROW_BACKOFF_S
     )  # 2 groups of 64
+
+
+class _FakeLockstepLent(LockstepLentPool):
+    """A tensor parallel rank's pool for borrow_tokens: answers from a script (no arbiter)."""
+
+    def __init__(self, answers):  # LentPool's own state is not needed here
+        self.script = _FakeLent(answers)
+        self.last_denied_available = 0
+
+    @property
+    def outstanding(self):
+        return False
+
+    def available_now(self):
+        return self.script.available_now()
+
+    def borrow(self, n, wait=None):
+        return self.script.borrow(n, wait)
+
+
+def test_tensor_parallel_ranks_neither_back_off_nor_note_a_refusal_alone():
+    """Each rank's clock would end a back-off in another tick (one rank borrowing alone, evened back
+    for ever): a rank's refusal is noted on every rank by the ranks' evening instead (rank_pools)."""
+    from sglang_memx.elastic.shared_pool import borrow_tokens
+
+    kv, lent = _borrower(_FakeLockstepLent([False, False, False, False]))
+    assert borrow_tokens(kv, lent, 100) == 0 and kv.borrow_backoff_until == 0.0
+    assert borrow_tokens(kv, lent, 100) == 0 and len(lent.script.asked) == 2  # asked again at once

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
+from functools import partial
 
 from memory_ext.policy.governor import BatchGovernor
 from memory_ext.pool.lent_pool import LentPool
@@ -24,6 +25,7 @@ from sglang_memx.coordinator.components import LayerStreamPart, PeerTier
 from sglang_memx.coordinator.governor import GovernorPart, SloInForce
 from sglang_memx.coordinator.rank_agreement import RankAgreement
 from sglang_memx.coordinator.rank_pools import RankPools
+from sglang_memx.elastic import shared_pool
 from sglang_memx.elastic.build import activation_profile, build_elastic_kv
 from sglang_memx.elastic.host_buffer import build_host_buffer
 from sglang_memx.elastic.slab import cell_format
@@ -161,7 +163,7 @@ def finish(build: Build, result) -> None:
     if ranks is not None:
         extra.append(ranks)
         if isinstance(build.lent, LockstepLentPool):  # a shared pool: the ranks' FREE and reclaims agreed
-            extra.append(RankPools(build.lent, ranks))
+            extra.append(RankPools(build.lent, ranks, partial(shared_pool.note_refused, kv)))
     if build.config.governed:  # the no-harm admission rules; with a TPOT SLO, the batch cap too
         tpot, ttft = build.config.tpot_slo_ms, build.config.ttft_slo_ms
         extra.append(GovernorPart(BatchGovernor(None if tpot is None else tpot / 1e3), tpot_source=tpot_slo_source(),

@@ -17,12 +17,20 @@ read next (``available_size``: free pages plus the pages FREE could map) must no
   rank frees the largest ask (the same idle activation, free groups and cached prefixes: the ranks'
   radix trees stay equal) and gives back its own (``shared_pool.answer_reclaim``'s ``agreed``).
 
+A rank short after the borrow step, or a borrow the arbiter denied on any rank, means the arbiter could
+not fund every rank's ask: every rank then takes it as a refusal (``short_of_memory``:
+``shared_pool.note_refused``), so rank 0's Oneiros may release layers (on a shared pool an active server
+remaps its own layers only after the arbiter refused; rank 0's borrow, asked first, was often granted and
+its surplus shed while the batch waited). The ranks do not back off their borrows (``borrow_chunks``):
+each rank's clock would end it in another tick.
+
 The step runs on idle ticks too (reclaims come mostly to idle servers); upstream's ranks pass every
 iteration together (rank 0 broadcasts the received requests), so the collective never waits long.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,16 +41,19 @@ from sglang_memx.coordinator.rank_agreement import RankAgreement, RanksDisagree,
 
 @dataclass(eq=False)
 class RankPools:
-    """One rank's side of the ranks' agreement on a shared pool (``lent``), over ``ranks``' group."""
+    """One rank's side of the ranks' agreement on a shared pool (``lent``), over ``ranks``' group;
+    ``short_of_memory`` runs on every rank in a tick where one rank came out of the borrow step short."""
 
     lent: LockstepLentPool
     ranks: RankAgreement
+    short_of_memory: Callable[[], None]
     name: str = "ranks' shared pools"
     counts: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(("evened", "chunks_shed", "reclaims_agreed", "free_chunks_min",
-                                                "free_chunks_max"), 0)
+                                                "free_chunks_max", "short_ticks"), 0)
     )  # fmt: skip
     _agreed_reclaim: int = field(default=0, repr=False)
+    _denied_seen: int = field(default=0, repr=False)
 
     def steps(self) -> tuple[Step, ...]:
         return (step("even the ranks' pools", self._even),)
@@ -61,12 +72,17 @@ class RankPools:
 
     def _even(self, it: Iteration) -> None:
         free = self.lent.pool.available()
-        (low, high), (_, ask), busy = spreads([free, self.lent.pending_reclaim, int(it.busy)], self.ranks.group)
+        denied, self._denied_seen = self.lent.denied_total - self._denied_seen, self.lent.denied_total
+        values = [free, self.lent.pending_reclaim, int(it.busy), int(denied > 0)]
+        (low, high), (_, ask), busy, (_, any_denied) = spreads(values, self.ranks.group)
         if busy[0] != busy[1]:  # the ranks' check runs on busy ticks only: their collectives would part
             raise RanksDisagree(f"memx: tensor parallel ranks disagree on whether this iteration has work (this "
                                 f"rank: {it.busy}); they would part in the next collective and hang")  # fmt: skip
         self._agreed_reclaim = ask
         shed = self.lent.shed(free - low)
+        if low < high or any_denied:  # the arbiter did not fund every rank's ask: a refusal for all of them
+            self.short_of_memory()
+            self.counts["short_ticks"] += 1
         self.counts["evened"] += 1
         self.counts["chunks_shed"] += shed
         self.counts["reclaims_agreed"] += ask > 0

@@ -219,11 +219,16 @@ def borrow_chunks(
     off, doubling from ``BORROW_BACKOFF_S`` up to ``BORROW_BACKOFF_MAX_S`` (``urgent`` ignores
     the back-off); a grant resets it. A borrow whose grant is still on its way (the arbiter is
     reclaiming from peers) is no refusal: nothing more is asked until it lands, without back-off.
+
+    Tensor parallel ranks (a ``LockstepLentPool``) neither back off nor note a refusal here: each rank's
+    clock would end its back-off in another tick, one rank would borrow alone and be evened back for
+    ever; the ranks' evening notes a refusal on every rank (``coordinator.rank_pools``).
     """
     if units <= 0:
         return 0
     now = time.monotonic()
-    if not urgent and now < kv.borrow_backoff_until:
+    lockstep = isinstance(lent, LockstepLentPool)
+    if not urgent and not lockstep and now < kv.borrow_backoff_until:
         return 0
     if not may_wait:
         units = min(units, lent.available_now() // unit_chunks)
@@ -236,11 +241,19 @@ def borrow_chunks(
         got = fewer if fewer > 0 and lent.borrow(fewer * unit_chunks, wait=wait) else 0
     if got:
         kv.borrow_backoff_s = BORROW_BACKOFF_S
-    elif may_wait and not lent.outstanding:
-        delay = kv.borrow_backoff_s or BORROW_BACKOFF_S
-        kv.borrow_backoff_until = now + delay
-        kv.borrow_backoff_s = min(BORROW_BACKOFF_MAX_S, delay * 2)
+    elif may_wait and not lent.outstanding and not lockstep:
+        note_refused(kv, now)
     return got
+
+
+def note_refused(kv: ElasticKV, now: float | None = None) -> None:
+    """The arbiter could not fund a borrow: back off (``borrow_chunks``), which also lets an active
+    server remap its own layers (``weights.remap.shared_pool_holds``). Tensor parallel ranks call it
+    on every rank when one rank came out short (``coordinator.rank_pools``)."""
+    now = time.monotonic() if now is None else now
+    delay = kv.borrow_backoff_s or BORROW_BACKOFF_S
+    kv.borrow_backoff_until = now + delay
+    kv.borrow_backoff_s = min(BORROW_BACKOFF_MAX_S, delay * 2)
 
 
 def spare_free_chunks(kv: ElasticKV, allocator, scheduler, activation: ActivationSide) -> int:
