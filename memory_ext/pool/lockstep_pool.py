@@ -11,6 +11,9 @@ arbiter's state (back to the arbiter, not warm): the engine calls it where its r
 bring every rank down to the smallest rank's FREE. ``pending_reclaim`` reads the arbiter's ask without
 taking it, for the ranks to agree on.
 
+``ranks``: how many ranks share the arbiter this way; a rank denied a borrow takes at most its share of
+what the arbiter has left (``sglang_memx.elastic.shared_pool.borrow_chunks``).
+
 Invariant: FREE changes only inside the engine's own calls (``borrow``, ``give_back``, ``shed`` and
 the engine's map / unmap), never from the client's threads.
 """
@@ -24,6 +27,10 @@ from .lent_pool import LentPool
 
 
 class LockstepLentPool(LentPool):
+    def __init__(self, *args, ranks: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ranks = ranks
+
     def _land_late(self, chunks: list[PhysicalChunk]) -> None:
         owed = self.warm.put(chunks, time.monotonic())  # booked ours: the next borrow's
         if owed:  # a RECLAIM waits for them: they go back now

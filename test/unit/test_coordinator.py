@@ -292,14 +292,14 @@ def test_the_physical_budget_is_the_pools_less_what_the_present_parts_keep():
 
 def test_sleep_runs_only_with_the_shared_pool(monkeypatch):
     slept = []
-    monkeypatch.setattr(components.sleep, "step", lambda w, kv, lent, allocator, tree, scheduler, act: slept.append(w))
+    monkeypatch.setattr(components.sleep, "step", lambda w, kv, lent, *rest, rank0s: slept.append((w, rank0s)))
     kv, w = SimpleNamespace(), SimpleNamespace()
     private = device.Coordinator(kv, (WeightLender(kv, w),))
     shared = device.Coordinator(kv, (SharedPoolLender(kv, object()), WeightLender(kv, w)))
     for c in (private, shared):
         step = next(s for _, s in c.iteration_order() if s.name == "sleep or wake")
         step.run(components.Iteration(None, None, kv, None, c))
-    assert slept == [w]
+    assert slept == [(w, None)]  # one rank: its own answer
 
 
 def test_the_peer_tier_gets_the_layer_stream_cache_when_the_pool_build_made_one(monkeypatch):

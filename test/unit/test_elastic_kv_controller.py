@@ -409,9 +409,9 @@ def test_a_refused_borrow_backs_off_a_pending_one_does_not_and_a_grant_resets():
 class _FakeLockstepLent(LockstepLentPool):
     """A tensor parallel rank's pool for borrow_tokens: answers from a script (no arbiter)."""
 
-    def __init__(self, answers):  # LentPool's own state is not needed here
+    def __init__(self, answers, denied_available=0):  # LentPool's own state is not needed here
         self.script = _FakeLent(answers)
-        self.last_denied_available = 0
+        self.last_denied_available, self.ranks = denied_available, 2
 
     @property
     def outstanding(self):
@@ -432,3 +432,15 @@ def test_tensor_parallel_ranks_neither_back_off_nor_note_a_refusal_alone():
     kv, lent = _borrower(_FakeLockstepLent([False, False, False, False]))
     assert borrow_tokens(kv, lent, 100) == 0 and kv.borrow_backoff_until == 0.0
     assert borrow_tokens(kv, lent, 100) == 0 and len(lent.script.asked) == 2  # asked again at once
+
+
+def test_a_denied_tensor_parallel_rank_takes_only_its_ranks_share_of_what_is_left():
+    """Denied, a rank takes half of what the arbiter has left at --tp 2, not all of it (the other rank,
+    asking next, would get nothing and the surplus be shed back at the evening, every tick)."""
+    from sglang_memx.elastic.shared_pool import borrow_tokens
+
+    kv, lent = _borrower(_FakeLockstepLent([False, True], denied_available=0))
+    per_group = kv.buffers.chunks_per_group
+    lent.last_denied_available = 4 * per_group  # four groups free at the arbiter
+    assert borrow_tokens(kv, lent, 1000) == 2  # two of them
+    assert lent.script.asked[1] == 2 * per_group

@@ -66,9 +66,10 @@ def test_tensor_parallel_runs_elastic_kv_and_refuses_the_rest_naming_flag_model_
     assert "LlamaForCausalLM at tensor parallel size 2 builds one MHATokenToKVPool per rank" in msg
     assert "rank must schedule the same batch; --memx-peer-kv decides from what one rank measures" in msg
     assert msg.endswith("run with --tp 1 or without --memx-peer-kv")  # the pool and the host buffer run
-    # remappable weights run on a shared pool too (a restore borrows in the ranks' step)
-    weights_on_pool = MemxConfig(elastic_kv=True, pool="dev0", weights="remap", weights_idle_after_s=5.0)
-    check_served_shape(weights_on_pool, ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))
+    # remappable weights run on a shared pool too (a restore borrows in the ranks' tick), and sleep
+    for sleep_after_s in (None, 30.0):
+        check_served_shape(MemxConfig(elastic_kv=True, pool="dev0", weights="remap", sleep_after_s=sleep_after_s),
+                           ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))  # fmt: skip
     for shape in (ServedShape("LlamaForCausalLM", None, pp_size=3), ServedShape("LlamaForCausalLM", None, 2, 2)):
         msg = _refusal(ON, shape)
         assert "at pipeline parallel size" in msg and "needs --pp 1" in msg
@@ -129,10 +130,12 @@ def test_the_launcher_serves_elastic_kv_at_tensor_parallel_two_and_refuses_the_r
     assert _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0"]).pool == "dev0"
     assert _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0", "--memx-weights",
                    "remap"]).weights == "remap"  # fmt: skip
+    assert _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0", "--memx-weights",
+                   "remap", "--memx-sleep-after-s", "30"]).sleep_after_s == 30.0  # fmt: skip
     with pytest.raises(MemxConfigError, match="LlamaForCausalLM at tensor parallel size 2 .* MHATokenToKVPool ") as e:
-        _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0", "--memx-weights",
-                "remap", "--memx-sleep-after-s", "5"])  # fmt: skip
-    assert e.value.flag == "--memx-sleep-after-s"
+        _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0",
+                "--memx-peer-kv", "borrow"])  # fmt: skip
+    assert e.value.flag == "--memx-peer-kv"
     with pytest.raises(MemxConfigError, match="this model at tensor parallel size 2 .* one KV pool per rank"):
         _check(["--model-path", str(tmp_path / "no-such-dir"), "--tp", "2", "--memx-elastic-kv",
                 "--memx-peer-kv", "borrow", "--memx-pool", "dev0"])  # fmt: skip
@@ -176,14 +179,14 @@ def _configurator(*, tp=1, pp=1, hybrid_swa=False, mla=False, mamba=None, arch="
      ({"mla": True}, "upstream's MLATokenToKVPool"), ({"mamba": object()}, "upstream's HybridLinearKVPool"),
      ({"pp": 2}, "at pipeline parallel size 2 builds one MHATokenToKVPool per stage"),
      ({"tp": 2, "hybrid_swa": True}, "MellumForCausalLM is served from upstream's SWAKVPool"),
-     ({"tp": 2, "config": MemxConfig(elastic_kv=True, pool="dev0", sleep_after_s=5.0, weights="remap")},
+     ({"tp": 2, "config": MemxConfig(elastic_kv=True, pool="dev0", peer_kv="borrow")},
       "at tensor parallel size 2 builds one MHATokenToKVPool per rank and every rank must schedule the same")],
 )  # fmt: skip
 def test_the_pool_build_refuses_before_building(kwargs, named):
     with pytest.raises(MemxConfigError, match=named) as info:
         with pool_build.scope(_configurator(**kwargs)):
             raise AssertionError("the build must not open")
-    assert info.value.flag == ("--memx-sleep-after-s" if "config" in kwargs else "--memx-elastic-kv")
+    assert info.value.flag == ("--memx-peer-kv" if "config" in kwargs else "--memx-elastic-kv")
     assert pool_build.current() is None
 
 

@@ -33,7 +33,7 @@ def sock_path():
 def _engine_and_peer(sock_path: str, budget: int):
     """A lockstep pool ("engine") and another client of the same in-process arbiter of ``budget`` chunks."""
     with Arbiter(sock_path, host_backend(G), budget):
-        lent = LockstepLentPool(sock_path, "engine", host_backend(G), warm_hold_s=60.0)
+        lent = LockstepLentPool(sock_path, "engine", host_backend(G), warm_hold_s=60.0, ranks=2)
         peer = ArbiterClient(sock_path, "peer", host_backend(G))
         try:
             yield lent, peer
@@ -53,7 +53,8 @@ def _late_grant(lent: LentPool, n: int) -> None:
 @pytest.mark.parametrize("kind,free_after,warm_after", [(LentPool, 2, 0), (LockstepLentPool, 0, 2)])
 def test_a_late_grant_waits_warm_in_a_lockstep_pool(sock_path, kind, free_after, warm_after):
     with Arbiter(sock_path, host_backend(G), 8):
-        lent = kind(sock_path, "engine", host_backend(G), warm_hold_s=60.0)
+        extra = {"ranks": 2} if kind is LockstepLentPool else {}
+        lent = kind(sock_path, "engine", host_backend(G), warm_hold_s=60.0, **extra)
         try:
             _late_grant(lent, 2)
             assert lent.pool.available() == free_after and len(lent.warm) == warm_after
@@ -86,7 +87,7 @@ def test_shed_returns_the_chunks_to_the_arbiter_at_once_while_it_is_connected(so
 def test_a_lost_arbiter_destroys_the_warm_chunks_and_shed_destroys_kept_ones(sock_path):
     arbiter = Arbiter(sock_path, host_backend(G), 8)
     arbiter.__enter__()
-    lent = LockstepLentPool(sock_path, "engine", host_backend(G), warm_hold_s=60.0)
+    lent = LockstepLentPool(sock_path, "engine", host_backend(G), warm_hold_s=60.0, ranks=2)
     try:
         assert lent.borrow(4) == 4 and lent.shed(1) == 1
         arbiter.__exit__(None, None, None)

@@ -138,3 +138,20 @@ def test_a_decision_other_than_restore_drops_the_ask(monkeypatch):
     monkeypatch.setattr(remap, "decide", lambda *a: (Action.HOLD, [], 0))
     remap.step(w, kv, None, None, None, None)
     assert (w.restore_ask_chunks, w.restore_ask_tried) == (0, False) and w.decisions["hold"] == 1
+
+
+@pytest.mark.parametrize("kind,borrows,full", [(LentPool, [6], True), (LockstepLentPool, [], False)])
+def test_a_wake_of_tensor_parallel_ranks_borrows_nothing_and_is_partial(need, kind, borrows, full):
+    """``weights.sleep.wake``: one rank borrows every layer's memory and wakes whole; tensor parallel
+    ranks take what FREE holds (equal on every rank), wake partial, and restore in later ticks."""
+    from sglang_memx.weights import sleep
+
+    w, kv, pool = _weights_and_kv(free=4)
+    ensured = []
+    w.store.ensure = ensured.append
+    w.layer_keys, w.sleeping, w.wakes = ["layer0", "layer1"], True, 0
+    lent = _link(kind, pool)
+    sleep.wake(w, kv, lent)
+    assert lent.borrows == borrows and w.last_wake_full is full and not w.sleeping and w.wakes == 1
+    assert (w.pipeline.requests, ensured, w.store.reserved) == (([([], 0)], ["layer0", "layer1"], 10) if full
+                                                                else ([], [], 0))  # fmt: skip

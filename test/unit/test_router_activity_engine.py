@@ -149,3 +149,23 @@ def test_status_and_metrics_show_the_last_activity():
     assert 'memx_router_activity_queued_tokens{dp_rank="0"} 300' in text
     assert 'memx_router_activity_live{dp_rank="0"} 1' in text
     assert "memx_router_activity" not in render_prometheus({"schedulers": [{"dp_rank": 0, "router_activity": None}]})
+
+
+def test_tensor_parallel_ranks_apply_rank0s_answer_to_sleep_or_wake(monkeypatch):
+    """Each rank's clock and its stamp of the router's message may differ: the rank that would sleep
+    does not when rank 0 says no, and one that would not wake does when rank 0 says so."""
+    calls = []
+    monkeypatch.setattr(up_sched, "waiting", lambda s: [])
+    monkeypatch.setattr(up_sched, "admitted_reqs", lambda s: [])
+    monkeypatch.setattr(sleep, "wake", lambda w, kv, lent: calls.append("wake"))
+    monkeypatch.setattr(sleep, "fall_asleep", lambda w, kv, lent, a, t, s, activation: calls.append("sleep"))
+    rows = []
+
+    def rank0_says(answer):
+        return lambda row: rows.append(row) or answer
+
+    awake = SimpleNamespace(sleep_after_s=30.0, sleeping=False, last_busy=time.monotonic() - 60)
+    sleep.step(awake, None, None, None, None, None, NoActivation(), rank0s=rank0_says([0, 0]))
+    asleep = SimpleNamespace(sleep_after_s=30.0, sleeping=True, last_busy=time.monotonic() - 60)
+    sleep.step(asleep, None, None, None, None, None, NoActivation(), rank0s=rank0_says([1, 0]))
+    assert rows == [[0, 1], [0, 0]] and calls == ["wake"]  # this rank's row went out; rank 0's was applied

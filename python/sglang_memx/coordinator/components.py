@@ -306,7 +306,9 @@ class WeightLender:
     def _sleep_or_wake(self, it: Iteration) -> None:
         lent = it.coordinator.shared_pool()
         if lent is not None:  # sleep gives the memory to the pool's peers
-            sleep.step(self.weights, it.kv, lent, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side())
+            ranks = it.coordinator.part(RankAgreement)  # --tp > 1: every rank applies rank 0's answer
+            sleep.step(self.weights, it.kv, lent, it.allocator, it.tree, it.scheduler, it.coordinator.activation_side(),
+                       rank0s=None if ranks is None else ranks.rank0s)  # fmt: skip
 
 
 @dataclass(eq=False)

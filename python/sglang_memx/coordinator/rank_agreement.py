@@ -12,7 +12,8 @@ timings each rank measures alone: every rank applies rank 0's decision (``rank0s
 the governor and the host buffer's Alg. 2 read rank 0's clock (``tick_time``: one broadcast a tick
 for both), so their measured steps and TTFT / TPOT samples are rank 0's. On a shared pool the ranks
 agree on their FREE chunks and the arbiter's reclaims (``rank_pools``). ``families.TP_READY_FLAGS``
-refuses the features whose rank-local inputs are not agreed: sleep and the peer tier.
+refuses the features whose rank-local inputs are not agreed: the peer tier (remappable weights and sleep
+run on rank 0's answer, their layers not lent to reclaims at --tp > 1).
 
 ``RankAgreement`` checks that construction in every iteration with work, with one all-reduce of the
 available size over upstream's tensor parallel CPU group (and, for the status, of the mapped KV

@@ -93,8 +93,8 @@ def _own_pool_capacity(
 
 
 def _join_shared_pool(config: MemxConfig, backend, group_chunks: int, act_chunks: int, batch_tokens: int,
-                      lockstep: bool):  # fmt: skip
-    lent = join_pool(config, backend, lockstep=lockstep)
+                      ranks: int):  # fmt: skip
+    lent = join_pool(config, backend, ranks=ranks)
     if lent.budget_chunks < group_chunks + act_chunks:
         lent.close()
         raise MemxConfigError(
@@ -168,7 +168,7 @@ def build_elastic_kv(
     act_chunks = profile.chunks_for(batch_tokens, 1, backend.granularity) if profile and batch_tokens else 0
     lent = None
     if config.pool:
-        lent = _join_shared_pool(config, backend, group_chunks, act_chunks, batch_tokens, lockstep=ranks > 1)
+        lent = _join_shared_pool(config, backend, group_chunks, act_chunks, batch_tokens, ranks=ranks)
         pool = lent.pool
     else:
         capacity = _own_pool_capacity(

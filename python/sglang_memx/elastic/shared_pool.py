@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from memory_ext.pool import Owner
@@ -140,14 +141,18 @@ def restart_crashed_arbiter(config: MemxConfig, chunk_bytes: int) -> bool:
     return True
 
 
-def join_pool(config: MemxConfig, backend, *, lockstep: bool = False) -> LentPool:
-    """This process's link to the pool's arbiter (started if none answers); ``lockstep``: one tensor parallel
-    rank's (``LockstepLentPool``: FREE changes only in the engine's calls, where the ranks agree)."""
+def join_pool(config: MemxConfig, backend, *, ranks: int = 1) -> LentPool:
+    """This process's link to the pool's arbiter (started if none answers); ``ranks`` > 1: one of that many
+    tensor parallel ranks (``LockstepLentPool``: FREE changes only in the engine's calls, where the ranks
+    agree)."""
     sock = ensure_arbiter(config, backend.granularity)
+    restart = partial(restart_crashed_arbiter, config, backend.granularity)
     try:
-        kind = LockstepLentPool if lockstep else LentPool
-        lent = kind(sock, f"sglang-{os.getpid()}", backend, warm_hold_s=WARM_HOLD_S,
-                    restart_arbiter=lambda: restart_crashed_arbiter(config, backend.granularity))  # fmt: skip
+        if ranks > 1:
+            lent = LockstepLentPool(sock, f"sglang-{os.getpid()}", backend, warm_hold_s=WARM_HOLD_S,
+                                    restart_arbiter=restart, ranks=ranks)  # fmt: skip
+        else:
+            lent = LentPool(sock, f"sglang-{os.getpid()}", backend, warm_hold_s=WARM_HOLD_S, restart_arbiter=restart)
     except ArbiterError as exc:
         if exc.field == "granularity":
             raise MemxConfigError(
@@ -236,8 +241,9 @@ def borrow_chunks(
         return 0
     wait = URGENT_WAIT_S if urgent else QUEUE_WAIT_S
     got = units if lent.borrow(units * unit_chunks, wait=wait) else 0
-    if not got and may_wait:
-        fewer = min(units - 1, lent.last_denied_available // unit_chunks)  # take what can be had now
+    if not got and may_wait:  # take what can be had now; a tensor parallel rank its ranks' share of it
+        share = lent.last_denied_available // (lent.ranks if lockstep else 1)
+        fewer = min(units - 1, share // unit_chunks)
         got = fewer if fewer > 0 and lent.borrow(fewer * unit_chunks, wait=wait) else 0
     if got:
         kv.borrow_backoff_s = BORROW_BACKOFF_S

@@ -10,6 +10,12 @@ awaited, and the wake time is recorded. A wake the arbiter cannot back at once i
 the server answers with streamed layers, and the remap controller restores the rest as
 memory comes back.
 
+Tensor parallel ranks (``rank0s``): whether to sleep or wake reads each rank's own clock and the
+router's message as each rank stamped it, so every rank applies rank 0's answer (one broadcast a
+tick); falling asleep then frees the same memory on every rank. On their shared pool
+(a ``LockstepLentPool``) a wake borrows nothing where it is decided: it is partial, and the Oneiros
+step restores the layers with borrows in the ranks' tick (``remap.take_restore_ask``).
+
 Invariant: a sleeping server holds only its staging slot, the memory its running requests
 need (none: it sleeps only when idle), and what its activation keeps.
 """
@@ -18,9 +24,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from memory_ext.pool import PoolError
 from memory_ext.pool.lent_pool import LentPool
+from memory_ext.pool.lockstep_pool import LockstepLentPool
 from sglang_memx import router_activity
 from sglang_memx.elastic import shared_pool
 from sglang_memx.elastic.eviction import free_groups
@@ -33,17 +41,23 @@ logger = logging.getLogger("sglang_memx")
 WAKE_BORROW_WAIT_S = 5.0  # longest a wake waits for the arbiter to gather the layers' memory
 
 
-def step(w, kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation: shared_pool.ActivationSide) -> None:
+def step(w, kv: ElasticKV, lent: LentPool, allocator, tree, scheduler, activation: shared_pool.ActivationSide,
+         rank0s: Callable[[list[int]], list[int]] | None = None) -> None:  # fmt: skip
     """Once per iteration, before the remap controller: fall asleep or wake up (``w``: the weights
-    in ``kv``'s pool; the coordinator runs this step on a shared pool only)."""
+    in ``kv``'s pool; the coordinator runs this step on a shared pool only). ``rank0s`` (tensor
+    parallel size > 1: ``RankAgreement.rank0s``): every rank applies rank 0's answer."""
     if w.sleep_after_s is None:
         return
     busy = bool(up_sched.waiting(scheduler)) or bool(up_sched.admitted_reqs(scheduler))
-    if w.sleeping and (busy or router_activity.wake_ahead()):  # the router holds requests: wake ahead of them
+    wake_now = w.sleeping and (busy or router_activity.wake_ahead())  # the router holds requests: wake ahead
+    sleep_now = (not w.sleeping and not busy and time.monotonic() - w.last_busy >= w.sleep_after_s
+                 and router_activity.may_sleep(w.sleep_after_s))  # fmt: skip
+    if rank0s is not None:
+        wake_now, sleep_now = (bool(x) for x in rank0s([int(wake_now), int(sleep_now)]))
+    if wake_now:
         w.last_busy = time.monotonic()
         wake(w, kv, lent)
-    elif (not w.sleeping and not busy and time.monotonic() - w.last_busy >= w.sleep_after_s
-          and router_activity.may_sleep(w.sleep_after_s)):  # fmt: skip
+    elif sleep_now:
         fall_asleep(w, kv, lent, allocator, tree, scheduler, activation)
 
 
@@ -68,7 +82,7 @@ def wake(w, kv: ElasticKV, lent: LentPool) -> None:
     pool = kv.buffers.pool
     need = remap.chunks_needed(w, [], 0)
     short = need - pool.available()
-    if short > 0:
+    if short > 0 and not isinstance(lent, LockstepLentPool):  # the ranks borrow in their tick only
         lent.borrow(short, wait=WAKE_BORROW_WAIT_S)
     full = pool.available() >= need
     if full and need > 0:
