@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run the whole test suite: ruff (lint + format check), then unit, upstream_compat,
-# integration on CPU; gpu tests are skipped with a reason on hosts without CUDA.
+# Run the whole test suite: ruff (lint + format check), then unit, upstream_compat and gpu (two
+# processes), then integration on CPU; gpu tests are skipped with a reason on hosts without CUDA.
 #
 #   scripts/test.sh [pytest args]     e.g. scripts/test.sh test/unit -x
 #
@@ -16,6 +16,10 @@ if [ "$#" -eq 0 ]; then
   # House style first (seconds): lint and format, configured in pyproject.toml.
   "$PY" -m ruff check .
   "$PY" -m ruff format --check .
-  set -- test/unit test/upstream_compat test/gpu test/integration
+  # Unit, upstream_compat and gpu tests in two worker processes (pytest-xdist; each file stays on one
+  # worker, so its module fixtures are built once), then the integration tests in one process: their
+  # servers are pinned to the cores and their timings assume nothing else runs.
+  "$PY" -m pytest -p no:cacheprovider --durations=15 -n 2 --dist loadfile test/unit test/upstream_compat test/gpu
+  set -- test/integration
 fi
 exec "$PY" -m pytest -p no:cacheprovider --durations=15 "$@"
