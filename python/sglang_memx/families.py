@@ -16,7 +16,7 @@ built, from facts the caller gathers through the adapter:
   rank 0's clock for the governor and the host buffer's Alg. 2, rank 0's Oneiros decision), and the
   counts are checked every busy iteration. On a shared pool the ranks borrow in one step of the tick and
   agree on their FREE and the arbiter's reclaims (``coordinator.rank_pools``), and a weights restore short of
-  FREE borrows in that step (``weights.remap``); sleep and the peer tier are not agreed yet.
+  FREE borrows in that step (``weights.remap``); sleep applies rank 0's answer; the peer tier is not agreed yet.
 
 Checked twice: in the launcher while the command line is validated (``ServedShape`` from the
 checkpoint's ``config.json`` and upstream's hybrid-SWA rule; exit status 2), and in every scheduler

@@ -411,7 +411,7 @@ class _FakeLockstepLent(LockstepLentPool):
 
     def __init__(self, answers, denied_available=0):  # LentPool's own state is not needed here
         self.script = _FakeLent(answers)
-        self.last_denied_available, self.ranks = denied_available, 2
+        self.last_denied_available, self.ranks, self.borrows_paused = denied_available, 2, False
 
     @property
     def outstanding(self):
@@ -432,6 +432,8 @@ def test_tensor_parallel_ranks_neither_back_off_nor_note_a_refusal_alone():
     kv, lent = _borrower(_FakeLockstepLent([False, False, False, False]))
     assert borrow_tokens(kv, lent, 100) == 0 and kv.borrow_backoff_until == 0.0
     assert borrow_tokens(kv, lent, 100) == 0 and len(lent.script.asked) == 2  # asked again at once
+    lent.borrows_paused = True  # the ranks' evening paused them (on their agreed clock)
+    assert borrow_tokens(kv, lent, 100) == 0 and len(lent.script.asked) == 2
 
 
 def test_a_denied_tensor_parallel_rank_takes_only_its_ranks_share_of_what_is_left():

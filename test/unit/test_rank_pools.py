@@ -23,6 +23,7 @@ class FakeLockstepPool:
     def __init__(self, free: int, pending: int, denied: int = 0):
         self.free, self._pending, self.shed_calls, self.given = free, pending, [], 0
         self.denied_total = denied  # borrows the arbiter denied this rank
+        self.borrows_paused = False
         self.pool = SimpleNamespace(available=lambda: self.free)
 
     @property
@@ -66,7 +67,7 @@ def _rank(rank: int, init_file: str, ticks: list[tuple[int, ...]], out) -> None:
         kv = SimpleNamespace(buffers=SimpleNamespace(chunks_per_group=2))
         back = shared_pool.answer_reclaim(kv, lent, None, None, None, activation, agreed=agreed)
         results.append((lent.free, lent.shed_calls, agreed, pools.take_agreed_reclaim(), back, lent.pending_reclaim,
-                        pools.status()["tensor_parallel_pool"], lent.short))  # fmt: skip
+                        pools.status()["tensor_parallel_pool"], lent.short, lent.borrows_paused))  # fmt: skip
     out.put((rank, results, freed))
     d.destroy_process_group()
 
@@ -100,3 +101,5 @@ def test_a_borrow_denied_on_one_rank_is_a_refusal_on_every_rank():
         results, _ = got[rank]
         assert [r[7] for r in results] == [1, 0]
         assert results[0][1] == [0]  # nothing to shed: FREE was equal
+        # and both ranks pause their next borrows alike (a fresh agreement, never refused: no pause)
+        assert [r[8] for r in results] == [True, False]

@@ -21,8 +21,10 @@ A rank short after the borrow step, or a borrow the arbiter denied on any rank, 
 not fund every rank's ask: every rank then takes it as a refusal (``short_of_memory``:
 ``shared_pool.note_refused``), so rank 0's Oneiros may release layers (on a shared pool an active server
 remaps its own layers only after the arbiter refused; rank 0's borrow, asked first, was often granted and
-its surplus shed while the batch waited). The ranks do not back off their borrows (``borrow_chunks``):
-each rank's clock would end it in another tick.
+its surplus shed while the batch waited). Each rank's own back-off would end in another tick on each
+rank (one rank borrowing alone, evened back, nothing admitted: seen); instead the ranks pause their
+borrows for ``BORROW_PAUSE_S`` of an agreed clock (the largest rank's, in the same all-reduce), the
+pause read at the next tick's borrow (``LockstepLentPool.borrows_paused``).
 
 The step runs on idle ticks too (reclaims come mostly to idle servers); upstream's ranks pass every
 iteration together (rank 0 broadcasts the received requests), so the collective never waits long.
@@ -30,6 +32,7 @@ iteration together (rank 0 broadcasts the received requests), so the collective 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +40,8 @@ from typing import Any
 from memory_ext.pool.lockstep_pool import LockstepLentPool
 from sglang_memx.coordinator.parts import Iteration, Source, Step, step
 from sglang_memx.coordinator.rank_agreement import RankAgreement, RanksDisagree, spreads
+
+BORROW_PAUSE_S = 0.5  # the ranks' borrows after a refusal (a plain server's first back-off, shared_pool)
 
 
 @dataclass(eq=False)
@@ -54,6 +59,7 @@ class RankPools:
     )  # fmt: skip
     _agreed_reclaim: int = field(default=0, repr=False)
     _denied_seen: int = field(default=0, repr=False)
+    _pause_until: float = field(default=0.0, repr=False)  # on the agreed clock
 
     def steps(self) -> tuple[Step, ...]:
         return (step("even the ranks' pools", self._even),)
@@ -73,8 +79,9 @@ class RankPools:
     def _even(self, it: Iteration) -> None:
         free = self.lent.pool.available()
         denied, self._denied_seen = self.lent.denied_total - self._denied_seen, self.lent.denied_total
-        values = [free, self.lent.pending_reclaim, int(it.busy), int(denied > 0)]
-        (low, high), (_, ask), busy, (_, any_denied) = spreads(values, self.ranks.group)
+        values = [free, self.lent.pending_reclaim, int(it.busy), int(denied > 0), time.monotonic_ns()]
+        (low, high), (_, ask), busy, (_, any_denied), (_, clock_ns) = spreads(values, self.ranks.group)
+        now = clock_ns / 1e9  # the same on every rank
         if busy[0] != busy[1]:  # the ranks' check runs on busy ticks only: their collectives would part
             raise RanksDisagree(f"memx: tensor parallel ranks disagree on whether this iteration has work (this "
                                 f"rank: {it.busy}); they would part in the next collective and hang")  # fmt: skip
@@ -83,6 +90,8 @@ class RankPools:
         if low < high or any_denied:  # the arbiter did not fund every rank's ask: a refusal for all of them
             self.short_of_memory()
             self.counts["short_ticks"] += 1
+            self._pause_until = now + BORROW_PAUSE_S
+        self.lent.borrows_paused = now < self._pause_until
         self.counts["evened"] += 1
         self.counts["chunks_shed"] += shed
         self.counts["reclaims_agreed"] += ask > 0

@@ -227,12 +227,15 @@ def borrow_chunks(
 
     Tensor parallel ranks (a ``LockstepLentPool``) neither back off nor note a refusal here: each rank's
     clock would end its back-off in another tick, one rank would borrow alone and be evened back for
-    ever; the ranks' evening notes a refusal on every rank (``coordinator.rank_pools``).
+    ever; the ranks' evening notes a refusal on every rank and pauses their borrows, on a clock they
+    agree on (``coordinator.rank_pools``: ``borrows_paused``).
     """
     if units <= 0:
         return 0
     now = time.monotonic()
     lockstep = isinstance(lent, LockstepLentPool)
+    if lockstep and lent.borrows_paused:
+        return 0
     if not urgent and not lockstep and now < kv.borrow_backoff_until:
         return 0
     if not may_wait:
