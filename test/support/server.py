@@ -21,6 +21,7 @@ import urllib.request
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from sglang_memx.cli import main as memx_cli
 from sglang_memx.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -276,10 +277,12 @@ def release_with_pool(servers, pool: str, pool_dir) -> None:
         s.terminate()
 
     def finish() -> None:
-        for s in servers:
-            s.stop()
-        cmd = [sys.executable, "-m", "sglang_memx.cli", "pool", "stop", pool, "--pool-dir", str(pool_dir)]
-        subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
+        try:
+            for s in servers:
+                s.stop()
+        finally:  # in this process: a python started from this thread once failed with EFAULT in CI,
+            # and the arbiter outlived the session
+            memx_cli(["pool", "stop", pool, "--pool-dir", str(pool_dir)])
 
     t = threading.Thread(target=finish, name=f"release-pool-{pool}", daemon=True)
     t.start()
