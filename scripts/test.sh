@@ -19,7 +19,11 @@ if [ "$#" -eq 0 ]; then
   # Unit, upstream_compat and gpu tests in two worker processes (pytest-xdist; each file stays on one
   # worker, so its module fixtures are built once), then the integration tests in one process: their
   # servers are pinned to the cores and their timings assume nothing else runs.
-  "$PY" -m pytest -p no:cacheprovider --durations=15 -n 2 --dist loadfile test/unit test/upstream_compat test/gpu
-  set -- test/integration
+  # Both runs always run; the script fails if either failed.
+  unit_status=0
+  "$PY" -m pytest -p no:cacheprovider --durations=15 -n 2 --dist loadfile test/unit test/upstream_compat test/gpu \
+    || unit_status=$?
+  "$PY" -m pytest -p no:cacheprovider --durations=15 test/integration
+  exit "$unit_status"
 fi
 exec "$PY" -m pytest -p no:cacheprovider --durations=15 "$@"

@@ -12,8 +12,10 @@ bring every rank down to the smallest rank's FREE. ``pending_reclaim`` reads the
 taking it, for the ranks to agree on.
 
 ``ranks``: how many ranks share the arbiter this way; a rank denied a borrow takes at most its share of
-what the arbiter has left (``sglang_memx.elastic.shared_pool.borrow_chunks``). ``borrows_paused``: set by
-the ranks' agreement at the end of a tick, the same on every rank; the next tick borrows nothing.
+what the arbiter has left (``sglang_memx.elastic.shared_pool.borrow_chunks``), and marks
+``borrow_fell_short`` (a borrow that may wait got less than it asked, no grant on its way) for the
+ranks' agreement to read and clear. ``borrows_paused``: set by that agreement, the same on every rank;
+while it holds (0.5 s of the ranks' agreed clock, many ticks) the ranks borrow nothing.
 
 Invariant: FREE changes only inside the engine's own calls (``borrow``, ``give_back``, ``shed`` and
 the engine's map / unmap), never from the client's threads.
@@ -32,6 +34,7 @@ class LockstepLentPool(LentPool):
         super().__init__(*args, **kwargs)
         self.ranks = ranks
         self.borrows_paused = False
+        self.borrow_fell_short = False
 
     def _land_late(self, chunks: list[PhysicalChunk]) -> None:
         owed = self.warm.put(chunks, time.monotonic())  # booked ours: the next borrow's

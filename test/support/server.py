@@ -21,8 +21,8 @@ import urllib.request
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from sglang_memx.cli import main as memx_cli
 from sglang_memx.ports import free_port
+from sglang_memx.serve.launcher import stop_pool
 
 REPO = Path(__file__).resolve().parents[2]
 LOG_DIR = REPO / "test-logs"
@@ -282,7 +282,7 @@ def release_with_pool(servers, pool: str, pool_dir) -> None:
                 s.stop()
         finally:  # in this process: a python started from this thread once failed with EFAULT in CI,
             # and the arbiter outlived the session
-            memx_cli(["pool", "stop", pool, "--pool-dir", str(pool_dir)])
+            stop_pool(pool, str(pool_dir))  # SIGTERM, wait, SIGKILL after its timeout
 
     t = threading.Thread(target=finish, name=f"release-pool-{pool}", daemon=True)
     t.start()

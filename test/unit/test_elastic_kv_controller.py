@@ -412,6 +412,7 @@ class _FakeLockstepLent(LockstepLentPool):
     def __init__(self, answers, denied_available=0):  # LentPool's own state is not needed here
         self.script = _FakeLent(answers)
         self.last_denied_available, self.ranks, self.borrows_paused = denied_available, 2, False
+        self.borrow_fell_short = False
 
     @property
     def outstanding(self):
@@ -431,6 +432,7 @@ def test_tensor_parallel_ranks_neither_back_off_nor_note_a_refusal_alone():
 
     kv, lent = _borrower(_FakeLockstepLent([False, False, False, False]))
     assert borrow_tokens(kv, lent, 100) == 0 and kv.borrow_backoff_until == 0.0
+    assert lent.borrow_fell_short  # for the ranks' evening to make it a refusal on every rank
     assert borrow_tokens(kv, lent, 100) == 0 and len(lent.script.asked) == 2  # asked again at once
     lent.borrows_paused = True  # the ranks' evening paused them (on their agreed clock)
     assert borrow_tokens(kv, lent, 100) == 0 and len(lent.script.asked) == 2
@@ -445,4 +447,6 @@ def test_a_denied_tensor_parallel_rank_takes_only_its_ranks_share_of_what_is_lef
     per_group = kv.buffers.chunks_per_group
     lent.last_denied_available = 4 * per_group  # four groups free at the arbiter
     assert borrow_tokens(kv, lent, 1000) == 2  # two of them
-    assert lent.script.asked[1] == 2 * per_group
+    assert lent.script.asked[1] == 2 * per_group and lent.borrow_fell_short  # less than it asked
+    granted, granted_lent = _borrower(_FakeLockstepLent([True]))
+    assert borrow_tokens(granted, granted_lent, 100) == 2 and not granted_lent.borrow_fell_short

@@ -20,9 +20,10 @@ from support.two_ranks import gloo_group, run_two_ranks  # noqa: E402
 class FakeLockstepPool:
     """FREE and the arbiter's pending ask as numbers; ``shed`` and ``give_back`` lower FREE."""
 
-    def __init__(self, free: int, pending: int, denied: int = 0):
+    def __init__(self, free: int, pending: int, short: int = 0, clock_s: float = 0.0):
         self.free, self._pending, self.shed_calls, self.given = free, pending, [], 0
-        self.denied_total = denied  # borrows the arbiter denied this rank
+        self.borrow_fell_short = bool(short)  # this tick's borrow got less than it asked
+        self.clock_s = clock_s  # this rank's monotonic clock at the agreement
         self.borrows_paused = False
         self.pool = SimpleNamespace(available=lambda: self.free)
 
@@ -55,13 +56,18 @@ def _rank(rank: int, init_file: str, ticks: list[tuple[int, ...]], out) -> None:
     shared_pool.free_groups = lambda kv, allocator, tree, groups: freed.append(groups) or groups
     shared_pool.spare_free_chunks = lambda kv, allocator, scheduler, activation: 100
     results = []
+    short: list = []
+    # one agreement for every tick (its pause lasts across ticks); each tick brings a pool and a clock
+    pools = rank_pools.RankPools(FakeLockstepPool(0, 0), rank_agreement.RankAgreement(2, group),
+                                 lambda: short.append(1))  # fmt: skip
+    (even,) = pools.steps()
     for tick in ticks:
-        lent = FakeLockstepPool(*tick)
-        short: list = []
-        pools = rank_pools.RankPools(lent, rank_agreement.RankAgreement(2, group), lambda s=short: s.append(1))
-        (even,) = pools.steps()
+        lent = pools.lent = FakeLockstepPool(*tick)
+        rank_pools.time = SimpleNamespace(monotonic_ns=lambda lent=lent: int(lent.clock_s * 1e9))
+        before = len(short)
         even.run(SimpleNamespace(busy=False))  # idle: the step runs all the same
-        lent.short = len(short)
+        lent.short = len(short) - before
+        assert not lent.borrow_fell_short  # read and cleared
         agreed = pools.take_agreed_reclaim()
         activation = SimpleNamespace(release_idle=lambda keep: None, next_step_chunks=lambda scheduler: 0)
         kv = SimpleNamespace(buffers=SimpleNamespace(chunks_per_group=2))
@@ -87,19 +93,22 @@ def test_ranks_even_their_free_chunks_and_free_the_largest_ask_giving_back_their
     assert freed0 == freed1 == [3]  # the same groups freed on both ranks: their radix trees stay equal
     for results in (r0, r1):
         assert results[0][6] == {"evened": 1, "chunks_shed": results[0][1][0], "reclaims_agreed": 1,
-                                 "free_chunks_min": 7, "free_chunks_max": 10, "short_ticks": 1}  # fmt: skip
+                                 "free_chunks_min": 7, "free_chunks_max": 10, "short_ticks": 0}  # fmt: skip
         assert results[1][:6] == (6, [0], 0, 0, 0, 0)  # equal and not asked: nothing moves
-        # a rank came out short: every rank takes it as the arbiter's refusal (and only then)
-        assert (results[0][7], results[1][7]) == (1, 0)
+        # uneven FREE without a borrow that fell short (a reclaim, each rank giving back its own ask) is
+        # no refusal: nothing pauses
+        assert [r[7:] for r in results] == [(0, False), (0, False)]
 
 
-def test_a_borrow_denied_on_one_rank_is_a_refusal_on_every_rank():
-    """Equal FREE, but the arbiter denied rank 1's borrow this tick: both ranks take it as a refusal
-    (rank 0's Oneiros may then release layers); a tick without a denial is none."""
-    got = _run({0: [(6, 0, 0), (6, 0, 0)], 1: [(6, 0, 1), (6, 0, 0)]})
+def test_a_borrow_short_on_one_rank_is_a_refusal_on_every_rank_and_pauses_both_on_one_clock():
+    """Equal FREE, but rank 1's borrow fell short this tick: both ranks take it as a refusal (rank 0's
+    Oneiros may then release layers) and pause their borrows until 0.5 s past the ranks' agreed clock
+    (the largest rank's: rank 1's clock runs 0.3 s behind and ends it no earlier); a tick without a
+    short borrow is no refusal."""
+    got = _run({0: [(6, 0, 0, 100.0), (6, 0, 0, 100.4), (6, 0, 0, 100.6)],
+                1: [(6, 0, 1, 99.7), (6, 0, 0, 100.1), (6, 0, 0, 100.3)]})  # fmt: skip
     for rank in (0, 1):
         results, _ = got[rank]
-        assert [r[7] for r in results] == [1, 0]
+        assert [r[7] for r in results] == [1, 0, 0]
         assert results[0][1] == [0]  # nothing to shed: FREE was equal
-        # and both ranks pause their next borrows alike (a fresh agreement, never refused: no pause)
-        assert [r[8] for r in results] == [True, False]
+        assert [r[8] for r in results] == [True, True, False]

@@ -17,8 +17,9 @@ read next (``available_size``: free pages plus the pages FREE could map) must no
   rank frees the largest ask (the same idle activation, free groups and cached prefixes: the ranks'
   radix trees stay equal) and gives back its own (``shared_pool.answer_reclaim``'s ``agreed``).
 
-A rank short after the borrow step, or a borrow the arbiter denied on any rank, means the arbiter could
-not fund every rank's ask: every rank then takes it as a refusal (``short_of_memory``:
+A borrow that fell short on any rank (it may wait, got less than it asked and no grant is on its way:
+``LockstepLentPool.borrow_fell_short``) means the arbiter could not fund every rank's ask: every rank
+then takes it as a refusal (``short_of_memory``:
 ``shared_pool.note_refused``), so rank 0's Oneiros may release layers (on a shared pool an active server
 remaps its own layers only after the arbiter refused; rank 0's borrow, asked first, was often granted and
 its surplus shed while the batch waited). Each rank's own back-off would end in another tick on each
@@ -58,7 +59,6 @@ class RankPools:
                                                 "free_chunks_max", "short_ticks"), 0)
     )  # fmt: skip
     _agreed_reclaim: int = field(default=0, repr=False)
-    _denied_seen: int = field(default=0, repr=False)
     _pause_until: float = field(default=0.0, repr=False)  # on the agreed clock
 
     def steps(self) -> tuple[Step, ...]:
@@ -78,16 +78,17 @@ class RankPools:
 
     def _even(self, it: Iteration) -> None:
         free = self.lent.pool.available()
-        denied, self._denied_seen = self.lent.denied_total - self._denied_seen, self.lent.denied_total
-        values = [free, self.lent.pending_reclaim, int(it.busy), int(denied > 0), time.monotonic_ns()]
-        (low, high), (_, ask), busy, (_, any_denied), (_, clock_ns) = spreads(values, self.ranks.group)
+        fell_short, self.lent.borrow_fell_short = self.lent.borrow_fell_short, False
+        values = [free, self.lent.pending_reclaim, int(it.busy), int(fell_short), time.monotonic_ns()]
+        (low, high), (_, ask), busy, (_, any_short), (_, clock_ns) = spreads(values, self.ranks.group)
         now = clock_ns / 1e9  # the same on every rank
         if busy[0] != busy[1]:  # the ranks' check runs on busy ticks only: their collectives would part
             raise RanksDisagree(f"memx: tensor parallel ranks disagree on whether this iteration has work (this "
                                 f"rank: {it.busy}); they would part in the next collective and hang")  # fmt: skip
         self._agreed_reclaim = ask
         shed = self.lent.shed(free - low)
-        if low < high or any_denied:  # the arbiter did not fund every rank's ask: a refusal for all of them
+        if any_short:  # the arbiter did not fund every rank's ask: a refusal for all of them (FREE may also
+            # differ after a reclaim, each rank giving back its own ask: that is no refusal)
             self.short_of_memory()
             self.counts["short_ticks"] += 1
             self._pause_until = now + BORROW_PAUSE_S

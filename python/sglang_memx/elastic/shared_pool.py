@@ -245,9 +245,13 @@ def borrow_chunks(
     wait = URGENT_WAIT_S if urgent else QUEUE_WAIT_S
     got = units if lent.borrow(units * unit_chunks, wait=wait) else 0
     if not got and may_wait:  # take what can be had now; a tensor parallel rank its ranks' share of it
+        # (denied one after the other, the second rank sees half left and takes a quarter: the evening
+        # sheds the first back to it, so the ranks ramp up over a few refusals instead of one)
         share = lent.last_denied_available // (lent.ranks if lockstep else 1)
         fewer = min(units - 1, share // unit_chunks)
         got = fewer if fewer > 0 and lent.borrow(fewer * unit_chunks, wait=wait) else 0
+    if lockstep and may_wait and got < units and not lent.outstanding:
+        lent.borrow_fell_short = True  # the ranks' evening makes it a refusal on every rank
     if got:
         kv.borrow_backoff_s = BORROW_BACKOFF_S
     elif may_wait and not lent.outstanding and not lockstep:
