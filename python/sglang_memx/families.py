@@ -16,7 +16,7 @@ built, from facts the caller gathers through the adapter:
   rank 0's clock for the governor and the host buffer's Alg. 2, rank 0's Oneiros decision), and the
   counts are checked every busy iteration. On a shared pool the ranks borrow in one step of the tick and
   agree on their FREE and the arbiter's reclaims (``coordinator.rank_pools``), and a weights restore short of
-  FREE borrows in that step (``weights.remap``); sleep applies rank 0's answer; the peer tier is not agreed yet.
+  FREE borrows in that step (``weights.remap``); sleep and the peer tier are refused.
 
 Checked twice: in the launcher while the command line is validated (``ServedShape`` from the
 checkpoint's ``config.json`` and upstream's hybrid-SWA rule; exit status 2), and in every scheduler
@@ -40,10 +40,11 @@ HYBRID_SWA_POOL = "SWAKVPool"
 TP_READY_FLAGS = ("--memx-elastic-kv", "--memx-pool-budget-gb", "--memx-chunk-kb", "--memx-status-path",
                   "--memx-torch-activations", "--memx-tpot-slo-ms", "--memx-governor", "--memx-host-buffer-gb",
                   "--memx-ttft-slo-ms", "--memx-pool", "--memx-pool-dir")  # fmt: skip
-# Remappable weights (static, and remap with every rank applying rank 0's decision), own or shared pool, and
-# sleep (rank 0's answer on every rank)
+# Remappable weights (static, and remap with every rank applying rank 0's decision), own or shared pool. Sleep
+# (rank 0's answer on every rank, weights/sleep.py) stays refused: by hand a burst after a wake crashed both
+# ranks in upstream's prepare_for_extend ("Out of memory", 2 tokens short), cause not found
 TP_WEIGHTS_FLAGS = ("--memx-weights", "--memx-weights-streamed", "--memx-prefetch-depth", "--memx-tbt-slo-ms",
-                    "--memx-weights-profile", "--memx-weights-idle-after-s", "--memx-sleep-after-s")  # fmt: skip
+                    "--memx-weights-profile", "--memx-weights-idle-after-s")  # fmt: skip
 UNKNOWN_MODEL = "this model"
 _POOL_WHY = {
     HYBRID_SWA_POOL: " (a full-attention and a sliding-window sub-pool of different sizes; backing one of them "
@@ -105,10 +106,10 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
             not_ready[0],
             f"{shape.model_class} at tensor parallel size {shape.tp_size} builds one {pool} per rank and every "
             f"rank must schedule the same batch; {', '.join(not_ready)} {verb} from what one rank measures or is "
-            f"given (a peer's reach), which the ranks do "
+            f"given (a peer's reach, a sleeping model's wake-up), which the ranks do "
             f"not share yet; at --tp {shape.tp_size} memx runs elastic KV on each rank's pool, own or shared "
-            f"({', '.join(TP_READY_FLAGS[:3])}, --memx-pool), the host buffer, the governor, remappable weights and "
-            f"sleep; "
+            f"({', '.join(TP_READY_FLAGS[:3])}, --memx-pool), the host buffer, the governor and remappable "
+            f"weights; "
             f"run with --tp 1 or without "
             f"{', '.join(not_ready)}",
         )

@@ -66,10 +66,13 @@ def test_tensor_parallel_runs_elastic_kv_and_refuses_the_rest_naming_flag_model_
     assert "LlamaForCausalLM at tensor parallel size 2 builds one MHATokenToKVPool per rank" in msg
     assert "rank must schedule the same batch; --memx-peer-kv decides from what one rank measures" in msg
     assert msg.endswith("run with --tp 1 or without --memx-peer-kv")  # the pool and the host buffer run
-    # remappable weights run on a shared pool too (a restore borrows in the ranks' tick), and sleep
-    for sleep_after_s in (None, 30.0):
-        check_served_shape(MemxConfig(elastic_kv=True, pool="dev0", weights="remap", sleep_after_s=sleep_after_s),
+    # remappable weights run on a shared pool too (a restore borrows in the ranks' tick); sleep does not
+    check_served_shape(MemxConfig(elastic_kv=True, pool="dev0", weights="remap"),
+                       ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))  # fmt: skip
+    with pytest.raises(MemxConfigError) as info:
+        check_served_shape(MemxConfig(elastic_kv=True, pool="dev0", weights="remap", sleep_after_s=30.0),
                            ServedShape("LlamaForCausalLM", "MHATokenToKVPool", tp_size=2))  # fmt: skip
+    assert info.value.flag == "--memx-sleep-after-s" and "a sleeping model's wake-up" in str(info.value)
     for shape in (ServedShape("LlamaForCausalLM", None, pp_size=3), ServedShape("LlamaForCausalLM", None, 2, 2)):
         msg = _refusal(ON, shape)
         assert "at pipeline parallel size" in msg and "needs --pp 1" in msg
@@ -130,8 +133,9 @@ def test_the_launcher_serves_elastic_kv_at_tensor_parallel_two_and_refuses_the_r
     assert _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0"]).pool == "dev0"
     assert _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0", "--memx-weights",
                    "remap"]).weights == "remap"  # fmt: skip
-    assert _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0", "--memx-weights",
-                   "remap", "--memx-sleep-after-s", "30"]).sleep_after_s == 30.0  # fmt: skip
+    with pytest.raises(MemxConfigError, match="--memx-sleep-after-s decides from what one rank"):
+        _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0", "--memx-weights",
+                "remap", "--memx-sleep-after-s", "30"])  # fmt: skip
     with pytest.raises(MemxConfigError, match="LlamaForCausalLM at tensor parallel size 2 .* MHATokenToKVPool ") as e:
         _check(["--model-path", model, "--tp", "2", "--memx-elastic-kv", "--memx-pool", "dev0",
                 "--memx-peer-kv", "borrow"])  # fmt: skip

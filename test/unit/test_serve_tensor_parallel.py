@@ -66,13 +66,13 @@ def test_fewer_cores_than_ranks_is_refused_naming_the_field(tmp_path):
     assert msg.startswith("models[1].server_args: --tp 2 runs a rank on cores of its own") and "'cpu0' is 1 core" in msg
 
 
-def test_a_cuda_device_is_refused_naming_the_field_and_sleep_runs(tmp_path):
+def test_a_cuda_device_and_sleep_are_refused_naming_the_field(tmp_path):
     with pytest.raises(ServeConfigError, match=r"^models\[0\].server_args: --tp 2 needs 2 GPUs"):
         _specs(tmp_path, [{"name": "a", "path": "a", "server_args": ["--tp", "2"]}],
                [{"name": "gpu0", "kind": "cuda", "memory_gb": 0.5}])  # fmt: skip
-    (spec,) = _specs(tmp_path, [{"name": "a", "path": "a", "server_args": ["--tp", "2"], "sleep_after_s": 30}],
-                     [{"name": "cpu0", "memory_gb": 0.5, "cores": [0, 1]}])  # fmt: skip
-    assert "--memx-sleep-after-s" in spec.argv and spec.env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1"
+    with pytest.raises(ServeConfigError, match=r"^models\[0\].sleep_after_s: memx does not run sleep at --tp 2"):
+        _specs(tmp_path, [{"name": "a", "path": "a", "server_args": ["--tp", "2"], "sleep_after_s": 30}],
+               [{"name": "cpu0", "memory_gb": 0.5, "cores": [0, 1]}])  # fmt: skip
 
 
 def test_serve_exits_2_naming_the_field_before_starting_anything(tmp_path):

@@ -17,7 +17,8 @@ Invariants:
   CUDA devices: ``CUDA_VISIBLE_DEVICES`` is the device's ordinal.
 * A model with ``--tp N`` in its ``server_args`` (``serve.tensor_parallel``): on a CPU device its
   share of the cores is split into N rank groups and upstream stays on gloo; no compute board on
-  that device (a rank's threads are its own cores'); refused on a CUDA device (one GPU).
+  that device (a rank's threads are its own cores'); refused on a CUDA device (one GPU) and with
+  ``sleep_after_s`` (memx does not run sleep at ``--tp`` > 1).
 * A model whose entry sets ``tpot_slo_ms``: its engines get ``--memx-tpot-slo-ms`` (the governor
   caps their running batch, docs/governor.md) and ``TPOT_SLO_SOURCE_ENV`` naming the field; a
   model without one gets neither (no governor: the batch grows as stock's). When such an engine
@@ -36,7 +37,7 @@ from .. import compute_share
 from ..compute_share import ComputeShares
 from ..config import POOL_OWNER_ENV, TPOT_SLO_FLAG, TPOT_SLO_SOURCE_ENV, TTFT_SLO_FLAG, TTFT_SLO_SOURCE_ENV
 from ..ports import free_port
-from .config import ServeConfig
+from .config import ServeConfig, ServeConfigError
 from .cores import split_cores
 from .placement import GIB, Placement, instance_name
 from .tensor_parallel import rank_core_env, refuse_on_cuda, tensor_parallel_size
@@ -126,6 +127,16 @@ def compute_board_path(pool: str, pool_dir: str) -> str:
     return str(Path(pool_dir) / f"{pool}.compute")
 
 
+def _tensor_parallel(config: ServeConfig, m) -> int:
+    """``m``'s tensor parallel size (``--tp`` in its server_args); sleep is refused with it above 1."""
+    i = config.models.index(m)
+    size = tensor_parallel_size(f"models[{i}].server_args", m.server_args)
+    if size > 1 and m.sleep_after_s is not None:
+        why = f"memx does not run sleep at --tp {size} yet (a wake borrows what one rank decides); drop one of the two"
+        raise ServeConfigError(f"models[{i}].sleep_after_s", why)
+    return size
+
+
 def engine_specs(
     config: ServeConfig,
     placement: Placement,
@@ -156,8 +167,7 @@ def engine_specs(
     replicas = [
         (m, r, inst, dev) for m in config.models for r, (inst, dev) in enumerate(placement.models[m.name].replicas)
     ]
-    tp_of = {inst: tensor_parallel_size(f"models[{config.models.index(m)}].server_args", m.server_args)
-             for m, _, inst, _ in replicas}  # fmt: skip
+    tp_of = {inst: _tensor_parallel(config, m) for m, _, inst, _ in replicas}
     for m, replica, inst, device in replicas:
         placed = placement.models[m.name]
         dev = config.device(device)
