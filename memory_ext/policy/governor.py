@@ -102,6 +102,12 @@ class BatchGovernor:
         # the status' cap and curve use it when nothing runs
         self.recent_kv_per_request: float | None = None
 
+    def set_tpot_slo(self, tpot_slo_s: float | None) -> None:
+        """Hold ``tpot_slo_s`` from now on (None: no SLO, never caps); what the models learned stays.
+        Raises ValueError naming ``tpot_slo_s`` and changes nothing when it is not a positive number."""
+        self.tpot_slo_s = check_tpot_slo("tpot_slo_s", tpot_slo_s)
+        self.last = None  # the last decision was judged against the old SLO
+
     def observe(self, batch: int, kv_tokens: int, step_s: float) -> None:
         """One pure decode step: a sample of the step-time model, and token time."""
         self.model.observe(batch, kv_tokens, step_s)

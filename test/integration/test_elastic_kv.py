@@ -30,7 +30,7 @@ PROMPTS = ["The capital of France is", "Pages map to chunks", "one two three fou
 @pytest.fixture(scope="module")
 def servers(tiny_model_root, shared_servers):
     model = tiny_model(SPEC, tiny_model_root)
-    # the same stock server as test_governor.py's (same model and arguments): started once a session
+    # the same stock server as test_tensor_parallel.py's (same model and arguments): started once a session
     stock = shared_servers.get(
         SGLangServer(model, name="stock-llama-s5-f32", stock=True, max_total_tokens=4096, extra_args=COMMON)
     )

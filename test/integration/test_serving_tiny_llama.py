@@ -3,7 +3,7 @@
 One memx server and one stock server (plugin filtered out with
 SGLANG_PLUGINS) serve the same tiny random Llama (GQA); every API surface is
 exercised on the memx server and greedy outputs are compared with stock. The model and
-arguments are test_elastic_kv.py's and test_governor.py's, so the stock server is the
+arguments are test_elastic_kv.py's and test_tensor_parallel.py's, so the stock server is the
 session's shared one (a test here only sends it requests).
 """
 

@@ -200,3 +200,19 @@ def test_remappable_weights_release_and_restore_on_every_rank_in_step(servers):
     assert gov["tpot_slo_ms"] == float(LOOSE_TPOT_MS) and gov["decisions"]["over_slo"] == 0
     assert gov["measured_tpot_ms"] is not None and gov["max_running_seen"] >= 2, gov  # steps measured
     assert greedy(remap, PROMPTS[0])["output_ids"] == greedy(stock, PROMPTS[0])["output_ids"]
+
+
+def test_an_slo_set_at_run_time_reaches_the_ranks_which_go_on_in_step(servers):
+    """``POST /memx/slo`` at --tp 2: upstream hands the request to every rank in the same iteration;
+    the status names the new SLO and its source, and the ranks keep serving stock's answers in step
+    (a rank left on the old SLO would decide another batch: the agreement check would stop the server)."""
+    stock, remap = servers["stock8"], servers["remap"]
+    before = elastic_status(remap)["tensor_parallel"]["checks"]
+    answer = remap.request("/memx/slo", {"tpot_slo_ms": 50000})
+    assert answer == {"tpot_slo_ms": 50000.0, "source": "POST /memx/slo"}
+    gov = elastic_status(remap)["governor"]
+    assert gov["slos"]["tpot"] == {"ms": 50000.0, "source": "POST /memx/slo"}
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        outs = list(pool.map(lambda p: greedy(remap, p)["output_ids"], PROMPTS))
+    assert outs == [greedy(stock, p)["output_ids"] for p in PROMPTS]
+    assert elastic_status(remap)["tensor_parallel"]["checks"] > before

@@ -20,12 +20,12 @@ def metric(text: str, name: str, **labels) -> float | None:
     return found[0] if found else None
 
 
-def check_visible(server, gov: dict) -> str:
-    """The status names the SLO and its source (the flag); /memx/metrics agrees with it on the SLO,
+def check_visible(server, gov: dict, source: str = "--memx-tpot-slo-ms") -> str:
+    """The status names the SLO and its ``source``; /memx/metrics agrees with it on the SLO,
     the cap, its reason and the refusals. Returns the metrics text."""
-    assert gov["slos"]["tpot"] == {"ms": gov["tpot_slo_ms"], "source": "--memx-tpot-slo-ms"}
+    assert gov["slos"]["tpot"] == {"ms": gov["tpot_slo_ms"], "source": source}
     text = server.request_text("/memx/metrics")
-    slo_s = metric(text, "memx_governor_tpot_slo_seconds", source="--memx-tpot-slo-ms")
+    slo_s = metric(text, "memx_governor_tpot_slo_seconds", source=source)
     assert slo_s is not None and abs(slo_s - gov["tpot_slo_ms"] / 1e3) < 1e-12
     assert metric(text, "memx_governor_batch_cap_reason", reason=gov["batch_cap_reason"]) == 1
     assert metric(text, "memx_governor_batch_cap_reason", reason="no_slo") == 0

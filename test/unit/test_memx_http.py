@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from sglang_memx.config import MemxConfig
 from sglang_memx.endpoints import ACTIVITY_PATH, add_status_routes
 from sglang_memx.metrics import METRICS_PATH
+from sglang_memx.slo_update import SLO_PATH
 from sglang_memx.upstream import http as up_http
 
 RANK = {"memx": {"kv_pool": {"capacity_tokens": 10}, "requests": {"running": 0, "waiting": 0}}}
@@ -66,10 +67,10 @@ def client():
         yield c
 
 
-def test_the_memx_routes_answer_and_only_activity_takes_a_post():
+def test_the_memx_routes_answer_and_only_activity_and_slo_take_a_post():
     app = _app()
     memx = {r.path: r.methods for r in app.router.routes if r.path.startswith("/memx")}
-    assert memx == {"/memx/status": {"GET"}, METRICS_PATH: {"GET"}, ACTIVITY_PATH: {"POST"}}
+    assert memx == {"/memx/status": {"GET"}, METRICS_PATH: {"GET"}, ACTIVITY_PATH: {"POST"}, SLO_PATH: {"POST"}}
     with TestClient(app) as c:
         doc = c.get("/memx/status").json()
         assert doc["schedulers"][0]["kv_pool"] == {"capacity_tokens": 10}

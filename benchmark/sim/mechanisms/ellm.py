@@ -44,7 +44,7 @@ elasticity of eLLM §4.3.2 / §4.4.2:
 * **Fetch.** In a decode iteration, an offloaded request that Alg. 1 admits
   gets all its KV blocks reserved on the GPU and its KV is moved back over
   ``h2d:<gpu>`` in that iteration; its CPU-buffer chunks are released.
-* **Alg. 2.** ``memory_ext.policy.ellm.HostBufferRule(B_max, ttft_slo,
+* **Alg. 2.** ``memory_ext.policy.buffer_scaling.HostBufferRule(B_max, ttft_slo,
   tpot_slo, initial_units=1)``, built as the server builds it (α = 2, a
   violation = 3 misses among the last 5 samples of a metric), sets ``P_B =
   logical - used`` each iteration. After every iteration it is fed one TTFT
@@ -77,7 +77,8 @@ import functools
 import math
 from typing import TYPE_CHECKING
 
-from memory_ext.policy.ellm import DecodeRequest, ElasticAdmissionPolicy, HostBufferRule, PrefillRequest
+from memory_ext.policy.buffer_scaling import HostBufferRule
+from memory_ext.policy.ellm import DecodeRequest, ElasticAdmissionPolicy, PrefillRequest
 
 from ..core.plan import BatchPlan
 from ..core.request import RUNNING, Request

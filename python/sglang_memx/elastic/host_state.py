@@ -6,7 +6,7 @@ Invariant: ``used + pending_bytes`` stays within the buffer's logical size (offl
 
 from __future__ import annotations
 
-from memory_ext.policy.ellm import HostBufferRule
+from memory_ext.policy.buffer_scaling import HostBufferRule
 from memory_ext.pool.host_kv_buffer import HostKVBuffer
 
 

@@ -1,6 +1,6 @@
 """eLLM Alg. 2 in the server: measured TTFT / TPOT samples feed the host buffer's rule.
 
-The rule is ``memory_ext.policy.ellm.HostBufferRule`` (the simulator applies the same one
+The rule is ``memory_ext.policy.buffer_scaling.HostBufferRule`` (the simulator applies the same one
 to modelled samples). Samples, once per scheduler iteration:
 
 * TTFT: one per request that got its first token since the last iteration: the time from

@@ -5,7 +5,8 @@
   the HTTP process on request, so /memx/status needs no new IPC channel.
 * ``SchedulerInternalStateController.set_internal_state`` (around): the router's activity
   (``POST /memx/activity``) reaches the scheduler as ``memx_activity_*`` numbers of
-  upstream's own request (``sglang_memx.router_activity``); other keys go to upstream.
+  upstream's own request (``sglang_memx.router_activity``), a new TPOT SLO (``POST /memx/slo``) as
+  ``memx_slo_tpot_ms`` (``sglang_memx.slo_update``); other keys go to upstream.
 * ``Scheduler.get_next_batch_to_run`` (before): memx's steps of one loop iteration
   (``coordinator.tick.per_iteration``: the coordinator's iteration order); the
   first one checks that the hooks of every feature on are in force in this process.
@@ -32,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from sglang_memx import router_activity
+from sglang_memx import router_activity, slo_update
 from sglang_memx.coordinator import device
 from sglang_memx.coordinator.components import ActivationBalloonPart, HostBufferPart
 from sglang_memx.coordinator.governor import GovernorPart
@@ -63,8 +64,17 @@ def after_get_internal_state(result, controller, recv_req):
 
 
 def around_set_internal_state(original, controller, recv_req):
-    """``POST /memx/activity`` arrives as memx's own ``memx_activity_*`` numbers; anything else is upstream's."""
+    """``POST /memx/activity`` arrives as memx's own ``memx_activity_*`` numbers, ``POST /memx/slo`` as
+    ``memx_slo_tpot_ms``; anything else is upstream's."""
     numbers = up_sched.set_request_args(recv_req)
+    if slo_update.is_update(numbers):
+        allocator = up_sched.allocator(up_sched.controller_scheduler(controller))
+        try:
+            applied = slo_update.apply(device.of(allocator), slo_update.from_wire(numbers))
+        except ValueError:  # the HTTP process checked it already; never break upstream's request loop
+            logger.exception("memx: malformed SLO update")
+            applied = False
+        return up_sched.set_internal_state_reply(applied)
     if not router_activity.is_activity(numbers):
         return original(controller, recv_req)
     try:
@@ -148,7 +158,7 @@ HOOKS = (
              "after", after_get_internal_state, "status_endpoint", "report live pool numbers from the scheduler"),
     HookSpec(_S + "scheduler_components.internal_state.SchedulerInternalStateController.set_internal_state",
              "around", around_set_internal_state, "status_endpoint",
-             "receive the router's activity (POST /memx/activity) in the scheduler"),
+             "receive the router's activity (POST /memx/activity) and a TPOT SLO (POST /memx/slo) in the scheduler"),
     HookSpec(_S + "scheduler.Scheduler.get_next_batch_to_run", "before", before_get_next_batch_to_run, "elastic_kv",
              "elastic KV housekeeping once per iteration (reclaims, deflation, borrowing, premapping)"),
     HookSpec(_S + "schedule_policy.PrefillAdder.add_one_req", "around", around_add_one_req, "elastic_kv",

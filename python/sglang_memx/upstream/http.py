@@ -34,3 +34,10 @@ def add_api_key_middleware(application, api_key: str | None, admin_api_key: str 
     like upstream's own (a route without an auth level counts as a normal one, as ``/server_info``).
     Tests use it to check memx's routes against upstream's check without starting a server."""
     resolve("sglang.srt.utils.auth.add_api_key_middleware")(application, api_key=api_key, admin_api_key=admin_api_key)
+
+
+def admin_optional(endpoint):
+    """``endpoint`` marked with upstream's ``ADMIN_OPTIONAL`` auth level (its ``/set_internal_state``'s):
+    with ``--admin-api-key`` set, upstream's middleware asks for that key."""
+    level = resolve("sglang.srt.utils.auth.AuthLevel.ADMIN_OPTIONAL")
+    return resolve("sglang.srt.utils.auth.auth_level")(level)(endpoint)

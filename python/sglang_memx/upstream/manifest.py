@@ -205,6 +205,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     _M + "schedule_batch.release_req": ("req", "remaing_req_count", "req_to_token_pool", "token_to_kv_pool_allocator",
                                         "tree_cache", "hisparse_coordinator", "offload_kv"),
     "sglang.srt.utils.auth.add_api_key_middleware": ("app", "api_key", "admin_api_key"),
+    "sglang.srt.utils.auth.auth_level": ("level",),
     "sglang.srt.configs.model_config.is_hybrid_swa_model": ("model_architectures", "hf_text_config"),
 }  # fmt: skip
 
@@ -214,6 +215,8 @@ OBJECTS: dict[str, str] = {
     "sglang.srt.entrypoints.http_server.app": "object",
     "sglang.srt.entrypoints.http_server.get_global_state": "function",
     "sglang.srt.utils.auth.add_api_key_middleware": "function",
+    "sglang.srt.utils.auth.auth_level": "function",
+    "sglang.srt.utils.auth.AuthLevel.ADMIN_OPTIONAL": "constant",  # /set_internal_state's level
     "sglang.srt.configs.model_config.is_hybrid_swa_model": "function",
     "sglang.srt.distributed.parallel_state.get_tp_group": "function",  # .cpu_group: the ranks' gloo group
     # its process title, set before it loads plugins, tells the plugin where it is (upstream.process)
