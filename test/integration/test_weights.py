@@ -52,16 +52,15 @@ def servers(tiny_model_root, shared_servers):
         "s100": memx(
             "w-static100", "--memx-weights", "static", "--memx-weights-streamed", "1", "--memx-prefetch-depth", "1"
         ),  # fmt: skip
-        "remap": memx("w-remap", "--memx-weights", "remap", "--memx-weights-idle-after-s", "600", budget=TIGHT_GB),
-        # the governor's TPOT SLO, tighter than any decode step: releasing a layer could only lengthen it
-        "remap_tpot": memx(
-            "w-remap-tpot",
+        # the governor without an SLO (the weights lend as Oneiros does); the last test gives it one
+        # at run time (POST /memx/slo)
+        "remap": memx(
+            "w-remap",
             "--memx-weights",
             "remap",
             "--memx-weights-idle-after-s",
             "600",
-            "--memx-tpot-slo-ms",
-            "0.01",
+            "--memx-governor",
             budget=TIGHT_GB,
         ),  # fmt: skip
     }
@@ -151,21 +150,26 @@ def test_pressure_releases_layers_and_relief_restores_them(servers):
 
 
 def test_a_tpot_slo_no_step_meets_lends_only_to_a_starved_head(servers):
-    """Under the governor's TPOT SLO (no TBT SLO given) the step budget is the TPOT SLO; on this CPU the
-    copies would add to a step already over it, so requests that fit beside the full weights one at a
-    time run that way, every layer resident (``remap`` lends for such a load). A request that fits
+    """Under the governor's TPOT SLO (no TBT SLO given) the step budget is the TPOT SLO, here set at run
+    time (``POST /memx/slo``, tighter than any decode step); on this CPU the copies would add to a
+    step already over it, so requests that fit beside the full weights one at a time run that way,
+    every layer resident (without the SLO this server lends for such a load). A request that fits
     only with layers lent, with nothing running, would otherwise wait for ever: for it the
     controller lends as without an SLO. Answers are stock's throughout."""
-    stock, remap = servers["stock"], servers["remap_tpot"]
+    stock, remap = servers["stock"], servers["remap"]
+    before = _wait(remap, lambda w: w["lent_layers"] == 0 and w["streamed_layers"] == 0, timeout=120)
+    assert before["tbt_slo_s"] is None  # --memx-governor alone: no step SLO
+    assert remap.request("/memx/slo", {"tpot_slo_ms": 0.01}) == {"tpot_slo_ms": 0.01, "source": "POST /memx/slo"}
     small = " ".join(["one two three four five six seven eight"] * 25)  # ~200 tokens + 100 new: one fits
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(_gen, remap, small + f" {i}", 100) for i in range(3)]
         outs = [f.result(timeout=600)["output_ids"] for f in futures]
     w = _weights(remap)
-    assert (w["tbt_slo_s"], w["tbt_slo_source"], w["copies_share_compute"]) == (1e-5, "--memx-tpot-slo-ms", True)
+    assert (w["tbt_slo_s"], w["tbt_slo_source"], w["copies_share_compute"]) == (1e-5, "POST /memx/slo", True)
     assert w["decode_step_s"] is not None and w["decode_step_s"] > 1e-5  # measured: every step is over it
-    assert w["lent_layers"] == 0 and w["decisions"]["remap"] == 0 and w["streamed_layers"] == 0
+    assert w["lent_layers"] == 0 and w["streamed_layers"] == 0
+    assert w["decisions"]["remap"] == before["decisions"]["remap"]  # no layer released for this load
     assert outs == [_gen(stock, small + f" {i}", 100)["output_ids"] for i in range(3)]
     big = " ".join(["one two three four five six seven eight"] * 60)  # ~480 + 200: needs layers lent
     assert _gen(remap, big, 200)["output_ids"] == _gen(stock, big, 200)["output_ids"]
-    assert _weights(remap)["decisions"]["remap"] >= 1
+    assert _weights(remap)["decisions"]["remap"] > before["decisions"]["remap"]
