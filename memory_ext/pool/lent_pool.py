@@ -74,6 +74,9 @@ log = logging.getLogger(__name__)
 
 
 class LentPool:
+    # How an engine's borrowing treats the pool (``sglang_memx.elastic.shared_pool.borrow_chunks``):
+    # a single client backs off after a refusal on its own clock; ``LockstepLentPool``'s ranks do not
+    BACKS_OFF_ALONE = True
     REPORT_MIN_INTERVAL_S = 0.05
     REJOIN_INTERVAL_S = 1.0  # while lost (or partly adopted): how often to try the socket again
     REJOIN_TIMEOUT_S = 2.0  # longest a rejoin's HELLO / ADOPT may take
@@ -108,6 +111,8 @@ class LentPool:
         self.late_grants = 0
         self._outstanding = 0  # borrows whose reply had not come when we stopped waiting
         self._early_late_replies = 0  # late replies that beat their borrower's own timeout bookkeeping
+        self.ranks = 1  # clients that share the arbiter in step with this one, itself included
+        self.borrows_paused = False  # never set here: a lockstep pool's ranks pause together
         self.client = self._connect(timeout)
         self.pool = ChunkPool(backend, self.client.budget, create_chunks=False)
 
@@ -214,6 +219,10 @@ class LentPool:
             log.warning("lent pool %s: %s the arbiter at %s; it booked %d of %d kept chunk(s)%s", self._name,
                         "rejoined" if rejoined else "still on", self._socket_path, got, want, rest)  # fmt: skip
         return rejoined
+
+    def note_fell_short(self) -> None:
+        """A borrow that may wait got less than it asked and no grant is on its way: nothing to
+        note for a single client (it backs off); ``LockstepLentPool`` marks it for its ranks."""
 
     def available_now(self) -> int:
         """Chunks a borrow could have at once: the arbiter's (free + never created, one STATUS) and

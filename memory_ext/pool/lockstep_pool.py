@@ -30,11 +30,15 @@ from .lent_pool import LentPool
 
 
 class LockstepLentPool(LentPool):
+    BACKS_OFF_ALONE = False  # each rank's clock would end its back-off in another tick
+
     def __init__(self, *args, ranks: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.ranks = ranks
-        self.borrows_paused = False
         self.borrow_fell_short = False
+
+    def note_fell_short(self) -> None:
+        self.borrow_fell_short = True  # the ranks' evening makes it a refusal on every rank
 
     def _land_late(self, chunks: list[PhysicalChunk]) -> None:
         owed = self.warm.put(chunks, time.monotonic())  # booked ours: the next borrow's

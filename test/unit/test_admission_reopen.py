@@ -63,6 +63,10 @@ class _GrantingLent:
     def __init__(self, pool, backend):
         self.pool, self.backend, self.asked = pool, backend, []
         self.outstanding, self.last_denied_available = False, 0
+        self.ranks, self.borrows_paused, self.BACKS_OFF_ALONE = 1, False, True
+
+    def note_fell_short(self):
+        pass
 
     def available_now(self):
         return 1 << 10

@@ -371,11 +371,17 @@ def test_activation_arena_is_cuda_only_optional_and_degrades_with_a_warning(capl
 
 
 class _FakeLent:
-    """Plays LentPool for borrow_tokens: answers from a script, counts what was asked."""
+    """Plays LentPool (a single client) for borrow_tokens: answers from a script, counts what was asked."""
+
+    BACKS_OFF_ALONE = True
 
     def __init__(self, answers, outstanding=False):
         self.answers, self.asked, self.outstanding = list(answers), [], outstanding
         self.last_denied_available = 0
+        self.ranks, self.borrows_paused = 1, False
+
+    def note_fell_short(self):
+        pass
 
     def available_now(self):
         return 1 << 20

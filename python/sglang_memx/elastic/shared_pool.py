@@ -233,10 +233,9 @@ def borrow_chunks(
     if units <= 0:
         return 0
     now = time.monotonic()
-    lockstep = isinstance(lent, LockstepLentPool)
-    if lockstep and lent.borrows_paused:
+    if lent.borrows_paused:
         return 0
-    if not urgent and not lockstep and now < kv.borrow_backoff_until:
+    if not urgent and lent.BACKS_OFF_ALONE and now < kv.borrow_backoff_until:
         return 0
     if not may_wait:
         units = min(units, lent.available_now() // unit_chunks)
@@ -247,14 +246,14 @@ def borrow_chunks(
     if not got and may_wait:  # take what can be had now; a tensor parallel rank its ranks' share of it
         # (denied one after the other, the second rank sees half left and takes a quarter: the evening
         # sheds the first back to it, so the ranks ramp up over a few refusals instead of one)
-        share = lent.last_denied_available // (lent.ranks if lockstep else 1)
+        share = lent.last_denied_available // lent.ranks
         fewer = min(units - 1, share // unit_chunks)
         got = fewer if fewer > 0 and lent.borrow(fewer * unit_chunks, wait=wait) else 0
-    if lockstep and may_wait and got < units and not lent.outstanding:
-        lent.borrow_fell_short = True  # the ranks' evening makes it a refusal on every rank
+    if may_wait and got < units and not lent.outstanding:
+        lent.note_fell_short()
     if got:
         kv.borrow_backoff_s = BORROW_BACKOFF_S
-    elif may_wait and not lent.outstanding and not lockstep:
+    elif may_wait and not lent.outstanding and lent.BACKS_OFF_ALONE:
         note_refused(kv, now)
     return got
 
