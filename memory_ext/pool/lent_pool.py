@@ -77,6 +77,8 @@ class LentPool:
     # How an engine's borrowing treats the pool (``sglang_memx.elastic.shared_pool.borrow_chunks``):
     # a single client backs off after a refusal on its own clock; ``LockstepLentPool``'s ranks do not
     BACKS_OFF_ALONE = True
+    ranks = 1  # clients that share the arbiter in step with this one, itself included
+    borrows_paused = False  # never set here: a lockstep pool's ranks pause together
     REPORT_MIN_INTERVAL_S = 0.05
     REJOIN_INTERVAL_S = 1.0  # while lost (or partly adopted): how often to try the socket again
     REJOIN_TIMEOUT_S = 2.0  # longest a rejoin's HELLO / ADOPT may take
@@ -111,8 +113,6 @@ class LentPool:
         self.late_grants = 0
         self._outstanding = 0  # borrows whose reply had not come when we stopped waiting
         self._early_late_replies = 0  # late replies that beat their borrower's own timeout bookkeeping
-        self.ranks = 1  # clients that share the arbiter in step with this one, itself included
-        self.borrows_paused = False  # never set here: a lockstep pool's ranks pause together
         self.client = self._connect(timeout)
         self.pool = ChunkPool(backend, self.client.budget, create_chunks=False)
 

@@ -35,6 +35,7 @@ class LockstepLentPool(LentPool):
     def __init__(self, *args, ranks: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.ranks = ranks
+        self.borrows_paused = False
         self.borrow_fell_short = False
 
     def note_fell_short(self) -> None:

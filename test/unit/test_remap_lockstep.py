@@ -155,3 +155,33 @@ def test_a_wake_of_tensor_parallel_ranks_borrows_nothing_and_is_partial(need, ki
     assert lent.borrows == borrows and w.last_wake_full is full and not w.sleeping and w.wakes == 1
     assert (w.pipeline.requests, ensured, w.store.reserved) == (([([], 0)], ["layer0", "layer1"], 10) if full
                                                                 else ([], [], 0))  # fmt: skip
+
+
+GROUP_ROWS = 64
+
+
+@pytest.mark.parametrize(
+    "kind,ranks,running_demand,groups",
+    [
+        (LentPool, 1, 100, 10),  # one client: all the arbiter's 40 free chunks count (an urgent borrow rescues)
+        (LockstepLentPool, 2, 0, 7),  # ranks, nothing running: each rank's share, 20 chunks
+        (LockstepLentPool, 2, 100, 0),  # ranks, a request running: none of it (no borrow outside the tick)
+    ],
+)  # fmt: skip
+def test_what_the_arbiter_could_lend_counts_for_a_restore(monkeypatch, kind, ranks, running_demand, groups):
+    """``free_kv_groups``, nothing waiting: 128 tokens available, nothing evictable, 40 chunks (10 groups)
+    free at the arbiter, the running requests' remaining decode ``running_demand``."""
+    pool = _Pool(0)
+    lent = _link(kind, pool)
+    lent.ranks = ranks
+    lent.available_now = lambda: 40
+    w = types.SimpleNamespace(alpha=2, arbiter_polled_at=0.0, arbiter_free=0)
+    kv = types.SimpleNamespace(buffers=types.SimpleNamespace(pool=pool, chunks_per_group=CHUNKS_PER_GROUP,
+                                                             group_rows=GROUP_ROWS))  # fmt: skip
+    running = [object()] if running_demand else []
+    monkeypatch.setattr(remap.up_kv, "available_tokens", lambda allocator: 128)
+    monkeypatch.setattr(remap.up_sched, "waiting", lambda scheduler: [])
+    monkeypatch.setattr(remap.up_sched, "admitted_reqs", lambda scheduler: running)
+    monkeypatch.setattr(remap, "admission_denied", lambda scheduler: False)
+    monkeypatch.setattr(remap.demand, "queue_demand_tokens", lambda scheduler: running_demand)
+    assert remap.free_kv_groups(w, kv, None, None, None, lent, None) == groups

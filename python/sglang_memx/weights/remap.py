@@ -54,8 +54,11 @@ def free_kv_groups(
 ) -> int:
     """KV groups left once the queue head and the running requests got what they need. With a
     shared pool, what the arbiter could lend at once counts too (the lent layers' memory may
-    have gone to a peer, which gives it back to the arbiter when it no longer needs it). ``lent``: the
-    shared pool's link, ``host``: the host buffer (each None when off)."""
+    have gone to a peer, which gives it back to the arbiter when it no longer needs it): for tensor
+    parallel ranks their share of it, and only while no request runs (a rank borrows in its tick only:
+    no urgent borrow would rescue a running request's decode step if a restore bet its memory on a
+    borrow the arbiter then cannot fund; seen in CI: a request aborted for want of KV at ``--tp 2``).
+    ``lent``: the shared pool's link, ``host``: the host buffer (each None when off)."""
     if host is not None and len(host.buffer) > 0:
         return 0
     if admission_denied(scheduler):
@@ -63,7 +66,9 @@ def free_kv_groups(
     supply = up_kv.available_tokens(allocator) + (up_radix.evictable_tokens(tree) if tree is not None else 0)
     if lent is not None and w.alpha > 0 and not up_sched.waiting(scheduler):
         # only with nothing waiting: a restore never competes with admission for the arbiter's memory
-        supply += arbiter_free_chunks(w, lent) // kv.buffers.chunks_per_group * kv.buffers.group_rows
+        if lent.ranks == 1 or not up_sched.admitted_reqs(scheduler):
+            share = arbiter_free_chunks(w, lent) // lent.ranks
+            supply += share // kv.buffers.chunks_per_group * kv.buffers.group_rows
     left = supply - demand.queue_demand_tokens(scheduler)
     return max(0, left) // kv.buffers.group_rows
 
