@@ -1,26 +1,21 @@
 """LentPool: a process's ``ChunkPool`` filled with chunks borrowed from the device arbiter.
 
-The engine's tensors acquire and release chunks from ``pool`` exactly as from
-a local pool; this class moves chunks between that pool's FREE set and the
-arbiter:
+The engine's tensors acquire and release chunks from ``pool`` exactly as from a local pool; this
+class moves chunks between that pool's FREE set and the arbiter:
 
-* ``borrow(n, wait)`` asks the arbiter for ``n`` chunks (all or nothing) and
-  adopts them into FREE; a refusal returns 0 (the engine then waits or
-  retracts). It waits at most ``wait`` seconds: a grant that needs other
-  processes to give memory back may take longer, and an engine thread must
-  never block on another engine (two borrowers would each wait for the other
-  to answer a reclaim). A reply that comes later is adopted into FREE then
-  (or counted as a refusal); while one is outstanding, ``borrow`` asks nothing
-  more and returns 0.
+* ``borrow(n, wait)`` asks the arbiter for ``n`` chunks (all or nothing) and adopts them into FREE;
+  a refusal returns 0 (the engine then waits or retracts). It waits at most ``wait`` seconds: a grant
+  that needs other processes to give memory back may take longer, and an engine thread must never
+  block on another engine (two borrowers would each wait for the other to answer a reclaim). A reply
+  that comes later is adopted into FREE then (or counted as a refusal); while one is outstanding,
+  ``borrow`` asks nothing more and returns 0.
 * ``give_back(n)`` disowns up to ``n`` FREE chunks and returns them; with ``warm`` and a ``warm_hold_s``
   they wait in ``warm`` instead (``warm_chunks``; not those a RECLAIM is owed): the next borrow
   takes them back without a round trip, a RECLAIM first, ``expire_warm`` when the hold ends.
-* ``report(idle, headroom, busy)`` tells the arbiter's policy what this process
-  could give back; it is sent only when a number changed (at most every
-  ``REPORT_MIN_INTERVAL_S`` unless ``busy`` flips).
-* ``wake_fd``: readable whenever the arbiter asked for something (a RECLAIM) or a
-  late grant landed, so an engine thread sleeping in ``poll`` can wake up and
-  act at once; ``drain_wakeups`` empties it.
+* ``report(idle, headroom, busy)`` tells the arbiter's policy what this process could give back; it
+  is sent only when a number changed (at most every ``REPORT_MIN_INTERVAL_S`` unless ``busy`` flips).
+* ``wake_fd``: readable whenever the arbiter asked for something (a RECLAIM) or a late grant landed,
+  so an engine thread sleeping in ``poll`` can wake up and act at once; ``drain_wakeups`` empties it.
 * The arbiter's ``RECLAIM(n)`` is answered from the warm chunks at once (they are outside the
   engine's pool); the rest only adds to ``pending_reclaim``; the
   engine answers on its own thread (``take_pending_reclaim``, free memory,
