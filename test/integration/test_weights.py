@@ -171,5 +171,9 @@ def test_a_tpot_slo_no_step_meets_lends_only_to_a_starved_head(servers):
     assert w["decisions"]["remap"] == before["decisions"]["remap"]  # no layer released for this load
     assert outs == [_gen(stock, small + f" {i}", 100)["output_ids"] for i in range(3)]
     big = " ".join(["one two three four five six seven eight"] * 60)  # ~480 + 200: needs layers lent
-    assert _gen(remap, big, 200)["output_ids"] == _gen(stock, big, 200)["output_ids"]
+    try:
+        got = _gen(remap, big, 200)["output_ids"]
+    except TimeoutError:  # the head waited: say why (the controller's last reason and timings)
+        raise AssertionError(f"the starved head was not served; weights status: {_weights(remap)}") from None
+    assert got == _gen(stock, big, 200)["output_ids"]
     assert _weights(remap)["decisions"]["remap"] > before["decisions"]["remap"]

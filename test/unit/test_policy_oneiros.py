@@ -12,6 +12,7 @@ from memory_ext.policy.oneiros import (
     model_limit,
     plan_layers,
     remap_order,
+    unhidden_plan,
     uniform_interval_layers,
 )
 
@@ -206,6 +207,32 @@ def test_controller_infeasible_gives_no_remap_with_reason():
     assert d.limits["A"][0] == 0 and d.limits["B"][0] == 0
 
 
+@pytest.mark.parametrize("compute_s", [1.0, None])  # copies ten times a step; nothing measured
+def test_a_starved_model_lends_past_the_hiding_bounds_with_an_unhidden_plan(compute_s):
+    # requests wait and none runs: no step to slow, so only n - 1 and the cap bound alpha
+    ctrl = OneirosController(low_watermark=4, high_watermark=4)
+    ctrl.observe(0, [_model("A", active=True, layer_transfer_s=10.0, compute_s=compute_s, cap=7, starved=True)])
+    d = ctrl.decide()
+    assert d.action is Action.REMAP and d.target_remapped == 1 and d.limits["A"] == (7, "never a whole model")
+    plan = d.plan
+    assert plan.feasible and (plan.alpha, plan.beta, plan.m) == (1, 2, 3) and len(plan.shared_layers) == 3
+    assert plan.reason.startswith("starved: no step runs to hide copies behind")
+    # the same model with a request running: the bounds hold again (no further layer)
+    ctrl.observe(0, [_model("A", active=True, layer_transfer_s=10.0, compute_s=compute_s, cap=7, remapped=1)])
+    assert ctrl.decide().action is Action.HOLD
+    # a starved model whose copies do hide keeps the paper's plan (one slot, Eq. 4)
+    ctrl.observe(0, [_model("A", active=True, cap=7, starved=True)])
+    assert ctrl.decide().plan.reason == "Eq. 4 (single slot) holds"
+
+
+@pytest.mark.parametrize("alpha, beta", [(1, 2), (6, 2), (7, 1), (0, 0)])
+def test_unhidden_plan_streams_alpha_plus_its_slots_evenly(alpha, beta):
+    plan = unhidden_plan(8, alpha, "why")
+    assert (plan.alpha, plan.beta, plan.m, plan.feasible) == (alpha, beta, alpha + beta, True)
+    assert plan.shared_layers == (uniform_interval_layers(8, alpha + beta) if alpha else ())
+    assert plan.resident_layers + plan.beta == 8 - alpha
+
+
 def test_controller_limit_drop_is_no_restore_signal():
     # T_compute dropped (re-measured): alpha 5 no longer hideable, limit is 3.
     # Not in Alg. 1: the model is not remapped further, but nothing comes back
@@ -298,6 +325,8 @@ def test_decide_before_observe():
         (lambda: _model("a", compute_s=0), "compute_s"),
         (lambda: _model("a", active=1), "active"),
         (lambda: _model("a", lent_free_blocks=-1), "lent_free_blocks"),
+        (lambda: _model("a", starved=1), "starved"),
+        (lambda: unhidden_plan(8, 8, "x"), "alpha"),
         (lambda: _model(""), "name"),
         (lambda: _model("a", priority="high"), "priority"),
         (lambda: remap_order([_model("a"), _model("a")]), "name"),

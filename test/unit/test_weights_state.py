@@ -154,6 +154,7 @@ def test_a_starved_queue_is_not_held_to_the_step_slo():
     over it) gives way to the controller's own limit; with a request running it holds again."""
     from types import SimpleNamespace
 
+    from memory_ext.policy.oneiros import model_limit
     from sglang_memx.weights.remap import model_state, starved
     from support.fakes import FakeReq, FakeScheduler
 
@@ -168,3 +169,11 @@ def test_a_starved_queue_is_not_held_to_the_step_slo():
     assert (starved(waiting_only), starved(running), starved(idle)) == (True, False, False)
     assert model_state(w, kv, None, True, starving=False).cap == 0
     assert model_state(w, kv, None, True, starving=True).cap == 7
+    # copies far slower than a step (the hiding bounds would allow no layer): starved, the state
+    # says so and the controller's limit is n - 1 (CI: a head that fit only with layers lent
+    # waited past its 300 s timeout under load)
+    w.link_bytes_per_s = w.layer_bytes / 1.0  # one layer's copy: a second (nothing copied yet)
+    assert w.layer_transfer_s == pytest.approx(1.0)
+    busy, hungry = model_state(w, kv, None, True), model_state(w, kv, None, True, starving=True)
+    assert (busy.starved, hungry.starved) == (False, True)
+    assert model_limit(busy)[0] == 0 and model_limit(hungry) == (7, "never a whole model")

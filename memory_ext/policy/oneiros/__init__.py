@@ -22,7 +22,8 @@ Invariants enforced everywhere:
   * 0 <= alpha <= n - 1: no model is ever remapped in its entirety;
   * alpha <= the model's profiled cap;
   * a REMAP is only ever offered if its plan's timing condition (Eq. 4 or
-    Eq. 5) holds; otherwise the answer is "no remap" with a reason. A RESTORE
+    Eq. 5) holds, or the model is starved (requests wait, none runs: no step
+    to slow); otherwise the answer is "no remap" with a reason. A RESTORE
     carries the plan for the alpha left, which is infeasible (``feasible``
     False, with a reason) when the model's limit fell below it since.
 
@@ -37,6 +38,7 @@ from .layer_plan import (
     max_feasible_alpha,
     max_layers_by_compute,
     plan_layers,
+    unhidden_plan,
     uniform_interval_layers,
 )
 from .models import ModelState, model_limit, remap_order
@@ -51,6 +53,7 @@ __all__ = [
     "max_layers_by_compute",
     "uniform_interval_layers",
     "plan_layers",
+    "unhidden_plan",
     "max_feasible_alpha",
     "model_limit",
     "remap_order",

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .._checks import check_int as _int
-from .layer_plan import BufferMode, LayerPlan, plan_layers
+from .layer_plan import BufferMode, LayerPlan, plan_layers, unhidden_plan
 from .models import ModelState, model_limit, remap_order
 
 
@@ -44,9 +44,10 @@ class OneirosController:
 
     * ``free_kv_blocks < low_watermark`` (Alg. 1 l. 3-5) -> REMAP one more
       layer of the first model in ``remap_order`` below its limit; none ->
-      HOLD with a reason. A model whose (re-measured) limit fell below its
-      remapped count is simply not remapped further: nothing is taken back
-      because of the limit.
+      HOLD with a reason. A starved model (``ModelState.starved``) is bounded
+      by n - 1 and its cap only, its plan streams even where Eq. 4/5 fail.
+      A model whose (re-measured) limit fell below its remapped count is
+      simply not remapped further: nothing is taken back because of the limit.
     * Alg. 1 l. 6-12, "foreach tensor in added KV cache: if tensor is empty,
       update the remapping": among remapped models in *reverse*
       ``remap_order`` (active models get their weights back first), the
@@ -105,8 +106,13 @@ class OneirosController:
         if alpha == 0:
             return plan_layers(model.n_layers, 0, model.layer_transfer_s, 1.0, self.mode)
         if model.compute_s is None:
-            return LayerPlan(model.n_layers, alpha, 0, 0, (), 0, False, "infeasible: no T_compute measured")
-        return plan_layers(model.n_layers, alpha, model.layer_transfer_s, model.compute_s / model.n_layers, self.mode)
+            plan = LayerPlan(model.n_layers, alpha, 0, 0, (), 0, False, "infeasible: no T_compute measured")
+        else:
+            t_layer = model.compute_s / model.n_layers
+            plan = plan_layers(model.n_layers, alpha, model.layer_transfer_s, t_layer, self.mode)
+        if model.starved and not plan.feasible:
+            return unhidden_plan(model.n_layers, alpha, f"starved: no step runs to hide copies behind ({plan.reason})")
+        return plan
 
     def lent_layer_empty(self, model: ModelState) -> bool:
         """Alg. 1's "tensor is empty" for ``model``'s newest lent layer (class docstring)."""

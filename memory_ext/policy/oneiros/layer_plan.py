@@ -168,3 +168,18 @@ def max_feasible_alpha(
         if plan_layers(n_layers, alpha, t_transfer, t_layer_compute, mode).feasible:
             return alpha
     return 0
+
+
+def unhidden_plan(n_layers: int, alpha: int, reason: str) -> LayerPlan:
+    """``alpha`` layers lent with no timing condition: ``alpha`` + 2 layers (or every layer
+    through one slot when ``alpha`` = n - 1) rotate through their slots, evenly spaced; the
+    copies may lengthen a step (the caller's ``reason`` says why that is accepted)."""
+    n_layers = _int("n_layers", n_layers, 1)
+    alpha = _int("alpha", alpha, 0)
+    if alpha >= n_layers:
+        raise ValueError(f"alpha must be < n_layers ({n_layers}): never remap a whole model, got {alpha}")
+    if alpha == 0:
+        return LayerPlan(n_layers, 0, 0, 0, (), 0, True, "nothing remapped")
+    beta = min(2, n_layers - alpha)
+    layers = uniform_interval_layers(n_layers, alpha + beta)
+    return LayerPlan(n_layers, alpha, beta, alpha + beta, layers, _min_gap(n_layers, layers), True, reason)

@@ -35,6 +35,11 @@ class ModelState:
                     model's most recently lent layer; None = that pool is the
                     observed one, read ``free_kv_blocks`` (the restore rule,
                     Alg. 1 l. 6-12)
+    starved         requests wait for KV and none of this model's runs: no
+                    step runs that copies could slow, so the hiding bounds
+                    (O4, O5) do not bind (a head that fits only with layers
+                    lent would otherwise wait for ever); the plan then streams
+                    through two slots whether or not Eq. 4/5 hold
     """
 
     name: str
@@ -48,6 +53,7 @@ class ModelState:
     priority: float | None = None
     last_activated: float = 0.0
     lent_free_blocks: int | None = None
+    starved: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -68,21 +74,31 @@ class ModelState:
         _num("last_activated", self.last_activated)
         if self.lent_free_blocks is not None:
             _int("lent_free_blocks", self.lent_free_blocks, 0)
+        if not isinstance(self.starved, bool):
+            raise ValueError(f"starved must be a bool, got {self.starved!r}")
 
 
 def model_limit(model: ModelState, mode: BufferMode = BufferMode.AUTO) -> tuple[int, str]:
     """Largest alpha allowed for ``model`` now, and which rule bounds it.
 
-    limit = min(n - 1, cap, O4 bound, O5 bound) with T_c = T_compute / n.
+    limit = min(n - 1, cap, O4 bound, O5 bound) with T_c = T_compute / n; a starved model's
+    limit is min(n - 1, cap) (no step runs that the copies could slow).
     """
     bounds = [(model.n_layers - 1, "never a whole model"), (model.cap, "profiled cap")]
-    if model.compute_s is None:
-        bounds.append((0, "no T_compute measured"))
-    else:
-        bounds.append((max_layers_by_compute(model.layer_transfer_s, model.compute_s), "O4 T_T*N <= T_compute"))
-        t_layer = model.compute_s / model.n_layers
-        bounds.append((max_feasible_alpha(model.n_layers, model.layer_transfer_s, t_layer, mode), "O5 Eq. 4/5"))
+    if not model.starved:
+        bounds += _hiding_bounds(model, mode)
     return min(bounds, key=lambda b: b[0])
+
+
+def _hiding_bounds(model: ModelState, mode: BufferMode) -> list[tuple[int, str]]:
+    """O4 and O5: the layers whose copies hide behind the measured compute (none unmeasured)."""
+    if model.compute_s is None:
+        return [(0, "no T_compute measured")]
+    t_layer = model.compute_s / model.n_layers
+    return [
+        (max_layers_by_compute(model.layer_transfer_s, model.compute_s), "O4 T_T*N <= T_compute"),
+        (max_feasible_alpha(model.n_layers, model.layer_transfer_s, t_layer, mode), "O5 Eq. 4/5"),
+    ]
 
 
 def remap_order(models: Iterable[ModelState]) -> list[str]:

@@ -105,7 +105,7 @@ def model_state(w, kv: ElasticKV, lent: LentPool | None, busy: bool, starving: b
     if shared is not None:
         cap = min(cap, shared)
     return ModelState(MODEL, w.n_layers, max(w.layer_transfer_s, 1e-9), compute, active, cap,
-                      remapped=min(w.alpha, w.n_layers - 1), blocks_per_layer=blocks)  # fmt: skip
+                      remapped=min(w.alpha, w.n_layers - 1), blocks_per_layer=blocks, starved=starving)  # fmt: skip
 
 
 def _fixed_s(w) -> float:
@@ -274,7 +274,8 @@ def decide(w, kv: ElasticKV, allocator, tree, scheduler, lent: LentPool | None, 
     plan = decision.plan
     if decision.target_remapped > 0 and w.depth is not None and w.depth > 2:  # more slots than Eq. 5's two
         t_layer = (state.compute_s or 1.0) / w.n_layers
-        plan = plan_layers(w.n_layers, decision.target_remapped, state.layer_transfer_s, t_layer, BufferMode.DOUBLE)
+        deeper = plan_layers(w.n_layers, decision.target_remapped, state.layer_transfer_s, t_layer, BufferMode.DOUBLE)
+        plan = deeper if deeper.feasible else plan  # a starved head's plan need not meet Eq. 5
     streamed = [w.layer_keys[j] for j in plan.shared_layers]
     return decision.action, streamed, w.depth if (w.depth and streamed) else plan.beta
 
