@@ -21,8 +21,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from memory_ext.policy import remap_signal
 from memory_ext.policy.interval_manager import IntervalManager, demand_from_profile, demand_from_timings, stream_budget
 from memory_ext.policy.oneiros import Action, BufferMode, ModelState, OneirosController, RemapDecision, plan_layers
+from memory_ext.policy.remap_signal import ArbiterSupply, KvSignal
 from memory_ext.policy.select_n import offloaded_layers
 from memory_ext.pool import PoolError
 from memory_ext.pool.lent_pool import LentPool
@@ -52,25 +54,24 @@ def admission_denied(scheduler) -> bool:
 def free_kv_groups(
     w, kv: ElasticKV, allocator, tree, scheduler, lent: LentPool | None, host: HostBufferState | None
 ) -> int:
-    """KV groups left once the queue head and the running requests got what they need. With a
-    shared pool, what the arbiter could lend at once counts too (the lent layers' memory may
-    have gone to a peer, which gives it back to the arbiter when it no longer needs it): for tensor
-    parallel ranks their share of it, and only while no request runs (a rank borrows in its tick only:
-    no urgent borrow would rescue a running request's decode step if a restore bet its memory on a
-    borrow the arbiter then cannot fund; seen in CI: a request aborted for want of KV at ``--tp 2``).
-    ``lent``: the shared pool's link, ``host``: the host buffer (each None when off)."""
-    if host is not None and len(host.buffer) > 0:
-        return 0
-    if admission_denied(scheduler):
-        return 0
-    supply = up_kv.available_tokens(allocator) + (up_radix.evictable_tokens(tree) if tree is not None else 0)
-    if lent is not None and w.alpha > 0 and not up_sched.waiting(scheduler):
-        # only with nothing waiting: a restore never competes with admission for the arbiter's memory
-        if lent.ranks == 1 or not up_sched.admitted_reqs(scheduler):
-            share = arbiter_free_chunks(w, lent) // lent.ranks
-            supply += share // kv.buffers.chunks_per_group * kv.buffers.group_rows
-    left = supply - demand.queue_demand_tokens(scheduler)
-    return max(0, left) // kv.buffers.group_rows
+    """The controller's KV signal (``memory_ext.policy.remap_signal``: its invariants) from what this
+    scheduler holds now. ``lent``: the shared pool's link, ``host``: the host buffer (each None when off)."""
+    waiting = bool(up_sched.waiting(scheduler))
+    signal = KvSignal(
+        available_tokens=up_kv.available_tokens(allocator),
+        evictable_tokens=up_radix.evictable_tokens(tree) if tree is not None else 0,
+        demand_tokens=demand.queue_demand_tokens(scheduler),
+        group_tokens=kv.buffers.group_rows,
+        parked_on_host=host is not None and len(host.buffer) > 0,
+        admission_refused=admission_denied(scheduler),
+        waiting=waiting,
+        running=bool(up_sched.admitted_reqs(scheduler)),
+        layers_lent=w.alpha > 0,
+    )
+    arbiter = None
+    if lent is not None and w.alpha > 0:  # polled at most every ARBITER_POLL_S
+        arbiter = ArbiterSupply(arbiter_free_chunks(w, lent), lent.ranks, kv.buffers.chunks_per_group)
+    return remap_signal.free_kv_groups(signal, arbiter)
 
 
 RESTORE_BORROW_WAIT_S = 0.02  # longest an iteration waits for the arbiter to lend a layer back
