@@ -215,7 +215,7 @@ class BatchGovernor:
             cap, why = model.cap(slo, kv_per, extra_per_request=q), CAP_WITHIN_SLO
         a, b, c = model.coef if model.coef is not None else (None, None, None)
         return {
-            "tpot_slo_ms": None if slo is None else slo * 1e3,
+            "tpot_slo_ms": None if slo is None else round(slo * 1e3, 9),  # as set: no float noise of the unit change
             "batch_cap": cap,
             "batch_cap_reason": why,
             "running": running,

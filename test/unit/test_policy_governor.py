@@ -195,6 +195,13 @@ CAPS = [
 ]
 
 
+@pytest.mark.parametrize("ms", [63.644, 0.01, 45.6, 1000.0, 3.727216516])
+def test_status_reports_the_slo_in_ms_as_set(ms):
+    """The SLO is held in seconds; the status gives back the milliseconds set (to 1e-9 ms), not
+    63.64399999999999."""
+    assert BatchGovernor(ms / 1e3).status(running=0, kv_tokens=0, measured_s=None)["tpot_slo_ms"] == ms
+
+
 @pytest.mark.parametrize("slo,trained,running,kv,cap,why,predicted_ms", CAPS)
 def test_status_cap_and_why(slo, trained, running, kv, cap, why, predicted_ms):
     gov = BatchGovernor(slo, _trained(a=0.010, b=0.002, use_kv=False) if trained else StepTimeModel())
