@@ -177,3 +177,28 @@ def test_a_starved_queue_is_not_held_to_the_step_slo():
     busy, hungry = model_state(w, kv, None, True), model_state(w, kv, None, True, starving=True)
     assert (busy.starved, hungry.starved) == (False, True)
     assert model_limit(busy)[0] == 0 and model_limit(hungry) == (7, "never a whole model")
+
+
+def test_a_restore_past_the_hiding_bounds_gives_back_one_layer(monkeypatch):
+    """Layers lent while a head starved (copies a step cannot hide), the head served: the lent
+    memory is empty, so the controller restores, but no plan for one layer fewer meets Eq. 4/5.
+    The restore gives back one layer (the rest still stream through two slots) instead of asking
+    for every layer at once, which waits until all of them fit."""
+    from types import SimpleNamespace
+
+    from memory_ext.policy.oneiros import Action
+    from sglang_memx.weights import remap
+    from support.fakes import FakeScheduler
+
+    w = _state()
+    w.decode_layer_s, w.decode_step_s, w.prefill_step_s = 1e-3, 8e-3, 8e-3
+    w.link_bytes_per_s = w.layer_bytes / 1.0  # a layer's copy: a second
+    w.store.set_streamed([0, 2, 4, 6, 7], 2)  # 3 layers lent, 5 rotating through 2 slots
+    assert w.alpha == 3
+    kv = SimpleNamespace(buffers=SimpleNamespace(chunks_per_group=1))
+    monkeypatch.setattr(remap, "free_kv_groups", lambda *args: 100)  # nothing waits, the lent memory is empty
+    idle = FakeScheduler()
+    idle.last_batch = None
+    action, streamed, slots = remap.decide(w, kv, None, None, idle, None, None, busy=False)
+    assert action is Action.RESTORE and (len(streamed), slots) == (4, 2), (streamed, slots, w.last_reason)
+    assert w.last_reason.startswith("lent layer empty")
