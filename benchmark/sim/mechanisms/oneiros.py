@@ -64,7 +64,7 @@ from memory_ext.policy.oneiros import (
     ModelState,
     OneirosController,
     plan_layers,
-    uniform_interval_layers,
+    unhidden_plan,
 )
 
 from ..core.plan import BatchPlan
@@ -74,6 +74,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..core.engine import Instance, Simulator
 
 __all__ = ["OneirosHook", "ledger_of"]
+
+FORCED = "forced (restore deferred)"  # the reason of a plan kept past the controller's limit
 
 
 class _Ledger:
@@ -124,13 +126,6 @@ def ledger_of(inst: Instance) -> _Ledger:
         ]
         led = per[inst.cfg.gpu] = _Ledger(members)
     return led
-
-
-def _forced_plan(n: int, alpha: int) -> LayerPlan:
-    """Streaming plan for an alpha the controller no longer accepts but that
-    cannot be restored yet: double buffering (m = alpha + 2, capped at n)."""
-    m = min(alpha + 2, n)
-    return LayerPlan(n, alpha, m - alpha, m, uniform_interval_layers(n, m), 0, True, "forced (restore deferred)")
 
 
 class OneirosHook:
@@ -343,7 +338,9 @@ class OneirosHook:
             st = self._hook(lender)._state(led, lender)
             t_c = (st.compute_s or 1.0) / st.n_layers
             plan = plan_layers(st.n_layers, a, st.layer_transfer_s, t_c, self.controller.mode)
-        led.plan[lender.idx] = plan if plan.feasible else _forced_plan(self._hook(lender).n_layers, a)
+        # an alpha the controller no longer accepts but that cannot be restored yet streams unhidden
+        # (double buffering), as the server's restore does
+        led.plan[lender.idx] = plan if plan.feasible else unhidden_plan(self._hook(lender).n_layers, a, FORCED)
 
     def stats(self) -> dict[str, Any]:
         """Common shape (``core.stats``). ``gpu_*`` counters are the GPU's shared
