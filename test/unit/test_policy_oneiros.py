@@ -257,8 +257,21 @@ def test_controller_restores_an_over_limit_model_when_its_layer_is_empty():
     ctrl.observe(26, [_model("C", cap=7, remapped=5, blocks_per_layer=10)])
     d = ctrl.decide()
     assert d.action is Action.RESTORE and d.target_remapped == 4 and "lent layer empty" in d.reason
-    # alpha 4 is still over the limit: the plan says so instead of inventing one
-    assert not d.plan.feasible and "infeasible" in d.plan.reason
+    # alpha 4 is still over the limit: one layer comes back and the other four keep streaming
+    # (unhidden, through two slots) instead of a plan no engine can apply but by restoring all
+    assert d.plan == ctrl.restore_plan(_model("C", cap=7, remapped=5, blocks_per_layer=10), 4)
+    assert d.plan.feasible and (d.plan.alpha, d.plan.beta, len(d.plan.shared_layers)) == (4, 2, 6)
+    assert d.plan.reason.startswith("restore one layer: infeasible"), d.plan.reason
+
+
+def test_restore_plan_is_the_o5_plan_where_it_holds_and_unhidden_where_not():
+    ctrl = OneirosController(low_watermark=4, mode="single")
+    fast = _model("C", remapped=2)
+    assert ctrl.restore_plan(fast, 1) == ctrl._plan(fast, 1) and ctrl.restore_plan(fast, 1).feasible
+    assert ctrl.restore_plan(fast, 0).alpha == 0 and ctrl.restore_plan(fast, 0).shared_layers == ()
+    unmeasured = _model("C", remapped=2, compute_s=None)
+    plan = ctrl.restore_plan(unmeasured, 1)
+    assert plan.feasible and plan.alpha == 1 and "no T_compute measured" in plan.reason
 
 
 def test_controller_default_is_alg1_without_hysteresis():

@@ -63,8 +63,6 @@ from memory_ext.policy.oneiros import (
     LayerPlan,
     ModelState,
     OneirosController,
-    plan_layers,
-    unhidden_plan,
 )
 
 from ..core.plan import BatchPlan
@@ -74,8 +72,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..core.engine import Instance, Simulator
 
 __all__ = ["OneirosHook", "ledger_of"]
-
-FORCED = "forced (restore deferred)"  # the reason of a plan kept past the controller's limit
 
 
 class _Ledger:
@@ -327,20 +323,16 @@ class OneirosHook:
                 arb.cancel_restore(m)
 
     def _restored(self, led: _Ledger, lender: Instance, plan: LayerPlan | None) -> None:
-        """Bookkeeping of one restored layer; the lender then streams ``plan``
-        (the controller's plan for the alpha left, recomputed when None), or
-        double buffering when that is infeasible (its limit fell below alpha)."""
+        """Bookkeeping of one restored layer; the lender then streams ``plan``: the
+        controller's ``restore_plan`` for the alpha left (asked here when None), which
+        streams unhidden where that alpha no longer meets Eq. 4/5."""
         led.loans[lender.idx].pop()
         led.alpha[lender.idx] -= 1
         led.restores += 1
         a = led.alpha[lender.idx]
         if plan is None:
-            st = self._hook(lender)._state(led, lender)
-            t_c = (st.compute_s or 1.0) / st.n_layers
-            plan = plan_layers(st.n_layers, a, st.layer_transfer_s, t_c, self.controller.mode)
-        # an alpha the controller no longer accepts but that cannot be restored yet streams unhidden
-        # (double buffering), as the server's restore does
-        led.plan[lender.idx] = plan if plan.feasible else unhidden_plan(self._hook(lender).n_layers, a, FORCED)
+            plan = self.controller.restore_plan(self._hook(lender)._state(led, lender), a)
+        led.plan[lender.idx] = plan
 
     def stats(self) -> dict[str, Any]:
         """Common shape (``core.stats``). ``gpu_*`` counters are the GPU's shared

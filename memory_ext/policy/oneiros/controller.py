@@ -51,7 +51,9 @@ class OneirosController:
     * Alg. 1 l. 6-12, "foreach tensor in added KV cache: if tensor is empty,
       update the remapping": among remapped models in *reverse*
       ``remap_order`` (active models get their weights back first), the
-      first whose lent layer is empty -> RESTORE one layer of it.
+      first whose lent layer is empty -> RESTORE one layer of it, its plan
+      from ``restore_plan`` (feasible even where Eq. 4/5 no longer hold for
+      the alpha left: those layers keep streaming, unhidden).
     * otherwise HOLD.
 
     Reading of "the lent tensor is empty", engine-agnostic: the pool holding
@@ -114,6 +116,16 @@ class OneirosController:
             return unhidden_plan(model.n_layers, alpha, f"starved: no step runs to hide copies behind ({plan.reason})")
         return plan
 
+    def restore_plan(self, model: ModelState, alpha: int) -> LayerPlan:
+        """The plan a RESTORE to ``alpha`` lent layers streams: the O5 plan, or, where Eq. 4/5 no
+        longer hold for ``alpha`` (the layers were lent while starved, or the timings were
+        re-measured), ``unhidden_plan``: one layer comes back and the rest keep streaming through
+        two slots. Always feasible: a restore never waits for every lent layer to fit at once."""
+        plan = self._plan(model, alpha)
+        if plan.feasible:
+            return plan
+        return unhidden_plan(model.n_layers, alpha, f"restore one layer: {plan.reason}")
+
     def lent_layer_empty(self, model: ModelState) -> bool:
         """Alg. 1's "tensor is empty" for ``model``'s newest lent layer (class docstring)."""
         if self._free is None:
@@ -156,7 +168,7 @@ class OneirosController:
                     Action.RESTORE,
                     name,
                     target,
-                    self._plan(m, target),
+                    self.restore_plan(m, target),
                     f"lent layer empty: {vacant} free blocks hold its {m.blocks_per_layer} and leave "
                     f">= {self.high_watermark}",
                     limits,

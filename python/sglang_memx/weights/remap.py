@@ -30,7 +30,6 @@ from memory_ext.policy.oneiros import (
     OneirosController,
     RemapDecision,
     plan_layers,
-    unhidden_plan,
 )
 from memory_ext.policy.remap_signal import ArbiterSupply, KvSignal
 from memory_ext.policy.select_n import offloaded_layers
@@ -285,10 +284,6 @@ def decide(w, kv: ElasticKV, allocator, tree, scheduler, lent: LentPool | None, 
         t_layer = (state.compute_s or 1.0) / w.n_layers
         deeper = plan_layers(w.n_layers, decision.target_remapped, state.layer_transfer_s, t_layer, BufferMode.DOUBLE)
         plan = deeper if deeper.feasible else plan  # a starved head's plan need not meet Eq. 5
-    if decision.action is Action.RESTORE and not plan.feasible:
-        # the layers left lent no longer hide behind the step (lent while starved, or re-measured):
-        # give back one, as a feasible restore does, instead of waiting until every layer fits at once
-        plan = unhidden_plan(w.n_layers, decision.target_remapped, f"restore one layer: {plan.reason}")
     streamed = [w.layer_keys[j] for j in plan.shared_layers]
     return decision.action, streamed, w.depth if (w.depth and streamed) else plan.beta
 
