@@ -13,8 +13,9 @@ writer's ``time.monotonic()`` when it last published itself busy (0: never; one 
 processes of a host): how long a sibling has been idle, read by the lender's quiet rule.
 
 Invariants: a slot is written only by its own engine; a slot whose pid is not a live
-process (gone or a zombie) reads as idle (an engine that died, was SIGKILLed or restarted never holds cores it
-cannot use); a file of another layout is refused naming the path.
+process (gone or a zombie) reads as idle once its last busy stamp is ``FRESH_S`` old (an engine
+that died, was SIGKILLed or restarted holds cores it cannot use for at most that long); a file of
+another layout is refused naming the path.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class ComputeBoard:
             raise ComputeBoardError(f"{self.path}: slot {slot} is not one of {self.slots}")
         return _HEADER.size + slot * _SLOT.size
 
+    FRESH_S = 0.5  # a busy slot stamped this recently needs no /proc read (``states``)
+
     def publish(self, slot: int, pid: int, busy: bool, now: float) -> None:
         """The slot's pid and flag; its stamp becomes ``now`` only when ``busy`` (else it keeps
         the time the slot was last busy)."""
@@ -100,20 +103,24 @@ class ComputeBoard:
         pid, busy, stamp = _SLOT.unpack_from(self._view, self._offset(slot))
         return SlotState(pid, bool(busy), stamp)
 
-    def states(self, own_slot: int | None = None) -> list[SlotState]:
+    def states(self, own_slot: int | None = None, now: float | None = None) -> list[SlotState]:
         """Every slot, in one pass; a slot without a live writer reads as idle (its stamp kept).
         ``own_slot``: the caller's slot, whose writer is the caller (its liveness is not read from
-        /proc: that read was 1-2 % of a tiny model's scheduler iteration)."""
+        /proc: that read was 1-2 % of a tiny model's scheduler iteration). ``now`` (the caller's
+        ``time.monotonic()``): a busy slot stamped within ``FRESH_S`` of it was written by a live
+        engine that recently, so /proc is read only for a stale busy slot (a sibling in one long
+        forward, or dead); a dead sibling reads busy for at most ``FRESH_S``."""
         out = []
         for slot in range(self.slots):
             s = self.read(slot)
-            live = s.busy and (slot == own_slot or pid_alive(s.pid))
+            fresh = now is not None and 0.0 <= now - s.stamp < self.FRESH_S
+            live = s.busy and (slot == own_slot or fresh or pid_alive(s.pid))
             out.append(s if live == s.busy else SlotState(s.pid, live, s.stamp))
         return out
 
-    def busy_flags(self, own_slot: int | None = None) -> list[bool]:
+    def busy_flags(self, own_slot: int | None = None, now: float | None = None) -> list[bool]:
         """Each slot's busy flag (``states``)."""
-        return [s.busy for s in self.states(own_slot)]
+        return [s.busy for s in self.states(own_slot, now)]
 
     def close(self) -> None:
         self._view.close()

@@ -86,7 +86,7 @@ class ComputeLender:
             start, lent, whole = self._last
             (self.whole if whole else self.trial).observe(lent, now - start, decoded, now)
         self.board.publish(self.slot, os.getpid(), busy, now)
-        slots = self.board.states(own_slot=self.slot)  # our slot reads the ``busy`` just published
+        slots = self.board.states(own_slot=self.slot, now=now)  # our slot reads the ``busy`` just published
         own = self.table.shares[self.slot]
         on_offer = offer(self.slot, self.table, [s.busy for s in slots], [s.stamp for s in slots], now, self.quiet_s)
         offered, siblings_idle = on_offer.cores, on_offer.whole_device

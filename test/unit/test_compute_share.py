@@ -92,6 +92,10 @@ def test_board_is_shared_across_processes_and_a_dead_writer_reads_idle(tmp_path)
         assert board.busy_flags(own_slot=1) == [False, True]  # the caller's own slot: its word, no pid read
         dead = board.states()[1]  # read as idle, its pid and last-busy stamp kept
         assert (dead.busy, dead.pid, dead.stamp) == (False, child.pid, 5.0)
+        # a busy stamp fresher than FRESH_S is taken on its word (no /proc read); a stale one is not
+        assert board.busy_flags(now=5.0 + ComputeBoard.FRESH_S / 2) == [False, True]
+        assert board.busy_flags(now=5.0 + ComputeBoard.FRESH_S) == [False, False]
+        assert board.busy_flags(now=4.0) == [False, False]  # a stamp from the future is not fresh
     finally:
         child.kill()
         child.wait(30)
