@@ -67,6 +67,10 @@ class FreeListOps(Protocol):
     def free_per_group(self, handle, group_pages: int, num_groups: int) -> list[int]:
         """Free pages of each group, staged frees merged first."""
 
+    def counts_per_group(self, handle, group_pages: int, num_groups: int) -> list[int]:
+        """Free pages of each group, staged frees counted but not merged (a count only: a caller
+        that then drops groups from the free list uses ``free_per_group``, which merges)."""
+
     def groups_with_free_pages(self, handle, group_pages: int) -> list[int]:
         """Groups holding at least one free page (staged frees included)."""
 
@@ -320,14 +324,17 @@ class KVSpace:
         An upper estimate: it assumes the cached pages lie in those groups, so eviction (LRU,
         the engine's order) may empty fewer; callers re-check what eviction freed. Counting whole
         ``group_rows`` of evictable tokens instead would miss a partial last group (one page of
-        a server whose capacity is one group) and never evict for it.
+        a server whose capacity is one group) and never evict for it. A count: staged frees are
+        counted, not merged (this runs at every report to the arbiter; upstream sorts them when it
+        needs them).
         """
-        if evictable_pages <= 0:
-            return len(self.empty_groups(handle))
         mapped = [g for g in self.buffers.mapped_groups() if 0 < g < self.num_groups]
         if not mapped:
             return 0
-        counts = self.free_list.free_per_group(handle, self.group_pages, self.num_groups)
+        if evictable_pages <= 0 and self.free_list.count(handle) < min(self.group_pages, self._last_group_pages):
+            return 0  # no group can be all free: skip the O(free pages) count (as ``empty_groups``)
+        evictable_pages = max(0, evictable_pages)
+        counts = self.free_list.counts_per_group(handle, self.group_pages, self.num_groups)
         used = sorted(self.usable_pages(g) - counts[g] for g in mapped)
         n = 0
         for u in used:

@@ -456,3 +456,23 @@ def test_a_denied_tensor_parallel_rank_takes_only_its_ranks_share_of_what_is_lef
     assert lent.script.asked[1] == 2 * per_group and lent.borrow_fell_short  # less than it asked
     granted, granted_lent = _borrower(_FakeLockstepLent([True]))
     assert borrow_tokens(granted, granted_lent, 100) == 2 and not granted_lent.borrow_fell_short
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_per_group_count_sees_staged_frees_and_leaves_them_staged(page_size):
+    """``counts_per_group`` (the arbiter report's count) equals ``free_per_group`` (the shrink
+    path's, which merges upstream's staged frees) on both of upstream's allocators, and stages
+    nothing differently: upstream still holds its frees unsorted afterwards."""
+    kv, alloc, _, _ = _make(page_size)
+    kv.grow(alloc, 600)
+    got = alloc.alloc(512)
+    alloc.free(got[: len(got) // 2])  # staged (need_sort): not in the free list yet
+    staged = free_page_count(alloc) - len(alloc.free_pages)
+    assert staged > 0
+    fl = kv.free_list
+    counts = fl.counts_per_group(alloc, kv.group_pages, kv.num_groups)
+    assert free_page_count(alloc) - len(alloc.free_pages) == staged  # untouched
+    assert sum(counts) == free_page_count(alloc)
+    assert counts == fl.free_per_group(alloc, kv.group_pages, kv.num_groups)
+    assert free_page_count(alloc) == len(alloc.free_pages)  # free_per_group merged them
+    kv.check(alloc)

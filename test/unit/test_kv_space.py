@@ -38,6 +38,12 @@ class ListFreeList:
             counts[p // group_pages] += 1
         return counts
 
+    def counts_per_group(self, e, group_pages, num_groups):
+        counts = [0] * num_groups
+        for p in e.free + e.staged:
+            counts[p // group_pages] += 1
+        return counts
+
     def groups_with_free_pages(self, e, group_pages):
         return sorted({p // group_pages for p in e.free + e.staged})
 
@@ -107,6 +113,18 @@ def test_emptiable_groups_count_what_eviction_could_empty():
     engine.alloc(63 + 64 + 30)  # group 1 full, group 2 holds 30 pages, group 3 empty
     assert space.emptiable_groups(engine, 0) == 1
     assert space.emptiable_groups(engine, 30) == 2 and space.emptiable_groups(engine, 94) == 3
+
+
+def test_emptiable_groups_count_staged_frees_without_merging_them():
+    space, engine, _ = make()
+    space.grow(engine, 255)
+    taken = engine.alloc(63 + 64 + 30)  # group 1 full, group 2 holds 30 pages, group 3 empty
+    engine.release(taken[126:])  # group 1's last page and group 2's 30: staged, not merged
+    assert len(engine.staged) == 31
+    assert space.emptiable_groups(engine, 0) == 2  # groups 2 and 3 are all free, staged frees counted
+    assert space.emptiable_groups(engine, 63) == 3
+    assert len(engine.staged) == 31  # a count: the engine's staged frees stay as they were
+    assert space.empty_groups(engine) == [3, 2] and engine.staged == []  # the shrink path merges
 
 
 def test_the_pool_bounds_growth_and_a_refusal_maps_fewer_groups():

@@ -49,6 +49,12 @@ class UpstreamFreeList:
         up_kv.merge_staged_frees(allocator)
         return torch.bincount(up_kv.free_pages(allocator) // group_pages, minlength=num_groups).tolist()
 
+    def counts_per_group(self, allocator, group_pages: int, num_groups: int) -> list[int]:
+        pages = up_kv.all_free_pages(allocator)  # no merge: upstream's sort of the staged frees is not needed to count
+        if pages is None or pages.numel() == 0:
+            return [0] * num_groups
+        return torch.bincount(pages // group_pages, minlength=num_groups).tolist()
+
     def groups_with_free_pages(self, allocator, group_pages: int) -> list[int]:
         pages = up_kv.all_free_pages(allocator)
         if pages is None or pages.numel() == 0:

@@ -130,13 +130,31 @@ def set_free_pages(allocator, pages: torch.Tensor) -> None:
     allocator.free_pages = pages
 
 
+_PAGED = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
+
+
+def _paged(allocator) -> bool:
+    """The paged allocator stages its frees in a list of its own (``staged_pages``, counted in
+    ``num_staged_pages``), not in the base class's ``release_pages``."""
+    return isinstance(allocator, resolve(_PAGED))
+
+
 def clear_staged_frees(allocator, device) -> None:
-    """Empty the staged frees (``release_pages``) after the free list was rebuilt."""
+    """Empty the staged frees after the free list was rebuilt."""
     allocator.release_pages = torch.empty((0,), dtype=torch.int64, device=device)
+    if _paged(allocator):
+        paged_allocator = allocator
+        paged_allocator.staged_pages = []
+        paged_allocator.num_staged_pages = 0
 
 
 def free_page_count(allocator) -> int:
-    """Pages in the free list plus pages staged by ``free`` and not merged yet."""
+    """Pages in the free list plus pages staged by ``free`` and not merged yet (either
+    allocator's staging: before, the paged allocator's staged frees were not counted, so memx
+    mapped groups a free list about to be merged did not need)."""
+    if _paged(allocator):
+        paged_allocator = allocator
+        return len(allocator.free_pages) + paged_allocator.num_staged_pages
     return len(allocator.free_pages) + len(allocator.release_pages)
 
 

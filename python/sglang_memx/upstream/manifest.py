@@ -157,6 +157,7 @@ MEMBERS: dict[str, dict[str, str | None]] = {
         "page_size": None, "free_pages": None, "release_pages": None, "merge_and_sort_free": None,
         "get_all_free_pages": None, "available_size": None, "get_kvcache": "KVCache", "alloc": None, "free": None,
     },
+    "PagedTokenToKVPoolAllocator": {"staged_pages": None, "num_staged_pages": None},
     "BasePrefixCache": {"evictable_size": None, "supports_prefix_sharing": None, "evict": "EvictResult",
                         "match_prefix": "MatchResult", "lock": None, "unlock": None},
     "RadixCache": {"insert": None},
@@ -278,7 +279,7 @@ ROLES: dict[str, str] = {
     "sleeper": "IdleSleeper", "causal_lm": "LlamaForCausalLM", "lm_body": "LlamaModel",
     "unified": "UnifiedRadixCache", "match_params": "MatchPrefixParams", "insert_params": "InsertParams",
     "radix_key": "RadixKey", "pool_config": "MemoryPoolConfig", "attn_layer": "RadixAttention",
-    "req_pool": "ReqToTokenPool",
+    "req_pool": "ReqToTokenPool", "paged_allocator": "PagedTokenToKVPoolAllocator",
 }  # fmt: skip
 
 
