@@ -94,6 +94,8 @@ def server(setup: str, model: Path, pool_dir: Path, base: Path | None = None, tp
         env.update(TP2_ENV)
     if setup.endswith(BASE):
         env["PYTHONPATH"] = f"{base}/python:{base}"  # ahead of the editable install of this checkout
+        env["PYTHONSAFEPATH"] = "1"  # and no working directory ahead of it (run from this checkout, the
+        # server took memory_ext from here and sglang_memx from ``base``)
     return SGLangServer(model, name=f"floor-{setup}", stock=setup == "stock", extra_args=COMMON + extra, env=env)
 
 

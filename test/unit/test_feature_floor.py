@@ -100,6 +100,7 @@ def test_a_base_setup_runs_the_same_flags_on_the_base_checkouts_code(tmp_path):
     new, old = F.server("ekv-pool", tmp_path, tmp_path), F.server("ekv-pool@base", tmp_path, tmp_path, base)
     assert "PYTHONPATH" not in new.env or str(base) not in new.env["PYTHONPATH"]
     assert old.env["PYTHONPATH"] == f"{base}/python:{base}" and not old.stock
+    assert old.env["PYTHONSAFEPATH"] == "1"  # no working directory ahead of the base checkout
     # the same flags, on a pool of its own (its arbiter runs the base code too)
     assert F.flags_of("ekv-pool@base") == [
         "--memx-elastic-kv",
