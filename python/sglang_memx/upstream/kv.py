@@ -139,23 +139,28 @@ def _paged(allocator) -> bool:
     return isinstance(allocator, resolve(_PAGED))
 
 
+def _clear_paged_staging(paged_allocator) -> None:
+    paged_allocator.staged_pages = []
+    paged_allocator.num_staged_pages = 0
+
+
+def _paged_staged_count(paged_allocator) -> int:
+    return paged_allocator.num_staged_pages
+
+
 def clear_staged_frees(allocator, device) -> None:
     """Empty the staged frees after the free list was rebuilt."""
     allocator.release_pages = torch.empty((0,), dtype=torch.int64, device=device)
     if _paged(allocator):
-        paged_allocator = allocator
-        paged_allocator.staged_pages = []
-        paged_allocator.num_staged_pages = 0
+        _clear_paged_staging(allocator)
 
 
 def free_page_count(allocator) -> int:
     """Pages in the free list plus pages staged by ``free`` and not merged yet (either
     allocator's staging: before, the paged allocator's staged frees were not counted, so memx
     mapped groups a free list about to be merged did not need)."""
-    if _paged(allocator):
-        paged_allocator = allocator
-        return len(allocator.free_pages) + paged_allocator.num_staged_pages
-    return len(allocator.free_pages) + len(allocator.release_pages)
+    staged = _paged_staged_count(allocator) if _paged(allocator) else len(allocator.release_pages)
+    return len(allocator.free_pages) + staged
 
 
 def merge_staged_frees(allocator) -> None:
