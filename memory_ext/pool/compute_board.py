@@ -49,6 +49,8 @@ class SlotState:
 class ComputeBoard:
     """One mapped board file of ``slots`` records (``create`` writes it, ``open`` maps and checks it)."""
 
+    FRESH_S = 0.5  # a busy slot stamped this recently needs no /proc read (``states``)
+
     def __init__(self, path: Path, slots: int, view: mmap.mmap):
         self.path, self.slots, self._view = path, slots, view
 
@@ -89,8 +91,6 @@ class ComputeBoard:
         if not 0 <= slot < self.slots:
             raise ComputeBoardError(f"{self.path}: slot {slot} is not one of {self.slots}")
         return _HEADER.size + slot * _SLOT.size
-
-    FRESH_S = 0.5  # a busy slot stamped this recently needs no /proc read (``states``)
 
     def publish(self, slot: int, pid: int, busy: bool, now: float) -> None:
         """The slot's pid and flag; its stamp becomes ``now`` only when ``busy`` (else it keeps

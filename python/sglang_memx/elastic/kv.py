@@ -47,7 +47,7 @@ class UpstreamFreeList:
 
     def free_per_group(self, allocator, group_pages: int, num_groups: int) -> list[int]:
         up_kv.merge_staged_frees(allocator)
-        return torch.bincount(up_kv.free_pages(allocator) // group_pages, minlength=num_groups).tolist()
+        return self.counts_per_group(allocator, group_pages, num_groups)
 
     def counts_per_group(self, allocator, group_pages: int, num_groups: int) -> list[int]:
         pages = up_kv.all_free_pages(allocator)  # no merge: upstream's sort of the staged frees is not needed to count

@@ -23,14 +23,7 @@ from collections.abc import Callable
 
 from memory_ext.policy import remap_signal
 from memory_ext.policy.interval_manager import IntervalManager, demand_from_profile, demand_from_timings, stream_budget
-from memory_ext.policy.oneiros import (
-    Action,
-    BufferMode,
-    ModelState,
-    OneirosController,
-    RemapDecision,
-    plan_layers,
-)
+from memory_ext.policy.oneiros import Action, BufferMode, ModelState, OneirosController, RemapDecision, plan_layers
 from memory_ext.policy.remap_signal import ArbiterSupply, KvSignal
 from memory_ext.policy.select_n import offloaded_layers
 from memory_ext.pool import PoolError
