@@ -202,3 +202,28 @@ def test_a_restore_past_the_hiding_bounds_gives_back_one_layer(monkeypatch):
     action, streamed, slots = remap.decide(w, kv, None, None, idle, None, None, busy=False)
     assert action is Action.RESTORE and (len(streamed), slots) == (4, 2), (streamed, slots, w.last_reason)
     assert w.last_reason.startswith("lent layer empty")
+
+
+def test_a_deeper_prefetch_streams_the_controllers_plan(monkeypatch):
+    """``--memx-prefetch-depth 3``: the controller plans in DOUBLE mode (``buffer_mode``), the layers
+    streamed are its plan's, and they rotate through the 3 slots asked for. Here no step is
+    measured yet and the head starves, so its plan is the unhidden one (no timing condition)."""
+    from types import SimpleNamespace
+
+    from memory_ext.policy.oneiros import Action, BufferMode, unhidden_plan
+    from sglang_memx.weights import remap
+    from support.fakes import FakeReq, FakeScheduler
+
+    w = _state(depth=3)
+    kv = SimpleNamespace(buffers=SimpleNamespace(chunks_per_group=1))
+    monkeypatch.setattr(remap, "free_kv_groups", lambda *args: 0)  # the head waits for KV
+    head_waits = FakeScheduler(waiting=[FakeReq()])
+    head_waits.last_batch = None
+    assert w.decode_step_s is None and w.prefill_step_s is None
+    action, streamed, slots = remap.decide(w, kv, None, None, head_waits, None, None, busy=False)
+    assert action is Action.REMAP, w.last_reason
+    assert w.controller.mode is BufferMode.DOUBLE
+    plan = w.controller.decide().plan
+    assert plan.reason.startswith("starved") and plan.alpha == 1
+    assert streamed == [w.layer_keys[j] for j in unhidden_plan(w.n_layers, 1, "").shared_layers] == [0, 2, 5]
+    assert slots == 3

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from memory_ext.policy import remap_signal
 from memory_ext.policy.interval_manager import IntervalManager, demand_from_profile, demand_from_timings, stream_budget
-from memory_ext.policy.oneiros import Action, BufferMode, ModelState, OneirosController, RemapDecision, plan_layers
+from memory_ext.policy.oneiros import Action, BufferMode, ModelState, OneirosController, RemapDecision
 from memory_ext.policy.remap_signal import ArbiterSupply, KvSignal
 from memory_ext.policy.select_n import offloaded_layers
 from memory_ext.pool import PoolError
@@ -272,11 +272,7 @@ def decide(w, kv: ElasticKV, allocator, tree, scheduler, lent: LentPool | None, 
         w.last_reason = decision.reason
     if decision.action is Action.HOLD:
         return Action.HOLD, [], 0
-    plan = decision.plan
-    if decision.target_remapped > 0 and w.depth is not None and w.depth > 2:  # more slots than Eq. 5's two
-        t_layer = (state.compute_s or 1.0) / w.n_layers
-        deeper = plan_layers(w.n_layers, decision.target_remapped, state.layer_transfer_s, t_layer, BufferMode.DOUBLE)
-        plan = deeper if deeper.feasible else plan  # a starved head's plan need not meet Eq. 5
+    plan = decision.plan  # the controller's (DOUBLE mode when --memx-prefetch-depth > 2: buffer_mode)
     streamed = [w.layer_keys[j] for j in plan.shared_layers]
     return decision.action, streamed, w.depth if (w.depth and streamed) else plan.beta
 
