@@ -93,6 +93,8 @@ def test_a_silent_client_holds_the_responder_no_longer_than_its_budget(monkeypat
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=5):  # connects, never sends a byte
             assert _get(port) == (503, str(RETRY_AFTER_S), {"status": "starting"})  # answered behind it
+        # the responder counts after its send returns: the client may read the answer first
+        wait_until(lambda: responder.answered == 1, timeout=5.0, what="the answer counted", interval=0.01)
         assert responder.answered == 1
     finally:
         responder.stop()
