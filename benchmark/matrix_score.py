@@ -15,7 +15,10 @@ Definitions (the same for every setup):
 * A cell's pairs are the rounds: ``memx@k`` of round r over the best split's run of round r.
   Ratios of attainment: 0/0 counts as 1 (both missed everything), x/0 for x > 0 as infinity.
 * No harm in a cell: the median ratio >= 1.0 and every pair >= 0.95. The win (only claimed where
-  memory binds and the scale is >= 10): the median ratio >= 1.3.
+  memory binds and the scale is >= 10): the median ratio >= 1.3. Attainment is at most 1, so the
+  win is *out of reach* where the best split's median attainment is above 1 / 1.3 (0.77): no memx
+  could reach it there (``win_reachable``; the claims list those cells apart, and they still count
+  as no win for ``matrix_holds``: the criterion is the issue's).
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ def cell(memx: Sequence[Mapping], stock: Mapping[str, Sequence[Mapping]], order:
     vs_best = ratios(best)
     no_harm = vs_best["median"] >= NO_HARM_MEDIAN and all(v >= NO_HARM_EVERY_PAIR for v in vs_best["values"])
     win_asked = memory_bound and scale >= WIN_MIN_SCALE
+    best_median = statistics.median(r["attainment"] for r in stock[best]) if rounds else 0.0
     costs = {}
     for key in ("throughput_tok_s", "ttft_p50_s", "ttft_tail_s", "tpot_p50_s", "goodput_tok_s"):
         costs[key] = _spread([m[key] / s[key] if s[key] else math.nan for m, s in zip(memx, stock[best])])
@@ -139,6 +143,8 @@ def cell(memx: Sequence[Mapping], stock: Mapping[str, Sequence[Mapping]], order:
         "no_harm": no_harm,
         "win_asked": win_asked,
         "win": (vs_best["median"] >= WIN_MEDIAN) if win_asked else None,
+        # attainment is at most 1: above 1 / WIN_MEDIAN for the best split, no memx reaches the win
+        "win_reachable": (best_median * WIN_MEDIAN <= 1.0) if win_asked else None,
     }
 
 
@@ -149,13 +155,16 @@ def _totals(key: str, memx: Sequence[Mapping], stock: Mapping[str, Sequence[Mapp
 
 def claims(cells: Mapping[str, Mapping[str, Mapping]]) -> dict:
     """``cells[workload][scale]`` -> the claims dict: no harm per cell, the win per memory-bound
-    cell at scale >= 10, and whether the whole matrix holds (issue 26's done-when)."""
-    out = {"no_harm": {}, "win_where_memory_binds": {}}
+    cell at scale >= 10 (and which of those cells the win is out of reach in), and whether the whole
+    matrix holds (issue 26's done-when)."""
+    out = {"no_harm": {}, "win_where_memory_binds": {}, "win_out_of_reach": []}
     for workload, by_scale in cells.items():
         for scale, c in by_scale.items():
             out["no_harm"][f"{workload}@{scale}"] = c["no_harm"]
             if c["win_asked"]:
                 out["win_where_memory_binds"][f"{workload}@{scale}"] = c["win"]
+                if c.get("win_reachable") is False:  # results scored before the field: not listed
+                    out["win_out_of_reach"].append(f"{workload}@{scale}")
     out["matrix_holds"] = bool(out["no_harm"]) and all(out["no_harm"].values()) and all(
         out["win_where_memory_binds"].values())  # fmt: skip
     return out

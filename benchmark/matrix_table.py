@@ -33,6 +33,9 @@ def _verdict(c: dict) -> str:
     out = "no harm" if c["no_harm"] else "**harm**"
     if c["win_asked"]:
         out += ", win ≥ 1.3×" if c["win"] else ", **no 1.3× win**"
+        if c.get("win_reachable") is False:
+            best = c["attainment"][c["best_split"]]["median"]
+            out += f" (out of reach: 1.3× the best split's {best:.2f} is above 1)"
     return out
 
 
@@ -78,8 +81,11 @@ def table(doc: dict) -> list[str]:
     cl = doc["claims"]
     missing = "; ".join(f"{k} ({v})" for k, v in doc.get("missing_workloads", {}).items())
     verdict = "yes" if cl["matrix_holds"] else "no"
+    out_of_reach = cl.get("win_out_of_reach") or []
+    reach = (f"The 1.3× win is out of reach in {', '.join(out_of_reach)} (the best split attains above 1 / 1.3: "
+             "no memx could; counted as no win). " if out_of_reach else "")  # fmt: skip
     lines += ["", f"Matrix holds (no harm in every cell, the win where memory binds at ≥ ×10): **{verdict}**. "
-                  f"Workloads not in the driver yet: {missing}."]  # fmt: skip
+                  f"{reach}Workloads not in the driver yet: {missing}."]  # fmt: skip
     return lines
 
 

@@ -86,6 +86,20 @@ def test_cell_win_asked_only_where_memory_binds_at_scale_10_or_more():
     assert c["no_harm"] == {"w@5": True, "w@20": True}
     assert c["win_where_memory_binds"] == {"w@20": False}
     assert c["matrix_holds"] is False
+    assert (win["win_reachable"], small["win_reachable"], tight["win_reachable"]) == (True, True, None)
+    assert c["win_out_of_reach"] == []  # the best split at 0.5: memx at 0.65 would be the win
+
+
+@pytest.mark.parametrize("best, reachable", [(0.5, True), (0.769, True), (0.771, False), (1.0, False)])
+def test_the_win_is_out_of_reach_where_the_best_split_attains_above_1_over_1_3(best, reachable):
+    """Attainment is at most 1: against a best split above 1 / 1.3, a perfect memx misses the win.
+    Such a cell is listed apart in the claims and still counts as no win for ``matrix_holds``."""
+    stock = {"equal": [run(best)] * 5}
+    perfect = cell([run(1.0)] * 5, stock, ["equal"], "equal", memory_bound=True, scale=10)
+    assert perfect["win_reachable"] is reachable and perfect["win"] is reachable
+    c = claims({"w": {"10": perfect}})
+    assert c["win_out_of_reach"] == ([] if reachable else ["w@10"])
+    assert c["matrix_holds"] is reachable
 
 
 def test_cell_refuses_rounds_of_different_lengths():
