@@ -37,6 +37,7 @@ BLOCKS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("feature_floor_tp2", (("ekv-pool", "ekv"),)),
     ("feature_floor_tp2_check", (("ekv", "ekv@base"),)),
     ("feature_floor_report", (("ekv-pool", "ekv-pool@base"),)),
+    ("feature_floor_2026-12-07", (("ekv-pool", "ekv"),)),
 )
 METRICS = (("ttft_ms", "TTFT p50 ms", ".2f"), ("tpot_ms", "TPOT p50 ms", ".3f"),
            ("sched_cpu_ms_per_request", "scheduler CPU ms / request", ".1f"))  # fmt: skip
