@@ -19,7 +19,8 @@ from benchmark.doc_blocks import check_args, write_or_check
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "governor.md"
 RESULTS = [
-    REPO / "benchmark" / "results" / "e2e" / f"{name}.json" for name in ("matrix_bursty2", "matrix", "matrix_steady2")
+    REPO / "benchmark" / "results" / "e2e" / f"{name}.json"
+    for name in ("matrix_bursty2", "matrix", "matrix_steady2", "matrix_x2_2026-12-07")
 ]
 BEGIN = "<!-- generated: python -m benchmark.matrix_table -->"
 END = "<!-- end generated: matrix -->"
