@@ -121,7 +121,8 @@ def cell(memx: Sequence[Mapping], stock: Mapping[str, Sequence[Mapping]], order:
     vs_best = ratios(best)
     no_harm = vs_best["median"] >= NO_HARM_MEDIAN and all(v >= NO_HARM_EVERY_PAIR for v in vs_best["values"])
     win_asked = memory_bound and scale >= WIN_MIN_SCALE
-    best_median = statistics.median(r["attainment"] for r in stock[best]) if rounds else 0.0
+    attainment = {"memx": _spread([m["attainment"] for m in memx]),
+                  **{name: _spread([r["attainment"] for r in runs]) for name, runs in stock.items()}}  # fmt: skip
     costs = {}
     for key in ("throughput_tok_s", "ttft_p50_s", "ttft_tail_s", "tpot_p50_s", "goodput_tok_s"):
         costs[key] = _spread([m[key] / s[key] if s[key] else math.nan for m, s in zip(memx, stock[best])])
@@ -130,10 +131,7 @@ def cell(memx: Sequence[Mapping], stock: Mapping[str, Sequence[Mapping]], order:
         "rounds": rounds,
         "best_split": best,
         "default_split": default,
-        "attainment": {
-            "memx": _spread([m["attainment"] for m in memx]),
-            **{name: _spread([r["attainment"] for r in runs]) for name, runs in stock.items()},
-        },
+        "attainment": attainment,
         "failed": _totals("failed", memx, stock),
         "requests": _totals("requests", memx, stock),
         "ratio_vs_best": vs_best,
@@ -144,7 +142,7 @@ def cell(memx: Sequence[Mapping], stock: Mapping[str, Sequence[Mapping]], order:
         "win_asked": win_asked,
         "win": (vs_best["median"] >= WIN_MEDIAN) if win_asked else None,
         # attainment is at most 1: above 1 / WIN_MEDIAN for the best split, no memx reaches the win
-        "win_reachable": (best_median * WIN_MEDIAN <= 1.0) if win_asked else None,
+        "win_reachable": (attainment[best]["median"] * WIN_MEDIAN <= 1.0) if win_asked else None,
     }
 
 
