@@ -8,6 +8,9 @@ For the families stock upstream serves on CPU (``benchmark/results/families/prob
   retraction under pressure, prefill offload), greedy outputs compared with stock's, memx's counters
   recorded. Then the peer tier: the stock server's answers to six 160-token conversations, and a donor
   and a small borrower on one shared pool answering them (spills to and hits from the donor).
+* ``mla`` (DeepSeek-V2, which upstream does not run on CPU): elastic KV and the host buffer are launched to
+  show memx building its pool before upstream's own warm-up failure (their test is at the pool level,
+  ``test/unit/test_mla_elastic_pool.py``); the other features must be refused at launch.
 * every other family: one launch per feature (or one for all, when memx refuses the family whatever the
   feature), with the memx refusal quoted from the server's log.
 
@@ -75,7 +78,12 @@ STATIC_CELLS = {
 TP2_SERVED = {f: {"verdict": "works", "test": _T + "test_tensor_parallel.py"}
               for f in ("elastic_kv", "host_buffer", "weights")}  # fmt: skip
 # Families memx refuses whatever the feature, and upstream does not serve on CPU either: one launch
-REFUSED_ONCE = ("mla", "swa_gpt_oss", "hybrid_linear")
+REFUSED_ONCE = ("swa_gpt_oss", "hybrid_linear")
+# MLA: elastic KV and the host buffer back upstream's MLA pool (tested at the pool level on CPU, since upstream's
+# DeepSeek models stop in their warm-up here); in a server memx must build its pool before upstream's own failure
+MLA_POOL_TEST = "test/unit/test_mla_elastic_pool.py"
+MLA_POOL_LEVEL = ("elastic_kv", "host_buffer")
+_BUILT = re.compile(r"memx: elastic KV on \w+: .*")
 
 
 def feature_args(feature: str, pool_dir: str) -> list[str]:
@@ -110,6 +118,36 @@ def launch_refusal(family: Family, path: Path, feature: str, timeout: float) -> 
     return {"verdict": "refused" if code == 2 and message else "unexpected", "exit_code": code,
             "message": message, "memx_args": feature_args(feature, "DIR"), "wall_s": round(time.monotonic() - t0, 1),
             "stage": "launch (argument parsing, before any model is loaded)"}  # fmt: skip
+
+
+def pool_level_launch(family: Family, path: Path, feature: str, timeout: float) -> dict:
+    """Launch a memx server of ``family`` (which upstream does not run on CPU) with ``feature``'s flags: memx
+    must build its elastic pool (its log line) and the server then stop in upstream's own failure, as stock's."""
+    from benchmark.families_probe import refusal
+
+    with tempfile.TemporaryDirectory() as pool_dir:
+        args = COMMON + list(family.extra_args) + feature_args(feature, pool_dir)
+        server = SGLangServer(path, name=f"fam-pool-{family.key}-{feature}", extra_args=args, env=dict(family.env))
+        t0 = time.monotonic()
+        server.start()
+        try:
+            code = server.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            server.stop()
+    lines = server.log_path.read_text(errors="replace").splitlines()
+    built = next((m[0] for m in map(_BUILT.search, lines) if m), None)
+    failure = refusal(lines)
+    ok = code not in (0, None) and built is not None and failure is not None
+    return {"verdict": "pool_level" if ok else "unexpected", "exit_code": code, "built": built, "note": failure,
+            "test": MLA_POOL_TEST, "memx_args": feature_args(feature, "DIR"),
+            "wall_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
+def mla_cells(family: Family, path: Path, timeout: float) -> dict:
+    return {f: (pool_level_launch if f in MLA_POOL_LEVEL else launch_refusal)(family, path, f, timeout)
+            for f in FEATURES}  # fmt: skip
 
 
 # ------------------------------------------------------------------ Gemma2: the served features
@@ -282,6 +320,8 @@ def run_family(key: str, cache_root: Path, timeout: float) -> dict:
         row["cells"] = STATIC_CELLS[key]
     elif key == "sliding_window":
         row.update(run_served(family, path, model, timeout))
+    elif key == "mla":
+        row["cells"] = mla_cells(family, path, timeout)
     elif key in REFUSED_ONCE:
         row["cells"] = {"all": launch_refusal(family, path, "elastic_kv", timeout)}
     else:

@@ -120,6 +120,13 @@ def memx_cell(cell: dict, notes: list[str], feature: str = "") -> str:
                          f"{remap['max_lent_layers']} layers released")  # fmt: skip
         counters = f"; {', '.join(shown)}" if shown else ""
         return f"**works on CPU**, greedy = stock ({_test_ref(cell['test'])}{counters})"
+    if cell["verdict"] == "pool_level":
+        if cell["note"] not in notes:
+            notes.append(cell["note"])
+        return (
+            f"**pool level on CPU** ({_test_ref(cell['test'])}); in a server memx built it, then upstream's "
+            f"model stopped as in stock [{notes.index(cell['note']) + 1}]"
+        )
     if cell["verdict"] in ("refused", "upstream"):
         note = cell["message"] if cell["verdict"] == "refused" else cell["note"]
         if note not in notes:

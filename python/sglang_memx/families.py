@@ -34,6 +34,7 @@ from sglang_memx.config import MemxConfig, MemxConfigError
 
 FLAG = "--memx-elastic-kv"
 ELASTIC_POOL = "MHATokenToKVPool"
+MLA_POOL = "MLATokenToKVPool"
 HYBRID_SWA_POOL = "SWAKVPool"
 # What runs at tensor parallel size > 1: elastic KV on each rank's pool (KV and activations ballooning), own
 # or shared (every rank a client of the arbiter, ``coordinator.rank_pools``)
@@ -45,6 +46,11 @@ TP_READY_FLAGS = ("--memx-elastic-kv", "--memx-pool-budget-gb", "--memx-chunk-kb
 # ranks in upstream's prepare_for_extend ("Out of memory", 2 tokens short), cause not found
 TP_WEIGHTS_FLAGS = ("--memx-weights", "--memx-weights-streamed", "--memx-prefetch-depth", "--memx-tbt-slo-ms",
                     "--memx-weights-profile", "--memx-weights-idle-after-s")  # fmt: skip
+# What runs on the MLA pool (one latent row per token and layer, ``upstream.kv.plain_mla_refusal``): elastic KV,
+# own or shared, the host buffer and the governor, which see rows and pages whatever the row holds. Remappable
+# weights (layer discovery is written for the Llama-like and Gemma2 decoders), the peer tier and the layer stream
+# cache (they move K and V rows of an MHA pool) are refused
+MLA_READY_FLAGS = TP_READY_FLAGS
 UNKNOWN_MODEL = "this model"
 _POOL_WHY = {
     HYBRID_SWA_POOL: " (a full-attention and a sliding-window sub-pool of different sizes; backing one of them "
@@ -113,6 +119,9 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
             f"run with --tp 1 or without "
             f"{', '.join(not_ready)}",
         )
+    if shape.pool_class == MLA_POOL:
+        _check_mla(config, shape.model_class)
+        return
     if shape.pool_class is not None and shape.pool_class != ELASTIC_POOL:
         raise MemxConfigError(
             FLAG,
@@ -120,6 +129,21 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
             f"elastic KV{_dependent_flags(config)} backs a single {ELASTIC_POOL} only (unquantized, NHD layout); "
             f"run without the flag",
         )
+
+
+def _check_mla(config: MemxConfig, model_class: str) -> None:
+    """The MLA pool: elastic KV and what rides on it (``MLA_READY_FLAGS``); any other flag refused by name."""
+    not_ready = [f for f in config.requested_flags() if f not in MLA_READY_FLAGS]
+    if not not_ready:
+        return
+    verb = "is" if len(not_ready) == 1 else "are"
+    raise MemxConfigError(
+        not_ready[0],
+        f"{model_class} is served from upstream's {MLA_POOL} (one compressed latent per token and layer); memx backs "
+        f"it with elastic KV, own or shared, the host buffer and the governor; {', '.join(not_ready)} {verb} not "
+        f"written for it (remappable weights find the layers of Llama-like and Gemma2 decoders only; the peer tier "
+        f"and the layer stream cache move an MHA pool's K and V rows); run without {', '.join(not_ready)}",
+    )
 
 
 def checkpoint_config(model_path: str) -> dict | None:

@@ -148,10 +148,16 @@ def test_the_launcher_serves_elastic_kv_at_tensor_parallel_two_and_refuses_the_r
     _check(["--model-path", model, "--tp", "2"])
 
 
-def test_the_launcher_names_an_mla_checkpoints_pool(tmp_path):
+def test_the_launcher_serves_elastic_kv_on_an_mla_checkpoint_and_refuses_the_rest_by_name(tmp_path):
     model = _checkpoint(tmp_path, "DeepseekV2ForCausalLM", kv_lora_rank=32)
-    with pytest.raises(MemxConfigError, match="DeepseekV2ForCausalLM is served from upstream's MLATokenToKVPool"):
-        _check(["--model-path", model, "--memx-elastic-kv"])
+    assert _check(["--model-path", model, "--memx-elastic-kv"]).elastic_kv
+    assert _check(["--model-path", model, "--memx-elastic-kv", "--memx-pool", "dev0", "--memx-host-buffer-gb", "1",
+                   "--memx-ttft-slo-ms", "500", "--memx-tpot-slo-ms", "50"]).governed  # fmt: skip
+    for flags, named in ((["--memx-pool-budget-gb", "1", "--memx-weights", "remap"], "--memx-weights"),
+                         (["--memx-pool", "dev0", "--memx-peer-kv", "borrow"], "--memx-peer-kv")):  # fmt: skip
+        with pytest.raises(MemxConfigError, match="DeepseekV2ForCausalLM is served from upstream's MLATokenTo") as e:
+            _check(["--model-path", model, "--memx-elastic-kv", *flags])
+        assert e.value.flag == named and f"run without {named}" in str(e.value)
 
 
 def test_the_server_parser_exits_2_naming_the_flag_model_and_pool(tmp_path, capsys):
@@ -180,7 +186,9 @@ def _configurator(*, tp=1, pp=1, hybrid_swa=False, mla=False, mamba=None, arch="
 @pytest.mark.parametrize(
     "kwargs,named",
     [({"hybrid_swa": True}, "MellumForCausalLM is served from upstream's SWAKVPool"),
-     ({"mla": True}, "upstream's MLATokenToKVPool"), ({"mamba": object()}, "upstream's HybridLinearKVPool"),
+     ({"mla": True, "config": MemxConfig(elastic_kv=True, pool_budget_gb=1.0, weights="remap")},
+      "upstream's MLATokenToKVPool .*--memx-weights (is|are) not written for it"),
+     ({"mamba": object()}, "upstream's HybridLinearKVPool"),
      ({"pp": 2}, "at pipeline parallel size 2 builds one MHATokenToKVPool per stage"),
      ({"tp": 2, "hybrid_swa": True}, "MellumForCausalLM is served from upstream's SWAKVPool"),
      ({"tp": 2, "config": MemxConfig(elastic_kv=True, pool="dev0", peer_kv="borrow")},
@@ -190,7 +198,9 @@ def test_the_pool_build_refuses_before_building(kwargs, named):
     with pytest.raises(MemxConfigError, match=named) as info:
         with pool_build.scope(_configurator(**kwargs)):
             raise AssertionError("the build must not open")
-    assert info.value.flag == ("--memx-peer-kv" if "config" in kwargs else "--memx-elastic-kv")
+    flag = {"peer_kv": "--memx-peer-kv", "weights": "--memx-weights"}
+    want = next((f for k, f in flag.items() if getattr(kwargs.get("config"), k, "off") != "off"), "--memx-elastic-kv")
+    assert info.value.flag == want
     assert pool_build.current() is None
 
 
@@ -209,6 +219,13 @@ def test_the_pool_build_at_tensor_parallel_two_balloons_without_the_arena():
 def test_the_pool_build_opens_for_one_mha_pool():
     with pool_build.scope(_configurator(arch="Gemma2ForCausalLM")) as build:
         assert build is not None and build.model_class == "Gemma2ForCausalLM"
+    assert pool_build.current() is None
+
+
+def test_the_pool_build_opens_for_the_mla_pool():
+    config = MemxConfig(elastic_kv=True, host_buffer_gb=0.5, ttft_slo_ms=500.0, tpot_slo_ms=50.0)
+    with pool_build.scope(_configurator(arch="DeepseekV2ForCausalLM", mla=True, config=config)) as build:
+        assert build is not None and build.model_class == "DeepseekV2ForCausalLM"
     assert pool_build.current() is None
 
 

@@ -123,3 +123,15 @@ def test_the_probe_tables_memx_column_points_to_the_memx_table():
     assert column["swa_mellum"] == "refused at launch (table below) |"
     assert column["new_probe"] == "not yet tested with memx |"  # a probe without a memx.json row
     assert column["fp8_kv"] == "see the table below |"
+
+
+def test_a_pool_level_cell_names_its_test_and_quotes_upstreams_failure_once():
+    doc = _memx_doc()
+    pool_level = {"verdict": "pool_level", "test": "test/unit/test_mla_elastic_pool.py", "built": "memx: elastic KV",
+                  "note": "x.py:1 in f: g() -> RuntimeError: y"}  # fmt: skip
+    doc["rows"][2]["cells"] = {"elastic_kv": pool_level, "host_buffer": pool_level,
+                               "weights": doc["rows"][1]["cells"]["weights"], "peer_kv": pool_level}  # fmt: skip
+    text = ft.render_memx(doc)
+    row = next(ln for ln in text.splitlines() if ln.startswith("| d |"))
+    assert row.count("**pool level on CPU** (`test_mla_elastic_pool.py`)") == 3 and row.count("stock [2]") == 3
+    assert "**refused** at launch [1]" in row and "2. `x.py:1 in f: g() -> RuntimeError: y`" in text

@@ -133,7 +133,9 @@ def test_adopt_snapshots_slabs_and_alloc_free_continue_from_it():
 # ------------------------------------------------------------------ a server's slab view
 
 GEOMETRY = {  # float32, 2 layers, 2 KV heads x 16 (test model A), page size 1
+    "kind": "mha",
     "layers": 2,
+    "row_bytes": [128] * 4,
     "kv_heads": 2,
     "head_dim": 16,
     "v_head_dim": 16,
@@ -164,7 +166,9 @@ def test_cell_format_matches_the_groups_and_f2():
     assert kv.slab.slab_units == kv.buffers.chunks_per_group == 4
     assert kv.slab.key == "float32 L2 2x16"
     assert kv.cell["token_bytes_per_layer"] == 2 * 16 * 2 * 4 == 256  # heads x head_dim x 2 x bytes
-    fp8 = dict(GEOMETRY, dtype=torch.float8_e5m2, store_dtype=torch.uint8, k_row_bytes=32, v_row_bytes=32)
+    fp8 = dict(
+        GEOMETRY, dtype=torch.float8_e5m2, store_dtype=torch.uint8, k_row_bytes=32, v_row_bytes=32, row_bytes=[32] * 4
+    )
     cell, fmt = cell_format(fp8, CHUNK)
     assert cell["token_bytes_per_layer"] == 64 and fmt.bytes_per_token == 128 and fmt.tokens_per_slab == 128
     assert fmt.key == "float8_e5m2 L2 2x16" and cell["store_dtype"] == "uint8"

@@ -100,42 +100,59 @@ def scope(configurator):
 
 
 def make_elastic(pool) -> bool:
-    """Back ``pool``'s K/V buffers with pooled groups if a build is open; False: stock buffers."""
+    """Back ``pool``'s buffers with pooled groups if a build is open; False: stock buffers. ``pool``
+    is the MHA pool (K and V rows of every layer) or the MLA pool (one latent row per layer)."""
     build = vars(_current).get("build")
     if build is None:
         return False
-    why = up_kv.plain_mha_refusal(pool)
+    why = up_kv.elastic_pool_refusal(pool)
     if why is not None:
         raise MemxConfigError("--memx-elastic-kv", f"does not support {why}; run without the flag")
     if build.kv is not None:  # a pool composed of MHA sub-pools: backing only one would be half-elastic
         raise MemxConfigError("--memx-elastic-kv", "backs a single MHATokenToKVPool per server; this pool build "
                               "makes a second one (a pool of MHA sub-pools); run without the flag")  # fmt: skip
     g = up_kv.pool_geometry(pool)
-    layers, stream = g["layers"], build.layer_stream
-    own, index_of = (layers, lambda i: i) if stream is None else layer_stream.buffer_index(stream, layers)
-    kv, build.lent = build_elastic_kv(build.config, [g["k_row_bytes"]] * own + [g["v_row_bytes"]] * own,
-                          g["rows"], g["page_size"], g["pages"], g["device"],
-                          server_url=up_args.server_url(build.server_args), profile=build.profile,
-                          batch_tokens=build.batch_tokens, ranks=build.tp_size)  # fmt: skip
+    stream = build.layer_stream
+    if stream is not None and g["kind"] != "mha":  # the launcher refuses it first (families)
+        raise MemxConfigError("--memx-peer-layer-stream", f"streams K and V rows of an MHA pool; {build.model_class} "
+                              f"is served from {type(pool).__name__}; run without the flag")  # fmt: skip
+    rows = _local_rows(g, stream)
+    kv, build.lent = build_elastic_kv(build.config, rows["row_bytes"], g["rows"], g["page_size"], g["pages"],
+                                      g["device"], server_url=up_args.server_url(build.server_args),
+                                      profile=build.profile, batch_tokens=build.batch_tokens,
+                                      ranks=build.tp_size)  # fmt: skip
+    index_of = rows["index_of"]
     up_kv.set_kv_views(pool, lambda i, dtype, shape: kv.buffers.view(index_of(i), dtype, shape))
     if stream is not None:  # the staging layer's views: what every streamed layer's buffer is
+        layers = g["layers"]
         k_stage = kv.buffers.view(index_of(layers - 1), g["store_dtype"], (g["kv_heads"], g["head_dim"]))
         v_stage = kv.buffers.view(index_of(2 * layers - 1), g["store_dtype"], (g["kv_heads"], g["v_head_dim"]))
         layer_stream.attach(stream, layers, k_stage, v_stage)
     # the group is this slab (same LCM rule); with the layer stream cache it holds the local layers only
-    kv.cell, kv.slab = cell_format({**g, "layers": own}, kv.buffers.pool.chunk_bytes)
+    kv.cell, kv.slab = cell_format({**g, "layers": rows["layers"], "row_bytes": rows["row_bytes"]},
+                                   kv.buffers.pool.chunk_bytes)  # fmt: skip
     build.kv = kv
     return True
+
+
+def _local_rows(g: dict, stream) -> dict:
+    """The buffers this server backs: every one of ``g``'s, or with the layer stream cache (MHA
+    only) the local layers' K and V plus the staging layer's (``layer_stream.buffer_index``)."""
+    if stream is None:
+        return {"row_bytes": g["row_bytes"], "layers": g["layers"], "index_of": lambda i: i}
+    own, index_of = layer_stream.buffer_index(stream, g["layers"])
+    return {"row_bytes": [g["k_row_bytes"]] * own + [g["v_row_bytes"]] * own, "layers": own, "index_of": index_of}
 
 
 def finish(build: Build, result) -> None:
     pool, allocator = up_kv.configured_pool_and_allocator(result)
     kv = build.kv
     if kv is None:
-        why = up_kv.plain_mha_refusal(pool) or f"{type(pool).__name__}"
+        why = up_kv.elastic_pool_refusal(pool) or f"{type(pool).__name__}"
         raise MemxConfigError(
             "--memx-elastic-kv",
-            f"supports the MHA/GQA token-to-KV pool only (MHATokenToKVPool, unquantized KV, NHD layout); "
+            f"supports the MHA/GQA and MLA token-to-KV pools only (MHATokenToKVPool, unquantized KV, NHD layout; "
+            f"MLATokenToKVPool, unquantized); "
             f"{build.model_class} in this configuration uses {why}",
         )
     if type(allocator).__name__ not in SUPPORTED_ALLOCATORS:

@@ -33,7 +33,10 @@ def _dtype_name(dtype) -> str:
 
 
 def cell_format(geometry: dict, unit_bytes: int):
-    """``(cell, SlabFormat)`` of an MHA pool from ``upstream.kv.pool_geometry``."""
+    """``(cell, SlabFormat)`` of a pool from ``upstream.kv.pool_geometry`` (its ``layers`` and
+    ``row_bytes`` those this server backs)."""
+    if geometry["kind"] == "mla":
+        return _mla_cell_format(geometry, unit_bytes)
     layers = geometry["layers"]
     cell = {
         "kv_dtype": _dtype_name(geometry["dtype"]),
@@ -46,8 +49,7 @@ def cell_format(geometry: dict, unit_bytes: int):
     key = f"{cell['kv_dtype']} L{layers} {cell['kv_heads']}x{cell['head_dim']}"
     if cell["v_head_dim"] != cell["head_dim"]:
         key += f"/{cell['v_head_dim']}"
-    rows = [geometry["k_row_bytes"]] * layers + [geometry["v_row_bytes"]] * layers
-    fmt = slab_format(key, rows, unit_bytes, geometry["page_size"])
+    fmt = slab_format(key, geometry["row_bytes"], unit_bytes, geometry["page_size"])
     if cell["v_head_dim"] == cell["head_dim"]:  # F2's TokenSize (per layer); K and V rows are equal
         itemsize = geometry["store_dtype"].itemsize
         layout = KVLayout(layers, cell["kv_heads"], cell["head_dim"],
@@ -56,6 +58,22 @@ def cell_format(geometry: dict, unit_bytes: int):
     else:
         cell["token_bytes_per_layer"] = geometry["k_row_bytes"] + geometry["v_row_bytes"]
     return cell, fmt
+
+
+def _mla_cell_format(geometry: dict, unit_bytes: int):
+    """The MLA cell: one latent row (``kv_lora_rank`` + ``qk_rope_head_dim`` values) per token and
+    layer, no separate V (upstream reads V as the latent's first ``kv_lora_rank`` values)."""
+    layers, rows = geometry["layers"], geometry["row_bytes"]
+    cell = {
+        "kv_dtype": _dtype_name(geometry["dtype"]),
+        "store_dtype": _dtype_name(geometry["store_dtype"]),
+        "layers": layers,
+        "kv_lora_rank": geometry["kv_lora_rank"],
+        "qk_rope_head_dim": geometry["qk_rope_head_dim"],
+        "token_bytes_per_layer": rows[0] if rows else 0,
+    }
+    key = f"{cell['kv_dtype']} L{layers} MLA {cell['kv_lora_rank']}+{cell['qk_rope_head_dim']}"
+    return cell, slab_format(key, rows, unit_bytes, geometry["page_size"])
 
 
 def dead_pages(kv: ElasticKV, group: int) -> int:

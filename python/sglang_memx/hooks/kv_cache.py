@@ -7,6 +7,8 @@
 * ``MHATokenToKVPool._create_buffers_normal`` (around): for the plain MHA/GQA pool (NHD
   layout), the K/V buffers become views over pooled groups instead of zero-filled
   tensors; upstream then builds its descriptors and pointer tables from them as usual.
+  ``MLATokenToKVPool._create_buffers`` (around): the same for the plain MLA pool's one latent
+  buffer per layer (upstream builds its pointer table from them after the call).
 * Token allocators: ``clear`` (after) keeps only mapped pages in the free list;
   ``available_size`` (after) adds the pages the pool could map now; ``alloc`` /
   ``alloc_extend`` / ``alloc_decode`` (around) map groups first when the free list is short
@@ -37,7 +39,9 @@ def around_configure(original, configurator, *args, **kwargs):
     return result
 
 
-def around_create_buffers_normal(original, pool):
+def around_create_buffers(original, pool):
+    """The MHA pool's ``_create_buffers_normal`` or the MLA pool's ``_create_buffers``: views over
+    pooled groups instead of zeroed tensors while an elastic build is open."""
     if not pool_build.make_elastic(pool):
         original(pool)
 
@@ -108,7 +112,9 @@ HOOKS = (
     HookSpec("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure", "around", around_configure,
              "elastic_kv", "scope elastic KV to the pool build; check what it built"),
     HookSpec("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal", "around",
-             around_create_buffers_normal, "elastic_kv", "K/V buffers as views over pooled groups"),
+             around_create_buffers, "elastic_kv", "K/V buffers as views over pooled groups"),
+    HookSpec("sglang.srt.mem_cache.memory_pool.MLATokenToKVPool._create_buffers", "around", around_create_buffers,
+             "elastic_kv", "MLA latent buffers as views over pooled groups"),
     HookSpec(_A + "token.TokenToKVPoolAllocator.clear", "after", after_clear, "elastic_kv", _WHY_FREE),
     HookSpec(_A + "paged.PagedTokenToKVPoolAllocator.clear", "after", after_clear, "elastic_kv", _WHY_FREE),
     HookSpec(_A + "token.TokenToKVPoolAllocator.available_size", "after", after_available_size, "elastic_kv",

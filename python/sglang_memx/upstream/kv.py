@@ -44,14 +44,34 @@ def configured_pool_and_allocator(config_result):
     return config_result.token_to_kv_pool, config_result.token_to_kv_pool_allocator
 
 
-# ------------------------------------------------------------------ the MHA pool
+# ------------------------------------------------------------------ the pools elastic KV backs
+_MHA = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+_MLA = "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool"
+
+
+def is_mla_pool(kvcache) -> bool:
+    """Whether ``kvcache`` is upstream's MLA pool itself (one latent buffer per layer), not a
+    subclass (FP4, DeepSeek sparse attention) whose buffers are laid out otherwise."""
+    return type(kvcache) is resolve(_MLA)
+
+
+def elastic_pool_refusal(kvcache) -> str | None:
+    """Why elastic KV cannot back ``kvcache``'s buffers (None: it can): the plain MHA/GQA pool
+    (``plain_mha_refusal``) or the plain MLA pool (``plain_mla_refusal``)."""
+    if is_mla_pool(kvcache):
+        return plain_mla_refusal(kvcache)
+    if isinstance(kvcache, resolve(_MLA)):
+        return f"{type(kvcache).__name__} (a variant of the MLA pool)"
+    return plain_mha_refusal(kvcache)
+
+
 def plain_mha_refusal(pool) -> str | None:
     """Why elastic KV cannot back ``pool``'s buffers (None: it can): only the plain
     MHA/GQA pool with the NHD layout (``_create_buffers_normal``'s token-row branch), whose
     buffers upstream would not place in a custom memory pool (the pool chosen in
     ``KVCache.__init__``, today Mooncake's for NVLink transfers: views over pooled groups
     would silently take the buffers out of it)."""
-    if type(pool) is not resolve("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"):
+    if type(pool) is not resolve(_MHA):
         return f"{type(pool).__name__} (a variant of the MHA pool)"
     if pool.enable_custom_mem_pool:
         return "a custom memory pool for the KV buffers (upstream's Mooncake NVLink pool)"
@@ -64,17 +84,46 @@ def plain_mha_refusal(pool) -> str | None:
     return None
 
 
-def pool_geometry(pool) -> dict:
-    """Rows, bytes per row and layers of an MHA pool's K and V buffers, and its KV cell
-    (KV heads, head dims, the KV dtype and the dtype rows are stored in)."""
+def plain_mla_refusal(mla_pool) -> str | None:
+    """Why elastic KV cannot back an ``MLATokenToKVPool`` (None: it can): its ``_create_buffers``
+    builds one ``(size + page, 1, kv_lora_rank + qk_rope_head_dim)`` latent buffer per layer, which
+    pooled groups can back row for row, unless upstream would place it in a custom memory pool,
+    stores it quantized (fp8 as bytes) or shards it by layer."""
+    if mla_pool.enable_custom_mem_pool:
+        return "a custom memory pool for the KV buffers (upstream's Mooncake NVLink pool)"
+    if mla_pool.use_dsa:
+        return "DeepSeek sparse attention's MLA pool"
+    if mla_pool.store_dtype != mla_pool.dtype:
+        return "a quantized KV cache"
+    if mla_pool.post_capture_active:
+        return "post-capture KV backing"
+    if mla_pool.layer_shard_enabled:
+        return "a layer-sharded MLA pool"
+    return None
+
+
+def pool_geometry(kvcache) -> dict:
+    """Rows, page size, layers, bytes per row of each buffer (``row_bytes``, in the order
+    ``set_kv_views`` numbers them) and the KV cell of a pool elastic KV backs: the MHA pool
+    (``kind`` "mha": K of every layer, then V; KV heads, head dims) or the MLA pool (``kind``
+    "mla": one latent row per layer; its ``kv_lora_rank`` and ``qk_rope_head_dim``)."""
+    if is_mla_pool(kvcache):
+        return _mla_geometry(kvcache)
+    return _mha_geometry(kvcache)
+
+
+def _mha_geometry(pool) -> dict:
     itemsize = pool.store_dtype.itemsize
+    k_row, v_row = pool.head_num * pool.head_dim * itemsize, pool.head_num * pool.v_head_dim * itemsize
     return {
+        "kind": "mha",
         "rows": pool.size + pool.page_size,  # the padded page absorbs dummy writes
         "page_size": pool.page_size,
         "pages": pool.size // pool.page_size,
         "layers": pool.layer_num,
-        "k_row_bytes": pool.head_num * pool.head_dim * itemsize,
-        "v_row_bytes": pool.head_num * pool.v_head_dim * itemsize,
+        "row_bytes": [k_row] * pool.layer_num + [v_row] * pool.layer_num,
+        "k_row_bytes": k_row,
+        "v_row_bytes": v_row,
         "device": pool.device,
         "kv_heads": pool.head_num,
         "head_dim": pool.head_dim,
@@ -84,27 +133,69 @@ def pool_geometry(pool) -> dict:
     }
 
 
-def set_kv_views(pool, views_of) -> None:
-    """Give the pool K/V buffers from ``views_of(buffer_index, dtype, row_shape)``
-    (0..L-1: K of each layer, L..2L-1: V), as ``_create_buffers_normal`` would have."""
+def _mla_geometry(mla_pool) -> dict:
+    row = mla_pool.kv_cache_dim * mla_pool.store_dtype.itemsize
+    return {
+        "kind": "mla",
+        "rows": mla_pool.size + mla_pool.page_size,
+        "page_size": mla_pool.page_size,
+        "pages": mla_pool.size // mla_pool.page_size,
+        "layers": mla_pool.layer_num,
+        "row_bytes": [row] * mla_pool.layer_num,
+        "latent_dim": mla_pool.kv_cache_dim,
+        "kv_lora_rank": mla_pool.kv_lora_rank,
+        "qk_rope_head_dim": mla_pool.qk_rope_head_dim,
+        "device": mla_pool.device,
+        "dtype": mla_pool.dtype,
+        "store_dtype": mla_pool.store_dtype,
+    }
+
+
+def set_kv_views(kvcache, views_of) -> None:
+    """Give the pool its buffers from ``views_of(buffer_index, dtype, row_shape)``, as its own
+    buffer build would have: for the MHA pool 0..L-1 are K of each layer and L..2L-1 V; for the
+    MLA pool 0..L-1 are each layer's latent rows."""
+    if is_mla_pool(kvcache):
+        _set_mla_views(kvcache, views_of)
+    else:
+        _set_mha_views(kvcache, views_of)
+
+
+def _set_mha_views(pool, views_of) -> None:
     layers = pool.layer_num
     pool.k_buffer = [views_of(i, pool.store_dtype, (pool.head_num, pool.head_dim)) for i in range(layers)]
     pool.v_buffer = [views_of(layers + i, pool.store_dtype, (pool.head_num, pool.v_head_dim)) for i in range(layers)]
 
 
+def _set_mla_views(mla_pool, views_of) -> None:
+    mla_pool.kv_buffer = [views_of(i, mla_pool.store_dtype, (1, mla_pool.kv_cache_dim))
+                          for i in range(mla_pool.layer_num)]  # fmt: skip
+
+
 def kv_buffers(allocator) -> list:
-    """Every K then V buffer of the allocator's MHA pool."""
-    pool = allocator.get_kvcache()
+    """Every buffer of the allocator's pool, in ``set_kv_views``' order (MHA: K then V; MLA: latents)."""
+    kvcache = allocator.get_kvcache()
+    if is_mla_pool(kvcache):
+        return _mla_buffers(kvcache)
+    return _mha_buffers(kvcache)
+
+
+def _mha_buffers(pool) -> list:
     return list(pool.k_buffer) + list(pool.v_buffer)
+
+
+def _mla_buffers(mla_pool) -> list:
+    return list(mla_pool.kv_buffer)
 
 
 def pool_description(allocator) -> dict:
     """Kind, dtypes, device, layers and exact buffer bytes of the allocator's pool."""
     kvcache = allocator.get_kvcache()
-    if isinstance(kvcache, resolve("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool")):
-        pool = kvcache
-        k_bytes, v_bytes = pool.get_kv_size_bytes()
+    if isinstance(kvcache, resolve(_MHA)):
+        k_bytes, v_bytes = _mha_size_bytes(kvcache)
         nbytes = int(k_bytes + v_bytes)
+    elif is_mla_pool(kvcache):
+        nbytes = _mla_size_bytes(kvcache)
     else:  # other pool kinds: upstream's own GB figure
         nbytes = int(round(float(kvcache.mem_usage) * (1 << 30)))
     return {
@@ -115,6 +206,14 @@ def pool_description(allocator) -> dict:
         "layers": kvcache.layer_num,
         "bytes": nbytes,
     }
+
+
+def _mha_size_bytes(pool) -> tuple[int, int]:
+    return pool.get_kv_size_bytes()
+
+
+def _mla_size_bytes(mla_pool) -> int:
+    return int(mla_pool.get_kv_size_bytes())
 
 
 # ------------------------------------------------------------------ the allocators' free lists

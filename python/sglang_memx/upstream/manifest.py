@@ -60,6 +60,7 @@ CLASSES: dict[str, str] = {
     "KVCache": _C + "memory_pool.KVCache",
     "GroupCoordinator": "sglang.srt.distributed.parallel_state.GroupCoordinator",
     "MHATokenToKVPool": _C + "memory_pool.MHATokenToKVPool",
+    "MLATokenToKVPool": _C + "memory_pool.MLATokenToKVPool",
     "ReqToTokenPool": _C + "memory_pool.ReqToTokenPool",
     "BaseTokenToKVPoolAllocator": _C + "allocator.base.BaseTokenToKVPoolAllocator",
     "TokenToKVPoolAllocator": _C + "allocator.token.TokenToKVPoolAllocator",
@@ -152,6 +153,12 @@ MEMBERS: dict[str, dict[str, str | None]] = {
         "v_head_dim": None, "layer_num": None, "device": None, "is_quantized_kv_cache": None,
         "post_capture_active": None, "kv_cache_layout": None, "k_buffer": None, "v_buffer": None,
         "get_kv_size_bytes": None, "enable_custom_mem_pool": None,
+    },
+    "MLATokenToKVPool": {
+        "dtype": None, "store_dtype": None, "size": None, "page_size": None, "layer_num": None, "device": None,
+        "kv_lora_rank": None, "qk_rope_head_dim": None, "kv_cache_dim": None, "kv_buffer": None, "use_dsa": None,
+        "post_capture_active": None, "layer_shard_enabled": None, "get_kv_size_bytes": None,
+        "enable_custom_mem_pool": None,
     },
     "BaseTokenToKVPoolAllocator": {
         "page_size": None, "free_pages": None, "release_pages": None, "merge_and_sort_free": None,
@@ -247,6 +254,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
     _U + "WeightUpdater.update_weights_from_ipc": ("self",),
     _C + "kv_cache_configurator.KVCacheConfigurator.configure": ("self",),
     _C + "memory_pool.MHATokenToKVPool._create_buffers_normal": ("self",),
+    _C + "memory_pool.MLATokenToKVPool._create_buffers": ("self",),
     _A + "token.TokenToKVPoolAllocator.clear": ("self",),
     _A + "paged.PagedTokenToKVPoolAllocator.clear": ("self",),
     _A + "token.TokenToKVPoolAllocator.available_size": ("self",),
@@ -269,7 +277,8 @@ TARGETS: dict[str, tuple[str, ...]] = {
 ROLES: dict[str, str] = {
     "scheduler": "Scheduler", "batch": "ScheduleBatch", "last": "ScheduleBatch", "req": "Req",
     "abort": "AbortReq", "adder": "PrefillAdder", "budget": "PrefillBudget", "allocator": "BaseTokenToKVPoolAllocator",
-    "pool": "MHATokenToKVPool", "kvcache": "KVCache", "tree": "BasePrefixCache", "runner": "ModelRunner",
+    "pool": "MHATokenToKVPool", "mla_pool": "MLATokenToKVPool", "kvcache": "KVCache", "tree": "BasePrefixCache",
+    "runner": "ModelRunner",
     "forward_batch": "ForwardBatch", "server_args": "ServerArgs", "args": "ServerArgs",
     "model_config": "ModelConfig", "configurator": "KVCacheConfigurator", "config_result": "KVCacheConfigResult",
     "controller": "SchedulerInternalStateController", "observer": "SchedulerPoolStatsObserver",
