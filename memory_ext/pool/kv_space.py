@@ -41,6 +41,7 @@ Page ``p`` covers token rows ``[p * page_size, (p + 1) * page_size)``; its group
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from memory_ext.pool.ownership import CeilingExceeded, PoolExhausted
@@ -175,6 +176,19 @@ class KVSpace:
         if k == unmapped and not self.buffers.is_mapped(last):
             pages -= self.group_pages - self.usable_pages(last)
         return pages
+
+    def groups_to_add(self, pages: int) -> int | None:
+        """How many of the lowest unmapped groups ``grow`` must map to add ``pages`` pages (0 for none;
+        None: the unmapped groups cannot give that many). O(1): every group is full-size but the last."""
+        if pages <= 0:
+            return 0
+        unmapped = self.num_groups - self.buffers.num_mapped
+        k = min(-(-pages // self.group_pages), unmapped)
+        return k if k and self._growable_for(k) >= pages else None
+
+    def addable_pages(self) -> int:
+        """Pages every unmapped group together would add (the pool's chunks aside)."""
+        return self._growable_for(self.num_groups - self.buffers.num_mapped)
 
     def activation_cost_pages(self, chunks: int) -> int:
         """Pages the available count (free list + ``growable_pages``) loses when the activation
@@ -377,3 +391,33 @@ class KVSpace:
             "unmap_calls": dict(self.unmap_calls),
             **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()},
         }
+
+
+def joint_free_pages(spaces: Sequence[tuple[KVSpace, int]], outside_chunks: int) -> int:
+    """Pages every one of ``spaces`` can give at once, when each page taken in one is taken in all
+    (a hybrid sliding-window model: every new token takes a row in its full-attention and in its
+    sliding-window sub-pool), with ``outside_chunks`` chunks to map new groups from.
+
+    ``spaces``: (space, pages in its free list now). The answer is the largest ``n`` such that the
+    lowest unmapped groups each space must map to reach ``n`` free pages fit in ``outside_chunks``
+    together. Counting each space's growable pages alone would promise the same chunks twice."""
+
+    def chunks_for(n: int) -> int | None:
+        total = 0
+        for space, free in spaces:
+            groups = space.groups_to_add(n - free)
+            if groups is None:
+                return None
+            total += groups * space.buffers.chunks_per_group
+        return total
+
+    lo = min(free for _, free in spaces)
+    hi = min(free + space.addable_pages() for space, free in spaces)
+    while lo < hi:  # the largest n whose chunks fit (monotone in n)
+        mid = (lo + hi + 1) // 2
+        cost = chunks_for(mid)
+        if cost is not None and cost <= outside_chunks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -357,6 +357,13 @@ class ChunkPool:
                 raise PoolError(f"cannot close the pool: chunks still owned ({held})")
             self.trim()
 
+    def add_capacity(self, chunks: int) -> None:
+        """Raise ``capacity_chunks`` by ``chunks`` (a second KV space of the same server joins its
+        own pool: a hybrid sliding-window model's two sub-pools). Never lowers it."""
+        n = _check_count("chunks", chunks)
+        with self._lock:
+            self._capacity += n
+
     # ------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
         """Raise AssertionError naming the broken invariant (see the module docstring)."""

@@ -2,12 +2,13 @@
 and the refusal that names the flag, the model class and the pool class (docs/models.md).
 
 Every memx feature needs ``--memx-elastic-kv`` (``MemxConfig`` validation), and elastic KV backs one
-plain ``MHATokenToKVPool`` per server. Two served shapes are therefore refused before anything is
-built, from facts the caller gathers through the adapter:
+plain ``MHATokenToKVPool`` per server, upstream's plain ``MLATokenToKVPool`` (``MLA_READY_FLAGS``), or
+both ``MHATokenToKVPool`` sub-pools of a hybrid sliding-window model's ``SWAKVPool`` as two spaces on
+one pool (``SWA_READY_FLAGS``). Refused before anything is built, from facts the caller gathers
+through the adapter:
 
-* a KV pool of another class, today a hybrid sliding-window model's ``SWAKVPool`` (a full-attention
-  and a sliding-window sub-pool, each an ``MHATokenToKVPool`` of its own size), which elastic KV
-  would otherwise back half (its first sub-pool only);
+* a KV pool of another class (the hybrid linear-attention pool), and on the MLA and SWA pools the
+  flags not written for them;
 * pipeline parallel size above 1, and tensor parallel size above 1 with a feature whose inputs
   could differ between ranks (``TP_READY_FLAGS`` and ``TP_WEIGHTS_FLAGS`` list the ones that cannot):
   upstream's ranks must schedule the same batch, so every count memx lets upstream read must be equal
@@ -51,11 +52,19 @@ TP_WEIGHTS_FLAGS = ("--memx-weights", "--memx-weights-streamed", "--memx-prefetc
 # weights (layer discovery is written for the Llama-like and Gemma2 decoders), the peer tier and the layer stream
 # cache (they move K and V rows of an MHA pool) are refused
 MLA_READY_FLAGS = TP_READY_FLAGS
+# What runs on a hybrid sliding-window model's SWAKVPool: elastic KV on both sub-pools, two spaces on the server's
+# own pool (``coordinator.swa_spaces``). Activations stay outside the pool (as in stock); the shared pool, the host
+# buffer, the governor, remappable weights and the peer tier are not written for two spaces yet
+SWA_READY_FLAGS = ("--memx-elastic-kv", "--memx-pool-budget-gb", "--memx-chunk-kb", "--memx-status-path")
+# Measured 2026-12-07 with stock upstream alone (docs/models.md, "Mellum"): torch_native's extend and decode read a
+# sliding-window layer's KV at the full-attention pool's slots, right only while both sub-allocators hand out the
+# same slots; under memory pressure stock fails with an IndexError, and rows elastic KV has not mapped would fault
+SWA_CPU_WHY = (
+    "upstream's CPU attention (torch_native) reads the sliding-window sub-pool at full-pool slots "
+    "(stock itself fails under memory pressure: IndexError in _run_sdpa_forward_decode), so elastic KV "
+    "backs SWAKVPool on a GPU only"
+)
 UNKNOWN_MODEL = "this model"
-_POOL_WHY = {
-    HYBRID_SWA_POOL: " (a full-attention and a sliding-window sub-pool of different sizes; backing one of them "
-    "would leave the other static)",
-}
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,7 @@ class ServedShape:
     pool_class: str | None
     tp_size: int = 1
     pp_size: int = 1
+    device: str = "cuda"  # the device kind (``upstream.server_args.device_kind``)
 
 
 def pool_class_for(*, hybrid_swa: bool, mla: bool = False, linear: bool = False) -> str:
@@ -122,10 +132,17 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
     if shape.pool_class == MLA_POOL:
         _check_mla(config, shape.model_class)
         return
+    if shape.pool_class == HYBRID_SWA_POOL:
+        if shape.device == "cpu":
+            raise MemxConfigError(FLAG, f"{shape.model_class} is served from upstream's {HYBRID_SWA_POOL}, and on the "
+                                        f"CPU {SWA_CPU_WHY}; run with --disable-hybrid-swa-memory (one full-length "
+                                        "MHATokenToKVPool, every memx feature) or without the flag")  # fmt: skip
+        _check_swa(config, shape.model_class)
+        return
     if shape.pool_class is not None and shape.pool_class != ELASTIC_POOL:
         raise MemxConfigError(
             FLAG,
-            f"{shape.model_class} is served from upstream's {shape.pool_class}{_POOL_WHY.get(shape.pool_class, '')}; "
+            f"{shape.model_class} is served from upstream's {shape.pool_class}; "
             f"elastic KV{_dependent_flags(config)} backs a single {ELASTIC_POOL} only (unquantized, NHD layout); "
             f"run without the flag",
         )
@@ -143,6 +160,21 @@ def _check_mla(config: MemxConfig, model_class: str) -> None:
         f"it with elastic KV, own or shared, the host buffer and the governor; {', '.join(not_ready)} {verb} not "
         f"written for it (remappable weights find the layers of Llama-like and Gemma2 decoders only; the peer tier "
         f"and the layer stream cache move an MHA pool's K and V rows); run without {', '.join(not_ready)}",
+    )
+
+
+def _check_swa(config: MemxConfig, model_class: str) -> None:
+    """SWAKVPool: elastic KV on both sub-pools (``SWA_READY_FLAGS``); any other flag refused by name."""
+    not_ready = [f for f in config.requested_flags() if f not in SWA_READY_FLAGS]
+    if not not_ready:
+        return
+    verb = "is" if len(not_ready) == 1 else "are"
+    raise MemxConfigError(
+        not_ready[0],
+        f"{model_class} is served from upstream's {HYBRID_SWA_POOL} (a full-attention and a sliding-window "
+        f"sub-pool of different sizes); memx backs both with elastic KV on the server's own pool "
+        f"({', '.join(SWA_READY_FLAGS)}); {', '.join(not_ready)} {verb} not written for two KV spaces yet; "
+        f"run without {', '.join(not_ready)}",
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from sglang_memx import __version__, compute_share, heap_trim, router_activity
 from sglang_memx.config import MemxConfig
 from sglang_memx.coordinator import device
+from sglang_memx.coordinator.swa_spaces import SwaSpaces
 from sglang_memx.elastic.slab import slab_status
 from sglang_memx.peer import server as peer_server
 from sglang_memx.upstream import kv as up_kv
@@ -47,8 +48,14 @@ def kv_pool_status(scheduler) -> dict[str, Any]:
         "store_dtype": _dtype_name(pool["store_dtype"]),
         "device": pool["device"],
         "layers": pool["layers"],
-        "bytes": coordinator.kv.buffers.mapped_bytes if coordinator is not None else pool["bytes"],
+        "bytes": _mapped_bytes(coordinator) if coordinator is not None else pool["bytes"],
     }
+
+
+def _mapped_bytes(coordinator) -> int:
+    """KV bytes backed now: the coordinator's space, and a hybrid sliding-window model's second one."""
+    swa = coordinator.part(SwaSpaces)
+    return coordinator.kv.buffers.mapped_bytes + (0 if swa is None else swa.swa.buffers.mapped_bytes)
 
 
 def request_status(scheduler) -> dict[str, int]:

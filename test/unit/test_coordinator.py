@@ -26,15 +26,17 @@ from sglang_memx.coordinator.governor import GovernorPart
 from sglang_memx.coordinator.parts import ITERATION_RANKS, SOURCE_RANKS, Source, Step
 from sglang_memx.coordinator.rank_agreement import RankAgreement
 from sglang_memx.coordinator.rank_pools import RankPools
+from sglang_memx.coordinator.swa_spaces import SwaSpaces
 from sglang_memx.upstream import kv as up_kv
 
 # The iteration order as ``coordinator.tick`` listed it before it became the components' data (and the
 # ranks' evening of their shared pools since).
 OLD_STEPS = (
     "cap request lengths", "park offloaded prefills", "end the activation's iteration", "consume wake-ups",
-    "answer reclaims", "work?", "deflate", "host buffer size (Alg. 2)", "give back, borrow",
-    "even the ranks' pools", "report to the arbiter", "fetch parked KV", "reopen admission for offload",
-    "sleep or wake", "Oneiros step", "hold the head's activation", "premap",
+    "answer reclaims", "work?", "deflate", "deflate the sliding-window space", "host buffer size (Alg. 2)",
+    "give back, borrow", "even the ranks' pools", "report to the arbiter", "fetch parked KV",
+    "reopen admission for offload", "sleep or wake", "Oneiros step", "hold the head's activation", "premap",
+    "premap the sliding-window space",
 )  # fmt: skip
 
 
@@ -68,7 +70,7 @@ def quiet_kv_core(monkeypatch, alloc) -> list[str]:
     """The KV core's steps record their names instead of reading a scheduler."""
     ran: list[str] = []
     it = components.iteration
-    monkeypatch.setattr(it, "cap_request_lengths", lambda scheduler, kv, budget, kept: ran.append("cap"))
+    monkeypatch.setattr(it, "cap_request_lengths", lambda scheduler, kv, budget, kept, **_: ran.append("cap"))
     monkeypatch.setattr(it, "has_work", lambda scheduler: ran.append("work?") is None)
     monkeypatch.setattr(it, "deflate", lambda kv, allocator, busy: ran.append("deflate"))
     monkeypatch.setattr(it, "premap", lambda kv, allocator, scheduler, keep: ran.append(("premap", keep)))
@@ -93,6 +95,7 @@ def every_component(kv) -> device.Coordinator:
             GovernorPart(BatchGovernor(0.05)),
             RankAgreement(2, None),
             RankPools(stub, RankAgreement(2, None), lambda: None),
+            SwaSpaces(kv, kv, None, None),
         ),
     )
 

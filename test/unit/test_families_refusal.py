@@ -1,6 +1,7 @@
-"""Served shapes memx refuses (issue 28 item 5): a KV pool other than one MHATokenToKVPool (a hybrid
-sliding-window model's SWAKVPool) and tensor / pipeline parallel size above 1, refused naming the
-flag, the model class and the pool class; in the launcher (upstream's real parser, a checkpoint's
+"""Served shapes memx refuses (issue 28 item 5): a KV pool elastic KV does not back (the hybrid
+linear-attention pool), the flags not written for the MLA pool and for a hybrid sliding-window model's
+SWAKVPool, and tensor / pipeline parallel size above 1, refused naming the flag, the model class and
+the pool class; in the launcher (upstream's real parser, a checkpoint's
 config.json) and when a scheduler's KV configurator opens the pool build. Gemma2's decoder layers
 are found without start_layer / end_layer."""
 
@@ -42,10 +43,26 @@ def test_without_elastic_kv_nothing_is_refused():
         check_served_shape(config, ServedShape("MellumForCausalLM", "SWAKVPool", tp_size=2))
 
 
-def test_the_hybrid_sliding_window_pool_is_refused_naming_flag_model_and_pool():
-    msg = _refusal(ON, ServedShape("MellumForCausalLM", "SWAKVPool"))
+def test_on_the_cpu_the_hybrid_sliding_window_pool_is_refused_with_upstreams_reason():
+    msg = _refusal(ON, ServedShape("MellumForCausalLM", "SWAKVPool", device="cpu"))
     assert msg.startswith("argument --memx-elastic-kv: MellumForCausalLM is served from upstream's SWAKVPool")
-    assert "sliding-window sub-pool" in msg and "MHATokenToKVPool only" in msg
+    assert "reads the sliding-window sub-pool at full-pool slots" in msg and "--disable-hybrid-swa-memory" in msg
+
+
+def test_the_hybrid_sliding_window_pool_serves_elastic_kv_and_refuses_the_rest_naming_flag_model_and_pool():
+    check_served_shape(ON, ServedShape("MellumForCausalLM", "SWAKVPool"))
+    check_served_shape(MemxConfig(elastic_kv=True, pool_budget_gb=0.5, chunk_kb=4), ServedShape("M", "SWAKVPool"))
+    for config, flag in (
+        (MemxConfig(elastic_kv=True, host_buffer_gb=1.0, ttft_slo_ms=500.0, tpot_slo_ms=50.0), "--memx-host-buffer-gb"),
+        (MemxConfig(elastic_kv=True, pool="dev0"), "--memx-pool"),
+    ):
+        with pytest.raises(MemxConfigError) as info:
+            check_served_shape(config, ServedShape("MellumForCausalLM", "SWAKVPool"))
+        msg = str(info.value)
+        assert info.value.flag == flag and msg.startswith(
+            f"argument {flag}: MellumForCausalLM is served from upstream's SWAKVPool (a full-attention and a sliding"
+        )
+        assert "not written for two KV spaces yet" in msg and f"; run without {flag}" in msg
 
 
 def test_tensor_parallel_runs_elastic_kv_and_refuses_the_rest_naming_flag_model_and_pool():
@@ -77,12 +94,12 @@ def test_tensor_parallel_runs_elastic_kv_and_refuses_the_rest_naming_flag_model_
         msg = _refusal(ON, shape)
         assert "at pipeline parallel size" in msg and "needs --pp 1" in msg
     # the pool class is still checked at --tp 2
-    assert "served from upstream's SWAKVPool" in _refusal(ON, ServedShape("MellumForCausalLM", "SWAKVPool", 2))
+    assert "served from upstream's HybridLinearKVPool" in _refusal(ON, ServedShape("Q", "HybridLinearKVPool", 2))
 
 
 def test_the_flags_that_need_elastic_kv_are_named_with_it():
     config = MemxConfig(elastic_kv=True, pool_budget_gb=1.0, weights="static", weights_streamed=0.5)
-    msg = _refusal(config, ServedShape("MellumForCausalLM", "SWAKVPool"))
+    msg = _refusal(config, ServedShape("Qwen3NextForCausalLM", "HybridLinearKVPool"))
     assert "(and with it --memx-pool-budget-gb, --memx-weights, --memx-weights-streamed)" in msg
 
 
@@ -112,10 +129,16 @@ def _check(argv):
     return check_namespace(_parser().parse_args(argv))
 
 
-def test_the_launcher_refuses_a_hybrid_swa_checkpoint(tmp_path):
+def test_the_launcher_serves_elastic_kv_on_a_hybrid_swa_checkpoint_on_a_gpu_only(tmp_path):
     model = _checkpoint(tmp_path, "MellumForCausalLM", layer_types=["sliding_attention", "full_attention"])
-    with pytest.raises(MemxConfigError, match="MellumForCausalLM is served from upstream's SWAKVPool"):
-        _check(["--model-path", model, "--memx-elastic-kv"])
+    gpu = ["--model-path", model, "--device", "cuda", "--memx-elastic-kv"]
+    assert _check(gpu + ["--memx-pool-budget-gb", "1"]).elastic_kv
+    with pytest.raises(MemxConfigError, match="MellumForCausalLM is served from upstream's SWAKVPool") as e:
+        _check(gpu + ["--memx-pool", "dev0"])
+    assert e.value.flag == "--memx-pool"
+    with pytest.raises(MemxConfigError, match="at full-pool slots") as e:
+        _check(["--model-path", model, "--device", "cpu", "--memx-elastic-kv"])
+    assert e.value.flag == "--memx-elastic-kv"
     _check(["--model-path", model])  # no memx KV feature: upstream's business
     _check(["--model-path", model, "--memx-elastic-kv", "--disable-hybrid-swa-memory"])  # one full-length pool
 
@@ -165,16 +188,31 @@ def test_the_server_parser_exits_2_naming_the_flag_model_and_pool(tmp_path, caps
     parser = _parser()
     parser.parse_args = _validating_parse_args(parser)
     with pytest.raises(SystemExit) as exit_:
-        parser.parse_args(["--model-path", model, "--memx-elastic-kv", "--memx-host-buffer-gb", "0.01"])
+        parser.parse_args(
+            [
+                "--model-path",
+                model,
+                "--device",
+                "cpu",
+                "--memx-elastic-kv",
+                "--memx-host-buffer-gb",
+                "0.01",
+                "--memx-ttft-slo-ms",
+                "500",
+                "--memx-tpot-slo-ms",
+                "50",
+            ]
+        )
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --memx-elastic-kv: MellumForCausalLM is served from upstream's SWAKVPool" in err
-    assert "(and with it --memx-host-buffer-gb)" in err
+    assert "argument --memx-elastic-kv: MellumForCausalLM is served from upstream's SWAKVPool, and on the CPU" in err
 
 
 # ------------------------------------------------------------------ the scheduler's pool build
-def _configurator(*, tp=1, pp=1, hybrid_swa=False, mla=False, mamba=None, arch="MellumForCausalLM", config=ON):
-    server_args = SimpleNamespace(tp_size=tp, pp_size=pp, chunked_prefill_size=16, max_prefill_tokens=None)
+def _configurator(*, tp=1, pp=1, hybrid_swa=False, mla=False, mamba=None, arch="MellumForCausalLM", config=ON,
+                  device="cuda"):  # fmt: skip
+    server_args = SimpleNamespace(tp_size=tp, pp_size=pp, chunked_prefill_size=16, max_prefill_tokens=None,
+                                  device=device)  # fmt: skip
     setattr(server_args, CONFIG_ATTR, config.to_dict())
     hf = SimpleNamespace(num_attention_heads=4, hidden_size=64, intermediate_size=128, vocab_size=512)
     model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=[arch]), hf_text_config=hf)
@@ -185,12 +223,15 @@ def _configurator(*, tp=1, pp=1, hybrid_swa=False, mla=False, mamba=None, arch="
 
 @pytest.mark.parametrize(
     "kwargs,named",
-    [({"hybrid_swa": True}, "MellumForCausalLM is served from upstream's SWAKVPool"),
+    [({"hybrid_swa": True, "config": MemxConfig(elastic_kv=True, weights="remap", pool_budget_gb=1.0)},
+      "MellumForCausalLM is served from upstream's SWAKVPool"),
      ({"mla": True, "config": MemxConfig(elastic_kv=True, pool_budget_gb=1.0, weights="remap")},
       "upstream's MLATokenToKVPool .*--memx-weights (is|are) not written for it"),
      ({"mamba": object()}, "upstream's HybridLinearKVPool"),
+     ({"hybrid_swa": True, "device": "cpu"}, "SWAKVPool, and on the CPU upstream's CPU attention"),
      ({"pp": 2}, "at pipeline parallel size 2 builds one MHATokenToKVPool per stage"),
-     ({"tp": 2, "hybrid_swa": True}, "MellumForCausalLM is served from upstream's SWAKVPool"),
+     ({"tp": 2, "hybrid_swa": True, "config": MemxConfig(elastic_kv=True, pool="dev0")},
+      "MellumForCausalLM is served from upstream's SWAKVPool"),
      ({"tp": 2, "config": MemxConfig(elastic_kv=True, pool="dev0", peer_kv="borrow")},
       "at tensor parallel size 2 builds one MHATokenToKVPool per rank and every rank must schedule the same")],
 )  # fmt: skip
@@ -198,8 +239,11 @@ def test_the_pool_build_refuses_before_building(kwargs, named):
     with pytest.raises(MemxConfigError, match=named) as info:
         with pool_build.scope(_configurator(**kwargs)):
             raise AssertionError("the build must not open")
-    flag = {"peer_kv": "--memx-peer-kv", "weights": "--memx-weights"}
-    want = next((f for k, f in flag.items() if getattr(kwargs.get("config"), k, "off") != "off"), "--memx-elastic-kv")
+    flag = {"peer_kv": "--memx-peer-kv", "weights": "--memx-weights", "pool": "--memx-pool"}
+    want = next(
+        (f for k, f in flag.items() if getattr(kwargs.get("config"), k, "off") not in ("off", None)),
+        "--memx-elastic-kv",
+    )
     assert info.value.flag == want
     assert pool_build.current() is None
 
@@ -239,7 +283,7 @@ def test_a_second_mha_pool_in_one_build_is_refused(monkeypatch):
     current = threading.local()
     current.build = pool_build.Build(ON, SimpleNamespace(), None, 16, kv=object())
     monkeypatch.setattr(pool_build, "_current", current)
-    with pytest.raises(MemxConfigError, match="second one") as info:
+    with pytest.raises(MemxConfigError, match="this pool build makes another") as info:
         pool_build.make_elastic(pool)
     assert info.value.flag == "--memx-elastic-kv"
 

@@ -32,6 +32,7 @@ from sglang_memx.coordinator.governor import GovernorPart
 from sglang_memx.coordinator.parts import Iteration, Source, Step, source, step
 from sglang_memx.coordinator.rank_agreement import RankAgreement
 from sglang_memx.coordinator.rank_pools import RankPools
+from sglang_memx.coordinator.swa_spaces import SwaSpaces
 from sglang_memx.elastic import demand, host_buffer, iteration, shared_pool, slo
 from sglang_memx.elastic.ballooning import grow_over_activation, hold_head_activation, reserve_activation
 from sglang_memx.elastic.host_state import HostBufferState
@@ -69,7 +70,9 @@ class KVCore:
     @staticmethod
     def _cap_request_lengths(it: Iteration) -> None:
         if not it.kv.lengths_capped:  # once: the budget is read then
-            iteration.cap_request_lengths(it.scheduler, it.kv, *it.coordinator.physical_budget())
+            swa = it.coordinator.part(SwaSpaces)  # a hybrid sliding-window model: both spaces back each token
+            rule = iteration.physical_max_tokens if swa is None else (lambda kv, b, k: swa.physical_max_tokens(b, k))
+            iteration.cap_request_lengths(it.scheduler, it.kv, *it.coordinator.physical_budget(), max_tokens=rule)
 
     @staticmethod
     def _note_work(it: Iteration) -> None:

@@ -30,6 +30,7 @@ ITERATION_RANKS = {
     "answer reclaims": 50,
     "work?": 60,
     "deflate": 70,
+    "deflate the sliding-window space": 71,  # a hybrid sliding-window model's second space (``swa_spaces``)
     "host buffer size (Alg. 2)": 80,
     "give back, borrow": 90,
     "even the ranks' pools": 95,  # --tp > 1 on a shared pool: after the tick's one borrow (``rank_pools``)
@@ -41,6 +42,7 @@ ITERATION_RANKS = {
     "Oneiros step": 140,
     "hold the head's activation": 150,
     "premap": 160,
+    "premap the sliding-window space": 161,
     "reopen admission when the head fits": 170,  # after every step that adds memory
     "agree across ranks": 180,  # --tp > 1: last in the tick, what upstream reads next is checked equal
     "peer tier step": 200,  # outside the tick's window

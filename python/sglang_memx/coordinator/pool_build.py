@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from memory_ext.policy.governor import BatchGovernor
@@ -25,8 +25,9 @@ from sglang_memx.coordinator.components import LayerStreamPart, PeerTier
 from sglang_memx.coordinator.governor import GovernorPart, SloInForce
 from sglang_memx.coordinator.rank_agreement import RankAgreement
 from sglang_memx.coordinator.rank_pools import RankPools
+from sglang_memx.coordinator.swa_spaces import SwaSpaces
 from sglang_memx.elastic import shared_pool
-from sglang_memx.elastic.build import activation_profile, build_elastic_kv
+from sglang_memx.elastic.build import activation_profile, build_elastic_kv, build_sibling_kv
 from sglang_memx.elastic.host_buffer import build_host_buffer
 from sglang_memx.elastic.slab import cell_format
 from sglang_memx.families import ServedShape, check_served_shape, pool_class_for
@@ -37,7 +38,7 @@ from sglang_memx.upstream import model as up_model
 from sglang_memx.upstream import scheduler as up_sched
 from sglang_memx.upstream import server_args as up_args
 
-SUPPORTED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
+SUPPORTED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")  # SWA: its two sub-allocators
 
 _current = threading.local()
 
@@ -53,6 +54,8 @@ class Build:
     kv: object = None
     lent: LentPool | None = None  # the shared pool's link (--memx-pool), with the KV space
     layer_stream: object = None  # peer.layer_stream.LayerStreamSetup (--memx-peer-layer-stream), once planned
+    hybrid_swa: bool = False  # upstream builds SWAKVPool: a second space (the sliding-window sub-pool) joins ``kv``
+    spaces: dict = field(default_factory=dict)  # id(MHA sub-pool) -> its ElasticKV (SWAKVPool's two)
 
 
 def current() -> Build | None:
@@ -88,10 +91,14 @@ def scope(configurator):
         return
     model_class = up_model.architecture(model_config)
     tp_size, pp_size = up_args.parallel_sizes(server_args)
-    check_served_shape(config, ServedShape(model_class, pool_class_for(**up_kv.configurator_pool_traits(configurator)),
-                                           tp_size, pp_size))  # fmt: skip
-    build = Build(config, server_args, activation_profile(up_model.decoder_dims(model_config), model_dtype.itemsize),
-                  up_args.max_prefill_batch_tokens(server_args), model_class=model_class, tp_size=tp_size)  # fmt: skip
+    traits = up_kv.configurator_pool_traits(configurator)
+    check_served_shape(config, ServedShape(model_class, pool_class_for(**traits), tp_size, pp_size,
+                                           up_args.device_kind(server_args)))  # fmt: skip
+    # two spaces on one pool: activations stay outside it, as in stock (the balloon counts one space's groups)
+    profile = None if traits["hybrid_swa"] else activation_profile(up_model.decoder_dims(model_config),
+                                                                   model_dtype.itemsize)  # fmt: skip
+    build = Build(config, server_args, profile, up_args.max_prefill_batch_tokens(server_args), model_class=model_class,
+                  tp_size=tp_size, hybrid_swa=traits["hybrid_swa"])  # fmt: skip
     _current.build = build
     try:
         yield build
@@ -108,9 +115,8 @@ def make_elastic(pool) -> bool:
     why = up_kv.elastic_pool_refusal(pool)
     if why is not None:
         raise MemxConfigError("--memx-elastic-kv", f"does not support {why}; run without the flag")
-    if build.kv is not None:  # a pool composed of MHA sub-pools: backing only one would be half-elastic
-        raise MemxConfigError("--memx-elastic-kv", "backs a single MHATokenToKVPool per server; this pool build "
-                              "makes a second one (a pool of MHA sub-pools); run without the flag")  # fmt: skip
+    if build.kv is not None:
+        return _make_second_space(build, pool)
     g = up_kv.pool_geometry(pool)
     stream = build.layer_stream
     if stream is not None and g["kind"] != "mha":  # the launcher refuses it first (families)
@@ -132,6 +138,22 @@ def make_elastic(pool) -> bool:
     kv.cell, kv.slab = cell_format({**g, "layers": rows["layers"], "row_bytes": rows["row_bytes"]},
                                    kv.buffers.pool.chunk_bytes)  # fmt: skip
     build.kv = kv
+    build.spaces[id(pool)] = kv
+    return True
+
+
+def _make_second_space(build: Build, pool) -> bool:
+    """SWAKVPool's second MHA sub-pool (the sliding-window one): a second space on the first's pool.
+    Any other pool build that makes a second MHA pool is refused: backing one would be half-elastic."""
+    if not build.hybrid_swa or len(build.spaces) != 1:
+        raise MemxConfigError("--memx-elastic-kv", "backs one KV pool per server (two for a hybrid sliding-window "
+                              "model's SWAKVPool); this pool build makes another; run without the flag")  # fmt: skip
+    g = up_kv.pool_geometry(pool)
+    kv = build_sibling_kv(build.config, g["row_bytes"], g["rows"], g["page_size"], g["pages"], g["device"],
+                          build.kv.buffers.pool)  # fmt: skip
+    up_kv.set_kv_views(pool, lambda i, dtype, shape: kv.buffers.view(i, dtype, shape))
+    kv.cell, kv.slab = cell_format(g, kv.buffers.pool.chunk_bytes)
+    build.spaces[id(pool)] = kv
     return True
 
 
@@ -147,21 +169,13 @@ def _local_rows(g: dict, stream) -> dict:
 def finish(build: Build, result) -> None:
     pool, allocator = up_kv.configured_pool_and_allocator(result)
     kv = build.kv
-    if kv is None:
-        why = up_kv.elastic_pool_refusal(pool) or f"{type(pool).__name__}"
-        raise MemxConfigError(
-            "--memx-elastic-kv",
-            f"supports the MHA/GQA and MLA token-to-KV pools only (MHATokenToKVPool, unquantized KV, NHD layout; "
-            f"MLATokenToKVPool, unquantized); "
-            f"{build.model_class} in this configuration uses {why}",
-        )
-    if type(allocator).__name__ not in SUPPORTED_ALLOCATORS:
-        raise MemxConfigError(
-            "--memx-elastic-kv",
-            f"supports the {' and '.join(SUPPORTED_ALLOCATORS)} only; {build.model_class} in this configuration "
-            f"uses {type(allocator).__name__} (over {type(pool).__name__})",
-        )
-    kv.restrict_free_list(allocator)
+    _check_built(build, pool, allocator)
+    swa = _swa_spaces(build, pool, allocator)
+    if swa is None:
+        kv.restrict_free_list(allocator)
+    else:
+        kv.restrict_free_list(swa.full_allocator)
+        swa.swa.restrict_free_list(swa.swa_allocator)
     if build.layer_stream is not None:
         build.layer_stream.req_to_token = up_ls.req_to_token_table(result)
     # again here: a server may be built without the CLI parser
@@ -171,7 +185,7 @@ def finish(build: Build, result) -> None:
     host = None
     if build.config.host_buffer_gb is not None:
         host = build_host_buffer(build.config, kv.buffers.group_bytes)
-    extra: list = []
+    extra: list = [] if swa is None else [swa]
     if build.layer_stream is not None:
         extra.append(LayerStreamPart(build.layer_stream))
     if build.config.peer_kv != "off":
@@ -186,4 +200,44 @@ def finish(build: Build, result) -> None:
         extra.append(GovernorPart(BatchGovernor(None if tpot is None else tpot / 1e3), tpot_source=tpot_slo_source(),
                                   ttft=None if ttft is None else SloInForce(ttft, ttft_slo_source()),
                                   tick_time=None if ranks is None else ranks.tick_time))  # fmt: skip
-    device.attach(allocator, kv, tuple(extra), lent=build.lent, host=host)
+    coordinator = device.attach(allocator, kv, tuple(extra), lent=build.lent, host=host)
+    if swa is not None:  # each sub-allocator's hooks find the space whose free list it is
+        device.tie(swa.full_allocator, coordinator)
+        device.tie(swa.swa_allocator, device.Coordinator(swa.swa, (swa,)))
+
+
+def _check_built(build: Build, pool, allocator) -> None:
+    """What upstream built is a pool and allocator elastic KV backs whole (else the error names the flag)."""
+    if build.kv is None:
+        why = up_kv.elastic_pool_refusal(pool) or f"{type(pool).__name__}"
+        raise MemxConfigError(
+            "--memx-elastic-kv",
+            f"supports the MHA/GQA and MLA token-to-KV pools only (MHATokenToKVPool, unquantized KV, NHD layout; "
+            f"MLATokenToKVPool, unquantized; SWAKVPool of two such MHA pools); "
+            f"{build.model_class} in this configuration uses {why}",
+        )
+    subs = up_kv.swa_sub_allocators(allocator) if up_kv.is_swa_allocator(allocator) else (allocator,)
+    if any(type(a).__name__ not in SUPPORTED_ALLOCATORS for a in subs):
+        raise MemxConfigError(
+            "--memx-elastic-kv",
+            f"supports the {' and '.join(SUPPORTED_ALLOCATORS)} only (or the two of SWATokenToKVPoolAllocator); "
+            f"{build.model_class} in this configuration uses {type(allocator).__name__} (over {type(pool).__name__})",
+        )
+
+
+def _swa_spaces(build: Build, pool, allocator) -> SwaSpaces | None:
+    """A hybrid sliding-window model's two spaces with their sub-allocators, or None (one space)."""
+    if not up_kv.is_swa_allocator(allocator):
+        return None
+    full_pool, swa_pool = up_kv.swa_sub_pools(pool) if up_kv.is_swa_pool(pool) else (None, None)
+    full, swa = build.spaces.get(id(full_pool)), build.spaces.get(id(swa_pool))
+    if full is not build.kv or swa is None:
+        raise MemxConfigError("--memx-elastic-kv", f"backs both sub-pools of SWAKVPool; {build.model_class} in "
+                              f"this configuration uses {type(pool).__name__} with other sub-pools; run without "
+                              "the flag")  # fmt: skip
+    if up_kv.swa_ring(allocator):  # its rows are addressed by request slot: no free list to keep them in
+        raise MemxConfigError("--memx-elastic-kv", f"backs SWAKVPool's sub-pools through their allocators; "
+                              f"{build.model_class} in this configuration keeps a per-request sliding-window ring; "
+                              "run without the flag")  # fmt: skip
+    full_allocator, swa_allocator = up_kv.swa_sub_allocators(allocator)
+    return SwaSpaces(full, swa, full_allocator, swa_allocator)

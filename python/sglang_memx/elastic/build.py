@@ -191,3 +191,20 @@ def build_elastic_kv(
         f"{config.pool!r} (shared)" if lent else f"of {pool.capacity_chunks} chunks (own)",
     )
     return kv, lent
+
+
+def build_sibling_kv(config: MemxConfig, row_bytes: Sequence[int], num_rows: int, page_size: int, num_pages: int,
+                     device, pool: ChunkPool) -> ElasticKV:  # fmt: skip
+    """A second KV space of the same server on its pool (a hybrid sliding-window model's sliding-window
+    sub-pool beside its full-attention one, ``coordinator.swa_spaces``). Without a budget the own pool
+    grows by this space's logical size, as it was sized by the first space's; with one, both share it."""
+    buffers = LayeredKVBuffers(pool, row_bytes, num_rows, page_size)
+    if config.pool_budget_gb is None:
+        pool.add_capacity(buffers.num_groups * buffers.chunks_per_group)
+    kv = ElasticKV(buffers, page_size, num_pages, spare_groups=SPARE_GROUPS, device=device)
+    logger.info(
+        "memx: elastic KV, second space on the same pool: %d token rows reserved in %d groups of %d tokens "
+        "(%.1f MiB each); pool of %d chunks",
+        num_rows, buffers.num_groups, buffers.group_rows, buffers.group_bytes / (1 << 20), pool.capacity_chunks,
+    )  # fmt: skip
+    return kv

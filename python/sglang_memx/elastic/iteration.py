@@ -28,11 +28,13 @@ def physical_max_tokens(kv: ElasticKV, budget_chunks: int, kept_chunks: int) -> 
     return groups * kv.buffers.group_rows - kv.page_size  # page 0 is never allocatable
 
 
-def cap_request_lengths(scheduler, kv: ElasticKV, budget_chunks: int, kept_chunks: int) -> None:
-    """Refuse (with upstream's own length error) requests that could never fit the physical budget."""
+def cap_request_lengths(scheduler, kv: ElasticKV, budget_chunks: int, kept_chunks: int,
+                        max_tokens=physical_max_tokens) -> None:  # fmt: skip
+    """Refuse (with upstream's own length error) requests that could never fit the physical budget
+    (``max_tokens(kv, budget, kept)``: one space's rule, or a hybrid sliding-window model's two spaces')."""
     if kv.lengths_capped:
         return
-    cap = physical_max_tokens(kv, budget_chunks, kept_chunks)
+    cap = max_tokens(kv, budget_chunks, kept_chunks)
     if up_sched.cap_request_lengths(scheduler, cap):
         logger.info("memx: requests are limited to %d input tokens by the physical KV budget", cap - 6)
     kv.lengths_capped = True

@@ -9,6 +9,9 @@
   tensors; upstream then builds its descriptors and pointer tables from them as usual.
   ``MLATokenToKVPool._create_buffers`` (around): the same for the plain MLA pool's one latent
   buffer per layer (upstream builds its pointer table from them after the call).
+* ``SWATokenToKVPoolAllocator.swa_capacity_and_available`` (after): a hybrid sliding-window
+  model's pool statistics count each space's unmapped pages as free (``coordinator.swa_spaces``),
+  as ``_get_token_info``'s hook does for one space: upstream's leak check adds them up.
 * Token allocators: ``clear`` (after) keeps only mapped pages in the free list;
   ``available_size`` (after) adds the pages the pool could map now; ``alloc`` /
   ``alloc_extend`` / ``alloc_decode`` (around) map groups first when the free list is short
@@ -25,6 +28,7 @@
 from __future__ import annotations
 
 from sglang_memx.coordinator import device, pool_build
+from sglang_memx.coordinator.swa_spaces import SwaSpaces
 from sglang_memx.elastic.capacity import decode_step_fits
 from sglang_memx.upstream import kv as up_kv
 from sglang_memx.upstream import scheduler as up_sched
@@ -56,7 +60,16 @@ def after_available_size(result, allocator):
     coordinator = device.of(allocator)
     if coordinator is None:
         return result
+    swa = coordinator.part(SwaSpaces)  # one of a hybrid sliding-window model's sub-allocators
+    if swa is not None:
+        return swa.available_tokens(allocator, result)
     return result + coordinator.kv.growable_pages() * up_kv.page_size(allocator)
+
+
+def after_swa_capacity_and_available(result, allocator, *args, **kwargs):
+    coordinator = device.of(allocator)
+    swa = None if coordinator is None else coordinator.part(SwaSpaces)
+    return result if swa is None else swa.logical(result)
 
 
 def around_alloc(original, allocator, need_size):
@@ -121,6 +134,8 @@ HOOKS = (
              _WHY_AVAIL),
     HookSpec(_A + "paged.PagedTokenToKVPoolAllocator.available_size", "after", after_available_size, "elastic_kv",
              _WHY_AVAIL),
+    HookSpec(_A + "swa.SWATokenToKVPoolAllocator.swa_capacity_and_available", "after", after_swa_capacity_and_available,
+             "elastic_kv", "count both sliding-window model spaces' unmapped pages as free in the leak check"),
     HookSpec(_A + "token.TokenToKVPoolAllocator.alloc", "around", around_alloc, "elastic_kv", _WHY_GROW),
     HookSpec(_A + "paged.PagedTokenToKVPoolAllocator.alloc", "around", around_alloc, "elastic_kv", _WHY_GROW),
     HookSpec(_A + "paged.PagedTokenToKVPoolAllocator.alloc_extend", "around", around_alloc_extend, "elastic_kv",

@@ -47,15 +47,16 @@ def launch_shape(ns: argparse.Namespace) -> ServedShape:
     tell before any model is loaded (the scheduler checks again with upstream's resolved facts)."""
     tp, pp = up_args.parallel_sizes(ns)
     hf = checkpoint_config(up_args.model_path(ns))
+    device = up_args.device_kind(ns)
     if hf is None:
-        return ServedShape(architecture(None), None, tp, pp)
+        return ServedShape(architecture(None), None, tp, pp, device)
     text = checkpoint_text_config(hf)
     archs = hf.get("architectures") or []
     hybrid = not up_args.hybrid_swa_memory_disabled(ns) and up_model.hybrid_swa_architecture(archs, text)
     layer_types = text.get("layer_types") or []
     pool = pool_class_for(hybrid_swa=hybrid, mla=text.get("kv_lora_rank") is not None,
                           linear="linear_attention" in layer_types)  # fmt: skip
-    return ServedShape(architecture(hf), pool, tp, pp)
+    return ServedShape(architecture(hf), pool, tp, pp, device)
 
 
 def _validating_parse_args(parser: argparse.ArgumentParser):

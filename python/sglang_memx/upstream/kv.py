@@ -216,17 +216,55 @@ def _mla_size_bytes(mla_pool) -> int:
     return int(mla_pool.get_kv_size_bytes())
 
 
+# ------------------------------------------------------------------ a hybrid sliding-window model's pools
+_SWA_ALLOCATOR = "sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator"
+_SWA_POOL = "sglang.srt.mem_cache.swa_memory_pool.SWAKVPool"
+
+
+def is_swa_allocator(allocator) -> bool:
+    """Whether ``allocator`` is upstream's hybrid sliding-window allocator itself (two sub-allocators,
+    a full-attention and a sliding-window one), not its pure-SWA or unified subclasses."""
+    return type(allocator) is resolve(_SWA_ALLOCATOR)
+
+
+def swa_sub_allocators(swa_allocator) -> tuple:
+    """(full-attention, sliding-window) sub-allocators of a hybrid sliding-window allocator."""
+    return swa_allocator.full_attn_allocator, swa_allocator.swa_attn_allocator
+
+
+def swa_ring(swa_allocator) -> bool:
+    """Whether the hybrid allocator keeps each request's sliding-window rows in a ring of its own
+    (addressed by request slot, not handed out by the sliding-window sub-allocator)."""
+    return bool(swa_allocator.swa_req_ring)
+
+
+def swa_sub_pools(swa_pool) -> tuple:
+    """(full-attention, sliding-window) sub-pools of upstream's ``SWAKVPool``."""
+    return swa_pool.full_kv_pool, swa_pool.swa_kv_pool
+
+
+def is_swa_pool(kvcache) -> bool:
+    return type(kvcache) is resolve(_SWA_POOL)
+
+
+def _own(allocator):
+    """The allocator whose free list a server's main KV space keeps: a hybrid sliding-window
+    model's full-attention sub-allocator (its sliding-window space keeps the other one, handed
+    to it as is), else the allocator itself."""
+    return swa_sub_allocators(allocator)[0] if is_swa_allocator(allocator) else allocator
+
+
 # ------------------------------------------------------------------ the allocators' free lists
 def page_size(allocator) -> int:
     return allocator.page_size
 
 
 def free_pages(allocator) -> torch.Tensor:
-    return allocator.free_pages
+    return _own(allocator).free_pages
 
 
 def set_free_pages(allocator, pages: torch.Tensor) -> None:
-    allocator.free_pages = pages
+    _own(allocator).free_pages = pages
 
 
 _PAGED = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
@@ -249,6 +287,7 @@ def _paged_staged_count(paged_allocator) -> int:
 
 def clear_staged_frees(allocator, device) -> None:
     """Empty the staged frees after the free list was rebuilt."""
+    allocator = _own(allocator)
     allocator.release_pages = torch.empty((0,), dtype=torch.int64, device=device)
     if _paged(allocator):
         _clear_paged_staging(allocator)
@@ -258,16 +297,17 @@ def free_page_count(allocator) -> int:
     """Pages in the free list plus pages staged by ``free`` and not merged yet (either
     allocator's staging: before, the paged allocator's staged frees were not counted, so memx
     mapped groups a free list about to be merged did not need)."""
+    allocator = _own(allocator)
     staged = _paged_staged_count(allocator) if _paged(allocator) else len(allocator.release_pages)
     return len(allocator.free_pages) + staged
 
 
 def merge_staged_frees(allocator) -> None:
-    allocator.merge_and_sort_free()
+    _own(allocator).merge_and_sort_free()
 
 
 def all_free_pages(allocator):
-    return allocator.get_all_free_pages()
+    return _own(allocator).get_all_free_pages()
 
 
 def available_tokens(allocator) -> int:

@@ -68,15 +68,21 @@ def _phase_disabled(args, phase: str) -> bool:
     return str(getattr(args, f"cuda_graph_backend_{phase}")) == GRAPH_DISABLED
 
 
-def cuda_graphs_possible(args) -> bool:
-    """Whether upstream may capture CUDA graphs: a CUDA device (``--device`` given, or
-    auto-detected when absent) and a decode or prefill phase not switched off."""
+def device_kind(args) -> str:
+    """``--device`` of a namespace or a ServerArgs record, or what upstream auto-detects when absent
+    (``cuda`` when a GPU answers, else ``cpu``)."""
     device = args.device
     if device is None:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not str(device).startswith("cuda"):
+    return str(device).split(":")[0]
+
+
+def cuda_graphs_possible(args) -> bool:
+    """Whether upstream may capture CUDA graphs: a CUDA device (``--device`` given, or
+    auto-detected when absent) and a decode or prefill phase not switched off."""
+    if device_kind(args) != "cuda":
         return False
     return not (_phase_disabled(args, "decode") and _phase_disabled(args, "prefill"))
 
