@@ -100,11 +100,12 @@ def feature_args(feature: str, pool_dir: str) -> list[str]:
 _REFUSAL = re.compile(r"error: (argument --memx-[\w-]+: .*)$")
 
 
-def launch_refusal(family: Family, path: Path, feature: str, timeout: float) -> dict:
-    """Launch a memx server of ``family`` with ``feature``'s flags; it must exit with memx's refusal."""
+def _launch_until_exit(family: Family, path: Path, feature: str, timeout: float, kind: str) -> tuple:
+    """Launch a memx server of ``family`` with ``feature``'s flags and wait for it to exit (it must):
+    (exit code or None, its log lines, seconds)."""
     with tempfile.TemporaryDirectory() as pool_dir:
         args = COMMON + list(family.extra_args) + feature_args(feature, pool_dir)
-        server = SGLangServer(path, name=f"fam-refuse-{family.key}-{feature}", extra_args=args, env=dict(family.env))
+        server = SGLangServer(path, name=f"fam-{kind}-{family.key}-{feature}", extra_args=args, env=dict(family.env))
         t0 = time.monotonic()
         server.start()
         try:
@@ -113,10 +114,15 @@ def launch_refusal(family: Family, path: Path, feature: str, timeout: float) -> 
             code = None
         finally:
             server.stop()
-    lines = server.log_path.read_text(errors="replace").splitlines()
+    return code, server.log_path.read_text(errors="replace").splitlines(), round(time.monotonic() - t0, 1)
+
+
+def launch_refusal(family: Family, path: Path, feature: str, timeout: float) -> dict:
+    """Launch a memx server of ``family`` with ``feature``'s flags; it must exit with memx's refusal."""
+    code, lines, wall = _launch_until_exit(family, path, feature, timeout, "refuse")
     message = next((m[1] for m in map(_REFUSAL.search, lines) if m), None)
     return {"verdict": "refused" if code == 2 and message else "unexpected", "exit_code": code,
-            "message": message, "memx_args": feature_args(feature, "DIR"), "wall_s": round(time.monotonic() - t0, 1),
+            "message": message, "memx_args": feature_args(feature, "DIR"), "wall_s": wall,
             "stage": "launch (argument parsing, before any model is loaded)"}  # fmt: skip
 
 
@@ -125,24 +131,12 @@ def pool_level_launch(family: Family, path: Path, feature: str, timeout: float) 
     must build its elastic pool (its log line) and the server then stop in upstream's own failure, as stock's."""
     from benchmark.families_probe import refusal
 
-    with tempfile.TemporaryDirectory() as pool_dir:
-        args = COMMON + list(family.extra_args) + feature_args(feature, pool_dir)
-        server = SGLangServer(path, name=f"fam-pool-{family.key}-{feature}", extra_args=args, env=dict(family.env))
-        t0 = time.monotonic()
-        server.start()
-        try:
-            code = server.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            server.stop()
-    lines = server.log_path.read_text(errors="replace").splitlines()
+    code, lines, wall = _launch_until_exit(family, path, feature, timeout, "pool")
     built = next((m[0] for m in map(_BUILT.search, lines) if m), None)
     failure = refusal(lines)
     ok = code not in (0, None) and built is not None and failure is not None
     return {"verdict": "pool_level" if ok else "unexpected", "exit_code": code, "built": built, "note": failure,
-            "test": MLA_POOL_TEST, "memx_args": feature_args(feature, "DIR"),
-            "wall_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+            "test": MLA_POOL_TEST, "memx_args": feature_args(feature, "DIR"), "wall_s": wall}  # fmt: skip
 
 
 def mla_cells(family: Family, path: Path, timeout: float) -> dict:

@@ -130,14 +130,14 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
             f"{', '.join(not_ready)}",
         )
     if shape.pool_class == MLA_POOL:
-        _check_mla(config, shape.model_class)
+        _check_pool_flags(config, shape.model_class, MLA_POOL)
         return
     if shape.pool_class == HYBRID_SWA_POOL:
         if shape.device == "cpu":
             raise MemxConfigError(FLAG, f"{shape.model_class} is served from upstream's {HYBRID_SWA_POOL}, and on the "
                                         f"CPU {SWA_CPU_WHY}; run with --disable-hybrid-swa-memory (one full-length "
                                         "MHATokenToKVPool, every memx feature) or without the flag")  # fmt: skip
-        _check_swa(config, shape.model_class)
+        _check_pool_flags(config, shape.model_class, HYBRID_SWA_POOL)
         return
     if shape.pool_class is not None and shape.pool_class != ELASTIC_POOL:
         raise MemxConfigError(
@@ -148,32 +148,30 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
         )
 
 
-def _check_mla(config: MemxConfig, model_class: str) -> None:
-    """The MLA pool: elastic KV and what rides on it (``MLA_READY_FLAGS``); any other flag refused by name."""
-    not_ready = [f for f in config.requested_flags() if f not in MLA_READY_FLAGS]
+# per pool elastic KV backs beside the MHA pool: (flags that run on it, the pool in words, what memx does on it,
+# why the other flags do not run)
+_POOL_FLAGS = {
+    MLA_POOL: (MLA_READY_FLAGS, "one compressed latent per token and layer",
+               "memx backs it with elastic KV, own or shared, the host buffer and the governor",
+               "not written for it (remappable weights find the layers of Llama-like and Gemma2 decoders only; the "
+               "peer tier and the layer stream cache move an MHA pool's K and V rows)"),
+    HYBRID_SWA_POOL: (SWA_READY_FLAGS, "a full-attention and a sliding-window sub-pool of different sizes",
+                      f"memx backs both with elastic KV on the server's own pool ({', '.join(SWA_READY_FLAGS)})",
+                      "not written for two KV spaces yet"),
+}  # fmt: skip
+
+
+def _check_pool_flags(config: MemxConfig, model_class: str, pool: str) -> None:
+    """The MLA pool or SWAKVPool: elastic KV and what runs on it (``_POOL_FLAGS``); any other flag
+    refused by name."""
+    ready, what, does, why = _POOL_FLAGS[pool]
+    not_ready = [f for f in config.requested_flags() if f not in ready]
     if not not_ready:
         return
     verb = "is" if len(not_ready) == 1 else "are"
     raise MemxConfigError(
         not_ready[0],
-        f"{model_class} is served from upstream's {MLA_POOL} (one compressed latent per token and layer); memx backs "
-        f"it with elastic KV, own or shared, the host buffer and the governor; {', '.join(not_ready)} {verb} not "
-        f"written for it (remappable weights find the layers of Llama-like and Gemma2 decoders only; the peer tier "
-        f"and the layer stream cache move an MHA pool's K and V rows); run without {', '.join(not_ready)}",
-    )
-
-
-def _check_swa(config: MemxConfig, model_class: str) -> None:
-    """SWAKVPool: elastic KV on both sub-pools (``SWA_READY_FLAGS``); any other flag refused by name."""
-    not_ready = [f for f in config.requested_flags() if f not in SWA_READY_FLAGS]
-    if not not_ready:
-        return
-    verb = "is" if len(not_ready) == 1 else "are"
-    raise MemxConfigError(
-        not_ready[0],
-        f"{model_class} is served from upstream's {HYBRID_SWA_POOL} (a full-attention and a sliding-window "
-        f"sub-pool of different sizes); memx backs both with elastic KV on the server's own pool "
-        f"({', '.join(SWA_READY_FLAGS)}); {', '.join(not_ready)} {verb} not written for two KV spaces yet; "
+        f"{model_class} is served from upstream's {pool} ({what}); {does}; {', '.join(not_ready)} {verb} {why}; "
         f"run without {', '.join(not_ready)}",
     )
 

@@ -10,15 +10,13 @@ own allocator and write / read methods (``set_mla_kv_buffer``, ``get_key_buffer`
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 
 import torch
 
 from sglang_memx.config import MemxConfig
-from sglang_memx.coordinator import device as coordinator_device
-from sglang_memx.coordinator import pool_build
 from sglang_memx.hooks import kv_cache as kv_hooks
+from support.elastic_pool_build import elastic_build
 
 KV_LORA_RANK, QK_ROPE = 32, 8  # the latent: 40 values per token and layer
 LAYERS = 2
@@ -46,31 +44,17 @@ def new_allocator(pool, device: str):
     return PagedTokenToKVPoolAllocator(pool.size, pool.page_size, pool.dtype, device, pool, True)
 
 
-@contextlib.contextmanager
-def hooked_create_buffers(monkeypatch):
-    """memx's around hook on ``MLATokenToKVPool._create_buffers``, as upstream's registry applies it."""
-    cls = mla_pool_class()
-    original = cls._create_buffers
-    monkeypatch.setattr(cls, "_create_buffers", lambda pool: kv_hooks.around_create_buffers(original, pool))
-    yield
-
-
 def elastic_server(monkeypatch, config: MemxConfig, size: int, page_size: int, dtype: torch.dtype, device: str):
     """(pool, allocator, coordinator) of an MLA pool built inside an open elastic build and tied to
     its coordinator as ``KVCacheConfigurator.configure``'s hook does."""
-    monkeypatch.setattr(pool_build.up_args, "radix_cache_disabled", lambda args: False)
-    monkeypatch.setattr(pool_build.up_args, "cuda_graphs_possible", lambda args: False)
-    args = SimpleNamespace(host="127.0.0.1", port=0)
-    build = pool_build.Build(config, args, None, 0, model_class="DeepseekV2ForCausalLM")
-    pool_build._current.build = build
-    try:
-        with hooked_create_buffers(monkeypatch):
-            pool = new_pool(size, page_size, dtype, device)
-    finally:
-        pool_build._current.build = None
-    allocator = new_allocator(pool, device)
-    pool_build.finish(build, SimpleNamespace(token_to_kv_pool=pool, token_to_kv_pool_allocator=allocator))
-    return pool, allocator, coordinator_device.of(allocator)
+    return elastic_build(
+        monkeypatch,
+        config,
+        "DeepseekV2ForCausalLM",
+        (mla_pool_class(), "_create_buffers"),
+        lambda: new_pool(size, page_size, dtype, device),
+        lambda p: new_allocator(p, device),
+    )
 
 
 def alloc(allocator, n: int):

@@ -18,9 +18,8 @@ from types import SimpleNamespace
 import torch
 
 from sglang_memx.config import MemxConfig
-from sglang_memx.coordinator import device as coordinator_device
-from sglang_memx.coordinator import pool_build
 from sglang_memx.hooks import kv_cache as kv_hooks
+from support.elastic_pool_build import elastic_build
 
 HEADS, HEAD_DIM = 2, 16
 SWA_LAYER, FULL_LAYER = 0, 1
@@ -61,22 +60,10 @@ def elastic_server(monkeypatch, config: MemxConfig, size: int, size_swa: int, dt
     sliding-window model, its allocator's hooks in place, tied as ``KVCacheConfigurator.configure``'s hook ties it."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    monkeypatch.setattr(pool_build.up_args, "radix_cache_disabled", lambda args: False)
-    monkeypatch.setattr(pool_build.up_args, "cuda_graphs_possible", lambda args: False)
     hooked_allocators(monkeypatch)
-    build = pool_build.Build(config, SimpleNamespace(host="127.0.0.1", port=0), None, 0,
-                             model_class="MellumForCausalLM", hybrid_swa=True)  # fmt: skip
-    original = MHATokenToKVPool._create_buffers_normal
-    with monkeypatch.context() as m:
-        m.setattr(MHATokenToKVPool, "_create_buffers_normal", lambda p: kv_hooks.around_create_buffers(original, p))
-        pool_build._current.build = build
-        try:
-            pool = new_pool(size, size_swa, dtype, device)
-        finally:
-            pool_build._current.build = None
-    allocator = new_allocator(pool, device)
-    pool_build.finish(build, SimpleNamespace(token_to_kv_pool=pool, token_to_kv_pool_allocator=allocator))
-    return pool, allocator, coordinator_device.of(allocator)
+    return elastic_build(monkeypatch, config, "MellumForCausalLM", (MHATokenToKVPool, "_create_buffers_normal"),
+                         lambda: new_pool(size, size_swa, dtype, device), lambda p: new_allocator(p, device),
+                         hybrid_swa=True)  # fmt: skip
 
 
 def write(pool, allocator, loc: torch.Tensor, seed: int) -> list[torch.Tensor]:

@@ -32,20 +32,19 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _dtypes_and_layers(geometry: dict) -> dict:
+    return {"kv_dtype": _dtype_name(geometry["dtype"]), "store_dtype": _dtype_name(geometry["store_dtype"]),
+            "layers": geometry["layers"]}  # fmt: skip
+
+
 def cell_format(geometry: dict, unit_bytes: int):
     """``(cell, SlabFormat)`` of a pool from ``upstream.kv.pool_geometry`` (its ``layers`` and
     ``row_bytes`` those this server backs)."""
     if geometry["kind"] == "mla":
         return _mla_cell_format(geometry, unit_bytes)
     layers = geometry["layers"]
-    cell = {
-        "kv_dtype": _dtype_name(geometry["dtype"]),
-        "store_dtype": _dtype_name(geometry["store_dtype"]),
-        "layers": layers,
-        "kv_heads": geometry["kv_heads"],
-        "head_dim": geometry["head_dim"],
-        "v_head_dim": geometry["v_head_dim"],
-    }
+    cell = {**_dtypes_and_layers(geometry), "kv_heads": geometry["kv_heads"], "head_dim": geometry["head_dim"],
+            "v_head_dim": geometry["v_head_dim"]}  # fmt: skip
     key = f"{cell['kv_dtype']} L{layers} {cell['kv_heads']}x{cell['head_dim']}"
     if cell["v_head_dim"] != cell["head_dim"]:
         key += f"/{cell['v_head_dim']}"
@@ -64,14 +63,9 @@ def _mla_cell_format(geometry: dict, unit_bytes: int):
     """The MLA cell: one latent row (``kv_lora_rank`` + ``qk_rope_head_dim`` values) per token and
     layer, no separate V (upstream reads V as the latent's first ``kv_lora_rank`` values)."""
     layers, rows = geometry["layers"], geometry["row_bytes"]
-    cell = {
-        "kv_dtype": _dtype_name(geometry["dtype"]),
-        "store_dtype": _dtype_name(geometry["store_dtype"]),
-        "layers": layers,
-        "kv_lora_rank": geometry["kv_lora_rank"],
-        "qk_rope_head_dim": geometry["qk_rope_head_dim"],
-        "token_bytes_per_layer": rows[0] if rows else 0,
-    }
+    cell = {**_dtypes_and_layers(geometry), "kv_lora_rank": geometry["kv_lora_rank"],
+            "qk_rope_head_dim": geometry["qk_rope_head_dim"],
+            "token_bytes_per_layer": rows[0] if rows else 0}  # fmt: skip
     key = f"{cell['kv_dtype']} L{layers} MLA {cell['kv_lora_rank']}+{cell['qk_rope_head_dim']}"
     return cell, slab_format(key, rows, unit_bytes, geometry["page_size"])
 
