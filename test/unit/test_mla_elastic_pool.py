@@ -130,3 +130,38 @@ def test_a_subclass_of_the_mla_pool_is_not_backed():
         pool = object.__new__(cls)
         assert not up_kv.is_mla_pool(pool)
         assert f"{cls.__name__} (a variant of the MLA pool)" in up_kv.elastic_pool_refusal(pool)
+
+
+def test_an_mla_pool_borrows_its_groups_from_the_devices_arbiter_and_gives_them_back(monkeypatch):
+    """On a shared pool (``--memx-pool``) the MLA space's groups are chunks the device's arbiter lends:
+    an allocation short of mapped pages borrows at once (the coordinator's short-allocation order), the
+    latents read back, and freed groups go back to the arbiter."""
+    import shutil
+    import tempfile
+
+    from memory_ext.pool.arbiter import Arbiter
+    from memory_ext.vmm import host_backend
+    from sglang_memx.elastic.paths import pool_socket
+
+    directory = tempfile.mkdtemp(prefix="mla-", dir="/tmp")  # a short path: the arbiter's unix socket
+    config = MemxConfig(elastic_kv=True, chunk_kb=4, pool="mla", pool_dir=directory)
+    try:
+        with Arbiter(str(pool_socket(config)), host_backend(4096), 400) as arbiter:
+            pool, allocator, coordinator = mla.elastic_server(monkeypatch, config, SIZE, 1, torch.float32, "cpu")
+
+            def held() -> int:
+                return sum(c["held"] for c in arbiter.status()["clients"])
+
+            lent, kv = coordinator.shared_pool(), coordinator.kv
+            assert lent is not None and held() == kv.buffers.chunks_per_group  # the first group, borrowed at join
+            loc = mla.alloc(allocator, 3 * kv.buffers.group_rows)
+            assert loc is not None and held() >= 4 * kv.buffers.chunks_per_group
+            written = mla.write_latents(pool, loc, seed=11)
+            assert _latents_equal(mla.read_latents(pool, loc), written)
+            allocator.free(loc)
+            assert kv.shrink(allocator, spare_groups=0) >= 3
+            assert lent.give_back() >= 3 * kv.buffers.chunks_per_group  # every FREE chunk, the ACK waited for
+            assert held() == kv.buffers.chunks_per_group
+            lent.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
