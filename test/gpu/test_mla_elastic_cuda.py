@@ -15,6 +15,15 @@ pytestmark = pytest.mark.gpu
 SIZE = 1 << 16
 
 
+@pytest.fixture(autouse=True)
+def _close_pools():
+    """Every pool a test built is unmapped and its chunks destroyed (they are file descriptors)."""
+    yield
+    from support.elastic_pool_build import close_built
+
+    close_built()
+
+
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_an_elastic_mla_pool_on_a_gpu_maps_as_it_fills_and_reads_what_stock_reads(monkeypatch, page_size):
     from support import mla_elastic as mla

@@ -15,6 +15,15 @@ from sglang_memx.coordinator.swa_spaces import SwaSpaces
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _close_pools():
+    """Every pool a test built is unmapped and its chunks destroyed (they are file descriptors)."""
+    yield
+    from support.elastic_pool_build import close_built
+
+    close_built()
+
+
 def test_both_sub_pools_of_an_swa_pool_on_a_gpu_share_one_budget(monkeypatch):
     from support import swa_elastic as swa
 

@@ -13,6 +13,8 @@ from sglang_memx.coordinator import device as coordinator_device
 from sglang_memx.coordinator import pool_build
 from sglang_memx.hooks import kv_cache as kv_hooks
 
+BUILT: list = []  # the coordinators built here and not closed yet (``close_built``)
+
 
 def elastic_build(monkeypatch, config: MemxConfig, model_class: str, hooked: tuple[type, str],
                   make_pool: Callable[[], object], make_allocator: Callable[[object], object], *,
@@ -32,6 +34,21 @@ def elastic_build(monkeypatch, config: MemxConfig, model_class: str, hooked: tup
             pool = make_pool()
         finally:
             pool_build._current.build = None
+    if build.kv is not None:  # built: closed by ``close_built`` even when the tie below refuses
+        BUILT.append(build)
     allocator = make_allocator(pool)
     pool_build.finish(build, SimpleNamespace(token_to_kv_pool=pool, token_to_kv_pool_allocator=allocator))
     return pool, allocator, coordinator_device.of(allocator)
+
+
+def close_built() -> None:
+    """Unmap and destroy what every build here mapped (each host chunk is a file descriptor: a test
+    run that leaks them pushes later tests' descriptors past what ``select()`` takes)."""
+    while BUILT:
+        build = BUILT.pop()
+        for kv in build.spaces.values() or [build.kv]:
+            kv.buffers.close()
+        if build.lent is not None:
+            build.lent.close()
+        else:
+            build.kv.buffers.pool.trim()

@@ -25,6 +25,17 @@ from sglang_memx.upstream import kv as up_kv  # noqa: E402
 from support import mla_elastic as mla  # noqa: E402
 
 SIZE = 4096
+
+
+@pytest.fixture(autouse=True)
+def _close_pools():
+    """Every pool a test built is unmapped and its chunks destroyed (they are file descriptors)."""
+    yield
+    from support.elastic_pool_build import close_built
+
+    close_built()
+
+
 CONFIG = MemxConfig(elastic_kv=True, chunk_kb=4)
 
 

@@ -99,3 +99,23 @@ def test_a_silent_client_holds_the_responder_no_longer_than_its_budget(monkeypat
     finally:
         responder.stop()
         sock.close()
+
+
+def test_the_responder_answers_on_a_descriptor_above_1023():
+    """A router with many connections (or a process with many chunk fds) holds its port on a high
+    descriptor; ``select()`` refuses any above 1023, which once killed the responder's thread."""
+    import fcntl
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] <= 1100:
+        pytest.skip("the open-file limit here is too low to place a descriptor above 1023")
+    low = claim_address("127.0.0.1", 0)
+    sock = socket.socket(fileno=fcntl.fcntl(low.fileno(), fcntl.F_DUPFD_CLOEXEC, 1100))
+    low.close()
+    assert sock.fileno() >= 1100
+    responder = StartingResponder(sock, poll_s=0.05).start()
+    try:
+        assert _get(sock.getsockname()[1]) == (503, str(RETRY_AFTER_S), {"status": "starting"})
+    finally:
+        responder.stop()
+        sock.close()

@@ -21,6 +21,17 @@ from sglang_memx.upstream import kv as up_kv  # noqa: E402
 from support import swa_elastic as swa  # noqa: E402
 
 SIZE, SIZE_SWA = 1024, 819  # upstream's split at --swa-full-tokens-ratio 0.8
+
+
+@pytest.fixture(autouse=True)
+def _close_pools():
+    """Every pool a test built is unmapped and its chunks destroyed (they are file descriptors)."""
+    yield
+    from support.elastic_pool_build import close_built
+
+    close_built()
+
+
 CHUNK_KB = 4  # a group: 32 tokens, 2 chunks (K and V of the sub-pool's one layer, 128 B a row)
 
 
@@ -125,7 +136,11 @@ def test_groups_to_add_counts_the_lowest_unmapped_groups_and_the_partial_last(ma
     buffers = LayeredKVBuffers(ChunkPool(host_backend(4096), 100), [128, 128], 1000 + 1, 1)  # 32 groups
     kv = ElasticKV(buffers, 1, 1000)  # the last group (31) holds 1000 - 31 * 32 + 1 = 9 pages
     buffers.map_groups([g for g in mapped if g])
-    assert kv.groups_to_add(pages) == want
+    try:
+        assert kv.groups_to_add(pages) == want
+    finally:
+        buffers.close()
+        buffers.pool.trim()
 
 
 def test_a_per_request_sliding_window_ring_is_refused_naming_the_flag(monkeypatch):

@@ -16,7 +16,7 @@ child processes (PEP 446).
 from __future__ import annotations
 
 import json
-import select
+import selectors
 import socket
 import threading
 import time
@@ -79,19 +79,23 @@ class StartingResponder:
             self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            ready, _, _ = select.select([self.sock], [], [], self.poll_s)
-            if not ready or self._stop.is_set():
-                continue
-            self.sock.setblocking(False)
-            try:
-                conn, _ = self.sock.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                continue
-            finally:
-                self.sock.setblocking(True)
-            with conn:
-                self._answer(conn)
+        with selectors.DefaultSelector() as sel:  # not select(): it refuses a descriptor above 1023
+            sel.register(self.sock, selectors.EVENT_READ)
+            while not self._stop.is_set():
+                if sel.select(self.poll_s) and not self._stop.is_set():
+                    self._accept_one()
+
+    def _accept_one(self) -> None:
+        """Accept one waiting connection (none: another took it first) and answer it."""
+        self.sock.setblocking(False)
+        try:
+            conn, _ = self.sock.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        finally:
+            self.sock.setblocking(True)
+        with conn:
+            self._answer(conn)
 
     def _answer(self, conn: socket.socket) -> None:
         """Read the request's head, answer, drain what else the client sends; ``CONN_BUDGET_S`` in all
