@@ -142,9 +142,9 @@ def check_served_shape(config: MemxConfig, shape: ServedShape) -> None:
     if shape.pool_class is not None and shape.pool_class != ELASTIC_POOL:
         raise MemxConfigError(
             FLAG,
-            f"{shape.model_class} is served from upstream's {shape.pool_class}; "
-            f"elastic KV{_dependent_flags(config)} backs a single {ELASTIC_POOL} only (unquantized, NHD layout); "
-            f"run without the flag",
+            f"{shape.model_class} is served from upstream's {shape.pool_class}, which elastic KV does not back; "
+            f"elastic KV{_dependent_flags(config)} backs upstream's {ELASTIC_POOL} and {MLA_POOL} (unquantized, "
+            f"NHD layout) and, on a GPU, both sub-pools of its {HYBRID_SWA_POOL}; run without the flag",
         )
 
 
