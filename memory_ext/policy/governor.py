@@ -21,7 +21,10 @@ feed them here, ``observe``).
     prefills a running request waits through in steady state (``prefill_stalls``: a batch of
     ``b`` predicts ``step(b) + b * q``, ``q`` the stalled seconds per decoded token measured).
 
-  No SLO: always admit (stock behaviour). An empty batch always admits (nothing starves).
+  No SLO: always admit (stock behaviour). The SLO in force is the one given (a flag, a config
+  field, ``set_tpot_slo``), else the measured default when the governor has one
+  (``default_slo.SoloStepDefault``: 20 solo decode steps, once measured); ``slo_origin`` says which.
+  An empty batch always admits (nothing starves).
   An SLO no batch can meet (one request decoding alone, the lighter of the newcomer and an
   average running one, is predicted over it) admits as stock would: a cap would only queue
   the burst (every TTFT later) for a TPOT no batch size attains, harm with no predicted gain.
@@ -38,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from memory_ext.policy._checks import check_int, check_num
+from memory_ext.policy.default_slo import SoloStepDefault
 from memory_ext.policy.prefill_stalls import PrefillStalls
 from memory_ext.policy.request_pace import PrefillTimeModel, RunningPace, worst_tpot
 from memory_ext.policy.step_time import StepTimeModel
@@ -51,11 +55,13 @@ __all__ = [
     "PER_REQUEST",
     "REASONS",
     "SLO_INFEASIBLE",
+    "SLO_DEFAULT",
+    "SLO_GIVEN",
     "StepTimeModel",
     "check_tpot_slo",
 ]
 
-NO_SLO = "no_slo"  # no TPOT SLO set: never caps
+NO_SLO = "no_slo"  # no TPOT SLO set (nor a default measured yet): never caps
 EMPTY_BATCH = "empty_batch"  # nothing runs: one request always joins
 LEARNING = "learning"  # too few step samples to predict: admit as stock would
 WITHIN_SLO = "within_slo"  # predicted step time with the request <= the SLO
@@ -69,6 +75,8 @@ CAP_WITHIN_SLO = "predicted_tpot_within_slo"
 CAP_REASONS = (NO_SLO, LEARNING, SLO_INFEASIBLE, CAP_WITHIN_SLO)
 PER_REQUEST = "per_request"  # the decision judged each running request's TPOT (``request_pace``)
 BATCH = "batch"  # ... the batch's steady-state TPOT (no paces given, or the prefill time still learning)
+SLO_GIVEN = "given"  # the SLO in force was given (a flag, a config field, set at run time)
+SLO_DEFAULT = "default"  # ... is the measured default (``default_slo``)
 
 
 def check_tpot_slo(name: str, value) -> float | None:
@@ -91,8 +99,10 @@ class BatchDecision:
 class BatchGovernor:
     """One model's batch decision under its TPOT SLO (module docstring). ``counts``: decisions by reason."""
 
-    def __init__(self, tpot_slo_s: float | None, model: StepTimeModel | None = None):
-        self.tpot_slo_s = check_tpot_slo("tpot_slo_s", tpot_slo_s)
+    def __init__(self, tpot_slo_s: float | None, model: StepTimeModel | None = None,
+                 default: SoloStepDefault | None = None):  # fmt: skip
+        self.given_slo_s = check_tpot_slo("tpot_slo_s", tpot_slo_s)
+        self.default = default  # the SLO held while none is given (None: no default)
         self.model = model if model is not None else StepTimeModel()
         self.prefill = PrefillStalls(self.model.decay)  # the prefills running requests wait through
         self.prefill_time = PrefillTimeModel(self.model.decay)  # seconds of a prefill by its tokens
@@ -102,15 +112,32 @@ class BatchGovernor:
         # the status' cap and curve use it when nothing runs
         self.recent_kv_per_request: float | None = None
 
+    @property
+    def tpot_slo_s(self) -> float | None:
+        """The TPOT SLO in force: the given one, else the measured default (None: neither)."""
+        if self.given_slo_s is not None:
+            return self.given_slo_s
+        return None if self.default is None else self.default.slo_s
+
+    @property
+    def slo_origin(self) -> str | None:
+        """``SLO_GIVEN``, ``SLO_DEFAULT`` or None: where the SLO in force came from."""
+        if self.given_slo_s is not None:
+            return SLO_GIVEN
+        return None if self.tpot_slo_s is None else SLO_DEFAULT
+
     def set_tpot_slo(self, tpot_slo_s: float | None) -> None:
-        """Hold ``tpot_slo_s`` from now on (None: no SLO, never caps); what the models learned stays.
-        Raises ValueError naming ``tpot_slo_s`` and changes nothing when it is not a positive number."""
-        self.tpot_slo_s = check_tpot_slo("tpot_slo_s", tpot_slo_s)
+        """Hold ``tpot_slo_s`` from now on (None: the default if any, else no SLO, never caps); what
+        the models learned stays. Raises ValueError naming ``tpot_slo_s`` and changes nothing when
+        it is not a positive number."""
+        self.given_slo_s = check_tpot_slo("tpot_slo_s", tpot_slo_s)
         self.last = None  # the last decision was judged against the old SLO
 
     def observe(self, batch: int, kv_tokens: int, step_s: float) -> None:
-        """One pure decode step: a sample of the step-time model, and token time."""
+        """One pure decode step: a sample of the step-time model, of the default's solo step, and token time."""
         self.model.observe(batch, kv_tokens, step_s)
+        if self.default is not None:
+            self.default.observe(batch, step_s)
         self.prefill.observe(batch, 0.0)
         per, m = kv_tokens / batch, self.recent_kv_per_request
         self.recent_kv_per_request = per if m is None else m + (1.0 - self.model.decay) * (per - m)
@@ -216,6 +243,8 @@ class BatchGovernor:
         a, b, c = model.coef if model.coef is not None else (None, None, None)
         return {
             "tpot_slo_ms": None if slo is None else round(slo * 1e3, 9),  # as set: no float noise of the unit change
+            "slo_origin": self.slo_origin,
+            "default_slo": None if self.default is None else self.default.status(),
             "batch_cap": cap,
             "batch_cap_reason": why,
             "running": running,

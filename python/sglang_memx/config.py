@@ -17,6 +17,7 @@ import os
 import re
 from typing import Any
 
+from memory_ext.policy.default_slo import DEFAULT_SCALE, check_scale
 from sglang_memx.flags import MEMX_FLAGS
 
 GROUP_TITLE = "sglang-memx (integrated memory subsystem)"
@@ -122,6 +123,7 @@ class MemxConfig:
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     governor: bool = False
+    tpot_slo_scale: float = DEFAULT_SCALE
     weights: str = "off"
     weights_streamed: float | None = None
     prefetch_depth: int | None = None
@@ -214,12 +216,28 @@ class MemxConfig:
             )
         if self.governor and not self.elastic_kv:
             raise MemxConfigError("--memx-governor", "needs --memx-elastic-kv (the governor runs on its coordinator)")
+        self._validate_slo_scale()
         slos = (self.ttft_slo_ms, self.tpot_slo_ms)
         if self.host_buffer_gb is not None and any(v is not None for v in slos):
             option = "--memx-ttft-slo-ms" if self.ttft_slo_ms is not None else "--memx-tpot-slo-ms"
             if None in slos:
                 missing = "--memx-tpot-slo-ms" if self.tpot_slo_ms is None else "--memx-ttft-slo-ms"
                 raise MemxConfigError(missing, f"must be given together with {option} (eLLM Alg. 2 uses both)")
+
+    def _validate_slo_scale(self) -> None:
+        """``--memx-tpot-slo-scale``: 0 or a number > 1, only for a governor given no TPOT SLO."""
+        flag, scale = "--memx-tpot-slo-scale", self.tpot_slo_scale
+        try:
+            check_scale(flag, scale)
+        except ValueError as err:
+            raise MemxConfigError(flag, str(err).removeprefix(flag).strip()) from None
+        if scale == DEFAULT_SCALE:
+            return
+        if self.tpot_slo_ms is not None:
+            raise MemxConfigError(flag, "contradicts --memx-tpot-slo-ms (the scale makes the SLO when none is "
+                                        "given); give one of the two")  # fmt: skip
+        if not self.governor:
+            raise MemxConfigError(flag, "needs --memx-governor (it sets the governor's default TPOT SLO)")
 
     def _validate_weights(self) -> None:
         mode = self.weights

@@ -40,8 +40,8 @@ HYBRID_SWA_POOL = "SWAKVPool"
 # What runs at tensor parallel size > 1: elastic KV on each rank's pool (KV and activations ballooning), own
 # or shared (every rank a client of the arbiter, ``coordinator.rank_pools``)
 TP_READY_FLAGS = ("--memx-elastic-kv", "--memx-pool-budget-gb", "--memx-chunk-kb", "--memx-status-path",
-                  "--memx-torch-activations", "--memx-tpot-slo-ms", "--memx-governor", "--memx-host-buffer-gb",
-                  "--memx-ttft-slo-ms", "--memx-pool", "--memx-pool-dir")  # fmt: skip
+                  "--memx-torch-activations", "--memx-tpot-slo-ms", "--memx-governor", "--memx-tpot-slo-scale",
+                  "--memx-host-buffer-gb", "--memx-ttft-slo-ms", "--memx-pool", "--memx-pool-dir")  # fmt: skip
 # Remappable weights (static, and remap with every rank applying rank 0's decision), own or shared pool. Sleep
 # (rank 0's answer on every rank, weights/sleep.py) stays refused: by hand a burst after a wake crashed both
 # ranks in upstream's prepare_for_extend ("Out of memory", 2 tokens short), cause not found

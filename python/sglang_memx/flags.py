@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from memory_ext.policy.default_slo import DEFAULT_SCALE
+
 
 @dataclasses.dataclass(frozen=True)
 class MemxFlag:
@@ -147,8 +149,21 @@ MEMX_FLAGS: tuple[MemxFlag, ...] = (
         help="The governor without a TPOT SLO: every memx admission verdict passes its do-no-harm "
         "rules (a refusal or a parking stock would not make stands only where admitting is predicted "
         "to preempt a running request; otherwise upstream's own admission decides), with no batch "
-        "cap (docs/governor.md). --memx-tpot-slo-ms turns it on too, with the cap. "
-        "Needs --memx-elastic-kv.",
+        "cap until it has measured the solo decode step, then with the default TPOT SLO "
+        "(--memx-tpot-slo-scale; docs/governor.md). --memx-tpot-slo-ms turns it on too, with the "
+        "SLO given. Needs --memx-elastic-kv.",
+    ),
+    MemxFlag(
+        "--memx-tpot-slo-scale",
+        "tpot_slo_scale",
+        type=float,
+        default=DEFAULT_SCALE,
+        metavar="X",
+        help="The governor's TPOT SLO when none is given: X times the solo decode step measured at "
+        "start (the median of the first 5 decode steps of one request alone; the start-up warm-up's "
+        "usually). A batch capped there keeps at least 1 - 1/X of the decode throughput the "
+        "governor's step model predicts any batch could reach (20: 95 %%). 0: no default (no cap "
+        "without a TPOT SLO). Needs --memx-governor; contradicts --memx-tpot-slo-ms.",
     ),
     MemxFlag(
         "--memx-weights",

@@ -9,7 +9,8 @@ hook applies it between two iterations (``apply``), on every tensor-parallel ran
 iteration, as every request reaches them. Every consumer of the TPOT SLO takes it:
 
 * the governor (``coordinator.governor.GovernorPart``): its batch cap and the parking rule; null
-  leaves the governor without an SLO, as ``--memx-governor`` alone does;
+  leaves the governor without a given SLO, as ``--memx-governor`` alone does (its measured default
+  SLO, ``memory_ext.policy.default_slo``, holds again);
 * the remappable weights' step SLO when it was the TPOT SLO (an explicit ``--memx-tbt-slo-ms`` wins
   and stays);
 * the host buffer's SLO rule (``--memx-ttft-slo-ms``), which needs a TPOT SLO: null is refused there.

@@ -32,6 +32,7 @@ BAD_CASES = [
         "--memx-ttft-slo-ms",
         "together with --memx-tpot-slo-ms",
     ),
+    (["--memx-elastic-kv", "--memx-tpot-slo-scale", "10"], "--memx-tpot-slo-scale", "needs --memx-governor"),
     (
         ["--memx-elastic-kv", "--memx-host-buffer-gb", "1", "--disable-radix-cache"],
         "--memx-host-buffer-gb",
@@ -56,6 +57,7 @@ DEFAULTS = {
     "ttft_slo_ms": None,
     "tpot_slo_ms": None,
     "governor": False,
+    "tpot_slo_scale": 20.0,
     "weights": "off",
     "weights_streamed": None,
     "prefetch_depth": None,

@@ -24,8 +24,9 @@
   from; the TTFT SLO when the host buffer has one), the batch cap and why, predicted vs measured
   TPOT, decisions counted by reason (``over_slo``: refusals to grow).
 
-Registered with ``--memx-tpot-slo-ms``, or ``--memx-governor`` without one (then no batch cap,
-only admission's no-harm rules; ``pool_build.finish``); with neither it is absent and nothing
+Registered with ``--memx-tpot-slo-ms``, or ``--memx-governor`` without one (then admission's
+no-harm rules, and the batch cap at the measured default SLO once the solo decode step is measured,
+``memory_ext.policy.default_slo``; ``pool_build.finish``); with neither it is absent and nothing
 changes. Invariant: it never drops or aborts a request; a refusal leaves it waiting.
 """
 
@@ -36,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from memory_ext.policy.governor import BatchGovernor
+from memory_ext.policy.governor import SLO_DEFAULT, BatchGovernor
 from memory_ext.policy.no_harm import REASONS as NO_HARM_REASONS
 from memory_ext.policy.no_harm import GovernedVerdict
 from memory_ext.policy.park_tpot import ParkTpot
@@ -46,6 +47,7 @@ from sglang_memx.coordinator.parts import Iteration, Source, Step, step
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 
+SLO_SCALE_FLAG = "--memx-tpot-slo-scale"
 MEASURED_WEIGHT = 0.2  # exponential mean of the measured decode steps (the status' measured TPOT)
 
 
@@ -58,6 +60,14 @@ class SloInForce:
 
     def status(self) -> dict[str, Any]:
         return {"ms": self.ms, "source": self.source}
+
+
+def default_source(governor: BatchGovernor) -> str:
+    """The status' source of a measured default SLO: its scale, the solo step it came from and its
+    flag (no comma: it is a Prometheus label value that readers split on commas)."""
+    d = governor.default
+    solo_ms = d.solo_step_s * 1e3
+    return f"default: {d.scale:g} x the solo decode step measured at start ({solo_ms:.4g} ms; {SLO_SCALE_FLAG})"
 
 
 def kv_tokens(reqs) -> int:
@@ -97,7 +107,8 @@ class GovernorPart:
         doc["max_running_seen"] = self.max_running_seen
         doc["admission_verdicts"] = dict(self.verdicts)  # mechanisms' admissions passed through it, by reason
         tpot_ms = doc["tpot_slo_ms"]
-        doc["slos"] = {"tpot": None if tpot_ms is None else SloInForce(tpot_ms, self.tpot_source).status(),
+        source = self.tpot_source if self.governor.slo_origin != SLO_DEFAULT else default_source(self.governor)
+        doc["slos"] = {"tpot": None if tpot_ms is None else SloInForce(tpot_ms, source).status(),
                        "ttft": None if self.ttft is None else self.ttft.status()}  # fmt: skip
         return {"governor": doc}
 

@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from functools import partial
 
+from memory_ext.policy.default_slo import SoloStepDefault
 from memory_ext.policy.governor import BatchGovernor
 from memory_ext.pool.lent_pool import LentPool
 from memory_ext.pool.lockstep_pool import LockstepLentPool
@@ -195,9 +196,11 @@ def finish(build: Build, result) -> None:
         extra.append(ranks)
         if isinstance(build.lent, LockstepLentPool):  # a shared pool: the ranks' FREE and reclaims agreed
             extra.append(RankPools(build.lent, ranks, partial(shared_pool.note_refused, kv)))
-    if build.config.governed:  # the no-harm admission rules; with a TPOT SLO, the batch cap too
+    if build.config.governed:  # the no-harm admission rules; with a TPOT SLO (given or measured), the batch cap too
         tpot, ttft = build.config.tpot_slo_ms, build.config.ttft_slo_ms
-        extra.append(GovernorPart(BatchGovernor(None if tpot is None else tpot / 1e3), tpot_source=tpot_slo_source(),
+        default = SoloStepDefault(build.config.tpot_slo_scale)  # held while no TPOT SLO is given
+        extra.append(GovernorPart(BatchGovernor(None if tpot is None else tpot / 1e3, default=default),
+                                  tpot_source=tpot_slo_source(),
                                   ttft=None if ttft is None else SloInForce(ttft, ttft_slo_source()),
                                   tick_time=None if ranks is None else ranks.tick_time))  # fmt: skip
     coordinator = device.attach(allocator, kv, tuple(extra), lent=build.lent, host=host)
