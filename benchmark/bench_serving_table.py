@@ -3,7 +3,9 @@
 default features) and ``docs/governor.md``'s from ``bench_serving_governor.json`` (the same with
 ``--memx-governor``) and ``bench_serving_governor_baseline.json`` (the default features again, run
 right after it on the same machine) and ``bench_serving_2026-12-06.json`` (the default features, re-run
-two days and many changes later) and ``bench_serving_replan.json`` (the same after d97f72e), and
+two days and many changes later) and ``bench_serving_replan.json`` (the same after d97f72e) and
+``bench_serving_default_slo.json`` (``--same-window``: stock, serve.sh's defaults and the same with
+``--memx-governor`` holding its measured default TPOT SLO), and
 ``docs/router.md``'s same-window block from
 ``bench_serving_same_window.json`` (``--same-window``: stock, serve.sh's defaults and the same with
 ``--memx-governor``, all up at once), and its step block from ``bench_serving_steps.json`` (the same
@@ -51,6 +53,7 @@ BLOCKS = (
     _labelled(GOVERNOR_DOC, "bench_serving_governor_baseline.json", "governor baseline"),
     _labelled(GOVERNOR_DOC, "bench_serving_2026-12-06.json", "2026-12-06"),
     _labelled(GOVERNOR_DOC, "bench_serving_replan.json", "replan"),
+    _labelled(GOVERNOR_DOC, "bench_serving_default_slo.json", "default SLO"),
     _labelled(DOC, "bench_serving_elastic_only.json", "elastic KV only"),
     _labelled(DOC, "bench_serving_same_window.json", "same window"),
     _labelled(DOC, "bench_serving_steps.json", "steps"),

@@ -139,8 +139,10 @@ def engine_states(url: str, single: bool = False) -> dict:
         governor = elastic.get("governor")
         out[key] = {"host_buffer": elastic.get("host_buffer"), "compute_share": sched.get("compute_share"),
                     "heap_trim": sched.get("heap_trim"), "requests": sched.get("requests")}  # fmt: skip
-        if governor is not None:  # its admission verdicts by reason and the largest batch it saw
-            out[key]["governor"] = {k: governor.get(k) for k in ("admission_verdicts", "max_running_seen")}
+        if governor is not None:  # its verdicts and decisions by reason, the largest batch, the SLO and cap in force
+            keep = ("admission_verdicts", "max_running_seen", "decisions", "tpot_slo_ms", "slo_origin", "default_slo",
+                    "batch_cap", "batch_cap_reason")  # fmt: skip
+            out[key]["governor"] = {k: governor[k] for k in keep if k in governor}
     return out
 
 

@@ -44,14 +44,15 @@ def test_one_contradicting_pair_breaks_the_claim_and_the_table_shows_it():
 
 def test_engine_states_reads_each_engines_status_through_the_router():
     """``engine_states`` lists the engines from the router's ``/memx/serve`` and keeps each one's
-    host buffer, compute share, heap trims, requests and governor verdicts; an engine that does not answer is an error
-    entry, not a lost run."""
+    host buffer, compute share, heap trims, requests and governor verdicts, SLO and cap (not its
+    model); an engine that does not answer is an error entry, not a lost run."""
     import http.server
     import json
 
     from support.http_stub import serving
 
-    governor = {"admission_verdicts": {"stock_first": 2}, "max_running_seen": 7, "model": {"samples": 9}}
+    governor = {"admission_verdicts": {"stock_first": 2}, "max_running_seen": 7, "model": {"samples": 9},
+                "tpot_slo_ms": 200.0, "slo_origin": "default", "batch_cap": 12}  # fmt: skip
     status = {"schedulers": [{"elastic_kv": {"host_buffer": {"parked": 3, "recomputed": {"not_fetched": 1}},
                                              "governor": governor},
                               "compute_share": {"cores": [0, 1]}, "heap_trim": {"trims": 2},
@@ -77,7 +78,8 @@ def test_engine_states_reads_each_engines_status_through_the_router():
     assert got["a"] == {"host_buffer": {"parked": 3, "recomputed": {"not_fetched": 1}},
                         "compute_share": {"cores": [0, 1]}, "heap_trim": {"trims": 2},
                         "requests": {"running": 0, "waiting": 0},
-                        "governor": {"admission_verdicts": {"stock_first": 2}, "max_running_seen": 7}}  # fmt: skip
+                        "governor": {"admission_verdicts": {"stock_first": 2}, "max_running_seen": 7,
+                                     "tpot_slo_ms": 200.0, "slo_origin": "default", "batch_cap": 12}}  # fmt: skip
     assert set(got["b"]) == {"error"}
     assert alone == {"single": got["a"]}
 

@@ -306,9 +306,10 @@ class _Clock:
         return self.t
 
 
-def _server_governor_decisions(slo_s, steps, rounds):
+def _server_governor_decisions(slo_s, steps, rounds, default_scale=0.0):
     """The server path: the governor component's step on a scheduler whose last batch decoded, timed by
     its clock; then upstream's adder offering the queue through memx's admission hook."""
+    from memory_ext.policy.default_slo import SoloStepDefault
     from memory_ext.policy.governor import BatchGovernor
     from sglang_memx.coordinator.governor import GovernorPart
     from sglang_memx.coordinator.parts import Iteration
@@ -316,7 +317,8 @@ def _server_governor_decisions(slo_s, steps, rounds):
     from support.fakes import FakeScheduler
 
     clock = _Clock()
-    part = GovernorPart(BatchGovernor(slo_s), clock=clock)
+    default = SoloStepDefault(default_scale) if default_scale else None  # as pool_build's, with the flag's scale
+    part = GovernorPart(BatchGovernor(slo_s, default=default), clock=clock)
     (measure,) = part.steps()
     measure.run(Iteration(FakeScheduler(decode=False), None, None, None, None))  # after a prefill: starts the clock
     for running, step_s, prefilled in steps:  # each tick sees the batch that ran since the previous tick
@@ -350,7 +352,7 @@ def _decoding(req, since: float):
     return req
 
 
-def _sim_governor_decisions(slo_s, steps, rounds):
+def _sim_governor_decisions(slo_s, steps, rounds, default_scale=0.0):
     """The simulator path: the ``governed`` scheduler noting each pure decode plan and observing it
     once run; then its admission question over the same queue (FCFS: the first refusal ends the scan)."""
     from benchmark.sim.core.plan import BatchPlan
@@ -367,7 +369,7 @@ def _sim_governor_decisions(slo_s, steps, rounds):
             out.append(r)
         return out
 
-    sched = GovernedScheduler(types.SimpleNamespace(name="m", tpot_slo_s=slo_s))
+    sched = GovernedScheduler(types.SimpleNamespace(name="m", tpot_slo_s=slo_s), default_slo_scale=default_scale)
     inst = types.SimpleNamespace(running=[], iterations=0, last_duration=0.0)
     for running, step_s, prefilled in steps:
         inst.running = reqs(running)
@@ -408,6 +410,35 @@ def test_server_and_simulator_governors_decide_the_same(slo_s):
         assert (a.predicted_s is None) == (b.predicted_s is None)
         if a.predicted_s is not None:
             assert a.predicted_s == pytest.approx(b.predicted_s, rel=1e-9)
+
+
+# five decode steps of one request alone first: the measured default SLO's samples (12 ms a step)
+SOLO_STEPS = [([(100, 1)], 0.012, 0)] * 5
+
+
+@pytest.mark.parametrize("scale", [2.0, 3.0])
+def test_server_and_simulator_governors_hold_the_same_measured_default(scale):
+    """No SLO given, a default scale (the server's ``--memx-tpot-slo-scale``, the simulator's
+    ``default_slo_scale`` option): both derive scale x 12 ms from the solo steps and decide alike."""
+    steps = SOLO_STEPS + GOVERNOR_STEPS
+    server, server_gov = _server_governor_decisions(None, steps, GOVERNOR_ROUNDS, scale)
+    sim, sim_gov = _sim_governor_decisions(None, steps, GOVERNOR_ROUNDS, scale)
+    assert server_gov.tpot_slo_s == sim_gov.tpot_slo_s == pytest.approx(scale * 0.012)
+    assert server_gov.slo_origin == sim_gov.slo_origin == "default"
+    assert len(server) == len(sim) > 0 and "over_slo" in {d.reason for d in server}
+    for a, b in zip(server, sim):
+        assert (a.admit, a.reason, a.running, a.slo_s) == (b.admit, b.reason, b.running, b.slo_s)
+        assert a.predicted_s == pytest.approx(b.predicted_s, rel=1e-9)
+
+
+def test_a_bad_default_slo_scale_option_is_named():
+    from benchmark.sim.core.batching import OptionError
+    from benchmark.sim.mechanisms.governor import GovernedScheduler
+
+    for bad in (1, -1, "2", float("nan")):
+        with pytest.raises(OptionError) as err:
+            GovernedScheduler(types.SimpleNamespace(name="m", tpot_slo_s=None), default_slo_scale=bad)
+        assert err.value.option == "default_slo_scale"
 
 
 def test_the_governor_cases_exercise_every_reason():

@@ -11,13 +11,16 @@ requests hold after the step, its duration); an iteration with prefill chunks fe
 the running requests wait through prefills per decoded token (``memory_ext.policy.prefill_stalls``:
 a mixed iteration's time beyond its predicted decode step, all of a prefill-only iteration that
 decoding requests sat out), which the governor adds to the predicted TPOT. Options: ``watermark`` (as ``continuous``),
-``min_samples``, ``decay``, ``use_kv`` (the model's, ``StepTimeModel``).
+``min_samples``, ``decay``, ``use_kv`` (the model's, ``StepTimeModel``), ``default_slo_scale`` (0, none: a model
+without a TPOT SLO then holds the server's measured default, that many times its first solo decode steps'
+median, ``memory_ext.policy.default_slo``; the server's ``--memx-tpot-slo-scale``).
 """
 
 from __future__ import annotations
 
 import math
 
+from memory_ext.policy.default_slo import SoloStepDefault, check_scale
 from memory_ext.policy.governor import BatchGovernor, StepTimeModel
 from memory_ext.policy.request_pace import RunningPace
 
@@ -51,7 +54,7 @@ class GovernedScheduler(ContinuousBatchingScheduler):
     """``continuous`` with the governor's batch decision (module docstring)."""
 
     def __init__(self, cfg: object = None, watermark: float = 0.01, min_samples: int = 8, decay: float = 0.98,
-                 use_kv: bool = True) -> None:  # fmt: skip
+                 use_kv: bool = True, default_slo_scale: float = 0.0) -> None:  # fmt: skip
         super().__init__(watermark)
         if not isinstance(use_kv, bool):
             raise OptionError("use_kv", "true or false", use_kv)
@@ -60,8 +63,13 @@ class GovernedScheduler(ContinuousBatchingScheduler):
         except ValueError as e:  # the policy's message starts with the field's name
             field, _, expected = str(e).partition(" ")
             raise OptionError(field, expected, {"decay": decay, "min_samples": min_samples}[field]) from None
+        try:
+            default = SoloStepDefault(check_scale("default_slo_scale", default_slo_scale))
+        except ValueError:
+            raise OptionError("default_slo_scale", "0 or a number > 1", default_slo_scale) from None
         slo = getattr(cfg, "tpot_slo_s", math.inf)
-        self.governor = BatchGovernor(None if slo is None or math.isinf(slo) else slo, model)
+        self.governor = BatchGovernor(None if slo is None or math.isinf(slo) else slo, model,
+                                      default=default if default.enabled else None)  # fmt: skip
         self.instance_name = str(getattr(cfg, "name", "") or "instance")
         # the last plan: (iteration count, decodes, whether it prefilled, decoding requests it left out,
         # prompt tokens it prefilled)
