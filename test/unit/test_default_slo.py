@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import argparse
 import math
-from types import SimpleNamespace
 
 import pytest
 
 from memory_ext.policy.default_slo import DEFAULT_SCALE, SoloStepDefault, check_scale
 from memory_ext.policy.governor import OVER_SLO, SLO_DEFAULT, SLO_GIVEN, BatchGovernor, StepTimeModel
 from sglang_memx.config import MemxConfig, MemxConfigError, add_memx_arguments
-from sglang_memx.coordinator import pool_build
 from sglang_memx.coordinator.governor import GovernorPart
+from support.pool_build_stub import governor_parts
 
 
 def _parse(argv):
@@ -121,16 +120,7 @@ def test_the_status_names_the_default_as_the_slos_source_and_metrics_and_top_sho
                                         (["--memx-governor", "--memx-tpot-slo-scale", "8"], 8.0),
                                         (["--memx-governor", "--memx-tpot-slo-scale", "0"], 0.0)])  # fmt: skip
 def test_the_pool_build_gives_the_governor_the_flags_scale(monkeypatch, argv, scale):
-    seen = {}
-    monkeypatch.setattr(pool_build.device, "attach", lambda allocator, kv, extra, **_: seen.setdefault("extra", extra))
-    monkeypatch.setattr(pool_build.up_kv, "configured_pool_and_allocator",
-                        lambda result: (None, type("TokenToKVPoolAllocator", (), {})()))  # fmt: skip
-    monkeypatch.setattr(pool_build.up_args, "radix_cache_disabled", lambda args: False)
-    monkeypatch.setattr(pool_build.up_args, "cuda_graphs_possible", lambda args: False)
-    config = _parse(["--memx-elastic-kv", *argv])
-    kv = SimpleNamespace(restrict_free_list=lambda allocator: None)
-    pool_build.finish(pool_build.Build(config, SimpleNamespace(), None, 0, kv=kv), None)
-    (part,) = [p for p in seen["extra"] if isinstance(p, GovernorPart)]
+    (part,) = governor_parts(monkeypatch, _parse(["--memx-elastic-kv", *argv]))
     assert part.governor.default.scale == scale and part.governor.tpot_slo_s is None
 
 

@@ -10,12 +10,13 @@ import pytest
 
 from memory_ext.policy.governor import BatchGovernor, StepTimeModel
 from sglang_memx.config import MemxConfig
-from sglang_memx.coordinator import device, pool_build
+from sglang_memx.coordinator import device
 from sglang_memx.coordinator.governor import GovernorPart, SloInForce
 from sglang_memx.coordinator.parts import Iteration
 from sglang_memx.hooks import scheduler as hooks
 from sglang_memx.upstream import scheduler as up_sched
 from support.fakes import FakeBatch, FakeReq, FakeScheduler
+from support.pool_build_stub import governor_parts
 
 IDLE = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=bool, is_mixed=bool, is_extend=bool))  # neither
 
@@ -124,19 +125,9 @@ def test_without_the_governor_admission_is_upstreams():
 
 
 def test_the_pool_build_registers_the_governor_with_a_tpot_slo_or_the_flag(monkeypatch):
-    seen = {}
-    monkeypatch.setattr(pool_build.device, "attach", lambda allocator, kv, extra, **_: seen.setdefault("extra", extra))
-    monkeypatch.setattr(pool_build.up_kv, "configured_pool_and_allocator",
-                        lambda result: (None, type("TokenToKVPoolAllocator", (), {})()))  # fmt: skip
-    kv = SimpleNamespace(restrict_free_list=lambda allocator: None)
     for slo, flag, want in ((None, False, []), (80.0, False, [0.08]), (None, True, [None]), (80.0, True, [0.08])):
-        seen.clear()
         config = MemxConfig(elastic_kv=True, tpot_slo_ms=slo, governor=flag)
-        build = pool_build.Build(config, SimpleNamespace(), None, 0, kv=kv)
-        monkeypatch.setattr(pool_build.up_args, "radix_cache_disabled", lambda args: False)
-        monkeypatch.setattr(pool_build.up_args, "cuda_graphs_possible", lambda args: False)
-        pool_build.finish(build, None)
-        assert [p.governor.tpot_slo_s for p in seen["extra"] if isinstance(p, GovernorPart)] == want
+        assert [p.governor.tpot_slo_s for p in governor_parts(monkeypatch, config)] == want
 
 
 def test_status_names_the_slos_in_force_and_where_each_came_from():
@@ -160,20 +151,11 @@ def test_status_names_the_slos_in_force_and_where_each_came_from():
     ],
 )  # fmt: skip
 def test_the_pool_build_gives_the_governor_its_slo_sources(monkeypatch, env, ttft, host_gb, source, want_ttft):
-    seen = {}
-    monkeypatch.setattr(pool_build.device, "attach", lambda allocator, kv, extra, **_: seen.setdefault("extra", extra))
-    monkeypatch.setattr(pool_build.up_kv, "configured_pool_and_allocator",
-                        lambda result: (None, type("TokenToKVPoolAllocator", (), {})()))  # fmt: skip
-    monkeypatch.setattr(pool_build.up_args, "radix_cache_disabled", lambda args: False)
-    monkeypatch.setattr(pool_build.up_args, "cuda_graphs_possible", lambda args: False)
-    monkeypatch.setattr(pool_build, "build_host_buffer", lambda config, group_bytes: None)
     monkeypatch.delenv("SGLANG_MEMX_TPOT_SLO_SOURCE", raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    kv = SimpleNamespace(restrict_free_list=lambda allocator: None, buffers=SimpleNamespace(group_bytes=4096))
     config = MemxConfig(elastic_kv=True, tpot_slo_ms=80.0, ttft_slo_ms=ttft, host_buffer_gb=host_gb).validate()
-    pool_build.finish(pool_build.Build(config, SimpleNamespace(), None, 0, kv=kv), None)
-    (part,) = [p for p in seen["extra"] if isinstance(p, GovernorPart)]
+    (part,) = governor_parts(monkeypatch, config)
     assert part.status()["governor"]["slos"] == {"tpot": {"ms": 80.0, "source": source}, "ttft": want_ttft}
 
 
