@@ -46,7 +46,9 @@ class SoloStepDefault:
 
     scale: float = DEFAULT_SCALE
     samples: int = DEFAULT_SAMPLES
-    solo_steps: list[float] = field(default_factory=list)  # the first ``samples`` solo decode steps, seconds
+    # the first ``samples`` solo decode steps, seconds
+    solo_steps: list[float] = field(default_factory=list, init=False)
+    _solo_s: float | None = field(default=None, init=False, repr=False)  # their median, once complete
 
     def __post_init__(self) -> None:
         self.scale = check_scale("scale", self.scale)
@@ -59,9 +61,7 @@ class SoloStepDefault:
     @property
     def solo_step_s(self) -> float | None:
         """The measured solo decode step (None until ``samples`` of them were seen)."""
-        if len(self.solo_steps) < self.samples:
-            return None
-        return statistics.median(self.solo_steps)
+        return self._solo_s
 
     @property
     def slo_s(self) -> float | None:
@@ -76,7 +76,10 @@ class SoloStepDefault:
         if not self.enabled or batch != 1 or len(self.solo_steps) >= self.samples:
             return False
         self.solo_steps.append(float(step_s))
-        return len(self.solo_steps) == self.samples
+        if len(self.solo_steps) < self.samples:
+            return False
+        self._solo_s = statistics.median(self.solo_steps)  # read at every admission question: computed once
+        return True
 
     def status(self) -> dict:
         """JSON-ready: the scale, the solo step and the samples it came from, the SLO (None until derived)."""
