@@ -13,6 +13,8 @@ from memory_ext.policy.default_slo import DEFAULT_SCALE, SoloStepDefault, check_
 from memory_ext.policy.governor import OVER_SLO, SLO_DEFAULT, SLO_GIVEN, BatchGovernor, StepTimeModel
 from sglang_memx.config import MemxConfig, MemxConfigError, add_memx_arguments
 from sglang_memx.coordinator.governor import GovernorPart
+from sglang_memx.coordinator.parts import Iteration
+from support.fakes import FakeReq, FakeScheduler
 from support.pool_build_stub import governor_parts
 
 
@@ -138,3 +140,18 @@ def test_a_bad_scale_flag_is_refused_naming_it(argv, message):
     with pytest.raises(MemxConfigError) as err:
         _parse(["--memx-elastic-kv", *argv])
     assert err.value.flag == "--memx-tpot-slo-scale" and message in str(err.value)
+
+
+def test_at_tensor_parallel_every_rank_derives_the_default_from_rank0s_clock():
+    """The solo steps are the ones the governor measures, so at --tp > 1 rank 0's (``tick_time``):
+    every rank holds the same default, whatever its own clock reads (here 40 ms a tick, rank 0's 25)."""
+    own = iter(x * 0.040 for x in range(100))
+    rank0 = iter([500.0, 500.025, 500.050, 500.075])
+    part = GovernorPart(BatchGovernor(None, default=SoloStepDefault(samples=3)), clock=lambda: next(own),
+                        tick_time=lambda: next(rank0))  # fmt: skip
+    running = [FakeReq(prompt=10, outputs=2)]  # one request decoding alone
+    for _ in range(4):
+        (step,) = part.steps()
+        step.run(Iteration(FakeScheduler(running=running), None, None, None, None))
+    assert part.governor.default.solo_step_s == pytest.approx(0.025)
+    assert part.governor.tpot_slo_s == pytest.approx(20 * 0.025) and part.governor.slo_origin == "default"
