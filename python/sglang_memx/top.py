@@ -226,6 +226,10 @@ def _governor_line(g: dict[str, Any] | None) -> str:
         return "    governor off: no TPOT SLO (the batch grows as stock's)"
     slos = g.get("slos") or {}
     held = [f"{kind.upper()} {_ms(s['ms'])} ({s['source']})" for kind, s in sorted(slos.items()) if s]
+    default = g.get("default_slo")  # none given and the default still measuring: say so
+    if slos.get("tpot") is None and default and default["scale"] and default["tpot_slo_ms"] is None:
+        held.insert(0, f"TPOT - (default {default['scale']:g} x the solo step: measuring, "
+                       f"{default['solo_samples']}/{default['samples_needed']})")  # fmt: skip
     cap = "-" if g["batch_cap"] is None else g["batch_cap"]
     verdicts = ", ".join(f"{r} {n}" for r, n in sorted((g.get("admission_verdicts") or {}).items()) if n)
     return (f"    governor SLO {', '.join(held) or '-'}  cap {cap} ({g['batch_cap_reason']}), run {g['running']}"

@@ -272,6 +272,14 @@ GOVERNED = [
         ["memx_governor_batch_cap ", "memx_governor_tpot_slo_seconds", "memx_governor_predicted_tpot_seconds"],
         ["governor SLO -  cap - (no_slo), run 3", "admission stock_first 3"],
     ),
+    (  # --memx-governor, its default SLO still measuring the solo decode step
+        _governor(tpot_slo_ms=None, batch_cap=None, batch_cap_reason="no_slo", slos={"tpot": None, "ttft": None},
+                  default_slo={"scale": 20.0, "solo_samples": 3, "samples_needed": 5, "solo_step_ms": None,
+                               "tpot_slo_ms": None}),  # fmt: skip
+        ['memx_governor_batch_cap_reason{dp_rank="0",pool="gpu0",reason="no_slo"} 1'],
+        ["memx_governor_tpot_slo_seconds"],
+        ["governor SLO TPOT - (default 20 x the solo step: measuring, 3/5)  cap - (no_slo)"],
+    ),
     (  # a tiny SLO stays readable in top
         _governor(tpot_slo_ms=0.01, batch_cap=1, slos={"tpot": {"ms": 0.01, "source": "--memx-tpot-slo-ms"},
                                                       "ttft": None}),
