@@ -167,7 +167,7 @@ def _cmd_pool_list(args) -> int:
     snap = collect(_pool_dir(args), [])
     for p in snap["pools"]:
         if "error" in p:
-            print(f"{p['name']}\tunreachable\t{p['socket']}")
+            print(f"{p['name']}\t{'stale' if 'stale' in p else 'unreachable'}\t{p['socket']}")
         else:
             held = sum(c["held"] for c in p["clients"])
             print(

@@ -52,6 +52,16 @@ def _get_json(url: str, timeout: float, api_key: str | None = None) -> Any:
         return json.load(r)
 
 
+def dead_arbiter_pid(sock: Path) -> int | None:
+    """The pid an arbiter wrote beside ``sock`` (``<pool>.pid``, removed on a clean exit) when that
+    process is gone: the socket is a dead arbiter's leftover. None when unknown or still alive."""
+    try:
+        pid = int(sock.with_suffix(".pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return None if pid <= 0 or pid_alive(pid) else pid
+
+
 def collect(
     pool_dir: Path,
     urls: list[str],
@@ -83,6 +93,10 @@ def collect(
                 entry.update(query_arbiter_status(sock, timeout=timeout, name="sglang-memx-top"))
             except ArbiterError as exc:
                 entry["error"] = str(exc)
+                gone = dead_arbiter_pid(sock)
+                if gone is not None:
+                    entry["stale"] = (f"its arbiter (pid {gone}) is gone, killed without removing its socket; the "
+                                      "next server started with this pool's budget replaces it")  # fmt: skip
             pools.append(entry)
         for reg in sorted(pool_dir.glob("*.server.*.json")):
             try:
@@ -164,7 +178,8 @@ def render(snap: dict[str, Any]) -> str:
         lines.append("  (none)")
     for p in snap["pools"]:
         if "error" in p:
-            lines.append(f"  {p['name']:<16} unreachable: {p['error']}")
+            why = f"stale: {p['stale']}" if "stale" in p else f"unreachable: {p['error']}"
+            lines.append(f"  {p['name']:<16} {why}")
             continue
         g = p["granularity"]
         held = sum(c["held"] for c in p["clients"])

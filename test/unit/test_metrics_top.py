@@ -1,5 +1,6 @@
 """/memx/metrics rendering and the `sglang-memx top` frame, from a status document."""
 
+import os
 import re
 import time
 
@@ -317,3 +318,30 @@ def test_without_elastic_kv_there_is_no_governor_metric_or_line():
     server = {"url": "http://x", "status": {"schedulers": [rank]}}
     frame = render({"time": time.time(), "pools": [], "servers": [server]})
     assert "governor" not in frame
+
+
+def test_a_socket_left_by_a_killed_arbiter_is_shown_stale_not_unreachable(tmp_path, capsys):
+    """An arbiter killed with SIGKILL leaves ``<pool>.sock`` and ``<pool>.pid``: its pid is gone, so
+    ``top`` and ``pool list`` say "stale" (the next server with the pool's budget replaces it); a
+    socket nobody answers whose pid file is missing or alive stays "unreachable"."""
+    import subprocess
+    import sys
+
+    from sglang_memx.cli import main
+    from sglang_memx.top import collect
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that was an arbiter's and is gone
+    for name, pid in (("killed", dead.pid), ("nopid", None), ("alive", os.getpid())):
+        (tmp_path / f"{name}.sock").write_text("")
+        if pid is not None:
+            (tmp_path / f"{name}.pid").write_text(f"{pid}\n")
+    pools = {p["name"]: p for p in collect(tmp_path, [], timeout=1)["pools"]}
+    assert set(pools) == {"killed", "nopid", "alive"} and all("error" in p for p in pools.values())
+    assert f"pid {dead.pid}) is gone" in pools["killed"]["stale"]
+    assert "stale" not in pools["nopid"] and "stale" not in pools["alive"]
+    frame = render({"time": 0.0, "pools": list(pools.values()), "servers": [], "routers": []})
+    assert re.search(r"killed +stale: its arbiter", frame) and re.search(r"nopid +unreachable: ", frame)
+    assert main(["pool", "list", "--pool-dir", str(tmp_path)]) == 0
+    listed = dict(line.split("\t")[:2] for line in capsys.readouterr().out.splitlines())
+    assert listed == {"alive": "unreachable", "killed": "stale", "nopid": "unreachable"}
