@@ -70,10 +70,13 @@ class SoloStepDefault:
         return None if solo is None or not self.enabled else self.scale * solo
 
     def observe(self, batch: int, step_s: float) -> bool:
-        """One pure decode step of ``batch`` requests; True when it completes the measurement."""
+        """One pure decode step of ``batch`` requests; True when it completes the measurement.
+        Once complete (every later decode step of the server) it returns at once."""
+        if not self.enabled or len(self.solo_steps) >= self.samples:
+            return False
         check_int("batch", batch, 1)
         check_num("step_s", step_s, 0.0)
-        if not self.enabled or batch != 1 or len(self.solo_steps) >= self.samples:
+        if batch != 1:
             return False
         self.solo_steps.append(float(step_s))
         if len(self.solo_steps) < self.samples:

@@ -66,6 +66,7 @@ def pool_owner_pid(environ=os.environ) -> int | None:
 # in the governor's status. Unset: the flag was given directly.
 TPOT_SLO_SOURCE_ENV = "SGLANG_MEMX_TPOT_SLO_SOURCE"
 TPOT_SLO_FLAG = "--memx-tpot-slo-ms"
+TPOT_SLO_SCALE_FLAG = "--memx-tpot-slo-scale"  # the governor's default SLO when none is given
 # The same for ``--memx-ttft-slo-ms``, which ``serve`` passes from a model's ``ttft_slo_ms`` to an
 # engine with a host buffer and a governor (the host buffer's rule needs both SLOs).
 TTFT_SLO_SOURCE_ENV = "SGLANG_MEMX_TTFT_SLO_SOURCE"
@@ -226,7 +227,7 @@ class MemxConfig:
 
     def _validate_slo_scale(self) -> None:
         """``--memx-tpot-slo-scale``: 0 or a number > 1, only for a governor given no TPOT SLO."""
-        flag, scale = "--memx-tpot-slo-scale", self.tpot_slo_scale
+        flag, scale = TPOT_SLO_SCALE_FLAG, self.tpot_slo_scale
         try:
             check_scale(flag, scale)
         except ValueError as err:

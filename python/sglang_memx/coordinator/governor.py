@@ -42,12 +42,11 @@ from memory_ext.policy.no_harm import REASONS as NO_HARM_REASONS
 from memory_ext.policy.no_harm import GovernedVerdict
 from memory_ext.policy.park_tpot import ParkTpot
 from memory_ext.policy.request_pace import RunningPace
-from sglang_memx.config import TPOT_SLO_FLAG
+from sglang_memx.config import TPOT_SLO_FLAG, TPOT_SLO_SCALE_FLAG
 from sglang_memx.coordinator.parts import Iteration, Source, Step, step
 from sglang_memx.upstream import request as up_req
 from sglang_memx.upstream import scheduler as up_sched
 
-SLO_SCALE_FLAG = "--memx-tpot-slo-scale"
 MEASURED_WEIGHT = 0.2  # exponential mean of the measured decode steps (the status' measured TPOT)
 
 
@@ -67,7 +66,7 @@ def default_source(governor: BatchGovernor) -> str:
     flag (no comma: it is a Prometheus label value that readers split on commas)."""
     d = governor.default
     solo_ms = d.solo_step_s * 1e3
-    return f"default: {d.scale:g} x the solo decode step measured at start ({solo_ms:.4g} ms; {SLO_SCALE_FLAG})"
+    return f"default: {d.scale:g} x the solo decode step measured at start ({solo_ms:.4g} ms; {TPOT_SLO_SCALE_FLAG})"
 
 
 def kv_tokens(reqs) -> int:
